@@ -1,0 +1,147 @@
+"""Every touch of a private Lightning API, in one place, gated on the Lightning version it was read from.
+
+Each function names the upstream behaviour it depends on (lightning 2.4–2.6, ``lightning.pytorch``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from importlib.metadata import version as _installed_version
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities.exceptions import _TunerExitException
+from packaging.version import Version
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+_SUPPORTED = Version("2.4.0") <= Version(_installed_version("lightning")) < Version("2.7.0")
+if not _SUPPORTED:  # pragma: no cover - depends on the installed version
+    log.warning("lightning_elan was written against lightning 2.4–2.6; found %s", _installed_version("lightning"))
+
+
+class LeaveFit(_TunerExitException):
+    """Raised in a leaver: Lightning's ``_call_and_handle_interrupt`` treats ``_TunerExitException`` as a normal end —
+    teardown runs, loggers finalise with "success", ``fit()`` returns, no ``on_exception`` hooks."""
+
+
+def disable_distributed_sampler(trainer: pl.Trainer) -> bool:
+    """Stop Lightning from injecting a ``DistributedSampler``; return the user's setting.
+
+    ``_DataConnector._requires_distributed_sampler`` reads ``_accelerator_connector.use_distributed_sampler``.
+    """
+    connector = trainer._accelerator_connector
+    user_setting = bool(getattr(connector, "_elan_user_distributed_sampler", connector.use_distributed_sampler))
+    connector._elan_user_distributed_sampler = user_setting
+    connector.use_distributed_sampler = False
+    return user_setting
+
+
+def dump_training_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """Lightning's full checkpoint dict, in memory (``_CheckpointConnector.dump_checkpoint``)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def stage_training_state(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Hand an in-memory checkpoint to Lightning's restore path, from inside ``strategy.setup``.
+
+    ``Trainer._run`` calls ``restore_training_state()`` (loops, optimizers, schedulers, precision) right after
+    ``strategy.setup`` and ``on_fit_start``; it reads ``_CheckpointConnector._loaded_checkpoint``. Callbacks and the
+    datamodule are restored here, as ``_restore_modules_and_callbacks`` would have done before setup.
+    """
+    connector = trainer._checkpoint_connector
+    connector._loaded_checkpoint = checkpoint
+    connector.restore_datamodule()
+    connector.restore_callbacks()
+
+
+def call_on_load_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """The LightningModule's ``on_load_checkpoint`` hook, as ``_CheckpointConnector.restore_model`` calls it."""
+    from lightning.pytorch.trainer import call
+
+    call._call_lightning_module_hook(trainer, "on_load_checkpoint", checkpoint)
+
+
+def train_dataloaders(trainer: pl.Trainer) -> list[Any]:
+    """The processed training loaders held by ``_FitLoop._combined_loader``."""
+    combined = trainer.fit_loop._combined_loader
+    return [] if combined is None else list(combined.flattened)
+
+
+def refetch_prefetched_batch(trainer: pl.Trainer) -> None:
+    """Replace the batch ``_PrefetchDataFetcher`` already fetched for the old world with one for the new world.
+
+    The fetcher keeps one batch ahead in ``batches`` and counts ``fetched`` to compute ``done``.
+    """
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None or not getattr(fetcher, "batches", None):
+        return
+    stale = len(fetcher.batches)
+    fetcher.batches.clear()
+    fetcher.fetched -= stale
+    for _ in range(stale):
+        fetcher._fetch_next_batch(fetcher.iterator)
+
+
+def reset_evaluation_dataloaders(trainer: pl.Trainer) -> None:
+    """Make the validation loop rebuild its loaders (and shards) at its next run: ``_EvaluationLoop.setup_data``
+    returns early while ``_combined_loader`` is set."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    val_loop._combined_loader = None
+
+
+def adjustment_blocker(trainer: pl.Trainer) -> str | None:
+    """Why the job cannot change size after this batch, or None.
+
+    Not while gradients accumulate (``_should_accumulate``), not on the epoch's last batch, and not when validation
+    runs after this batch (``_should_check_val_fx``): a joiner restored from this state resumes as Lightning does after
+    a checkpoint saved in ``on_train_batch_end`` and would skip that validation.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if epoch_loop._should_accumulate():
+        return "accumulating gradients"
+    if epoch_loop.batch_progress.is_last_batch:
+        return "last batch of the epoch"
+    if trainer.fit_loop._data_fetcher is not None and epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+        return "validation due"
+    if trainer.should_stop:
+        return "training is stopping"
+    return None
+
+
+def logger_versions(trainer: pl.Trainer) -> list[Any]:
+    """The version of each logger (``TensorBoardLogger``/``CSVLogger`` cache it in ``_version``)."""
+    return [getattr(logger, "_version", None) if hasattr(logger, "_version") else None for logger in trainer.loggers]
+
+
+def set_logger_versions(trainer: pl.Trainer, versions: list[Any]) -> None:
+    for logger, version in zip(trainer.loggers, versions):
+        if version is not None and hasattr(logger, "_version"):
+            logger._version = version
+
+
+def align_checkpoint_dirs(trainer: pl.Trainer, callback_states: dict[str, Any]) -> None:
+    """Give each ``ModelCheckpoint`` the source's ``dirpath`` before its state loads (its ``load_state_dict`` drops
+    the best-k state when the directory differs; ``setup`` took the directory from a rank-0 broadcast)."""
+    for callback in trainer.checkpoint_callbacks:
+        state = callback_states.get(callback.state_key) if isinstance(callback, ModelCheckpoint) else None
+        if state and state.get("dirpath"):
+            callback.dirpath = state["dirpath"]
+
+
+def move_progress_bar(trainer: pl.Trainer) -> None:
+    """Show the progress bar on the (possibly new) global rank 0 only; ``ProgressBar.setup`` disabled it elsewhere."""
+    for callback in trainer.callbacks:
+        if not isinstance(callback, ProgressBar):
+            continue
+        if not trainer.is_global_zero:
+            callback.disable()
+        elif isinstance(callback, TQDMProgressBar) and callback._train_progress_bar is None:
+            callback.enable()
+            callback.train_progress_bar = callback.init_train_tqdm()
+            callback.train_progress_bar.reset(total=trainer.num_training_batches)
+            callback.train_progress_bar.initial = trainer.fit_loop.epoch_loop.batch_progress.current.ready

@@ -1,0 +1,137 @@
+"""Elastic sampling: one seeded epoch order, consumed by position, split over the live world."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sized
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils.data import RandomSampler, Sampler, SequentialSampler
+
+from lightning_elan.data.positions import global_batch_size_at, local_share, remaining_steps, steps_in_epoch
+
+log = logging.getLogger(__name__)
+
+WorldView = Callable[[], tuple[int, int]]
+"""Returns ``(rank, world_size)`` of the current generation."""
+
+
+@dataclass
+class DataPosition:
+    """The whole data state of a job: epoch, samples consumed in it, and the global batch size."""
+
+    epoch: int = 0
+    position: int = 0
+    global_batch: int | None = None
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self.global_batch = None if state.get("global_batch") is None else int(state["global_batch"])
+
+
+class EpochOrder:
+    """The order in which an epoch visits the dataset: a seeded permutation, the identity, or a user sampler's."""
+
+    def __init__(self, num_samples: int, shuffle: bool, seed: int, user_sampler: Sampler | None = None) -> None:
+        self.num_samples = num_samples
+        self.shuffle = shuffle
+        self.seed = seed
+        self._user_sampler = user_sampler
+        self._cached: tuple[int, list[int]] | None = None
+
+    def indices(self, epoch: int) -> list[int]:
+        if self._cached is None or self._cached[0] != epoch:
+            self._cached = (epoch, self._compute(epoch))
+        return self._cached[1]
+
+    def _compute(self, epoch: int) -> list[int]:
+        if self._user_sampler is not None:
+            if callable(getattr(self._user_sampler, "set_epoch", None)):
+                self._user_sampler.set_epoch(epoch)
+            return list(iter(self._user_sampler))
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        # the same permutation as torch's DistributedSampler for (seed, epoch)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    @classmethod
+    def from_sampler(cls, sampler: Sampler, num_samples: int, seed: int) -> EpochOrder:
+        if isinstance(sampler, RandomSampler):
+            return cls(num_samples, shuffle=True, seed=seed)
+        if isinstance(sampler, SequentialSampler):
+            return cls(num_samples, shuffle=False, seed=seed)
+        log.warning(
+            "Using the order of the user sampler %s; it must give the same order on every worker for an epoch.",
+            type(sampler).__name__,
+        )
+        length = len(sampler) if isinstance(sampler, Sized) else num_samples
+        return cls(length, shuffle=False, seed=seed, user_sampler=sampler)
+
+
+class ElasticSampler(Sampler[int]):
+    """Epoch order and data position; Lightning calls ``set_epoch`` on it through the loader's ``sampler``."""
+
+    def __init__(self, order: EpochOrder, data: DataPosition, drop_last: bool) -> None:
+        self.order = order
+        self.data = data
+        self.drop_last = drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.data.epoch:
+            self.data.epoch = epoch
+            self.data.position = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order.indices(self.data.epoch))
+
+    def __len__(self) -> int:
+        return self.order.num_samples
+
+    def epoch_end(self) -> int:
+        """Position at which the epoch ends (excludes the dropped last partial batch)."""
+        steps = steps_in_epoch(self.order.num_samples, self._global_batch(), self.drop_last)
+        return min(self.order.num_samples, steps * self._global_batch())
+
+    def _global_batch(self) -> int:
+        assert self.data.global_batch is not None, "global batch not set"
+        return self.data.global_batch
+
+
+class ElasticBatchSampler(Sampler[list[int]]):
+    """Yields this rank's indices of every remaining global batch of the epoch, from the live position and world."""
+
+    def __init__(self, sampler: ElasticSampler, world: WorldView) -> None:
+        self.sampler = sampler
+        self.world = world
+
+    def __iter__(self) -> Iterator[list[int]]:
+        data = self.sampler.data
+        indices = self.sampler.order.indices(data.epoch)
+        rank, world_size = self.world()
+        position, end, batch = data.position, self.sampler.epoch_end(), self.sampler._global_batch()
+        while position < end:
+            yield self._local_indices(indices, position, global_batch_size_at(end, position, batch), rank, world_size)
+            position += batch
+
+    @staticmethod
+    def _local_indices(indices: list[int], position: int, size: int, rank: int, world_size: int) -> list[int]:
+        share = local_share(position, size, world_size, rank)
+        if share.size == 0:
+            # a rank with no sample still runs forward/backward (its loss is weighted 0): give it a stand-in sample
+            return [indices[position]]
+        return indices[share.start : share.stop]
+
+    def __len__(self) -> int:
+        """Global batches in the whole epoch (Lightning adds the batches already done when it resumes)."""
+        return steps_in_epoch(self.sampler.order.num_samples, self.sampler._global_batch(), self.sampler.drop_last)
+
+    def remaining(self) -> int:
+        data = self.sampler.data
+        return remaining_steps(self.sampler.epoch_end(), data.position, self.sampler._global_batch(), False)

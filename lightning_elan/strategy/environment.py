@@ -1,0 +1,67 @@
+"""Cluster environment whose rank and world size change with every generation."""
+
+from __future__ import annotations
+
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from typing_extensions import override
+
+
+class ElanEnvironment(ClusterEnvironment):
+    """Rank and world size are set by :class:`ElanStrategy` when a generation forms; processes come from outside."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, main_address: str = "127.0.0.1", main_port: int = 0) -> None:
+        self._rank = rank
+        self._world_size = world_size
+        self._main_address = main_address
+        self._main_port = main_port
+
+    @property
+    @override
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    @override
+    def main_address(self) -> str:
+        return self._main_address
+
+    @property
+    @override
+    def main_port(self) -> int:
+        return self._main_port
+
+    @staticmethod
+    @override
+    def detect() -> bool:
+        import os
+
+        return "ELAN_AM_ADDRESS" in os.environ
+
+    @override
+    def world_size(self) -> int:
+        return self._world_size
+
+    @override
+    def set_world_size(self, size: int) -> None:
+        """Ignored: Lightning would set num_nodes × devices; the generation decides (see :meth:`assign`)."""
+
+    @override
+    def global_rank(self) -> int:
+        return self._rank
+
+    @override
+    def set_global_rank(self, rank: int) -> None:
+        """Ignored for the same reason as :meth:`set_world_size`."""
+
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    def assign(self, rank: int, world_size: int) -> None:
+        """Take the rank and world size of a new generation."""
+        self._rank = rank
+        self._world_size = world_size

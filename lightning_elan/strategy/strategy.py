@@ -1,0 +1,491 @@
+"""ElanStrategy: DDP whose membership changes at batch boundaries while ``fit`` runs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
+
+from lightning_elan import compat
+from lightning_elan.data.loader import ElasticDataLoader
+from lightning_elan.data.positions import LocalShare, global_batch_size_at, local_share
+from lightning_elan.data.sampler import DataPosition
+from lightning_elan.replication.packing import join_tensors, split_tensors
+from lightning_elan.replication.transport import make_transfer_group, receive_state, send_state
+from lightning_elan.strategy.am_link import AMLink
+from lightning_elan.strategy.environment import ElanEnvironment
+from lightning_elan.strategy.groups import GenerationGroups
+from lightning_elan.strategy.identity import WorkerIdentity
+from lightning_elan.strategy.timeline import StepTimeline
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.strategies import _StrategyRegistry
+
+log = logging.getLogger(__name__)
+
+# what rank 0 broadcasts at a coordination point
+_NO_CHANGE, _ADJUST, _DEFERRED = 0, 1, 2
+# a joiner warming up is no one's rank 0 (loggers and checkpoints stay quiet) until its generation forms
+_PROVISIONAL_RANK, _PROVISIONAL_WORLD = 1, 2
+_LEFT_RANK = -1
+
+
+class ElanStrategy(DDPStrategy):
+    """Elastic DDP: survivors keep training while workers join, leave or migrate at batch boundaries.
+
+    Args:
+        coordinate_every: steps between two questions to the application master (default: ``elan run``'s
+            ``--coordinate-every``, else 10).
+        global_batch_size: samples per optimizer step over all workers; default: the DataLoader's ``batch_size``
+            times the initial world size. Kept fixed under resizes (strong scaling).
+        join_timeout_s: how long a new worker waits for its adjustment before giving up.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and from there to DDP).
+    """
+
+    strategy_name = "elan"
+
+    def __init__(
+        self,
+        coordinate_every: int | None = None,
+        global_batch_size: int | None = None,
+        join_timeout_s: float = 1800.0,
+        **kwargs: Any,
+    ) -> None:
+        self.identity = WorkerIdentity.from_env()
+        environment = ElanEnvironment(rank=max(self.identity.rank, 0), world_size=max(self.identity.world_size, 1))
+        kwargs.setdefault("timeout", timedelta(seconds=300))
+        super().__init__(cluster_environment=environment, **kwargs)
+        self.coordinate_every = coordinate_every or self.identity.coordinate_every
+        if self.coordinate_every < 1:
+            raise ValueError(f"coordinate_every must be >= 1, got {self.coordinate_every}")
+        self.data_position = DataPosition(global_batch=global_batch_size)
+        self.join_timeout_s = join_timeout_s
+        self.has_left = False
+        self._groups: GenerationGroups | None = None
+        self._am: AMLink | None = None
+        self._collectives_local = False
+        self._joined = not self.identity.joiner
+        self._current_share: LocalShare | None = None
+        self._deferred = False
+        self._timeline = StepTimeline()
+        self._pending_report: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ registration and environment
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register("elan", cls, description="Elastic DDP: grow, shrink and migrate while training")
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = None  # `elan run` (or the user) starts the processes
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        device = super().root_device
+        if device.type == "cuda" and self.identity.device_index is not None:
+            return torch.device("cuda", self.identity.device_index)
+        return device
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def set_world_ranks(self) -> None:
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @property
+    def generation(self) -> int | None:
+        return None if self._groups is None else self._groups.generation
+
+    @override
+    def setup_environment(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            compat.disable_distributed_sampler(trainer)
+        super().setup_environment()
+
+    @override
+    def setup_distributed(self) -> None:
+        if self._groups is not None and self._groups.active:
+            return  # a second fit/validate in the same process keeps its generation
+        reset_seed()
+        self._process_group_backend = self._get_process_group_backend()
+        self._groups = GenerationGroups.connect(self.identity, self._process_group_backend, self._timeout, self.root_device)
+        if not self.identity.standalone:
+            self._am = AMLink(self.identity)
+        if self.identity.joiner and not self._joined:
+            self._collectives_local = True
+            self.cluster_environment.assign(_PROVISIONAL_RANK, _PROVISIONAL_WORLD)
+        else:
+            self._groups.form(self.identity.generation, self.identity.rank, self.identity.world_size)
+            self.cluster_environment.assign(self.identity.rank, self.identity.world_size)
+            if self._am is not None:
+                self._am.register(str(self.root_device))
+        self.set_world_ranks()
+
+    # ------------------------------------------------------------------ setup: joiners receive their state here
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self._install_coordinator(trainer)
+            self.setup_optimizers(trainer)
+            if not self._joined:
+                self._join(trainer)
+            self.configure_ddp()
+        else:
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        # later wraps follow a replication: every member already holds the same weights
+        self._ddp_kwargs["init_sync"] = False
+
+    def _install_coordinator(self, trainer: pl.Trainer) -> None:
+        if not any(isinstance(callback, _ElanCoordinator) for callback in trainer.callbacks):
+            trainer.callbacks.append(_ElanCoordinator(self))
+
+    def _join(self, trainer: pl.Trainer) -> None:
+        """A joiner, warmed up: report ready, wait for the adjustment, enter the generation, take the state."""
+        assert self._am is not None
+        self._am.register(str(self.root_device))
+        reply = self._am.wait_plan(self.join_timeout_s)
+        if reply.get("status") != "plan":
+            log.info("worker %s is not needed (%s); leaving", self.identity.worker_id, reply.get("reason"))
+            self._mark_left()
+            raise compat.LeaveFit
+        plan = reply["plan"]
+        self._enter_generation(plan)
+        checkpoint, elan_state, received = self._receive_training_state(plan)
+        self._apply_training_state(trainer, checkpoint, elan_state)
+        self._joined = True
+        self._pending_report = {"role": "joiner", "generation": plan["generation"], "bytes_received": received}
+        self._timeline.adjustment_started()
+
+    def _receive_training_state(self, plan: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], int]:
+        assert self._groups is not None
+        me, source = self.identity.worker_id, plan["sources"][self.identity.worker_id]
+        siblings = _joiners_of(plan, source)
+        prefix = self._groups.transfer_prefix(plan["generation"], source)
+        group = make_transfer_group(
+            self._groups.store, prefix, 1 + siblings.index(me), 1 + len(siblings), self._process_group_backend,
+            self._timeout,
+        )
+        cpu_state, tensors, received = receive_state(group, self._groups.store, prefix, self._device_for)
+        log.info("worker %s received %.1f MB of state from %s", me, received / 1e6, source)
+        return join_tensors(cpu_state["checkpoint"], tensors), cpu_state["elan"], received
+
+    def _apply_training_state(self, trainer: pl.Trainer, checkpoint: dict[str, Any], elan: dict[str, Any]) -> None:
+        compat.call_on_load_checkpoint(trainer, checkpoint)
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=self.lightning_module.strict_loading)
+        self.data_position.load_state_dict(elan["data"])
+        _set_rng_state(elan["rng"])
+        compat.set_logger_versions(trainer, elan["logger_versions"])
+        compat.align_checkpoint_dirs(trainer, checkpoint.get("callbacks", {}))
+        compat.stage_training_state(trainer, checkpoint)
+        # a configure_optimizers that read `estimated_stepping_batches` built the loader before the state arrived
+        trainer.fit_loop._combined_loader = None
+
+    def _device_for(self, device_type: str) -> torch.device:
+        return torch.device("cpu") if device_type == "cpu" else self.root_device
+
+    # ------------------------------------------------------------------ data: elastic training loader
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING:
+            return self._shard_for_evaluation(trainer, dataloader)
+        if not isinstance(dataloader, DataLoader) or _has_iterable_dataset(dataloader):
+            log.warning("%s is not a map-style DataLoader: it is not made elastic", type(dataloader).__name__)
+            return dataloader
+        if self.data_position.global_batch is None:
+            self.data_position.global_batch = dataloader.batch_size * self.world_size
+        seed = int(os.getenv("PL_GLOBAL_SEED", 0))
+        return ElasticDataLoader(dataloader, self.data_position, self._world_view, seed)
+
+    def _world_view(self) -> tuple[int, int]:
+        return self.global_rank, self.world_size
+
+    def _shard_for_evaluation(self, trainer: pl.Trainer, dataloader: object) -> object:
+        user_wants_sampler = getattr(trainer._accelerator_connector, "_elan_user_distributed_sampler", True)
+        if (
+            not user_wants_sampler
+            or self.world_size < 2
+            or not isinstance(dataloader, DataLoader)
+            or isinstance(dataloader.sampler, DistributedSampler)
+            or _has_iterable_dataset(dataloader)
+            or trainer.state.stage == RunningStage.PREDICTING
+        ):
+            return dataloader
+        from lightning.pytorch.utilities.data import _update_dataloader
+
+        sampler = DistributedSampler(dataloader.dataset, num_replicas=self.world_size, rank=self.global_rank,
+                                     shuffle=False)
+        return _update_dataloader(dataloader, sampler, mode=trainer.state.stage)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._collectives_local = False
+        self._current_share = self._take_global_batch()
+
+    def _take_global_batch(self) -> LocalShare | None:
+        """Advance the serial position by one global batch; return this rank's share of it."""
+        loaders = [dl for dl in compat.train_dataloaders(self.lightning_module.trainer) if isinstance(dl, ElasticDataLoader)]
+        if not loaders:
+            return None
+        end, data = loaders[0].sampler.epoch_end(), self.data_position
+        assert data.global_batch is not None
+        size = global_batch_size_at(end, data.position, data.global_batch)
+        share = local_share(data.position, size, self.world_size, self.global_rank)
+        data.position = min(end, data.position + data.global_batch)
+        return share
+
+    @property
+    def sample_weight(self) -> float:
+        """Weight of this rank's current batch in the global mean (0 for a stand-in sample)."""
+        return 1.0 if self._current_share is None else self._current_share.loss_weight
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        weight = self.sample_weight
+        if weight != 1.0:
+            closure_loss = closure_loss * weight
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    # ------------------------------------------------------------------ coordination at batch boundaries
+
+    def on_batch_end(self, trainer: pl.Trainer) -> None:
+        """Called by the coordinator callback after every training batch."""
+        pause = self._timeline.step_ended()
+        if pause is not None and self._pending_report is not None:
+            self._send_report(pause)
+        if self._am is None or not (self._deferred or trainer.global_step % self.coordinate_every == 0):
+            return
+        code, plan = self._agree_on_decision(trainer)
+        self._deferred = code == _DEFERRED
+        if code == _ADJUST:
+            self._adjust(trainer, plan)
+
+    def _agree_on_decision(self, trainer: pl.Trainer) -> tuple[int, dict[str, Any] | None]:
+        code, payload = _NO_CHANGE, None
+        if self.global_rank == 0:
+            code, payload = self._ask_master(trainer)
+        flag = torch.tensor([code], dtype=torch.int32, device=self.root_device)
+        dist.broadcast(flag, src=0)
+        code = int(flag.item())
+        if code != _ADJUST:
+            return code, None
+        box = [payload]
+        dist.broadcast_object_list(box, src=0, device=self.root_device if self.root_device.type != "cpu" else None)
+        return code, box[0]
+
+    def _ask_master(self, trainer: pl.Trainer) -> tuple[int, dict[str, Any] | None]:
+        assert self._am is not None
+        blocker = compat.adjustment_blocker(trainer)
+        if blocker is not None:
+            log.debug("no adjustment after step %d: %s", trainer.global_step, blocker)
+            return _DEFERRED, None
+        reply = self._am.coordinate(
+            {
+                "generation": self.generation,
+                "step": trainer.global_step,
+                "epoch": self.data_position.epoch,
+                "position": self.data_position.position,
+                "global_batch": self.data_position.global_batch,
+            }
+        )
+        if reply.get("decision") != "adjust":
+            return _NO_CHANGE, None
+        return _ADJUST, {"plan": reply["plan"], "logger_versions": compat.logger_versions(trainer)}
+
+    def _adjust(self, trainer: pl.Trainer, decision: dict[str, Any]) -> None:
+        """Old members at a decided adjustment: stayers re-form and rewire, sources send state, leavers leave."""
+        plan, me = decision["plan"], self.identity.worker_id
+        started = time.perf_counter()
+        self._timeline.adjustment_started()
+        compat.set_logger_versions(trainer, decision["logger_versions"])
+        joiners = _joiners_of(plan, me)
+        snapshot = self._snapshot(trainer) if joiners else None
+        old_model = self.model
+        assert self._groups is not None
+        self._groups.leave()
+        staying = me in plan["members"]
+        if staying:
+            self._enter_generation(plan)
+        sent = self._send_training_state(plan, snapshot, joiners) if snapshot is not None else 0
+        _remove_ddp_hooks(old_model)
+        self.model = self.lightning_module
+        if not staying:
+            self._leave(plan, sent, time.perf_counter() - started)
+        self._rewire(trainer)
+        self._pending_report = {
+            "role": "stayer", "generation": plan["generation"], "bytes_sent": sent,
+            "adjust_s": time.perf_counter() - started,
+        }
+
+    def _snapshot(self, trainer: pl.Trainer) -> tuple[dict[str, Any], list[Tensor]]:
+        skeleton, tensors = split_tensors(compat.dump_training_state(trainer))
+        elan = {
+            "data": self.data_position.state_dict(),
+            "rng": _get_rng_state(),
+            "logger_versions": compat.logger_versions(trainer),
+        }
+        return {"checkpoint": skeleton, "elan": elan}, tensors
+
+    def _send_training_state(self, plan: dict[str, Any], snapshot: tuple, joiners: list[str]) -> int:
+        assert self._groups is not None
+        cpu_state, tensors = snapshot
+        prefix = self._groups.transfer_prefix(plan["generation"], self.identity.worker_id)
+        group = make_transfer_group(self._groups.store, prefix, 0, 1 + len(joiners), self._process_group_backend,
+                                    self._timeout)
+        sent = send_state(group, self._groups.store, prefix, cpu_state, tensors)
+        log.info("worker %s sent %.1f MB of state to %s", self.identity.worker_id, sent / 1e6, ", ".join(joiners))
+        return sent
+
+    def _enter_generation(self, plan: dict[str, Any]) -> None:
+        assert self._groups is not None
+        rank, world_size = plan["members"].index(self.identity.worker_id), len(plan["members"])
+        self._groups.form(plan["generation"], rank, world_size)
+        self.cluster_environment.assign(rank, world_size)
+        self.set_world_ranks()
+
+    def _rewire(self, trainer: pl.Trainer) -> None:
+        """Stayers after a resize: DDP on the new group, data from the same serial position, eval shards rebuilt."""
+        self.configure_ddp()
+        for loader in compat.train_dataloaders(trainer):
+            if isinstance(loader, ElasticDataLoader):
+                loader.rebuild()
+        compat.refetch_prefetched_batch(trainer)
+        compat.reset_evaluation_dataloaders(trainer)
+        compat.move_progress_bar(trainer)
+
+    def _leave(self, plan: dict[str, Any], sent: int, elapsed: float) -> None:
+        assert self._am is not None
+        log.info("worker %s leaves the job at generation %d", self.identity.worker_id, plan["generation"])
+        self._am.report(
+            {"role": "leaver", "generation": plan["generation"], "bytes_sent": sent, "pause_s": elapsed}, wait=True
+        )
+        self.has_left = True
+        raise compat.LeaveFit
+
+    def _mark_left(self) -> None:
+        self.has_left = True
+
+    def _send_report(self, pause: float) -> None:
+        assert self._am is not None and self._pending_report is not None
+        report = {**self._pending_report, "pause_s": pause}
+        if report["role"] == "joiner":
+            report["startup_s"] = time.time() - self.identity.spawn_time
+        self._am.report(report)
+        self._pending_report = None
+
+    # ------------------------------------------------------------------ collectives: local while a joiner starts up
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self._collectives_local:
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj if self._collectives_local else super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        return tensor if self._collectives_local else super().reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if self._collectives_local:
+            return tensor.unsqueeze(0)
+        return super().all_gather(tensor, group, sync_grads)
+
+    # ------------------------------------------------------------------ teardown
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self.has_left:
+            self.cluster_environment.assign(_LEFT_RANK, 0)
+            self.set_world_ranks()
+        if self._am is not None:
+            self._am.close()
+            self._am = None
+        if self.identity.standalone and self._groups is not None:
+            self._groups.leave()
+
+
+class _ElanCoordinator(Callback):
+    """Gives the strategy the end of every training batch (strategies get no ``on_train_batch_end``)."""
+
+    def __init__(self, strategy: ElanStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._strategy.on_batch_end(trainer)
+
+
+def _joiners_of(plan: dict[str, Any], source: str) -> list[str]:
+    return [joiner for joiner in plan["joiners"] if plan["sources"][joiner] == source]
+
+
+def _remove_ddp_hooks(model: Any) -> None:
+    if isinstance(model, DistributedDataParallel):
+        model._remove_autograd_hooks()
+
+
+def _has_iterable_dataset(dataloader: DataLoader) -> bool:
+    return isinstance(dataloader.dataset, torch.utils.data.IterableDataset)
+
+
+def _get_rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())

@@ -1,0 +1,124 @@
+"""A plain Lightning training script used by the integration tests (run through `elan run`).
+
+It records, per worker: the dataset indices it trained on (per epoch), a bitwise digest of its parameters and optimizer
+state at every step, and, on the worker that ends as rank 0, the final parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_elan  # noqa: F401  (registers strategy="elan")
+
+
+class IndexedDataset(Dataset):
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(size, 8, generator=generator, dtype=torch.float64)
+        self.y = (self.x @ torch.linspace(-1, 1, 8, dtype=torch.float64)).unsqueeze(1) + 0.1
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        return index, self.x[index], self.y[index]
+
+
+class ProbeModel(pl.LightningModule):
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+        self.out_dir = out_dir
+        self.consumed: dict[int, list[int]] = {}
+        self.digests: list[list] = []
+
+    def training_step(self, batch, batch_idx):
+        index, x, y = batch
+        if self.trainer.strategy.sample_weight > 0:
+            self.consumed.setdefault(self.current_epoch, []).extend(index.tolist())
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        index, x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.digests.append([self.trainer.global_step, self.trainer.world_size, self.trainer.global_rank, state_digest(self)])
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def state_digest(model: ProbeModel) -> str:
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().cpu().numpy().tobytes())
+    optimizer = model.trainer.optimizers[0]
+    for state in optimizer.state.values():
+        for key in sorted(state):
+            digest.update(state[key].detach().cpu().numpy().tobytes())
+    digest.update(repr([group["lr"] for group in optimizer.param_groups]).encode())
+    return digest.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--samples", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--global-batch", type=int, default=None)
+    parser.add_argument("--no-shuffle", action="store_true")
+    parser.add_argument("--val", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    pl.seed_everything(7)
+    model = ProbeModel(args.out)
+    dataset = IndexedDataset(args.samples)
+    loader_kwargs = {"num_workers": args.num_workers, "persistent_workers": args.num_workers > 0}
+    train = DataLoader(dataset, batch_size=args.batch_size, shuffle=not args.no_shuffle, **loader_kwargs)
+    val = DataLoader(IndexedDataset(30), batch_size=5) if args.val else None
+    strategy = lightning_elan.ElanStrategy(global_batch_size=args.global_batch) if args.global_batch else "elan"
+    trainer = pl.Trainer(
+        strategy=strategy,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1.0 if args.val else 0,
+        num_sanity_val_steps=2 if args.val else 0,
+    )
+    trainer.fit(model, train, val)
+
+    worker = os.environ.get("ELAN_WORKER_ID", "w0")
+    record = {
+        "worker": worker,
+        "left": trainer.strategy.has_left,
+        "global_step": trainer.global_step,
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "consumed": model.consumed,
+        "digests": model.digests,
+    }
+    (args.out / f"record-{worker}.json").write_text(json.dumps(record))
+    if not trainer.strategy.has_left and trainer.global_rank == 0:
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
+
+
+if __name__ == "__main__":
+    main()
