@@ -6,6 +6,7 @@ as soon as ``lightning.pytorch`` is (or already was) imported, so the ``elan`` c
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
@@ -18,12 +19,11 @@ _LIGHTNING = "lightning.pytorch"
 
 
 def _register_strategy() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_elan.strategy import ElanStrategy
-
-    if "elan" not in StrategyRegistry:
-        ElanStrategy.register_strategies(StrategyRegistry)
+    """Importing the strategy module registers it (see the end of ``strategy/strategy.py``)."""
+    module = sys.modules.get("lightning_elan.strategy.strategy")
+    if module is not None and not hasattr(module, "register_elan_strategy"):
+        return  # that module is importing Lightning right now and registers itself when it finishes
+    importlib.import_module("lightning_elan.strategy.strategy").register_elan_strategy()
 
 
 class _RegisterAfterLightningImport(importlib.abc.MetaPathFinder):

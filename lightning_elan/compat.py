@@ -6,9 +6,9 @@ Each function names the upstream behaviour it depends on (lightning 2.4–2.6, `
 from __future__ import annotations
 
 import logging
+from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
 
-from importlib.metadata import version as _installed_version
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.exceptions import _TunerExitException
@@ -119,7 +119,7 @@ def logger_versions(trainer: pl.Trainer) -> list[Any]:
 
 
 def set_logger_versions(trainer: pl.Trainer, versions: list[Any]) -> None:
-    for logger, version in zip(trainer.loggers, versions):
+    for logger, version in zip(trainer.loggers, versions, strict=False):
         if version is not None and hasattr(logger, "_version"):
             logger._version = version
 

@@ -31,7 +31,9 @@ class AMLink:
         self._quiet_until = 0.0
 
     def register(self, device: str) -> None:
-        body = {"worker_id": self.identity.worker_id, "host": socket.gethostname(), "device": device, "pid": os.getpid()}
+        body = {
+            "worker_id": self.identity.worker_id, "host": socket.gethostname(), "device": device, "pid": os.getpid()
+        }
         self._client.request("register", body, timeout_s=5.0, retries=5)
 
     def coordinate(self, body: dict[str, Any]) -> dict[str, Any]:

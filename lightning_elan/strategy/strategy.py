@@ -135,7 +135,9 @@ class ElanStrategy(DDPStrategy):
             return  # a second fit/validate in the same process keeps its generation
         reset_seed()
         self._process_group_backend = self._get_process_group_backend()
-        self._groups = GenerationGroups.connect(self.identity, self._process_group_backend, self._timeout, self.root_device)
+        self._groups = GenerationGroups.connect(
+            self.identity, self._process_group_backend, self._timeout, self.root_device
+        )
         if not self.identity.standalone:
             self._am = AMLink(self.identity)
         if self.identity.joiner and not self._joined:
@@ -267,15 +269,19 @@ class ElanStrategy(DDPStrategy):
 
     def _take_global_batch(self) -> LocalShare | None:
         """Advance the serial position by one global batch; return this rank's share of it."""
-        loaders = [dl for dl in compat.train_dataloaders(self.lightning_module.trainer) if isinstance(dl, ElasticDataLoader)]
-        if not loaders:
+        loader = self._elastic_train_loader()
+        if loader is None:
             return None
-        end, data = loaders[0].sampler.epoch_end(), self.data_position
+        end, data = loader.sampler.epoch_end(), self.data_position
         assert data.global_batch is not None
         size = global_batch_size_at(end, data.position, data.global_batch)
         share = local_share(data.position, size, self.world_size, self.global_rank)
         data.position = min(end, data.position + data.global_batch)
         return share
+
+    def _elastic_train_loader(self) -> ElasticDataLoader | None:
+        loaders = compat.train_dataloaders(self.lightning_module.trainer)
+        return next((loader for loader in loaders if isinstance(loader, ElasticDataLoader)), None)
 
     @property
     def sample_weight(self) -> float:
@@ -389,9 +395,9 @@ class ElanStrategy(DDPStrategy):
     def _rewire(self, trainer: pl.Trainer) -> None:
         """Stayers after a resize: DDP on the new group, data from the same serial position, eval shards rebuilt."""
         self.configure_ddp()
-        for loader in compat.train_dataloaders(trainer):
-            if isinstance(loader, ElasticDataLoader):
-                loader.rebuild()
+        loader = self._elastic_train_loader()
+        if loader is not None:
+            loader.rebuild()
         compat.refetch_prefetched_batch(trainer)
         compat.reset_evaluation_dataloaders(trainer)
         compat.move_progress_bar(trainer)
@@ -489,3 +495,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+def register_elan_strategy() -> None:
+    """Make ``Trainer(strategy="elan")`` resolve (Lightning has no entry point for strategies)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if "elan" not in StrategyRegistry:
+        ElanStrategy.register_strategies(StrategyRegistry)
+
+
+register_elan_strategy()

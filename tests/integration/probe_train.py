@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_elan  # noqa: F401  (registers strategy="elan")
+import lightning_elan
 
 
 class IndexedDataset(Dataset):
@@ -49,11 +49,12 @@ class ProbeModel(pl.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        index, x, y = batch
+        _, x, y = batch
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def on_train_batch_start(self, batch, batch_idx):
-        self.digests.append([self.trainer.global_step, self.trainer.world_size, self.trainer.global_rank, state_digest(self)])
+        trainer = self.trainer
+        self.digests.append([trainer.global_step, trainer.world_size, trainer.global_rank, state_digest(self)])
 
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.parameters(), lr=0.01)

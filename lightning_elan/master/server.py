@@ -1,0 +1,442 @@
+"""The application master's server: one thread, a ZeroMQ ROUTER socket and a poll loop around ``JobState``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from lightning_elan.master import registry
+from lightning_elan.master.state import JobState, StateError
+from lightning_elan.master.store import StateStore
+from lightning_elan.protocol.messages import (
+    MAX_MESSAGE_BYTES,
+    MUTATING_TYPES,
+    ProtocolError,
+    Request,
+    decode_request,
+    encode_reply,
+    error_reply,
+    ok_reply,
+)
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+POLL_INTERVAL_MS = 10
+MAX_MESSAGES_PER_TICK = 256
+MAX_WAIT_S = 3600.0
+HARD_MESSAGE_LIMIT = 64 * MAX_MESSAGE_BYTES  # larger frames make ZeroMQ drop the connection (no reply)
+ADJUSTMENTS_FILE = "adjustments.jsonl"
+
+
+class ReplyCache:
+    """The last ``max_entries`` successful replies to mutating requests, by request id (persisted with the state)."""
+
+    def __init__(self, max_entries: int = 1024) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, tuple[str, dict[str, Any]]] = OrderedDict()
+
+    def get(self, msg_id: str) -> tuple[str, dict[str, Any]] | None:
+        """``(request type, reply)`` for an id already answered."""
+        return self._entries.get(msg_id)
+
+    def put(self, msg_id: str, msg_type: str, reply: dict[str, Any]) -> None:
+        self._entries[msg_id] = (msg_type, reply)
+        self._entries.move_to_end(msg_id)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def discard(self, msg_id: str) -> None:
+        self._entries.pop(msg_id, None)
+
+    def to_list(self) -> list[list[Any]]:
+        return [[msg_id, msg_type, reply] for msg_id, (msg_type, reply) in self._entries.items()]
+
+    @classmethod
+    def from_list(cls, entries: list[list[Any]], max_entries: int = 1024) -> ReplyCache:
+        cache = cls(max_entries)
+        for msg_id, msg_type, reply in entries:
+            cache.put(msg_id, msg_type, reply)
+        return cache
+
+
+@dataclass
+class _ParkedWait:
+    """A ``wait_plan`` request waiting for its answer."""
+
+    envelope: list[bytes]
+    msg_id: str
+    worker_id: str
+    deadline: float  # time.monotonic()
+
+
+class _Park:
+    """Returned by the wait_plan handler: no reply now."""
+
+
+class ApplicationMaster:
+    """Serves one job's ``JobState`` over ZeroMQ; persists it through ``store`` after every transition.
+
+    The socket lives on the serving thread only: ``start()`` serves on a daemon thread, ``serve_forever()`` on the
+    caller's. ``stop()`` ends either and removes the registry entry.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        store: StateStore,
+        bind: str = "tcp://127.0.0.1:0",
+        state_dir: str | Path | None = None,
+        register: bool = True,
+    ) -> None:
+        self.job = registry.check_job_name(job)
+        self.store = store
+        self.bind = bind
+        self.state_dir = None if state_dir is None else Path(state_dir)
+        self.register = register
+        self._state, self._replies = self._load(store)
+        self._address: str | None = None
+        self._stopping = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._startup_error: BaseException | None = None
+        self._serving = False
+        self._socket: zmq.Socket | None = None  # only touched by the serving thread
+        self._parked: dict[str, _ParkedWait] = {}
+        self._records_to_write: list[dict[str, Any]] = []
+        self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any] | _Park]] = {
+            "start_job": self._on_start_job,
+            "scale": self._on_scale,
+            "status": lambda body: self._state.status(),
+            "launcher_poll": lambda body: self._state.launcher_poll(),
+            "worker_exit": lambda body: self._state.worker_exit(body["worker_id"], body["returncode"]),
+            "shutdown": lambda body: self._state.shutdown(body.get("reason")),
+            "register": self._on_register,
+            "coordinate": self._on_coordinate,
+            "wait_plan": self._on_wait_plan,
+            "report": self._on_report,
+        }
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The bound address with its actual port, e.g. ``tcp://127.0.0.1:40123``."""
+        if self._address is None:
+            raise RuntimeError("the AM is not bound yet: call start() or serve_forever() first")
+        return self._address
+
+    def start(self, timeout_s: float = 10.0) -> ApplicationMaster:
+        """Bind and serve on a daemon thread; returns once the address is known."""
+        if self._thread is not None or self._serving:
+            raise RuntimeError("the AM is already serving")
+        self._stopping.clear()
+        self._ready.clear()
+        self._startup_error = None
+        self._address = None
+        self._thread = threading.Thread(target=self._serve_on_thread, name=f"elan-am-{self.job}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError(f"the AM of job {self.job!r} did not bind within {timeout_s}s")
+        if self._startup_error is not None:
+            self._thread.join()
+            self._thread = None
+            raise self._startup_error
+        return self
+
+    def serve_forever(self) -> None:
+        """Bind and serve on the calling thread until ``stop()``."""
+        if self._serving:
+            raise RuntimeError("the AM is already serving")
+        self._stopping.clear()
+        self._serve()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop serving, close the socket and remove the registry entry."""
+        self._stopping.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def __enter__(self) -> ApplicationMaster:
+        """Start serving unless already started; ``__exit__`` stops."""
+        if self._thread is None and not self._serving:
+            self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _serve_on_thread(self) -> None:
+        try:
+            self._serve()
+        except BaseException as error:
+            if not self._ready.is_set():
+                self._startup_error = error
+                self._ready.set()
+            else:
+                logger.exception("the AM of job %r stopped on an error", self.job)
+
+    def _serve(self) -> None:
+        self._serving = True
+        context = zmq.Context()
+        socket = self._socket = context.socket(zmq.ROUTER)
+        try:
+            self._bind(socket)
+            self._ready.set()
+            self._loop(socket)
+        finally:
+            self._socket = None
+            socket.close(linger=0)
+            context.term()
+            self._unregister()
+            self._parked.clear()
+            self._serving = False
+            logger.info("AM of job %r stopped", self.job)
+
+    def _bind(self, socket: zmq.Socket) -> None:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, HARD_MESSAGE_LIMIT)
+        socket.bind(self.bind)
+        self._address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.register:
+            registry.write(self.job, self._address, self.state_dir)
+        logger.info("AM of job %r listening on %s (generation %s)", self.job, self._address, self._state.generation)
+
+    def _unregister(self) -> None:
+        if self.register and self._address is not None:
+            try:
+                registry.remove(self.job, address=self._address)
+            except (OSError, ValueError):
+                logger.warning("could not remove the registry entry of job %r", self.job, exc_info=True)
+
+    def _loop(self, socket: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if poller.poll(POLL_INTERVAL_MS):
+                self._drain(socket)
+            self._expire_parked()
+
+    def _drain(self, socket: zmq.Socket) -> None:
+        for _ in range(MAX_MESSAGES_PER_TICK):
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+
+    # ---- one message ---------------------------------------------------------------------------------------------
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        """Answer one message; nothing raised here may stop the loop."""
+        envelope, payload = _split_envelope(frames)
+        try:
+            reply = self._reply_to(envelope, payload)
+        except Exception as error:  # a bug in a handler: answer and keep serving
+            logger.exception("AM of job %r failed on a request", self.job)
+            reply = error_reply(_peek_id(payload), f"internal error in the AM: {type(error).__name__}: {error}")
+        if reply is not None:
+            self._send(envelope, reply)
+
+    def _reply_to(self, envelope: list[bytes], payload: bytes | None) -> dict[str, Any] | None:
+        if payload is None:
+            logger.warning("AM of job %r: message with %d frames refused", self.job, len(envelope) + 1)
+            return error_reply(None, "expected exactly one frame of JSON")
+        try:
+            request = decode_request(payload, job=self.job)
+        except ProtocolError as error:
+            logger.warning("AM of job %r refused a message: %s", self.job, error)
+            return error_reply(error.msg_id, str(error))
+        try:
+            return self._handle(request, envelope)
+        except StateError as error:
+            logger.debug("AM of job %r refused %s %s: %s", self.job, request.type, request.id, error)
+            return error_reply(request.id, str(error))
+
+    def _handle(self, request: Request, envelope: list[bytes]) -> dict[str, Any] | None:
+        if request.type not in MUTATING_TYPES:
+            body = self._handlers[request.type](request.body)
+            if isinstance(body, _Park):
+                self._park(request, envelope)
+                return None
+            return ok_reply(request.id, body)
+        cached = self._replies.get(request.id)
+        if cached is not None:
+            return self._replay(request, *cached)
+        reply = self._apply(request)
+        self._wake_parked()
+        return reply
+
+    def _replay(self, request: Request, cached_type: str, reply: dict[str, Any]) -> dict[str, Any]:
+        if cached_type != request.type:
+            raise StateError(f"request id {request.id} was already used for a {cached_type} request")
+        logger.debug("AM of job %r: duplicate %s %s answered from the reply cache", self.job, request.type, request.id)
+        return reply
+
+    def _apply(self, request: Request) -> dict[str, Any]:
+        """Run a mutating handler as a transaction: persist on change, roll back on any error."""
+        before = self._state.to_dict()
+        try:
+            reply = ok_reply(request.id, self._handlers[request.type](request.body))
+            if self._state.to_dict() != before:
+                self._replies.put(request.id, request.type, reply)
+                self._persist()
+        except BaseException:
+            self._state = JobState.from_dict(before)
+            self._replies.discard(request.id)
+            self._records_to_write.clear()
+            raise
+        self._write_records()
+        return reply
+
+    # ---- handlers ------------------------------------------------------------------------------------------------
+
+    def _on_start_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._state.start_job(body["nproc"], body.get("coordinate_every"), body.get("hosts"))
+
+    def _on_scale(self, body: dict[str, Any]) -> dict[str, Any]:
+        fields = ("action", "count", "ranks", "size", "at_step")
+        reply = self._state.scale(**{name: body.get(name) for name in fields})
+        logger.info(
+            "job %r: scale request %s %s → new workers %s",
+            self.job,
+            reply["request_id"],
+            {name: body[name] for name in fields if body.get(name) is not None},
+            reply["new_workers"],
+        )
+        return reply
+
+    def _on_register(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._state.register(body["worker_id"], body.get("host"), body.get("device"), body.get("pid"))
+
+    def _on_coordinate(self, body: dict[str, Any]) -> dict[str, Any]:
+        in_flight_before = self._state.in_flight
+        fields = ("worker_id", "generation", "step", "epoch", "position", "global_batch")
+        reply = self._state.coordinate(**{name: body.get(name) for name in fields})
+        if reply["decision"] == "adjust" and in_flight_before is None:
+            logger.info("job %r: decided plan %s", self.job, json.dumps(reply["plan"]))
+        return reply
+
+    def _on_report(self, body: dict[str, Any]) -> dict[str, Any]:
+        fields = ("worker_id", "generation", "role", "pause_s", "bytes_sent", "bytes_received", "startup_s")
+        record = self._state.report(**{name: body.get(name) for name in fields})
+        if record is not None:
+            self._records_to_write.append(record)
+        return {}
+
+    def _on_wait_plan(self, body: dict[str, Any]) -> dict[str, Any] | _Park:
+        answer = self._state.wait_plan(body["worker_id"])
+        if answer is not None:
+            return answer
+        if (body.get("timeout_s") or 0) <= 0:
+            return {"status": "wait"}
+        return _Park()
+
+    # ---- parked wait_plan requests -------------------------------------------------------------------------------
+
+    def _park(self, request: Request, envelope: list[bytes]) -> None:
+        """Park a wait_plan; a resend with the same id replaces the earlier one."""
+        timeout_s = min(float(request.body["timeout_s"]), MAX_WAIT_S)
+        deadline = time.monotonic() + timeout_s
+        self._parked[request.id] = _ParkedWait(envelope, request.id, request.body["worker_id"], deadline)
+
+    def _wake_parked(self) -> None:
+        """Answer every parked wait_plan whose worker now has a plan or a cancellation."""
+        for parked in list(self._parked.values()):
+            try:
+                answer = self._state.wait_plan(parked.worker_id)
+            except StateError as error:
+                self._answer_parked(parked, error_reply(parked.msg_id, str(error)))
+                continue
+            if answer is not None:
+                self._answer_parked(parked, ok_reply(parked.msg_id, answer))
+
+    def _expire_parked(self) -> None:
+        now = time.monotonic()
+        for parked in list(self._parked.values()):
+            if parked.deadline <= now:
+                self._answer_parked(parked, ok_reply(parked.msg_id, {"status": "wait"}))
+
+    def _answer_parked(self, parked: _ParkedWait, reply: dict[str, Any]) -> None:
+        del self._parked[parked.msg_id]
+        self._send(parked.envelope, reply)
+
+    def _send(self, envelope: list[bytes], reply: dict[str, Any]) -> None:
+        if self._socket is None:
+            return
+        try:
+            self._socket.send_multipart([*envelope, encode_reply(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as error:  # peer gone or its queue full: it will resend
+            logger.debug("AM of job %r could not send a reply: %s", self.job, error)
+
+    # ---- persistence ---------------------------------------------------------------------------------------------
+
+    def _load(self, store: StateStore) -> tuple[JobState, ReplyCache]:
+        saved = store.load()
+        if saved is None:
+            return JobState(job=self.job), ReplyCache()
+        if saved.get("format") != STATE_FORMAT:
+            raise ValueError(f"{store!r} holds state format {saved.get('format')!r}, expected {STATE_FORMAT}")
+        if saved.get("job") != self.job:
+            raise ValueError(f"{store!r} holds the state of job {saved.get('job')!r}, not {self.job!r}")
+        state = JobState.from_dict(saved["state"])
+        logger.info(
+            "AM of job %r resumes generation %s with %d pending request(s)",
+            self.job,
+            state.generation,
+            len(state.pending),
+        )
+        return state, ReplyCache.from_list(saved.get("replies", []))
+
+    def _persist(self) -> None:
+        document = {
+            "format": STATE_FORMAT,
+            "job": self.job,
+            "state": self._state.to_dict(),
+            "replies": self._replies.to_list(),
+        }
+        self.store.save(document)
+
+    def _write_records(self) -> None:
+        """Append completed adjustment records to ``adjustments.jsonl`` (after the state that completes them)."""
+        records, self._records_to_write = self._records_to_write, []
+        for record in records:
+            line = json.dumps(record, separators=(",", ":"))
+            logger.info("job %r: adjustment complete: %s", self.job, line)
+            if self.state_dir is not None:
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+                with open(self.state_dir / ADJUSTMENTS_FILE, "a", encoding="utf-8") as file:
+                    file.write(line + "\n")
+                    file.flush()
+                    os.fsync(file.fileno())
+
+
+def _split_envelope(frames: list[bytes]) -> tuple[list[bytes], bytes | None]:
+    """``[identity, payload]`` from a DEALER (or ``[identity, b"", payload]`` from a REQ); payload None if neither."""
+    if len(frames) == 2 or (len(frames) == 3 and frames[1] == b""):
+        return frames[:-1], frames[-1]
+    return frames[:1], None
+
+
+def _peek_id(payload: bytes | None) -> str | None:
+    """The request id, if the payload is a JSON object with a string id (for error replies)."""
+    try:
+        message = json.loads(payload) if payload is not None and len(payload) <= MAX_MESSAGE_BYTES else None
+    except ValueError:
+        return None
+    msg_id = message.get("id") if isinstance(message, dict) else None
+    return msg_id if isinstance(msg_id, str) else None

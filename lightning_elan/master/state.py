@@ -1,0 +1,755 @@
+"""The job state machine of the application master (pure: no sockets, no files, no torch).
+
+Each transition is a method of ``JobState`` that validates its input first and raises ``StateError`` with a message
+for the client; the server persists the whole state (``to_dict``) after every transition. Semantics:
+docs/architecture.md, *Semantics of the AM*.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_elan.replication.sources import choose_sources
+
+logger = logging.getLogger(__name__)
+
+ACTIONS = ("add", "remove", "migrate", "to")
+ROLES = ("stayer", "joiner", "leaver")
+MAX_COMPLETING = 8  # committed adjustments still waiting for reports; older ones are dropped
+
+# PendingWorker.status values
+REQUESTED = "requested"  # created by a scale request, not yet handed to the launcher
+SPAWNED = "spawned"  # returned by launcher_poll
+READY = "ready"  # registered (reported ready); waits for its plan
+CANCELLED = "cancelled"  # its request failed (a partner exited) or was cancelled (shutdown)
+WAITING_STATUSES = (REQUESTED, SPAWNED, READY)
+
+
+class StateError(Exception):
+    """A request the job state refuses; ``str(error)`` is the message for the client."""
+
+
+def worker_number(worker_id: str) -> int:
+    """The counter value of a worker id: ``"w12"`` → 12."""
+    return int(worker_id[1:])
+
+
+@dataclass
+class Member:
+    """A worker of the current generation."""
+
+    worker_id: str
+    joined_generation: int = 0
+    host: str | None = None
+    device: str | int | None = None
+    pid: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Member:
+        return cls(**data)
+
+
+@dataclass
+class PendingWorker:
+    """A joiner created by a scale request that is not a member yet."""
+
+    worker_id: str
+    request_id: str
+    status: str = REQUESTED
+    host: str | None = None
+    device: str | int | None = None
+    pid: int | None = None
+    spawned_at: float | None = None
+    ready_at: float | None = None
+    reason: str | None = None  # why it was cancelled or failed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PendingWorker:
+        return cls(**data)
+
+
+@dataclass
+class ScaleRequest:
+    """A queued scale request, resolved at request time into workers to add and a removal rule."""
+
+    request_id: str
+    action: str
+    count: int | None = None
+    ranks: list[int] | None = None  # remove these ranks (of the generation the request applies to)
+    size: int | None = None
+    at_step: int | None = None
+    add_count: int = 0
+    remove_count: int = 0  # remove this many of the newest old members
+    new_workers: list[str] = field(default_factory=list)
+    requested_at: float = 0.0
+    all_reported_at: float | None = None  # when the last new worker registered
+
+    @property
+    def size_change(self) -> int:
+        return self.add_count - self.remove_count - len(self.ranks or [])
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ScaleRequest:
+        return cls(**data)
+
+
+@dataclass
+class AdjustmentPlan:
+    """What every participant of an adjustment receives (docs/architecture.md, *Plan*)."""
+
+    request_id: str
+    action: str
+    generation: int
+    previous_generation: int
+    step: int
+    members: list[str]  # new rank order
+    previous_members: list[str]
+    joiners: list[str]
+    leavers: list[str]
+    sources: dict[str, str]
+    hosts: dict[str, str | None]
+
+    @property
+    def stayers(self) -> list[str]:
+        return [worker for worker in self.members if worker not in self.joiners]
+
+    def involves(self, worker_id: str) -> bool:
+        return worker_id in self.members or worker_id in self.leavers
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AdjustmentPlan:
+        return cls(**data)
+
+
+@dataclass
+class Adjustment:
+    """A decided plan with its timeline and the reports received so far."""
+
+    plan: AdjustmentPlan
+    requested_at: float
+    all_reported_at: float | None
+    decided_at: float
+    committed_at: float | None = None
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def all_members_reported(self) -> bool:
+        return self.committed_at is not None and all(worker in self.reports for worker in self.plan.members)
+
+    def record(self, job: str, completed_at: float) -> dict[str, Any]:
+        """The adjustment record written to ``adjustments.jsonl``."""
+        plan = self.plan
+        return {
+            "job": job,
+            "request_id": plan.request_id,
+            "action": plan.action,
+            "requested_at": self.requested_at,
+            "all_reported_at": self.all_reported_at,
+            "decided_at": self.decided_at,
+            "completed_at": completed_at,
+            "step": plan.step,
+            "generation": plan.generation,
+            "members": list(plan.members),
+            "joiners": list(plan.joiners),
+            "leavers": list(plan.leavers),
+            "sources": dict(plan.sources),
+            "bytes_replicated": sum(report.get("bytes_received") or 0 for report in self.reports.values()),
+            "pause_s": {worker: self.reports[worker].get("pause_s") for worker in plan.stayers},
+            "joiner_startup_s": {worker: self.reports[worker].get("startup_s") for worker in plan.joiners},
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["plan"] = self.plan.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Adjustment:
+        return cls(**{**data, "plan": AdjustmentPlan.from_dict(data["plan"])})
+
+
+@dataclass
+class Progress:
+    """Training progress as last reported by rank 0's ``coordinate``."""
+
+    step: int | None = None
+    epoch: int | None = None
+    position: int | None = None
+    global_batch: int | None = None
+    updated_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Progress:
+        return cls(**data)
+
+
+@dataclass
+class JobState:
+    """Membership, queued requests and the adjustment in flight of one job."""
+
+    job: str
+    started: bool = False
+    coordinate_every: int | None = None
+    generation: int = 0
+    members: list[Member] = field(default_factory=list)  # rank order
+    pending: list[ScaleRequest] = field(default_factory=list)  # FIFO
+    pending_workers: dict[str, PendingWorker] = field(default_factory=dict)
+    left_workers: list[str] = field(default_factory=list)
+    in_flight: Adjustment | None = None
+    completing: list[Adjustment] = field(default_factory=list)
+    last_plan: AdjustmentPlan | None = None
+    last_adjustment: dict[str, Any] | None = None
+    progress: Progress = field(default_factory=Progress)
+    finished: bool = False
+    finish_reason: str | None = None
+    next_worker: int = 0
+    next_request: int = 1
+
+    # ---- serialisation -------------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "started": self.started,
+            "coordinate_every": self.coordinate_every,
+            "generation": self.generation,
+            "members": [member.to_dict() for member in self.members],
+            "pending": [request.to_dict() for request in self.pending],
+            "pending_workers": {worker: pending.to_dict() for worker, pending in self.pending_workers.items()},
+            "left_workers": list(self.left_workers),
+            "in_flight": self.in_flight.to_dict() if self.in_flight else None,
+            "completing": [adjustment.to_dict() for adjustment in self.completing],
+            "last_plan": self.last_plan.to_dict() if self.last_plan else None,
+            "last_adjustment": self.last_adjustment,
+            "progress": self.progress.to_dict(),
+            "finished": self.finished,
+            "finish_reason": self.finish_reason,
+            "next_worker": self.next_worker,
+            "next_request": self.next_request,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobState:
+        return cls(
+            job=data["job"],
+            started=data["started"],
+            coordinate_every=data["coordinate_every"],
+            generation=data["generation"],
+            members=[Member.from_dict(member) for member in data["members"]],
+            pending=[ScaleRequest.from_dict(request) for request in data["pending"]],
+            pending_workers={worker: PendingWorker.from_dict(p) for worker, p in data["pending_workers"].items()},
+            left_workers=list(data["left_workers"]),
+            in_flight=Adjustment.from_dict(data["in_flight"]) if data["in_flight"] else None,
+            completing=[Adjustment.from_dict(adjustment) for adjustment in data["completing"]],
+            last_plan=AdjustmentPlan.from_dict(data["last_plan"]) if data["last_plan"] else None,
+            last_adjustment=data["last_adjustment"],
+            progress=Progress.from_dict(data["progress"]),
+            finished=data["finished"],
+            finish_reason=data["finish_reason"],
+            next_worker=data["next_worker"],
+            next_request=data["next_request"],
+        )
+
+    # ---- queries -------------------------------------------------------------------------------------------------
+
+    @property
+    def member_ids(self) -> list[str]:
+        return [member.worker_id for member in self.members]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def projected_size(self) -> int:
+        """World size once every pending request has applied."""
+        return self.world_size + sum(request.size_change for request in self.pending)
+
+    def member(self, worker_id: str) -> Member | None:
+        return next((member for member in self.members if member.worker_id == worker_id), None)
+
+    def is_known(self, worker_id: str) -> bool:
+        return self.member(worker_id) is not None or worker_id in self.pending_workers or worker_id in self.left_workers
+
+    def status(self) -> dict[str, Any]:
+        """The reply body of ``status``."""
+        return {
+            "job": self.job,
+            "generation": self.generation,
+            "members": [
+                {"worker_id": m.worker_id, "rank": rank, "host": m.host, "device": m.device, "pid": m.pid}
+                for rank, m in enumerate(self.members)
+            ],
+            "step": self.progress.step,
+            "epoch": self.progress.epoch,
+            "position": self.progress.position,
+            "global_batch": self.progress.global_batch,
+            "pending": [self._pending_summary(request) for request in self.pending],
+            "in_flight": self.in_flight.plan.to_dict() if self.in_flight else None,
+            "last_adjustment": self.last_adjustment,
+            "finished": self.finished,
+        }
+
+    def _pending_summary(self, request: ScaleRequest) -> dict[str, Any]:
+        workers = {worker: self.pending_workers[worker].status for worker in request.new_workers}
+        return {**request.to_dict(), "worker_status": workers}
+
+    # ---- transitions ---------------------------------------------------------------------------------------------
+
+    def start_job(self, nproc: int, coordinate_every: int | None = None, hosts: Any = None) -> dict[str, Any]:
+        """Create generation 0 with members w0..w{nproc-1}; a started job just returns its current membership."""
+        if self.started:
+            return self._membership()
+        if nproc < 1:
+            raise StateError(f"nproc must be ≥ 1, got {nproc}")
+        if coordinate_every is not None and coordinate_every < 1:
+            raise StateError(f"coordinate_every must be ≥ 1, got {coordinate_every}")
+        worker_ids = [f"w{self.next_worker + index}" for index in range(nproc)]
+        host_of = _initial_hosts(worker_ids, hosts)
+        self.members = [Member(worker, 0, host=host_of.get(worker)) for worker in worker_ids]
+        self.next_worker += nproc
+        self.coordinate_every = coordinate_every
+        self.started = True
+        return self._membership()
+
+    def scale(
+        self,
+        action: str,
+        count: int | None = None,
+        ranks: list[int] | None = None,
+        size: int | None = None,
+        at_step: int | None = None,
+        now: float | None = None,
+    ) -> dict[str, Any]:
+        """Queue a scale request and create its new workers; returns ``{request_id, new_workers}``."""
+        self._require_running()
+        if self.in_flight is not None:
+            raise StateError(
+                f"adjustment in flight (generation {self.generation} → {self.in_flight.plan.generation}); retry"
+            )
+        request = self._resolve_request(action, count, ranks, size, at_step)
+        request.request_id = f"r{self.next_request}"
+        self.next_request += 1
+        request.requested_at = _now(now)
+        request.new_workers = [f"w{self.next_worker + index}" for index in range(request.add_count)]
+        self.next_worker += request.add_count
+        for worker in request.new_workers:
+            self.pending_workers[worker] = PendingWorker(worker, request.request_id)
+        if not request.new_workers:
+            request.all_reported_at = request.requested_at
+        self.pending.append(request)
+        return {"request_id": request.request_id, "new_workers": list(request.new_workers)}
+
+    def launcher_poll(self, now: float | None = None) -> dict[str, Any]:
+        """Hand the launcher the workers it has to start and mark them spawned."""
+        spawn = []
+        for pending in self.pending_workers.values():
+            if pending.status == REQUESTED:
+                pending.status = SPAWNED
+                pending.spawned_at = _now(now)
+                spawn.append({"worker_id": pending.worker_id, "request_id": pending.request_id})
+        return {"spawn": spawn, "finished": self.finished}
+
+    def register(
+        self,
+        worker_id: str,
+        host: str | None = None,
+        device: str | int | None = None,
+        pid: int | None = None,
+        now: float | None = None,
+    ) -> dict[str, Any]:
+        """Record a worker's host/device/pid; for a joiner this is *report ready*."""
+        member = self.member(worker_id)
+        if member is not None:
+            member.host, member.device, member.pid = host, device, pid
+            return {}
+        pending = self.pending_workers.get(worker_id)
+        if pending is None:
+            if worker_id in self.left_workers:
+                raise StateError(f"worker {worker_id} has left the job")
+            raise StateError(f"unknown worker {worker_id}")
+        pending.host, pending.device, pending.pid = host, device, pid
+        if pending.status in (REQUESTED, SPAWNED):
+            pending.status = READY
+            pending.ready_at = _now(now)
+            self._note_ready(pending.request_id, pending.ready_at)
+        return {}
+
+    def coordinate(
+        self,
+        worker_id: str,
+        generation: int,
+        step: int,
+        epoch: int | None = None,
+        position: int | None = None,
+        global_batch: int | None = None,
+        now: float | None = None,
+    ) -> dict[str, Any]:
+        """Rank 0's periodic question: ``{decision: "none"}`` or ``{decision: "adjust", plan}``."""
+        self._require_started()
+        self._require_known(worker_id)
+        self._commit_if_new_generation(worker_id, generation, now)
+        if generation != self.generation:
+            raise StateError(f"generation {generation} is not current (current generation {self.generation})")
+        if self.member(worker_id) is None:
+            raise StateError(f"worker {worker_id} is not a member of generation {self.generation}")
+        self.progress = Progress(step, epoch, position, global_batch, _now(now))
+        if self.in_flight is not None:
+            return {"decision": "adjust", "plan": self.in_flight.plan.to_dict()}
+        plan = None if self.finished else self._decide_head(step, now)
+        if plan is None:
+            return {"decision": "none"}
+        return {"decision": "adjust", "plan": plan.to_dict()}
+
+    def report(
+        self,
+        worker_id: str,
+        generation: int,
+        role: str,
+        pause_s: float | None = None,
+        bytes_sent: int | None = None,
+        bytes_received: int | None = None,
+        startup_s: float | None = None,
+        now: float | None = None,
+    ) -> dict[str, Any] | None:
+        """Record a worker's report after an adjustment; returns the adjustment record once all members reported."""
+        self._require_known(worker_id)
+        if role not in ROLES:
+            raise StateError(f"unknown role {role!r} (expected stayer, joiner or leaver)")
+        self._commit_if_new_generation(worker_id, generation, now)
+        adjustment = self._adjustment_to(generation)
+        if adjustment is None:
+            if generation <= self.generation:  # a late duplicate: the adjustment is already recorded
+                return None
+            raise StateError(f"no adjustment to generation {generation} (current generation {self.generation})")
+        if not adjustment.plan.involves(worker_id):
+            raise StateError(f"worker {worker_id} is not part of the adjustment to generation {generation}")
+        adjustment.reports[worker_id] = {
+            "role": role,
+            "pause_s": pause_s,
+            "bytes_sent": bytes_sent,
+            "bytes_received": bytes_received,
+            "startup_s": startup_s,
+            "reported_at": _now(now),
+        }
+        return self._complete_if_all_reported(adjustment, now)
+
+    def wait_plan(self, worker_id: str) -> dict[str, Any] | None:
+        """The answer to a joiner's ``wait_plan``: a plan, a cancellation, or None to keep waiting."""
+        self._require_known(worker_id)
+        if self.in_flight is not None and self.in_flight.plan.involves(worker_id):
+            return {"status": "plan", "plan": self.in_flight.plan.to_dict()}
+        last = self.last_plan
+        if last is not None and last.generation == self.generation and worker_id in last.joiners:
+            return {"status": "plan", "plan": last.to_dict()}  # asked again after its plan was committed
+        pending = self.pending_workers.get(worker_id)
+        if pending is not None and pending.status == CANCELLED:
+            return {"status": "cancelled", "reason": pending.reason or f"worker {worker_id} was cancelled"}
+        if worker_id in self.left_workers:
+            return {"status": "cancelled", "reason": f"worker {worker_id} has left the job"}
+        if self.finished:
+            return {"status": "cancelled", "reason": f"job finished: {self.finish_reason}"}
+        return None
+
+    def worker_exit(self, worker_id: str, returncode: int) -> dict[str, Any]:
+        """A worker exited; ``expected``: a leaver, a cancelled joiner or (after shutdown) a member, exiting 0."""
+        clean = returncode == 0
+        if worker_id in self.left_workers or (self.in_flight and worker_id in self.in_flight.plan.leavers):
+            return {"expected": clean}
+        pending = self.pending_workers.get(worker_id)
+        if pending is not None:
+            return {"expected": self._pending_worker_exited(pending, returncode)}
+        if self.member(worker_id) is not None:
+            if not clean:
+                logger.warning("member %s of generation %s exited with code %s", worker_id, self.generation, returncode)
+            return {"expected": clean and self.finished}
+        raise StateError(f"unknown worker {worker_id}")
+
+    def shutdown(self, reason: str | None = None) -> dict[str, Any]:
+        """Cancel the pending requests and mark the job finished (idempotent)."""
+        if self.finished:
+            return {}
+        reason = reason or "shutdown"
+        for request in self.pending:
+            self._cancel_workers(request, f"job shut down: {reason}")
+        self.pending = []
+        self.finished = True
+        self.finish_reason = reason
+        return {}
+
+    # ---- helpers -------------------------------------------------------------------------------------------------
+
+    def _membership(self) -> dict[str, Any]:
+        return {"generation": self.generation, "members": self.member_ids}
+
+    def _require_started(self) -> None:
+        if not self.started:
+            raise StateError(f"job {self.job!r} has not been started (no start_job yet)")
+
+    def _require_running(self) -> None:
+        self._require_started()
+        if self.finished:
+            raise StateError(f"job {self.job!r} is finished ({self.finish_reason})")
+
+    def _require_known(self, worker_id: str) -> None:
+        if not self.is_known(worker_id):
+            raise StateError(f"unknown worker {worker_id}")
+
+    def _resolve_request(
+        self, action: str, count: int | None, ranks: list[int] | None, size: int | None, at_step: int | None
+    ) -> ScaleRequest:
+        """Validate a scale request against the projected world and turn it into adds and removals."""
+        if action not in ACTIONS:
+            raise StateError(f"unknown action {action!r} (expected add, remove, migrate or to)")
+        _check_arguments(action, count, ranks, size)
+        if at_step is not None and at_step < 0:
+            raise StateError(f"at_step must be ≥ 0, got {at_step}")
+        request = ScaleRequest(request_id="", action=action, count=count, size=size, at_step=at_step)
+        projected = self.projected_size()
+        if action == "add":
+            request.add_count = _positive_count(action, count)
+        elif action == "remove" and ranks is not None:
+            request.ranks = self._checked_ranks(ranks, projected)
+        elif action == "remove":
+            request.remove_count = _removable(_positive_count(action, count), projected)
+        elif action == "migrate":
+            request.add_count = request.remove_count = _migratable(_positive_count(action, count), projected)
+        else:
+            _resize(request, size, projected)
+        return request
+
+    def _checked_ranks(self, ranks: list[int], projected: int) -> list[int]:
+        if not ranks:
+            raise StateError("ranks must not be empty")
+        generation = self.generation + len(self.pending)
+        for rank in ranks:
+            if not 0 <= rank < projected:
+                raise StateError(f"rank {rank} does not exist in generation {generation} (world size {projected})")
+        if len(set(ranks)) != len(ranks):
+            raise StateError(f"ranks must be distinct, got {ranks}")
+        if len(ranks) >= projected:
+            raise StateError(f"cannot remove all {projected} workers")
+        return sorted(ranks)
+
+    def _note_ready(self, request_id: str, ready_at: float) -> None:
+        request = self._pending_request(request_id)
+        if request is None:
+            return
+        if all(self.pending_workers[worker].status == READY for worker in request.new_workers):
+            request.all_reported_at = ready_at
+
+    def _pending_request(self, request_id: str) -> ScaleRequest | None:
+        return next((request for request in self.pending if request.request_id == request_id), None)
+
+    def _decide_head(self, step: int, now: float | None) -> AdjustmentPlan | None:
+        """Decide the head request if its step has come and its new workers are ready."""
+        while self.pending:
+            head = self.pending[0]
+            if head.at_step is not None and step < head.at_step:
+                return None
+            if any(self.pending_workers[worker].status != READY for worker in head.new_workers):
+                return None
+            try:
+                plan = self._make_plan(head, step)
+            except StateError as error:
+                self._fail_request(head, str(error))
+                continue
+            self.pending.pop(0)
+            self.in_flight = Adjustment(plan, head.requested_at, head.all_reported_at, decided_at=_now(now))
+            return plan
+        return None
+
+    def _make_plan(self, request: ScaleRequest, step: int) -> AdjustmentPlan:
+        previous = self.member_ids
+        leavers = self._leavers(request)
+        stayers = [worker for worker in previous if worker not in leavers]
+        joiners = sorted(request.new_workers, key=worker_number)
+        if not stayers and not joiners:
+            raise StateError(f"cannot remove all {len(previous)} workers")
+        hosts = {worker: self._host_of(worker) for worker in previous + joiners}
+        return AdjustmentPlan(
+            request_id=request.request_id,
+            action=request.action,
+            generation=self.generation + 1,
+            previous_generation=self.generation,
+            step=step,
+            members=stayers + joiners,
+            previous_members=previous,
+            joiners=joiners,
+            leavers=leavers,
+            sources=choose_sources(stayers, leavers, joiners),
+            hosts=hosts,
+        )
+
+    def _leavers(self, request: ScaleRequest) -> list[str]:
+        """The members a request removes, resolved against the current generation, in rank order."""
+        members = self.member_ids
+        if request.ranks is not None:
+            for rank in request.ranks:
+                if rank >= len(members):
+                    raise StateError(
+                        f"rank {rank} does not exist in generation {self.generation} (world size {len(members)})"
+                    )
+            return [members[rank] for rank in sorted(request.ranks)]
+        if request.remove_count > len(members):
+            raise StateError(f"cannot remove {request.remove_count} of the {len(members)} workers")
+        newest_first = sorted(self.members, key=lambda m: (m.joined_generation, worker_number(m.worker_id)))[::-1]
+        leaving = {member.worker_id for member in newest_first[: request.remove_count]}
+        return [worker for worker in members if worker in leaving]
+
+    def _host_of(self, worker_id: str) -> str | None:
+        member = self.member(worker_id)
+        if member is not None:
+            return member.host
+        return self.pending_workers[worker_id].host
+
+    def _commit_if_new_generation(self, worker_id: str, generation: int, now: float | None) -> None:
+        """A member of the in-flight plan's generation has spoken: that generation becomes current."""
+        adjustment = self.in_flight
+        if adjustment is None or generation != adjustment.plan.generation:
+            return
+        if worker_id not in adjustment.plan.members:
+            return
+        self._commit(adjustment, now)
+
+    def _commit(self, adjustment: Adjustment, now: float | None) -> None:
+        plan = adjustment.plan
+        old_members = {member.worker_id: member for member in self.members}
+        self.members = [old_members.get(worker) or self._promote(worker, plan.generation) for worker in plan.members]
+        self.left_workers.extend(plan.leavers)
+        self.generation = plan.generation
+        adjustment.committed_at = _now(now)
+        self.in_flight = None
+        self.last_plan = plan
+        self.completing = [*self.completing, adjustment][-MAX_COMPLETING:]
+
+    def _promote(self, worker_id: str, generation: int) -> Member:
+        pending = self.pending_workers.pop(worker_id)
+        return Member(worker_id, generation, host=pending.host, device=pending.device, pid=pending.pid)
+
+    def _adjustment_to(self, generation: int) -> Adjustment | None:
+        if self.in_flight is not None and self.in_flight.plan.generation == generation:
+            return self.in_flight
+        return next((a for a in self.completing if a.plan.generation == generation), None)
+
+    def _complete_if_all_reported(self, adjustment: Adjustment, now: float | None) -> dict[str, Any] | None:
+        if not adjustment.all_members_reported():
+            return None
+        record = adjustment.record(self.job, _now(now))
+        self.completing.remove(adjustment)
+        self.last_adjustment = record
+        return record
+
+    def _pending_worker_exited(self, pending: PendingWorker, returncode: int) -> bool:
+        """Handle the exit of a joiner that is not a member yet; returns whether the exit was expected."""
+        if pending.status == CANCELLED:
+            del self.pending_workers[pending.worker_id]
+            return returncode == 0
+        request = self._pending_request(pending.request_id)
+        if request is None:  # its plan is decided: the adjustment will fail in the workers
+            logger.error(
+                "joiner %s of the decided request %s exited with code %s",
+                pending.worker_id,
+                pending.request_id,
+                returncode,
+            )
+            return False
+        reason = f"worker {pending.worker_id} exited with code {returncode} before its plan was decided"
+        self._fail_request(request, reason)
+        del self.pending_workers[pending.worker_id]
+        return False
+
+    def _fail_request(self, request: ScaleRequest, reason: str) -> None:
+        """Drop a pending request and cancel its new workers."""
+        logger.warning("request %s (%s) failed: %s", request.request_id, request.action, reason)
+        self.pending.remove(request)
+        self._cancel_workers(request, f"request {request.request_id} failed: {reason}")
+
+    def _cancel_workers(self, request: ScaleRequest, reason: str) -> None:
+        for worker in request.new_workers:
+            pending = self.pending_workers.get(worker)
+            if pending is not None and pending.status in WAITING_STATUSES:
+                pending.status = CANCELLED
+                pending.reason = reason
+
+
+def _now(now: float | None) -> float:
+    return time.time() if now is None else now
+
+
+def _initial_hosts(worker_ids: list[str], hosts: Any) -> dict[str, str]:
+    """``hosts`` of start_job: one host per rank (list) or a worker → host mapping."""
+    if hosts is None:
+        return {}
+    if isinstance(hosts, dict):
+        unknown = sorted(set(hosts) - set(worker_ids))
+        if unknown:
+            raise StateError(f"hosts names unknown workers {unknown}")
+        return dict(hosts)
+    if len(hosts) != len(worker_ids):
+        raise StateError(f"hosts must list one host per worker: got {len(hosts)} for nproc {len(worker_ids)}")
+    return dict(zip(worker_ids, hosts, strict=True))
+
+
+def _check_arguments(action: str, count: int | None, ranks: list[int] | None, size: int | None) -> None:
+    """Refuse arguments that do not belong to the action."""
+    if ranks is not None and action != "remove":
+        raise StateError(f"ranks only apply to remove, not to {action}")
+    if ranks is not None and count is not None:
+        raise StateError("remove takes a count or ranks, not both")
+    if size is not None and action != "to":
+        raise StateError(f"size only applies to to, not to {action}")
+    if action == "to" and count is not None:
+        raise StateError("to takes a size, not a count")
+    if action == "to" and size is None:
+        raise StateError("to needs a size")
+
+
+def _positive_count(action: str, count: int | None) -> int:
+    if count is None:
+        raise StateError(f"{action} needs a count" + (" or ranks" if action == "remove" else ""))
+    if count < 1:
+        raise StateError(f"count must be ≥ 1, got {count}")
+    return count
+
+
+def _removable(count: int, projected: int) -> int:
+    if count == projected:
+        raise StateError(f"cannot remove all {projected} workers")
+    if count > projected:
+        raise StateError(f"cannot remove {count} workers: the job has only {projected}")
+    return count
+
+
+def _migratable(count: int, projected: int) -> int:
+    if count > projected:
+        raise StateError(f"cannot migrate {count} workers: the job has only {projected}")
+    return count
+
+
+def _resize(request: ScaleRequest, size: int | None, projected: int) -> None:
+    """Turn ``to size`` into an add or a newest-first removal against the projected size."""
+    if size is None or size < 1:
+        raise StateError(f"size must be ≥ 1, got {size}")
+    if size == projected:
+        raise StateError(f"the job already has {projected} workers (counting pending requests); nothing to do")
+    if size > projected:
+        request.add_count = size - projected
+    else:
+        request.remove_count = projected - size

@@ -1,0 +1,150 @@
+"""A request/reply client for the application master (ZeroMQ DEALER with timeout and resend)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from lightning_elan.protocol.messages import ProtocolError, Reply, decode_reply, encode_request, new_message_id
+
+logger = logging.getLogger(__name__)
+
+
+class AMError(RuntimeError):
+    """The AM answered with an error; ``str(error)`` is the AM's message."""
+
+    def __init__(self, message: str, msg_type: str | None = None, msg_id: str | None = None) -> None:
+        super().__init__(message)
+        self.msg_type = msg_type
+        self.msg_id = msg_id
+
+
+class AMUnavailable(ConnectionError):
+    """The AM did not answer a request, even after every resend."""
+
+
+class AMClient:
+    """Talks to one job's AM. Use one client per thread: a ZeroMQ socket must not be shared between threads.
+
+    (A lock serialises accidental sharing, but a parked ``wait_plan`` then blocks every other caller.)
+    Each request waits ``timeout_s`` for its reply, then is resent with the **same id** up to ``retries`` times, so
+    the AM applies it at most once; replies carrying another id (late answers to earlier requests) are discarded.
+    """
+
+    def __init__(self, address: str, job: str, timeout_s: float = 2.0, retries: int = 3) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if retries < 0:
+            raise ValueError(f"retries must be ≥ 0, got {retries}")
+        self.address = address
+        self.job = job
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._lock = threading.Lock()
+        self._socket: zmq.Socket | None = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+
+    def request(
+        self,
+        type: str,
+        body: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+        retries: int | None = None,
+        msg_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Send one request and return the reply body; raises ``AMError`` or ``AMUnavailable``."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        retries = self.retries if retries is None else retries
+        msg_id = msg_id or new_message_id()
+        payload = encode_request(msg_id, self.job, type, body)
+        attempts = retries + 1
+        with self._lock:
+            socket = self._open_socket()
+            for attempt in range(1, attempts + 1):
+                self._send(socket, payload)
+                reply = self._await_reply(socket, msg_id, timeout_s)
+                if reply is not None:
+                    return self._unwrap(reply, type)
+                if attempt < attempts:
+                    logger.debug("no reply to %s %s within %.3gs; resending", type, msg_id, timeout_s)
+        raise AMUnavailable(
+            f"no reply from the AM of job {self.job!r} at {self.address} to {type} (id {msg_id}) "
+            f"after {attempts} attempt(s) of {timeout_s:g}s"
+        )
+
+    def scale(
+        self,
+        action: str,
+        count: int | None = None,
+        ranks: list[int] | None = None,
+        size: int | None = None,
+        at_step: int | None = None,
+    ) -> dict[str, Any]:
+        """Ask for an adjustment; returns ``{request_id, new_workers}``."""
+        fields = {"action": action, "count": count, "ranks": ranks, "size": size, "at_step": at_step}
+        return self.request("scale", {name: value for name, value in fields.items() if value is not None})
+
+    def status(self) -> dict[str, Any]:
+        """The job's status (see docs/architecture.md, *Status*)."""
+        return self.request("status")
+
+    def wait_plan(self, worker_id: str, timeout_s: float) -> dict[str, Any]:
+        """Long-poll for this joiner's plan; the client waits ``timeout_s`` plus its own timeout for the answer."""
+        body = {"worker_id": worker_id, "timeout_s": timeout_s}
+        return self.request("wait_plan", body, timeout_s=timeout_s + self.timeout_s)
+
+    def close(self) -> None:
+        """Close the socket (pending messages are dropped)."""
+        with self._lock:
+            if self._socket is not None:
+                self._socket.close(linger=0)
+                self._socket = None
+
+    def __enter__(self) -> AMClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _open_socket(self) -> zmq.Socket:
+        if self._socket is None:
+            raise RuntimeError("AMClient is closed")
+        return self._socket
+
+    def _send(self, socket: zmq.Socket, payload: bytes) -> None:
+        try:
+            socket.send(payload, zmq.NOBLOCK)
+        except zmq.Again:  # send queue full; count it as a lost attempt
+            logger.debug("send queue to %s is full; the attempt is lost", self.address)
+
+    def _await_reply(self, socket: zmq.Socket, msg_id: str, timeout_s: float) -> Reply | None:
+        """The reply with ``msg_id``, or None when ``timeout_s`` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not socket.poll(max(1, round(remaining * 1000)), zmq.POLLIN):
+                continue
+            try:
+                reply = decode_reply(socket.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                continue
+            except ProtocolError as error:
+                logger.warning("discarding an invalid reply from %s: %s", self.address, error)
+                continue
+            if reply.id == msg_id:
+                return reply
+            logger.debug("discarding a reply for id %s while waiting for %s", reply.id, msg_id)
+        return None
+
+    def _unwrap(self, reply: Reply, msg_type: str) -> dict[str, Any]:
+        if not reply.ok:
+            raise AMError(reply.error or "unknown error", msg_type=msg_type, msg_id=reply.id)
+        return reply.body

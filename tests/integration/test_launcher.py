@@ -1,0 +1,204 @@
+"""`elan run` end to end with a tiny plain-Python worker (no torch, no Lightning in the workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+# argv: OUT_DIR MODE. Every worker registers with the AM and writes its environment to OUT_DIR/<worker_id>.json.
+WORKER = textwrap.dedent(
+    """
+    import json, os, signal, socket, sys, time
+    from pathlib import Path
+
+    from lightning_elan.protocol.client import AMClient
+
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    env = {key: value for key, value in os.environ.items() if key.startswith("ELAN_")}
+    worker_id = env["ELAN_WORKER_ID"]
+
+
+    def write(name, data):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(out / (name + ".json"))
+
+
+    def wait_for(predicate, timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                sys.exit(f"{worker_id}: timed out waiting")
+            time.sleep(0.05)
+
+
+    def on_term(signum, frame):
+        write(worker_id + ".terminated", {"signal": signum})
+        sys.exit(143)
+
+
+    signal.signal(signal.SIGTERM, on_term)
+    client = AMClient(env["ELAN_AM_ADDRESS"], env["ELAN_JOB"])
+    client.request("register", {"worker_id": worker_id, "host": socket.gethostname(), "device": "cpu",
+                                "pid": os.getpid()})
+    write(worker_id, env)
+
+    if env["ELAN_ROLE"] == "joiner":
+        if mode == "joiner-fails":
+            sys.exit(3)
+        while True:
+            reply = client.wait_plan(worker_id, timeout_s=1.0)
+            if reply["status"] != "wait":
+                break
+        write(worker_id + ".plan", reply)
+        sys.exit(0 if reply["status"] == "cancelled" else 5)
+
+    if mode == "ok":
+        sys.exit(0)
+    if mode == "fail-rank-1":
+        if env["ELAN_RANK"] == "1":
+            size = int(env["ELAN_WORLD_SIZE"])
+            wait_for(lambda: len(list(out.glob("w*.json"))) >= size)
+            sys.exit(3)
+        time.sleep(120)
+        sys.exit(0)
+    if mode == "sleep":
+        time.sleep(120)
+        sys.exit(0)
+    if mode == "wait-joiner":
+        wait_for(lambda: any(json.loads(p.read_text())["ELAN_ROLE"] == "joiner" for p in out.glob("w*.json")
+                             if p.name.count(".") == 1))
+        sys.exit(0)
+    if mode == "joiner-fails":
+        wait_for(lambda: client.status()["pending"] == [])  # the AM dropped the failed joiner's request
+        sys.exit(0)
+    sys.exit(f"unknown mode {mode}")
+    """
+)
+
+
+def elan_run(
+    tmp_path: Path, job: str, nproc: int, mode: str, *extra: str, timeout_s: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    argv = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", job, *extra]
+    argv += ["--", sys.executable, str(script), str(out), mode]
+    return subprocess.run(argv, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ, ELAN_HOME=str(tmp_path / "home"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def worker_files(tmp_path: Path) -> dict[str, dict[str, str]]:
+    """``{worker_id: env}`` for every worker that registered (files named exactly ``<worker_id>.json``)."""
+    files = (tmp_path / "out").glob("w*.json")
+    return {path.stem: json.loads(path.read_text()) for path in files if path.name.count(".") == 1}
+
+
+def test_run_members_exit_zero(tmp_path: Path) -> None:
+    result = elan_run(tmp_path, "ok3", 3, "ok", "--coordinate-every", "7")
+    assert result.returncode == 0, result.stderr
+    workers = worker_files(tmp_path)
+    assert sorted(workers) == ["w0", "w1", "w2"]
+    assert sorted(int(env["ELAN_RANK"]) for env in workers.values()) == [0, 1, 2]
+    for worker_id, env in workers.items():
+        assert env["ELAN_WORKER_ID"] == worker_id
+        assert env["ELAN_JOB"] == "ok3"
+        assert env["ELAN_ROLE"] == "member"
+        assert env["ELAN_GENERATION"] == "0"
+        assert env["ELAN_WORLD_SIZE"] == "3"
+        assert env["ELAN_COORDINATE_EVERY"] == "7"
+        assert env["ELAN_AM_ADDRESS"].startswith("tcp://127.0.0.1:")
+        host, _, port = env["ELAN_STORE_ADDRESS"].rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0
+        assert abs(float(env["ELAN_SPAWN_TIME"]) - time.time()) < 120
+        assert "ELAN_DEVICE_INDEX" not in env
+    assert "spawned w0" in result.stderr and "w2 (pid" in result.stderr
+    assert not (tmp_path / "home" / "jobs" / "ok3.json").exists(), "the AM leaves its registry file behind"
+
+
+def test_failing_worker_stops_the_job(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = elan_run(tmp_path, "fail", 3, "fail-rank-1")
+    assert result.returncode == 1, result.stderr
+    assert time.monotonic() - started < 60, "the other workers were not terminated promptly"
+    workers = worker_files(tmp_path)
+    failed = next(worker_id for worker_id, env in workers.items() if env["ELAN_RANK"] == "1")
+    assert f"elan: error: {failed} failed (exited with code 3)" in result.stderr
+    others = sorted(set(workers) - {failed})
+    assert len(others) == 2
+    for worker_id in others:
+        marker = tmp_path / "out" / f"{worker_id}.terminated.json"
+        assert json.loads(marker.read_text())["signal"] == signal.SIGTERM
+
+
+def test_joiner_is_cancelled_at_shutdown(tmp_path: Path) -> None:
+    result = elan_run(tmp_path, "grow", 2, "wait-joiner", "--schedule", "1000:add=1")
+    assert result.returncode == 0, result.stderr
+    workers = worker_files(tmp_path)
+    assert sorted(workers) == ["w0", "w1", "w2"]
+    joiner = workers["w2"]
+    assert joiner["ELAN_ROLE"] == "joiner"
+    assert joiner["ELAN_WORKER_ID"] == "w2"
+    for key in ("ELAN_RANK", "ELAN_WORLD_SIZE", "ELAN_GENERATION"):
+        assert key not in joiner
+    assert joiner["ELAN_STORE_ADDRESS"] == workers["w0"]["ELAN_STORE_ADDRESS"]
+    plan = json.loads((tmp_path / "out" / "w2.plan.json").read_text())
+    assert plan["status"] == "cancelled"
+    assert "w2 (pid" in result.stderr and "exited with code 0" in result.stderr
+
+
+def test_joiner_failing_before_its_plan_does_not_stop_the_job(tmp_path: Path) -> None:
+    result = elan_run(tmp_path, "flaky", 2, "joiner-fails", "--schedule", "1000:add=1")
+    assert result.returncode == 0, result.stderr
+    assert "w2 (pid" in result.stderr and "exited with code 3" in result.stderr
+    assert "joiner w2 failed before its plan was decided" in result.stderr
+    assert sorted(worker_files(tmp_path)) == ["w0", "w1", "w2"]
+
+
+def test_schedule_refused_by_the_am(tmp_path: Path) -> None:
+    result = elan_run(tmp_path, "refused", 2, "ok", "--schedule", "5:remove=rank:7")
+    assert result.returncode == 1
+    assert "elan: error: schedule item '5:remove=rank:7' refused: " in result.stderr
+    assert worker_files(tmp_path) == {}
+
+
+def test_sigterm_to_launcher_is_forwarded(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    argv = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "2", "--job", "term"]
+    argv += ["--", sys.executable, str(script), str(out), "sleep"]
+    launcher = subprocess.Popen(argv, env=_env(tmp_path), cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(worker_files(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(worker_files(tmp_path)) == 2
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    for worker_id in ("w0", "w1"):
+        assert (out / f"{worker_id}.terminated.json").exists()

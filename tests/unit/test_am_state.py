@@ -1,0 +1,359 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_elan.master.state import JobState, StateError
+
+
+def started(nproc: int = 3) -> JobState:
+    state = JobState(job="job")
+    state.start_job(nproc, coordinate_every=5)
+    return state
+
+
+def ready(state: JobState, workers: list[str]) -> None:
+    for worker in workers:
+        state.register(worker, host="host", device="cpu", pid=100)
+
+
+def decide(state: JobState, step: int = 10) -> dict:
+    reply = state.coordinate(state.member_ids[0], state.generation, step)
+    assert reply["decision"] == "adjust", reply
+    return reply["plan"]
+
+
+def adjust(state: JobState, action: str, **arguments: object) -> dict:
+    """Request, register the joiners, decide and commit one adjustment; returns its plan."""
+    new_workers = state.scale(action, **arguments)["new_workers"]
+    ready(state, new_workers)
+    plan = decide(state)
+    state.coordinate(plan["members"][0], plan["generation"], 11)
+    return plan
+
+
+def test_start_job_creates_generation_zero_and_is_idempotent() -> None:
+    state = JobState(job="job")
+
+    first = state.start_job(3)
+    again = state.start_job(5)
+
+    assert first == again == {"generation": 0, "members": ["w0", "w1", "w2"]}
+    assert state.scale("add", count=1)["new_workers"] == ["w3"]
+
+
+def test_add_spawns_new_workers_then_plans_them_in_after_they_report_ready() -> None:
+    state = started(2)
+
+    reply = state.scale("add", count=2)
+    first_poll = state.launcher_poll()
+    second_poll = state.launcher_poll()
+
+    assert reply == {"request_id": "r1", "new_workers": ["w2", "w3"]}
+    assert first_poll == {
+        "spawn": [{"worker_id": "w2", "request_id": "r1"}, {"worker_id": "w3", "request_id": "r1"}],
+        "finished": False,
+    }
+    assert second_poll["spawn"] == []
+    assert state.coordinate("w0", 0, 5) == {"decision": "none"}
+    ready(state, ["w2", "w3"])
+    plan = decide(state, step=10)
+    assert plan == {
+        "request_id": "r1",
+        "action": "add",
+        "generation": 1,
+        "previous_generation": 0,
+        "step": 10,
+        "members": ["w0", "w1", "w2", "w3"],
+        "previous_members": ["w0", "w1"],
+        "joiners": ["w2", "w3"],
+        "leavers": [],
+        "sources": {"w2": "w0", "w3": "w1"},
+        "hosts": {"w0": None, "w1": None, "w2": "host", "w3": "host"},
+    }
+
+
+def test_decision_waits_until_all_new_workers_reported() -> None:
+    state = started(2)
+    state.scale("add", count=2)
+
+    ready(state, ["w2"])
+
+    assert state.coordinate("w0", 0, 10) == {"decision": "none"}
+    ready(state, ["w3"])
+    assert state.coordinate("w0", 0, 15)["decision"] == "adjust"
+
+
+def test_at_step_defers_the_decision_to_the_first_coordination_at_or_after_it() -> None:
+    state = started(2)
+    state.scale("add", count=1, at_step=20)
+    ready(state, ["w2"])
+
+    assert state.coordinate("w0", 0, 15) == {"decision": "none"}
+    assert decide(state, step=25)["step"] == 25
+
+
+def test_only_the_head_request_is_considered() -> None:
+    state = started(2)
+    state.scale("add", count=1, at_step=100)
+    state.scale("remove", count=1)
+
+    assert state.coordinate("w0", 0, 10) == {"decision": "none"}
+    assert [request["request_id"] for request in state.status()["pending"]] == ["r1", "r2"]
+
+
+def test_remove_takes_the_newest_members_first() -> None:
+    state = started(3)
+    adjust(state, "add", count=1)  # w3 joins in generation 1
+
+    plan = adjust(state, "remove", count=2)
+
+    assert plan["leavers"] == ["w2", "w3"]  # w3: latest generation; w2: highest id of generation 0
+    assert plan["members"] == ["w0", "w1"]
+    assert plan["sources"] == {}
+    assert state.generation == 2 and state.member_ids == ["w0", "w1"]
+
+
+def test_remove_ranks_names_ranks_and_keeps_the_order_of_stayers() -> None:
+    state = started(4)
+
+    plan = adjust(state, "remove", ranks=[2, 0])
+
+    assert plan["leavers"] == ["w0", "w2"]
+    assert plan["members"] == ["w1", "w3"]
+    assert state.status()["members"][0] == {"worker_id": "w1", "rank": 0, "host": None, "device": None, "pid": None}
+
+
+def test_ranks_are_validated_against_the_projected_generation() -> None:
+    state = started(3)
+
+    with pytest.raises(StateError, match=r"^rank 5 does not exist in generation 0 \(world size 3\)$"):
+        state.scale("remove", ranks=[5])
+    state.scale("remove", count=1)
+    with pytest.raises(StateError, match=r"^rank 2 does not exist in generation 1 \(world size 2\)$"):
+        state.scale("remove", ranks=[2])
+    assert state.scale("remove", ranks=[1])["request_id"] == "r2"
+
+
+def test_migrate_adds_and_removes_the_newest_old_members_in_one_adjustment() -> None:
+    state = started(3)
+
+    plan = adjust(state, "migrate", count=2)
+
+    assert plan["joiners"] == ["w3", "w4"]
+    assert plan["leavers"] == ["w1", "w2"]
+    assert plan["members"] == ["w0", "w3", "w4"]
+    assert plan["sources"] == {"w3": "w0", "w4": "w0"}
+
+
+def test_migrating_every_worker_sources_from_the_leavers() -> None:
+    state = started(2)
+
+    plan = adjust(state, "migrate", count=2)
+
+    assert plan["members"] == ["w2", "w3"]
+    assert plan["sources"] == {"w2": "w0", "w3": "w1"}
+
+
+def test_to_resizes_against_the_projected_size() -> None:
+    state = started(3)
+
+    grow = state.scale("to", size=5)
+    shrink = state.scale("to", size=4)
+
+    assert grow["new_workers"] == ["w3", "w4"]
+    assert shrink["new_workers"] == []
+    assert state.projected_size() == 4
+    with pytest.raises(StateError, match="already has 4 workers"):
+        state.scale("to", size=4)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"action": "add", "count": 0}, "count must be ≥ 1, got 0"),
+        ({"action": "add"}, "add needs a count"),
+        ({"action": "remove", "count": 3}, "cannot remove all 3 workers"),
+        ({"action": "remove", "count": 4}, "cannot remove 4 workers: the job has only 3"),
+        ({"action": "remove", "ranks": [0, 1, 2]}, "cannot remove all 3 workers"),
+        ({"action": "remove", "ranks": [1, 1]}, "ranks must be distinct"),
+        ({"action": "remove", "ranks": [0], "count": 1}, "count or ranks, not both"),
+        ({"action": "migrate", "count": 4}, "cannot migrate 4 workers: the job has only 3"),
+        ({"action": "to", "size": 0}, "size must be ≥ 1, got 0"),
+        ({"action": "add", "count": 1, "at_step": -1}, "at_step must be ≥ 0"),
+        ({"action": "grow", "count": 1}, "unknown action 'grow'"),
+    ],
+)
+def test_invalid_scale_requests_are_refused_without_side_effects(arguments: dict, message: str) -> None:
+    state = started(3)
+    before = state.to_dict()
+
+    with pytest.raises(StateError, match=message):
+        state.scale(**arguments)
+    assert state.to_dict() == before
+
+
+def test_unknown_workers_are_refused() -> None:
+    state = started(2)
+
+    with pytest.raises(StateError, match=r"^unknown worker w9$"):
+        state.register("w9")
+    with pytest.raises(StateError, match=r"^unknown worker w9$"):
+        state.coordinate("w9", 0, 1)
+    with pytest.raises(StateError, match=r"^unknown worker w9$"):
+        state.worker_exit("w9", 1)
+
+
+def test_requests_before_start_job_are_refused() -> None:
+    with pytest.raises(StateError, match="has not been started"):
+        JobState(job="job").scale("add", count=1)
+
+
+def test_in_flight_plan_refuses_scale_and_is_returned_again() -> None:
+    state = started(2)
+    state.scale("add", count=1)
+    ready(state, ["w2"])
+    plan = decide(state, step=10)
+
+    with pytest.raises(StateError, match=r"^adjustment in flight \(generation 0 → 1\); retry$"):
+        state.scale("add", count=1)
+    assert state.coordinate("w0", 0, 10) == {"decision": "adjust", "plan": plan}
+    assert state.wait_plan("w2") == {"status": "plan", "plan": plan}
+
+
+def test_coordinate_of_the_new_generation_commits_the_plan() -> None:
+    state = started(2)
+    state.scale("add", count=1)
+    ready(state, ["w2"])
+    decide(state)
+
+    assert state.coordinate("w0", 1, 12) == {"decision": "none"}
+    assert state.generation == 1
+    assert state.member_ids == ["w0", "w1", "w2"]
+    assert state.in_flight is None
+    assert state.member("w2").host == "host"
+    with pytest.raises(StateError, match=r"^generation 0 is not current \(current generation 1\)$"):
+        state.coordinate("w0", 0, 12)
+    with pytest.raises(StateError, match="generation 5 is not current"):
+        state.coordinate("w0", 5, 12)
+
+
+def test_a_joiners_report_commits_but_a_leavers_does_not() -> None:
+    state = started(3)
+    state.scale("migrate", count=1)
+    ready(state, ["w3"])
+    decide(state)
+
+    state.report("w2", 1, "leaver", pause_s=0.0, bytes_sent=100, bytes_received=0)
+    assert state.generation == 0
+    assert state.worker_exit("w2", 0) == {"expected": True}
+    state.report("w3", 1, "joiner", pause_s=0.5, bytes_sent=0, bytes_received=100, startup_s=4.0)
+    assert state.generation == 1
+    assert state.member_ids == ["w0", "w1", "w3"]
+
+
+def test_adjustment_record_is_produced_when_every_new_member_reported() -> None:
+    state = started(2)
+    state.scale("add", count=1)
+    ready(state, ["w2"])
+    decide(state, step=10)
+
+    assert state.report("w2", 1, "joiner", pause_s=0.3, bytes_received=1000, startup_s=3.5) is None
+    assert state.report("w0", 1, "stayer", pause_s=0.2, bytes_sent=1000, bytes_received=0) is None
+    record = state.report("w1", 1, "stayer", pause_s=0.1, bytes_sent=0, bytes_received=24)
+
+    assert record is not None
+    assert {key: record[key] for key in ("request_id", "action", "step", "generation", "joiners", "leavers")} == {
+        "request_id": "r1",
+        "action": "add",
+        "step": 10,
+        "generation": 1,
+        "joiners": ["w2"],
+        "leavers": [],
+    }
+    assert record["pause_s"] == {"w0": 0.2, "w1": 0.1}
+    assert record["joiner_startup_s"] == {"w2": 3.5}
+    assert record["bytes_replicated"] == 1024
+    assert record["requested_at"] <= record["all_reported_at"] <= record["decided_at"] <= record["completed_at"]
+    assert state.status()["last_adjustment"] == record
+    assert state.report("w1", 1, "stayer", pause_s=0.1) is None  # a late duplicate changes nothing
+
+
+def test_report_from_a_worker_outside_the_adjustment_is_refused() -> None:
+    state = started(2)
+    state.scale("add", count=1)
+    ready(state, ["w2"])
+    decide(state)
+    state.coordinate("w0", 1, 11)
+    state.scale("add", count=1)
+
+    with pytest.raises(StateError, match="w3 is not part of the adjustment to generation 1"):
+        state.report("w3", 1, "joiner")
+    with pytest.raises(StateError, match="no adjustment to generation 7"):
+        state.report("w0", 7, "stayer")
+
+
+def test_a_joiner_exiting_before_the_decision_fails_its_request_and_cancels_its_partners() -> None:
+    state = started(2)
+    state.scale("add", count=2)
+    state.launcher_poll()
+    ready(state, ["w2"])
+
+    assert state.worker_exit("w3", 1) == {"expected": False}
+
+    assert state.pending == []
+    answer = state.wait_plan("w2")
+    assert answer is not None and answer["status"] == "cancelled"
+    assert "request r1 failed: worker w3 exited with code 1" in answer["reason"]
+    assert state.worker_exit("w2", 0) == {"expected": True}
+    assert state.coordinate("w0", 0, 50) == {"decision": "none"}
+    assert state.scale("add", count=1)["new_workers"] == ["w4"]  # ids are never reused
+
+
+def test_wait_plan_waits_while_nothing_is_decided() -> None:
+    state = started(2)
+    state.scale("add", count=1)
+    ready(state, ["w2"])
+
+    assert state.wait_plan("w2") is None
+    with pytest.raises(StateError, match="unknown worker w7"):
+        state.wait_plan("w7")
+
+
+def test_shutdown_cancels_pending_requests_and_finishes_the_job() -> None:
+    state = started(2)
+    state.scale("add", count=1)
+
+    assert state.shutdown("training done") == {}
+
+    assert state.launcher_poll() == {"spawn": [], "finished": True}
+    assert state.wait_plan("w2") == {"status": "cancelled", "reason": "job shut down: training done"}
+    assert state.status()["finished"] is True
+    assert state.worker_exit("w0", 0) == {"expected": True}
+    with pytest.raises(StateError, match="is finished"):
+        state.scale("add", count=1)
+
+
+def test_a_member_crash_is_unexpected() -> None:
+    state = started(2)
+
+    assert state.worker_exit("w1", -9) == {"expected": False}
+
+
+def test_state_round_trips_through_json_mid_adjustment() -> None:
+    state = started(3)
+    adjust(state, "add", count=1)
+    state.scale("remove", ranks=[0])
+    decide(state)
+    state.report("w0", 2, "leaver", bytes_sent=0)
+
+    restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
+
+    assert restored == state
+    assert restored.in_flight is not None
+    assert restored.coordinate("w0", 1, 12) == state.coordinate("w0", 1, 12)
+    for worker in ("w1", "w2"):
+        assert restored.report(worker, 2, "stayer", pause_s=0.1) is None
+    assert restored.generation == 2
+    assert restored.report("w3", 2, "stayer", pause_s=0.1)["leavers"] == ["w0"]
