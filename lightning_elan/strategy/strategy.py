@@ -175,9 +175,10 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
+        # generation 0 starts like DDP (rank 0's weights broadcast); every later generation was formed by a
+        # replication, so all members already hold the same weights and DDP's construction has no collective
+        self._ddp_kwargs["init_sync"] = self.generation == 0
         super().configure_ddp()
-        # later wraps follow a replication: every member already holds the same weights
-        self._ddp_kwargs["init_sync"] = False
 
     def _install_coordinator(self, trainer: pl.Trainer) -> None:
         if not any(isinstance(callback, _ElanCoordinator) for callback in trainer.callbacks):

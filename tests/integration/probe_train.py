@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -75,6 +76,8 @@ def state_digest(model: ProbeModel) -> str:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(name)s: %(message)s")
+    logging.getLogger("lightning_elan").setLevel(os.environ.get("ELAN_PROBE_LOG", "INFO"))
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--samples", type=int, default=100)

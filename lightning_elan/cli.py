@@ -1,0 +1,498 @@
+"""The ``elan`` console script: ``elan run``, ``elan am``, ``elan scale``, ``elan status``.
+
+Argument problems exit with code 2 and one ``elan <command>: error: …`` line (argparse style); so do
+an unknown job and an AM that does not answer. An error reply from the AM exits with code 1 as
+``elan: error: <message>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_elan.launcher.schedule import (
+    ScaleAction,
+    ScheduleError,
+    parse_action,
+    parse_non_negative_int,
+    parse_positive_int,
+    parse_schedule,
+)
+from lightning_elan.master import registry
+
+log = logging.getLogger("lightning_elan.cli")
+
+DEFAULT_BIND = "tcp://127.0.0.1:0"
+DEFAULT_TIMEOUT_S = 2.0
+
+
+class CLIError(Exception):
+    """A failure reported as ``elan: error: <message>`` with ``code`` as the exit status."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ---------------------------------------------------------------------- argument types
+
+
+def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """Turn a parser raising ``ValueError`` into an argparse type whose message reaches the user."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _job_name(text: str) -> str:
+    return registry.check_job_name(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+positive_int = _arg_type(parse_positive_int)
+non_negative_int = _arg_type(parse_non_negative_int)
+job_name = _arg_type(_job_name)
+positive_float = _arg_type(_positive_float)
+schedule_type = _arg_type(parse_schedule)
+
+
+# ---------------------------------------------------------------------- parser
+
+
+@dataclass
+class Parsers:
+    """The top-level parser and one sub-parser per command (each reports its own errors)."""
+
+    main: argparse.ArgumentParser
+    commands: dict[str, argparse.ArgumentParser]
+
+
+def build_parser() -> Parsers:
+    parser = argparse.ArgumentParser(prog="elan", description="Elastic PyTorch Lightning jobs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = {
+        "run": _add_run(sub),
+        "am": _add_am(sub),
+        "scale": _add_scale(sub),
+        "status": _add_status(sub),
+    }
+    return Parsers(parser, commands)
+
+
+def _add_run(sub: Any) -> argparse.ArgumentParser:
+    run = sub.add_parser(
+        "run",
+        help="start an AM, a store and N workers of CMD",
+        usage="elan run --nproc N --job NAME [options] -- CMD...",
+        description="Start the AM, the TCPStore and N workers of CMD; start joiners when the AM asks.",
+    )
+    run.add_argument("--nproc", type=positive_int, required=True, metavar="N", help="workers in generation 0")
+    run.add_argument("--job", type=job_name, required=True, metavar="NAME")
+    run.add_argument(
+        "--coordinate-every", type=positive_int, default=None, metavar="K", help="coordination interval in steps"
+    )
+    run.add_argument(
+        "--schedule",
+        type=schedule_type,
+        default=None,
+        metavar="S",
+        help='scale requests as STEP:ACTION=ARG[,…], e.g. "10:add=1,20:remove=rank:0,30:migrate=1,40:to=4"',
+    )
+    run.add_argument("--state-dir", type=Path, default=None, metavar="D", help="default: $ELAN_HOME/jobs/NAME")
+    run.add_argument("--devices", choices=("cpu", "cuda"), default="cpu")
+    return run
+
+
+def _add_am(sub: Any) -> argparse.ArgumentParser:
+    am = sub.add_parser("am", help="run an AM alone (foreground)")
+    am.add_argument("--job", type=job_name, required=True, metavar="NAME")
+    am.add_argument("--bind", default=DEFAULT_BIND, metavar="ADDR", help=f"ZeroMQ address (default {DEFAULT_BIND})")
+    am.add_argument("--state-dir", type=Path, default=None, metavar="D", help="default: $ELAN_HOME/jobs/NAME")
+    return am
+
+
+def _add_scale(sub: Any) -> argparse.ArgumentParser:
+    scale = sub.add_parser(
+        "scale",
+        help="ask a running job to grow, shrink or migrate",
+        usage="elan scale --job NAME [--at-step S] {add K | remove K | remove rank:R[,R…] | migrate K | to N}",
+    )
+    scale.add_argument("--job", type=job_name, required=True, metavar="NAME")
+    scale.add_argument("--at-step", type=non_negative_int, default=None, metavar="S", help="not before step S")
+    scale.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS")
+    scale.add_argument("action", metavar="ACTION", help="add, remove, migrate or to")
+    scale.add_argument("arg", metavar="ARG", help="a count, a size (to) or rank:R[,R…] (remove)")
+    return scale
+
+
+def _add_status(sub: Any) -> argparse.ArgumentParser:
+    status = sub.add_parser("status", help="show a running job")
+    status.add_argument("--job", type=job_name, required=True, metavar="NAME")
+    status.add_argument("--json", action="store_true", help="print the AM's status reply as JSON")
+    status.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS")
+    return status
+
+
+def split_command(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """Split ``argv`` at the first ``--``: (elan's own arguments, the worker command or None)."""
+    args = list(argv)
+    if "--" not in args:
+        return args, None
+    index = args.index("--")
+    return args[:index], args[index + 1 :]
+
+
+# ---------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    own, command = split_command(sys.argv[1:] if argv is None else argv)
+    parsers = build_parser()
+    args = parsers.main.parse_args(own)
+    args.worker_command = command
+    configure_logging()
+    handler = {"run": cmd_run, "am": cmd_am, "scale": cmd_scale, "status": cmd_status}[args.command]
+    try:
+        return handler(args, parsers.commands[args.command])
+    except CLIError as exc:
+        print(f"elan: error: {exc}", file=sys.stderr)
+        return exc.code
+    except BrokenPipeError:  # `elan status | head`: the reader left; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Log to stderr as ``elan: message`` (``elan: warning: …`` / ``elan: error: …`` above INFO)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_ElanFormatter())
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h.formatter, _ElanFormatter)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+class _ElanFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        if record.levelno >= logging.WARNING:
+            return f"elan: {record.levelname.lower()}: {message}"
+        return f"elan: {message}"
+
+
+# ---------------------------------------------------------------------- elan run
+
+
+def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    command = _worker_command(args, parser)
+    refuse_if_running(args.job, parser)
+    from lightning_elan.launcher.run import DEFAULT_COORDINATE_EVERY, JobLauncher, LaunchConfig, LaunchError
+
+    config = LaunchConfig(
+        job=args.job,
+        nproc=args.nproc,
+        command=command,
+        state_dir=args.state_dir or registry.default_state_dir(args.job),
+        coordinate_every=args.coordinate_every or DEFAULT_COORDINATE_EVERY,
+        schedule=list(args.schedule or []),
+        devices=args.devices,
+    )
+    try:
+        launcher = JobLauncher(config)
+    except LaunchError as exc:
+        parser.error(str(exc))
+    return launcher.run()
+
+
+def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    command = args.worker_command
+    if not command:
+        parser.error("missing worker command after `--` (e.g. elan run --nproc 2 --job demo -- python train.py)")
+    program = command[0]
+    if os.sep in program:
+        if not os.access(program, os.X_OK):
+            parser.error(f"worker command {program!r} is not an executable file")
+    elif shutil.which(program) is None:
+        parser.error(f"worker command {program!r} not found on PATH")
+    return list(command)
+
+
+# ---------------------------------------------------------------------- elan am
+
+
+def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning_elan.master import ApplicationMaster, FileStore
+
+    _reject_command(args, parser)
+    refuse_if_running(args.job, parser)
+    state_dir = Path(args.state_dir or registry.default_state_dir(args.job))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    am = ApplicationMaster(args.job, FileStore(state_dir / "state.json"), state_dir=state_dir, bind=args.bind)
+    am.start()
+    log.info("AM of job %s: state in %s; Ctrl-C stops it", args.job, state_dir)
+    stopped = _wait_for_stop_signal()
+    log.info("received %s: stopping the AM of job %s", stopped, args.job)
+    am.stop()
+    return 0
+
+
+def _wait_for_stop_signal() -> str:
+    """Block until SIGINT or SIGTERM; return the signal's name."""
+    received: list[int] = []
+    wake = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
+        wake.set()
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not wake.wait(0.5):
+            pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return signal.Signals(received[0]).name
+
+
+# ---------------------------------------------------------------------- elan scale / status
+
+
+def cmd_scale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    _reject_command(args, parser)
+    try:
+        action = parse_action(args.action, args.arg, at_step=args.at_step)
+    except ScheduleError as exc:
+        parser.error(str(exc))
+    client = connect(args.job, timeout_s=args.timeout)
+    reply = _call(client, args.job, lambda: client.scale(**action.request_kwargs()))
+    print(describe_scale_reply(action, reply))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    _reject_command(args, parser)
+    client = connect(args.job, timeout_s=args.timeout)
+    status = _call(client, args.job, client.status)
+    print(json.dumps(status, indent=2, sort_keys=True) if args.json else format_status(status))
+    return 0
+
+
+def _reject_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.worker_command is not None:
+        parser.error("unexpected `--`: only `elan run` takes a worker command")
+
+
+def read_registry(job: str) -> dict[str, Any]:
+    """The job's registry entry ``{job, address, pid, state_dir}``; CLIError (exit 2) if there is none."""
+    path = registry.job_file(job)
+    try:
+        entry = registry.read(job)
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"cannot read the registry file of job {job} ({path}): {exc}", code=2) from None
+    if entry is None:
+        raise CLIError(f"no running job named {job} (looked in {path})", code=2)
+    if not entry.get("address"):
+        raise CLIError(f"registry file {path} of job {job} has no AM address", code=2)
+    return entry
+
+
+def connect(job: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retries: int | None = None) -> Any:
+    """An ``AMClient`` for the running job ``job`` (its address read from the registry)."""
+    entry = read_registry(job)
+    from lightning_elan.protocol.client import AMClient
+
+    address = str(entry["address"])
+    gone = dead_local_pid(address, entry.get("pid"))
+    if gone is not None:
+        raise CLIError(
+            f"job {job}'s AM at {address} does not answer (its process {gone} is gone; "
+            f"stale registry file {registry.job_file(job)})",
+            code=2,
+        )
+    if retries is None:
+        return AMClient(address, job, timeout_s=timeout_s)
+    return AMClient(address, job, timeout_s=timeout_s, retries=retries)
+
+
+def dead_local_pid(address: str, pid: Any) -> int | None:
+    """``pid`` if the AM is on this host (loopback address) and that process no longer exists."""
+    if not isinstance(pid, int) or pid <= 0 or not re.match(r"tcp://(127\.|localhost[:/]|\[::1\])", address):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return pid
+    except PermissionError:
+        return None
+    return None
+
+
+def refuse_if_running(job: str, parser: argparse.ArgumentParser) -> None:
+    """Exit 2 when an AM for ``job`` is registered and answers (a stale registry entry is ignored)."""
+    try:
+        client = connect(job, timeout_s=0.5, retries=0)
+    except CLIError:
+        return  # no entry, an unreadable one, or a dead AM process: the new AM replaces it
+    from lightning_elan.protocol.client import AMError, AMUnavailable
+
+    try:
+        client.status()
+    except (AMError, AMUnavailable):
+        return
+    finally:
+        client.close()
+    parser.error(f"job {job} is already running (AM at {client.address})")
+
+
+def _call(client: Any, job: str, request: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    from lightning_elan.protocol.client import AMError, AMUnavailable
+
+    try:
+        return request()
+    except AMUnavailable:
+        raise CLIError(f"job {job}'s AM at {client.address} does not answer", code=2) from None
+    except AMError as exc:
+        raise CLIError(str(exc), code=1) from None
+    finally:
+        close = getattr(client, "close", None)
+        if callable(close):
+            close()
+
+
+# ---------------------------------------------------------------------- output
+
+
+def describe_scale_reply(action: ScaleAction, reply: Mapping[str, Any]) -> str:
+    new_workers = ", ".join(reply.get("new_workers") or []) or "none"
+    return f"request {reply.get('request_id')}: {action} (new workers: {new_workers})"
+
+
+def describe_request(request: Mapping[str, Any]) -> str:
+    """One pending request from the status reply, e.g. ``r2: add 1 at step 20 (new workers: w3)``."""
+    action = str(request.get("action", "?"))
+    if request.get("ranks") is not None:
+        arg = "rank:" + ",".join(str(rank) for rank in request["ranks"])
+    elif action == "to":
+        arg = str(request.get("size"))
+    else:
+        arg = str(request.get("count"))
+    text = f"{request.get('request_id', request.get('id', '?'))}: {action} {arg}"
+    if request.get("at_step") is not None:
+        text += f" at step {request['at_step']}"
+    new_workers = request.get("new_workers")
+    if new_workers:
+        text += f" (new workers: {', '.join(new_workers)})"
+    return text
+
+
+def describe_plan(plan: Mapping[str, Any]) -> str:
+    return (
+        f"{plan.get('request_id')} {plan.get('action')} at step {plan.get('step')}: generation "
+        f"{plan.get('previous_generation')} → {plan.get('generation')}, members {_ids(plan.get('members'))}, "
+        f"joiners {_ids(plan.get('joiners'))}, leavers {_ids(plan.get('leavers'))}"
+    )
+
+
+def describe_adjustment(record: Mapping[str, Any]) -> str:
+    text = (
+        f"{record.get('request_id')} {record.get('action')} at step {record.get('step')} → generation "
+        f"{record.get('generation')}, joiners {_ids(record.get('joiners'))}, leavers {_ids(record.get('leavers'))}"
+    )
+    pauses = [float(value) for value in (record.get("pause_s") or {}).values()]
+    if pauses:
+        text += f", pause max {max(pauses):.3f} s"
+    if record.get("bytes_replicated") is not None:
+        text += f", {_bytes(record['bytes_replicated'])} replicated"
+    start, end = record.get("requested_at"), record.get("completed_at")
+    if start is not None and end is not None:
+        text += f", {float(end) - float(start):.2f} s from request to completion"
+    if end is not None:
+        text += f" (completed {time.strftime('%H:%M:%S', time.localtime(float(end)))})"
+    return text
+
+
+def format_status(status: Mapping[str, Any]) -> str:
+    """The human ``elan status`` text."""
+    members = list(status.get("members") or [])
+    state = "finished" if status.get("finished") else "running"
+    lines = [f"job {status.get('job')}: generation {status.get('generation')}, {state}"]
+    lines.append(f"members ({len(members)}):")
+    lines += ["  " + row for row in _table(["RANK", "WORKER", "HOST", "DEVICE", "PID"], _member_rows(members))]
+    lines.append(
+        f"progress: step {_value(status, 'step')}, epoch {_value(status, 'epoch')}, "
+        f"position {_value(status, 'position')}, global batch {_value(status, 'global_batch')}"
+    )
+    pending = list(status.get("pending") or [])
+    lines.append(f"pending requests ({len(pending)}):" if pending else "pending requests: none")
+    lines += [f"  {describe_request(request)}" for request in pending]
+    in_flight = status.get("in_flight")
+    lines.append(f"in flight: {describe_plan(in_flight) if in_flight else 'none'}")
+    last = status.get("last_adjustment")
+    lines.append(f"last adjustment: {describe_adjustment(last) if last else 'none'}")
+    return "\n".join(lines)
+
+
+def _member_rows(members: list[Mapping[str, Any]]) -> list[list[str]]:
+    ordered = sorted(members, key=lambda m: (m.get("rank") is None, m.get("rank") or 0))
+    keys = ("rank", "worker_id", "host", "device", "pid")
+    return [["-" if m.get(key) is None else str(m.get(key)) for key in keys] for m in ordered]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def _value(data: Mapping[str, Any], key: str) -> str:
+    value = data.get(key)
+    return "-" if value is None else str(value)
+
+
+def _ids(ids: Any) -> str:
+    return ",".join(str(i) for i in ids) if ids else "none"
+
+
+def _bytes(count: Any) -> str:
+    value = float(count)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,551 @@
+"""``elan run``: start the AM and the long-lived TCPStore, spawn the workers, supervise them.
+
+The launcher is the local *scheduler* of docs/architecture.md: it starts generation 0, submits the
+``--schedule`` as ``scale`` requests, then polls the AM (``launcher_poll``) for joiners to start and
+reports every child's exit (``worker_exit``). The job ends when every member of the current
+generation has exited 0 and no adjustment is in flight; a worker that fails unexpectedly stops the
+whole job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from lightning_elan.launcher.schedule import ScaleAction, format_schedule_item
+from lightning_elan.master import ApplicationMaster, FileStore
+from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COORDINATE_EVERY = 10
+LOCAL_HOST = "127.0.0.1"
+STATE_FILES: tuple[str, ...] = ("state.json", "adjustments.jsonl")
+# Variables of the worker contract: stripped from the inherited environment, then set per worker.
+WORKER_ENV_KEYS: tuple[str, ...] = (
+    "ELAN_JOB",
+    "ELAN_AM_ADDRESS",
+    "ELAN_STORE_ADDRESS",
+    "ELAN_WORKER_ID",
+    "ELAN_ROLE",
+    "ELAN_GENERATION",
+    "ELAN_RANK",
+    "ELAN_WORLD_SIZE",
+    "ELAN_COORDINATE_EVERY",
+    "ELAN_SPAWN_TIME",
+    "ELAN_DEVICE_INDEX",
+)
+
+
+class LaunchError(RuntimeError):
+    """The job cannot be started as configured (the CLI reports it as a usage error)."""
+
+
+@dataclass
+class LaunchConfig:
+    """Everything ``elan run`` needs; timings are fields so tests can shorten them."""
+
+    job: str
+    nproc: int
+    command: list[str]
+    state_dir: Path
+    coordinate_every: int = DEFAULT_COORDINATE_EVERY
+    schedule: list[ScaleAction] = field(default_factory=list)
+    devices: str = "cpu"
+    poll_interval_s: float = 0.05
+    status_interval_s: float = 0.5
+    shutdown_grace_s: float = 30.0
+    kill_grace_s: float = 10.0
+
+
+@dataclass
+class Worker:
+    """One child process and what the launcher knows about it."""
+
+    worker_id: str
+    role: str
+    process: subprocess.Popen[bytes]
+    device_index: int | None = None
+    returncode: int | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.returncode is None
+
+
+class _Interrupted(Exception):
+    """Raised inside the supervision loop once the launcher received SIGINT/SIGTERM."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class JobLauncher:
+    """Runs one elastic job on this host; :meth:`run` returns the process exit code."""
+
+    def __init__(self, config: LaunchConfig, *, base_env: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._am: Any = None
+        self._store: Any = None
+        self._client: AMClient | None = None
+        self._workers: dict[str, Worker] = {}
+        self._device_count = self._count_devices(config.devices)
+        self._device_cursor = 0
+        self._signals: list[int] = []
+        self._saved_handlers: dict[int, Any] = {}
+        self._exit_seen = False
+        self._last_status_check = 0.0
+        self._last_status: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def am_address(self) -> str:
+        return str(self._am.address)
+
+    @property
+    def store_address(self) -> str:
+        return f"{LOCAL_HOST}:{self._store.port}"
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        return dict(self._workers)
+
+    def run(self) -> int:
+        """Start everything, supervise until the job ends, tear everything down; return the exit code."""
+        self._install_signal_handlers()
+        try:
+            self._start_services()
+            members = self._start_job()
+            self._submit_schedule()
+            self._spawn_members(members)
+            return self._supervise()
+        except _Interrupted as exc:
+            log.error("received %s: stopping job %s", exc, self.config.job)
+            self._abort(f"the launcher received {exc}")
+            return 128 + exc.signum
+        except AMError as exc:
+            log.error("%s", exc)
+            self._abort(f"AM refused a launcher request: {exc}")
+            return 1
+        except AMUnavailable as exc:
+            log.error("job %s's AM does not answer: %s", self.config.job, exc)
+            self._terminate_children()
+            return 1
+        except OSError as exc:
+            log.error("cannot start worker command %r: %s", self.config.command[0], exc)
+            self._abort(f"cannot start the worker command: {exc}")
+            return 1
+        finally:
+            self._stop_services()
+            self._restore_signal_handlers()
+
+    # ------------------------------------------------------------------ services
+
+    def _start_services(self) -> None:
+        state_dir = Path(self.config.state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        archive_previous_run(state_dir)
+        self._am = ApplicationMaster(self.config.job, FileStore(state_dir / "state.json"), state_dir=state_dir)
+        self._am.start()
+        self._store = self._start_store()
+        self._client = AMClient(self.am_address, self.config.job)
+        log.info("job %s: AM at %s, store at %s", self.config.job, self.am_address, self.store_address)
+
+    @staticmethod
+    def _start_store() -> Any:
+        # Imported here so that `elan status` / `elan scale` never pay for `import torch`.
+        from torch.distributed import TCPStore
+
+        return TCPStore(LOCAL_HOST, 0, is_master=True, wait_for_workers=False)
+
+    def _stop_services(self) -> None:
+        if self._client is not None:
+            self._close_quietly(self._client)
+            self._client = None
+        if self._am is not None:
+            try:
+                self._am.stop()
+            except Exception:
+                log.exception("stopping the AM of job %s failed", self.config.job)
+            self._am = None
+        self._store = None  # the TCPStore server shuts down with its last reference
+
+    @staticmethod
+    def _close_quietly(client: AMClient) -> None:
+        close = getattr(client, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:
+                log.debug("closing the AM client failed", exc_info=True)
+
+    # ------------------------------------------------------------------ AM requests
+
+    def _request(self, type_: str, body: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+        assert self._client is not None, "services are not started"
+        return self._client.request(type_, body, **kwargs)
+
+    def _start_job(self) -> list[str]:
+        reply = self._request(
+            "start_job", {"nproc": self.config.nproc, "coordinate_every": self.config.coordinate_every}
+        )
+        members = [str(worker_id) for worker_id in reply["members"]]
+        log.info("job %s: generation %s with %d member(s)", self.config.job, reply.get("generation"), len(members))
+        return members
+
+    def _submit_schedule(self) -> None:
+        assert self._client is not None
+        for item in self.config.schedule:
+            try:
+                reply = self._client.scale(**item.request_kwargs())
+            except AMError as exc:
+                raise AMError(f"schedule item {format_schedule_item(item)!r} refused: {exc}", "scale") from exc
+            new_workers = ", ".join(reply.get("new_workers") or []) or "none"
+            log.info("scheduled %s as request %s (new workers: %s)", item, reply.get("request_id"), new_workers)
+
+    def _status(self) -> dict[str, Any]:
+        return self._request("status")
+
+    # ------------------------------------------------------------------ spawning
+
+    def _spawn_members(self, members: list[str]) -> None:
+        world_size = len(members)
+        for rank, worker_id in enumerate(members):
+            extra = {"ELAN_GENERATION": "0", "ELAN_RANK": str(rank), "ELAN_WORLD_SIZE": str(world_size)}
+            self._spawn(worker_id, "member", extra, detail=f"member, rank {rank} of {world_size}")
+
+    def _spawn_requested(self) -> bool:
+        """Start every joiner the AM asks for; return the AM's ``finished`` flag."""
+        reply = self._request("launcher_poll")
+        for item in reply.get("spawn") or []:
+            worker_id = str(item["worker_id"])
+            if worker_id in self._workers:
+                log.warning("AM asked again for %s, which is already started; ignored", worker_id)
+                continue
+            self._spawn(worker_id, "joiner", {}, detail=f"joiner for request {item.get('request_id')}")
+        return bool(reply.get("finished"))
+
+    def _spawn(self, worker_id: str, role: str, extra: Mapping[str, str], *, detail: str) -> Worker:
+        device_index = self._next_device()
+        env = self._worker_env(worker_id, role, extra, device_index)
+        process = subprocess.Popen(self.config.command, env=env)
+        worker = Worker(worker_id, role, process, device_index)
+        self._workers[worker_id] = worker
+        where = "" if device_index is None else f", device {device_index}"
+        log.info("spawned %s (%s%s, pid %d)", worker_id, detail, where, process.pid)
+        return worker
+
+    def _worker_env(
+        self, worker_id: str, role: str, extra: Mapping[str, str], device_index: int | None
+    ) -> dict[str, str]:
+        env = {key: value for key, value in self._base_env.items() if key not in WORKER_ENV_KEYS}
+        env.update(
+            ELAN_JOB=self.config.job,
+            ELAN_AM_ADDRESS=self.am_address,
+            ELAN_STORE_ADDRESS=self.store_address,
+            ELAN_WORKER_ID=worker_id,
+            ELAN_ROLE=role,
+            ELAN_COORDINATE_EVERY=str(self.config.coordinate_every),
+            ELAN_SPAWN_TIME=repr(time.time()),
+        )
+        env.update(extra)
+        if device_index is not None:
+            env["ELAN_DEVICE_INDEX"] = str(device_index)
+        return env
+
+    @staticmethod
+    def _count_devices(devices: str) -> int:
+        if devices == "cpu":
+            return 0
+        if devices != "cuda":
+            raise LaunchError(f"--devices must be cpu or cuda, got {devices!r}")
+        import torch  # only GPU runs need it here
+
+        count = torch.cuda.device_count()
+        if count < 1:
+            raise LaunchError("--devices cuda, but no CUDA device is visible")
+        return count
+
+    def _next_device(self) -> int | None:
+        """The device for the next worker (None on CPU): see :func:`pick_device`."""
+        if self._device_count == 0:
+            return None
+        load = [0] * self._device_count
+        for worker in self._live_workers():
+            if worker.device_index is not None:
+                load[worker.device_index] += 1
+        index = pick_device(load, self._device_cursor)
+        self._device_cursor = (index + 1) % self._device_count
+        return index
+
+    # ------------------------------------------------------------------ supervision
+
+    def _supervise(self) -> int:
+        while True:
+            self._check_signals()
+            finished = self._spawn_requested()
+            failed = self._reap()
+            if failed is not None:
+                return self._fail(failed)
+            if finished:
+                log.info("job %s: the AM marked the job finished", self.config.job)
+                return self._shutdown(send=False)
+            if self._job_done():
+                return self._shutdown(send=True)
+            if self._last_status is not None and not self._live_workers():
+                return self._stuck(self._last_status)
+            time.sleep(self.config.poll_interval_s)
+
+    def _reap(self) -> Worker | None:
+        """Collect exited children, report them to the AM; return the first unexpected failure."""
+        failed: Worker | None = None
+        for worker in self._live_workers():
+            returncode = worker.process.poll()
+            if returncode is None:
+                continue
+            worker.returncode = returncode
+            self._exit_seen = True
+            expected = self._report_exit(worker)
+            log.info("%s (pid %d) %s", worker.worker_id, worker.process.pid, describe_exit(returncode, expected))
+            if returncode == 0 or expected or failed is not None:
+                continue
+            if self._is_undecided_joiner(worker):
+                log.error("joiner %s failed before its plan was decided: the AM dropped its request", worker.worker_id)
+                continue
+            failed = worker
+        return failed
+
+    def _is_undecided_joiner(self, worker: Worker) -> bool:
+        """A joiner that is neither a member nor part of the plan in flight: its failure only fails its request."""
+        if worker.role != "joiner":
+            return False
+        status = self._status()
+        members = {str(member["worker_id"]) for member in status.get("members") or []}
+        in_flight = status.get("in_flight") or {}
+        involved = members | {str(worker_id) for worker_id in in_flight.get("members") or []}
+        return worker.worker_id not in involved
+
+    def _report_exit(self, worker: Worker) -> bool:
+        try:
+            reply = self._request("worker_exit", {"worker_id": worker.worker_id, "returncode": worker.returncode})
+        except AMError as exc:
+            log.warning("AM refused worker_exit for %s: %s", worker.worker_id, exc)
+            return False
+        return bool(reply.get("expected"))
+
+    def _job_done(self) -> bool:
+        """True once every member of the current generation exited 0 and nothing is in flight."""
+        now = time.monotonic()
+        if not self._exit_seen and now - self._last_status_check < self.config.status_interval_s:
+            return False
+        if not self._exit_seen and all(worker.alive for worker in self._workers.values()):
+            return False
+        self._exit_seen = False
+        self._last_status_check = now
+        status = self._last_status = self._status()
+        if status.get("in_flight") is None and self._members_exited_ok(status):
+            log.info("job %s: every member of generation %s has finished", self.config.job, status.get("generation"))
+            return True
+        return False
+
+    def _members_exited_ok(self, status: Mapping[str, Any]) -> bool:
+        members = [str(member["worker_id"]) for member in status.get("members") or []]
+        if not members:
+            return False
+        for worker_id in members:
+            worker = self._workers.get(worker_id)
+            if worker is None or worker.returncode != 0:
+                return False
+        return True
+
+    def _live_workers(self) -> list[Worker]:
+        return [worker for worker in self._workers.values() if worker.alive]
+
+    # ------------------------------------------------------------------ ending
+
+    def _shutdown(self, *, send: bool) -> int:
+        """Normal end: tell the AM, let the remaining joiners exit (they get ``cancelled``), kill stragglers."""
+        if send:
+            self._request("shutdown", {"reason": "all members finished"})
+        failed = self._wait_children(self.config.shutdown_grace_s)
+        stragglers = self._live_workers()
+        if stragglers:
+            names = ", ".join(worker.worker_id for worker in stragglers)
+            log.warning("killing %s: still running %.0f s after shutdown", names, self.config.shutdown_grace_s)
+            self._kill(stragglers)
+        if failed:
+            log.error("job %s: %s failed during shutdown", self.config.job, ", ".join(w.worker_id for w in failed))
+            return 1
+        log.info("job %s finished", self.config.job)
+        return 0
+
+    def _wait_children(self, timeout_s: float) -> list[Worker]:
+        """Reap children until none is left or ``timeout_s`` passes; return unexpected failures."""
+        failed: list[Worker] = []
+        deadline = time.monotonic() + timeout_s
+        while self._live_workers() and time.monotonic() < deadline:
+            self._check_signals()
+            worker = self._reap()
+            if worker is not None:
+                failed.append(worker)
+            time.sleep(self.config.poll_interval_s)
+        return failed
+
+    def _stuck(self, status: Mapping[str, Any]) -> int:
+        in_flight = status.get("in_flight")
+        detail = f"adjustment {in_flight.get('request_id')} is in flight" if in_flight else "members did not finish"
+        log.error(
+            "job %s: every worker has exited but generation %s is unfinished (%s)",
+            self.config.job,
+            status.get("generation"),
+            detail,
+        )
+        self._abort("every worker exited before the job finished")
+        return 1
+
+    def _fail(self, worker: Worker) -> int:
+        log.error(
+            "%s failed (%s): stopping job %s",
+            worker.worker_id,
+            describe_exit(worker.returncode or 0, False),
+            self.config.job,
+        )
+        self._abort(f"{worker.worker_id} failed with exit code {worker.returncode}")
+        return 1
+
+    def _abort(self, reason: str) -> None:
+        """Best-effort ``shutdown`` (so parked ``wait_plan``s end), then stop every child."""
+        if self._client is not None:
+            try:
+                self._request("shutdown", {"reason": reason}, retries=0)
+            except (AMError, AMUnavailable) as exc:
+                log.debug("shutdown after failure not acknowledged: %s", exc)
+        self._terminate_children()
+
+    def _terminate_children(self) -> None:
+        """SIGTERM every live child, SIGKILL whatever is still running after ``kill_grace_s``."""
+        live = self._live_workers()
+        if not live:
+            return
+        for worker in live:
+            self._send_signal(worker, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.kill_grace_s
+        while time.monotonic() < deadline and len(self._signals) < 2:
+            live = [worker for worker in live if self._poll_quietly(worker)]
+            if not live:
+                return
+            time.sleep(self.config.poll_interval_s)
+        self._kill(self._live_workers())
+
+    def _kill(self, workers: list[Worker]) -> None:
+        for worker in workers:
+            self._send_signal(worker, signal.SIGKILL)
+        for worker in workers:
+            worker.returncode = worker.process.wait()
+            log.info("%s (pid %d) %s", worker.worker_id, worker.process.pid, describe_exit(worker.returncode, False))
+
+    @staticmethod
+    def _send_signal(worker: Worker, signum: int) -> None:
+        try:
+            worker.process.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    @staticmethod
+    def _poll_quietly(worker: Worker) -> bool:
+        """Poll without reporting to the AM (used while tearing down); True while still running."""
+        returncode = worker.process.poll()
+        if returncode is None:
+            return True
+        worker.returncode = returncode
+        log.info("%s (pid %d) %s", worker.worker_id, worker.process.pid, describe_exit(returncode, False))
+        return False
+
+    # ------------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self) -> None:
+        if not _on_main_thread():
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._saved_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        for signum, handler in self._saved_handlers.items():
+            signal.signal(signum, handler)
+        self._saved_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signals.append(signum)
+
+    def _check_signals(self) -> None:
+        if self._signals:
+            raise _Interrupted(self._signals[0])
+
+
+def pick_device(load: list[int], cursor: int) -> int:
+    """Round-robin from ``cursor`` over the least-loaded devices (``load[d]`` = live workers on device d).
+
+    Plain round-robin while every device is in use; a device freed by a leaver is refilled first (migration).
+    """
+    count = len(load)
+    return min(range(count), key=lambda device: (load[device], (device - cursor) % count))
+
+
+def archive_previous_run(state_dir: Path) -> Path | None:
+    """Move a previous run's ``state.json`` and ``adjustments.jsonl`` to ``state_dir/previous/``.
+
+    ``elan run`` always starts a new job at generation 0 (the previous launcher's workers are gone), so an old
+    state file must not be resumed. Only the last previous run is kept. Returns the archive folder, if any.
+    """
+    files = [state_dir / name for name in STATE_FILES if (state_dir / name).exists()]
+    if not files:
+        return None
+    archive = state_dir / "previous"
+    shutil.rmtree(archive, ignore_errors=True)
+    archive.mkdir()
+    for path in files:
+        path.replace(archive / path.name)
+    log.info("moved the state of the previous run to %s", archive)
+    return archive
+
+
+def describe_exit(returncode: int, expected: bool) -> str:
+    """``exited with code 3`` / ``was killed by SIGKILL`` (+ ``(expected)`` for leavers and cancelled joiners)."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        text = f"was killed by {name}"
+    else:
+        text = f"exited with code {returncode}"
+    return f"{text} (expected)" if expected else text
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+__all__ = [
+    "DEFAULT_COORDINATE_EVERY",
+    "JobLauncher",
+    "LaunchConfig",
+    "LaunchError",
+    "Worker",
+    "archive_previous_run",
+    "describe_exit",
+    "pick_device",
+]
