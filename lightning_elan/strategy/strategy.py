@@ -265,7 +265,11 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._collectives_local = False
+        if self._collectives_local:
+            # a joiner's start-up is over; its validation loaders were set up without the group: set them up again
+            # at the next validation, together with the stayers who reset theirs at the adjustment
+            self._collectives_local = False
+            compat.reset_evaluation_dataloaders(self.lightning_module.trainer)
         self._current_share = self._take_global_batch()
 
     def _take_global_batch(self) -> LocalShare | None:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -34,8 +35,9 @@ class IndexedDataset(Dataset):
 
 
 class ProbeModel(pl.LightningModule):
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, step_sleep: float = 0.0) -> None:
         super().__init__()
+        self.step_sleep = step_sleep
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
         self.out_dir = out_dir
         self.consumed: dict[int, list[int]] = {}
@@ -43,7 +45,9 @@ class ProbeModel(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         index, x, y = batch
-        if self.trainer.strategy.sample_weight > 0:
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        if getattr(self.trainer.strategy, "sample_weight", 1.0) > 0:
             self.consumed.setdefault(self.current_epoch, []).extend(index.tolist())
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)
@@ -87,18 +91,24 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=None)
     parser.add_argument("--no-shuffle", action="store_true")
     parser.add_argument("--val", action="store_true")
+    parser.add_argument("--strategy", default="elan", help="'elan', or a Lightning strategy for comparison runs")
+    parser.add_argument("--devices", default="auto")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (slows a job down)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     pl.seed_everything(7)
-    model = ProbeModel(args.out)
+    model = ProbeModel(args.out, args.step_sleep)
     dataset = IndexedDataset(args.samples)
     loader_kwargs = {"num_workers": args.num_workers, "persistent_workers": args.num_workers > 0}
     train = DataLoader(dataset, batch_size=args.batch_size, shuffle=not args.no_shuffle, **loader_kwargs)
     val = DataLoader(IndexedDataset(30), batch_size=5) if args.val else None
-    strategy = lightning_elan.ElanStrategy(global_batch_size=args.global_batch) if args.global_batch else "elan"
+    strategy = args.strategy
+    if args.global_batch:
+        strategy = lightning_elan.ElanStrategy(global_batch_size=args.global_batch)
     trainer = pl.Trainer(
         strategy=strategy,
+        devices=int(args.devices) if args.devices.isdigit() else args.devices,
         max_epochs=args.epochs,
         logger=False,
         enable_checkpointing=False,
@@ -112,7 +122,7 @@ def main() -> None:
     worker = os.environ.get("ELAN_WORKER_ID", "w0")
     record = {
         "worker": worker,
-        "left": trainer.strategy.has_left,
+        "left": getattr(trainer.strategy, "has_left", False),
         "global_step": trainer.global_step,
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
@@ -120,7 +130,7 @@ def main() -> None:
         "digests": model.digests,
     }
     (args.out / f"record-{worker}.json").write_text(json.dumps(record))
-    if not trainer.strategy.has_left and trainer.global_rank == 0:
+    if not record["left"] and trainer.global_rank == 0:
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
 
 
