@@ -145,3 +145,23 @@ def move_progress_bar(trainer: pl.Trainer) -> None:
             callback.train_progress_bar = callback.init_train_tqdm()
             callback.train_progress_bar.reset(total=trainer.num_training_batches)
             callback.train_progress_bar.initial = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def adopt_loggers(trainer: pl.Trainer) -> None:
+    """A worker that just became global rank 0 continues the loggers of the old rank 0.
+
+    ``CSVLogger.experiment`` builds an ``_ExperimentWriter`` whose ``_check_log_dir_exists`` deletes an existing
+    ``metrics.csv``; here the file holds the rows the old rank 0 wrote, so the writer is built without that check
+    (its first ``save`` appends, re-writing the header when keys are new). TensorBoard just adds an event file.
+    """
+    from lightning.fabric.loggers.csv_logs import _ExperimentWriter
+    from lightning.pytorch.loggers import CSVLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger) and logger._experiment is None:
+            check = _ExperimentWriter._check_log_dir_exists
+            _ExperimentWriter._check_log_dir_exists = lambda self: None
+            try:
+                _ = logger.experiment
+            finally:
+                _ExperimentWriter._check_log_dir_exists = check

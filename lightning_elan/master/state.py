@@ -12,7 +12,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_elan.replication.sources import choose_sources
+from lightning_elan.replication.sources import plan_replication
+from lightning_elan.replication.topology import WorkerTopology
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class Member:
     host: str | None = None
     device: str | int | None = None
     pid: int | None = None
+    topology: dict[str, Any] | None = None  # WorkerTopology.to_dict() sent with register, if any
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,6 +67,7 @@ class PendingWorker:
     host: str | None = None
     device: str | int | None = None
     pid: int | None = None
+    topology: dict[str, Any] | None = None
     spawned_at: float | None = None
     ready_at: float | None = None
     reason: str | None = None  # why it was cancelled or failed
@@ -120,6 +123,9 @@ class AdjustmentPlan:
     leavers: list[str]
     sources: dict[str, str]
     hosts: dict[str, str | None]
+    # the replication planner's transfers ({source, joiner, level, wave, transport, slice_index, slice_count}) when
+    # every worker involved registered a topology; absent from the wire form otherwise
+    transfers: list[dict[str, Any]] | None = None
 
     @property
     def stayers(self) -> list[str]:
@@ -129,7 +135,10 @@ class AdjustmentPlan:
         return worker_id in self.members or worker_id in self.leavers
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["transfers"] is None:
+            del data["transfers"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AdjustmentPlan:
@@ -373,18 +382,20 @@ class JobState:
         device: str | int | None = None,
         pid: int | None = None,
         now: float | None = None,
+        topology: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Record a worker's host/device/pid; for a joiner this is *report ready*."""
+        """Record a worker's host/device/pid (and topology); for a joiner this is *report ready*."""
+        topology = _checked_topology(worker_id, topology)
         member = self.member(worker_id)
         if member is not None:
-            member.host, member.device, member.pid = host, device, pid
+            member.host, member.device, member.pid, member.topology = host, device, pid, topology
             return {}
         pending = self.pending_workers.get(worker_id)
         if pending is None:
             if worker_id in self.left_workers:
                 raise StateError(f"worker {worker_id} has left the job")
             raise StateError(f"unknown worker {worker_id}")
-        pending.host, pending.device, pending.pid = host, device, pid
+        pending.host, pending.device, pending.pid, pending.topology = host, device, pid, topology
         if pending.status in (REQUESTED, SPAWNED):
             pending.status = READY
             pending.ready_at = _now(now)
@@ -583,6 +594,8 @@ class JobState:
         if not stayers and not joiners:
             raise StateError(f"cannot remove all {len(previous)} workers")
         hosts = {worker: self._host_of(worker) for worker in previous + joiners}
+        topologies = {worker: self._topology_of(worker) for worker in previous + joiners}
+        sources, transfers = plan_replication(stayers, leavers, joiners, topologies)
         return AdjustmentPlan(
             request_id=request.request_id,
             action=request.action,
@@ -593,8 +606,9 @@ class JobState:
             previous_members=previous,
             joiners=joiners,
             leavers=leavers,
-            sources=choose_sources(stayers, leavers, joiners),
+            sources=sources,
             hosts=hosts,
+            transfers=transfers,
         )
 
     def _leavers(self, request: ScaleRequest) -> list[str]:
@@ -619,6 +633,12 @@ class JobState:
             return member.host
         return self.pending_workers[worker_id].host
 
+    def _topology_of(self, worker_id: str) -> dict[str, Any] | None:
+        member = self.member(worker_id)
+        if member is not None:
+            return member.topology
+        return self.pending_workers[worker_id].topology
+
     def _commit_if_new_generation(self, worker_id: str, generation: int, now: float | None) -> None:
         """A member of the in-flight plan's generation has spoken: that generation becomes current."""
         adjustment = self.in_flight
@@ -641,7 +661,9 @@ class JobState:
 
     def _promote(self, worker_id: str, generation: int) -> Member:
         pending = self.pending_workers.pop(worker_id)
-        return Member(worker_id, generation, host=pending.host, device=pending.device, pid=pending.pid)
+        return Member(
+            worker_id, generation, host=pending.host, device=pending.device, pid=pending.pid, topology=pending.topology
+        )
 
     def _adjustment_to(self, generation: int) -> Adjustment | None:
         if self.in_flight is not None and self.in_flight.plan.generation == generation:
@@ -691,6 +713,17 @@ class JobState:
 
 def _now(now: float | None) -> float:
     return time.time() if now is None else now
+
+
+def _checked_topology(worker_id: str, topology: Any) -> dict[str, Any] | None:
+    """A registered topology as a plain dict, or None (logged) when it is not one the planner can read."""
+    if topology is None:
+        return None
+    try:
+        return WorkerTopology.coerce(topology).to_dict()
+    except (TypeError, ValueError, AttributeError) as error:
+        logger.warning("worker %s registered an unreadable topology (%s): ignored", worker_id, error)
+        return None
 
 
 def _initial_hosts(worker_ids: list[str], hosts: Any) -> dict[str, str]:

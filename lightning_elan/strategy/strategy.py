@@ -394,8 +394,11 @@ class ElanStrategy(DDPStrategy):
         assert self._groups is not None
         rank, world_size = plan["members"].index(self.identity.worker_id), len(plan["members"])
         self._groups.form(plan["generation"], rank, world_size)
+        was_rank_zero = self.global_rank == 0
         self.cluster_environment.assign(rank, world_size)
         self.set_world_ranks()
+        if rank == 0 and not was_rank_zero:
+            compat.adopt_loggers(self.lightning_module.trainer)
 
     def _rewire(self, trainer: pl.Trainer) -> None:
         """Stayers after a resize: DDP on the new group, data from the same serial position, eval shards rebuilt."""

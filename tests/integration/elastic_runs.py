@@ -21,6 +21,12 @@ class RunResult:
     returncode: int
     output: str
 
+    def excerpt(self) -> str:
+        """The first traceback (where a failure starts) and the end of the output."""
+        start = self.output.find("Traceback")
+        head = self.output[start : start + 6000] if start >= 0 else ""
+        return f"{head}\n...\n{self.output[-3000:]}"
+
     def records(self) -> list[dict]:
         return [json.loads(path.read_text()) for path in sorted(self.out.glob("record-*.json"))]
 
@@ -42,7 +48,9 @@ def elan_run(tmp: Path, name: str, nproc: int, probe_args: list[str], schedule: 
     command += ["--", sys.executable, str(PROBE), "--out", str(out), *probe_args]
     env = {**os.environ, "ELAN_HOME": str(tmp / "elan-home"), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    return RunResult(out, proc.returncode, proc.stdout + proc.stderr)
+    output = proc.stdout + proc.stderr
+    (tmp / f"{name}.log").write_text(output)
+    return RunResult(out, proc.returncode, output)
 
 
 def consumed_per_epoch(records: list[dict]) -> dict[int, Counter]:

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--val", action="store_true")
     parser.add_argument("--strategy", default="elan", help="'elan', or a Lightning strategy for comparison runs")
     parser.add_argument("--devices", default="auto")
+    parser.add_argument("--full-lightning", action="store_true", help="CSV logger, ModelCheckpoint, progress bar")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (slows a job down)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -106,13 +109,17 @@ def main() -> None:
     strategy = args.strategy
     if args.global_batch:
         strategy = lightning_elan.ElanStrategy(global_batch_size=args.global_batch)
+    full = args.full_lightning
     trainer = pl.Trainer(
         strategy=strategy,
         devices=int(args.devices) if args.devices.isdigit() else args.devices,
         max_epochs=args.epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
+        default_root_dir=args.out,
+        logger=CSVLogger(args.out / "logs", flush_logs_every_n_steps=1) if full else False,
+        log_every_n_steps=1,
+        callbacks=[ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)] if full else [],
+        enable_checkpointing=full,
+        enable_progress_bar=full,
         enable_model_summary=False,
         limit_val_batches=1.0 if args.val else 0,
         num_sanity_val_steps=2 if args.val else 0,

@@ -33,13 +33,13 @@ TOLERANCE = 1e-9
 @pytest.fixture(scope="module")
 def static_run(tmp_path_factory):
     run = elan_run(tmp_path_factory.mktemp("static"), "static", 2, PROBE_ARGS)
-    assert run.returncode == 0, run.output[-3000:]
+    assert run.returncode == 0, run.excerpt()
     assert_each_sample_once(run.records(), SAMPLES, EPOCHS)
     return run
 
 
 def check_elastic_run(run, static_run, state_dir, expected_adjustments: int) -> list[dict]:
-    assert run.returncode == 0, run.output[-5000:]
+    assert run.returncode == 0, run.excerpt()
     records = run.records()
     assert_each_sample_once(records, SAMPLES, EPOCHS)
     assert assert_ranks_agree(records) == EPOCHS * 9
@@ -96,6 +96,19 @@ def test_global_batch_not_divisible_by_world_size(static_run, tmp_path):
     adjustments = check_elastic_run(run, static_run, tmp_path / "uneven-state", expected_adjustments=1)
     assert len(adjustments[0]["joiners"]) == 3
     assert {len(record["digests"]) > 0 for record in run.records()} == {True}
+
+
+def test_rank0_leaving_hands_over_logger_checkpoints_and_progress_bar(static_run, tmp_path):
+    """With a CSV logger, ModelCheckpoint and the progress bar on, rank 0 leaves: the new rank 0 carries on."""
+    run = elan_run(tmp_path, "handover", 2, [*PROBE_ARGS, "--full-lightning"], schedule="3:add=1,6:remove=rank:0")
+    check_elastic_run(run, static_run, tmp_path / "handover-state", expected_adjustments=2)
+    versions = sorted((run.out / "logs" / "lightning_logs").iterdir())
+    assert [v.name for v in versions] == ["version_0"], "one experiment, continued by the new rank 0"
+    rows = (versions[0] / "metrics.csv").read_text().splitlines()[1:]
+    step_rows = [row.split(",")[1] for row in rows if row.split(",")[-1]]
+    assert step_rows == [str(step) for step in range(EPOCHS * 9)], "every step logged once, none lost at handover"
+    checkpoints = sorted(int(p.stem.split("step=")[1]) for p in (versions[0] / "checkpoints").glob("*.ckpt"))
+    assert checkpoints == list(range(4, EPOCHS * 9 + 1, 4))
 
 
 def test_single_process_without_launcher_is_plain_lightning(tmp_path):

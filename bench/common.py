@@ -1,0 +1,82 @@
+"""What every scenario driver shares: its settings, the step files it follows, the stop file it writes."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.analysis import ProcessSteps, load_steps, max_step
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One model's adjustment benchmark: ``cycles`` × (scale out 2→3, scale in 3→2, migrate one worker)."""
+
+    model: str
+    cycles: int = 2
+    warmup_steps: int = 10
+    settle_steps: int = 10  # steps after an adjustment before the next request (> the typical-step window)
+    global_batch: int = 48
+    accelerator: str = "cpu"  # "cpu" or "gpu"
+    timeout_s: float = 600.0
+    torchrun_ckpt_every: int = 10
+    stop_margin_steps: int = 5
+
+
+class Follower:
+    """Reads a job's step files as it runs."""
+
+    def __init__(self, steps_dir: Path) -> None:
+        self.steps_dir = steps_dir
+
+    def processes(self) -> list[ProcessSteps]:
+        return load_steps(self.steps_dir) if self.steps_dir.exists() else []
+
+    def max_step(self, started_after: float = float("-inf")) -> int:
+        return max_step(process for process in self.processes() if process.start >= started_after)
+
+    def wait_for_step(
+        self, step: int, timeout_s: float, alive: Callable[[], bool], started_after: float = float("-inf")
+    ) -> int:
+        """Block until a process (started after ``started_after``) has completed ``step``; returns the max step."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            current = self.max_step(started_after)
+            if current >= step:
+                return current
+            if not alive():
+                raise RuntimeError(f"the job ended before step {step} (reached {current})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {step} not reached in {timeout_s:.0f} s (reached {current})")
+            time.sleep(POLL_S)
+
+
+def write_stop_file(path: Path, step: int) -> None:
+    """Atomically tell every worker to stop at ``step``."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(step))
+    os.replace(tmp, path)
+    log.debug("stop file %s: step %d", path, step)
+
+
+def stop_margin(follower: Follower, minimum: int) -> int:
+    """Steps of head room for the stop file: at least ``minimum`` and about one second of training."""
+    processes = follower.processes()
+    durations = []
+    for process in processes:
+        steps = process.steps[-20:]
+        durations += [b.time - a.time for a, b in itertools.pairwise(steps) if b.time > a.time]
+    if not durations:
+        return minimum
+    durations.sort()
+    typical = durations[len(durations) // 2]
+    return max(minimum, int(1.0 / max(typical, 1e-3)) + 1)

@@ -1,0 +1,189 @@
+"""The benchmark's training script: one Lightning script, started by ``elan run``, plain DDP processes or torchrun.
+
+    --launcher elan      strategy="elan" (an ``ElanStrategy`` with a fixed global batch); started by ``elan run``
+    --launcher ddp       Lightning's strategy="ddp", processes started by the harness with MASTER_ADDR/PORT, RANK,
+                         WORLD_SIZE; ``--stop-at-step S`` saves a full checkpoint (fsync) at step S and stops,
+                         ``--resume PATH`` loads one (stop-and-restart)
+    --launcher torchrun  strategy="ddp" under torchrun elastic: a checkpoint every ``--ckpt-every`` steps, resumed
+                         from at start, as torchrun's documentation prescribes
+
+Every worker appends its step completion times to ``--steps-dir`` (see ``bench.workload.StepTimes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+import lightning_elan
+from bench.workload import BenchModel, RepeatedDataset, StepTimes
+
+log = logging.getLogger("bench.train")
+CHECKPOINT_NAME = "last.ckpt"
+
+
+def fsync_path(path: Path) -> None:
+    """Flush ``path``'s data and its directory entry to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_durably(trainer: pl.Trainer, path: Path) -> float:
+    """A full Lightning checkpoint (weights, Adam state, loops), written, fsynced and renamed into place."""
+    started = time.perf_counter()
+    tmp = path.with_suffix(".tmp")
+    trainer.save_checkpoint(tmp)  # rank 0 writes; every rank waits at Lightning's barrier
+    if trainer.is_global_zero:
+        fsync_path(tmp)
+        os.replace(tmp, path)
+        fsync_path(path)
+    trainer.strategy.barrier("bench-checkpoint")
+    return time.perf_counter() - started
+
+
+class StopAtStep(Callback):
+    """Stop-and-restart: at step ``step`` write a durable checkpoint, then end ``fit`` cleanly on every rank."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step = step
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            seconds = save_durably(trainer, self.path)
+            log.info("step %d: checkpoint %s saved and fsynced in %.3f s; stopping", self.step, self.path, seconds)
+            trainer.should_stop = True
+
+
+class PeriodicCheckpoint(Callback):
+    """torchrun elastic: a durable checkpoint every ``every`` steps, the script resumes from the latest at start."""
+
+    def __init__(self, every: int, path: Path) -> None:
+        self.every = every
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step % self.every == 0:
+            save_durably(trainer, self.path)
+
+
+class StopFile(Callback):
+    """Ends ``fit`` at the step written in ``path`` (the harness writes a step a few steps ahead of every worker,
+    so all ranks of a job stop at the same step without a collective)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stop_at: int | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self._stop_at is None and self.path.exists():
+            text = self.path.read_text().strip()
+            self._stop_at = int(text) if text else None
+        if self._stop_at is not None and trainer.global_step >= self._stop_at:
+            trainer.should_stop = True
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--launcher", choices=("elan", "ddp", "torchrun"), required=True)
+    parser.add_argument("--model", default="tiny", help="tiny, 1m, 11m or 25m")
+    parser.add_argument("--global-batch", type=int, default=48, help="samples per step over all workers")
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--steps-dir", type=Path, required=True)
+    parser.add_argument("--label", default="worker", help="prefix of this process's step file")
+    parser.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu"))
+    parser.add_argument("--stop-at-step", type=int, default=None)
+    parser.add_argument("--checkpoint", type=Path, default=None, help="ddp: file written at --stop-at-step")
+    parser.add_argument("--resume", type=Path, default=None, help="ddp: checkpoint to start from")
+    parser.add_argument("--ckpt-dir", type=Path, default=None, help="torchrun: folder of the periodic checkpoint")
+    parser.add_argument("--ckpt-every", type=int, default=10)
+    parser.add_argument("--stop-file", type=Path, default=None, help="stop at the step this file names, once it exists")
+    return parser.parse_args(argv)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE") or os.environ.get("ELAN_WORLD_SIZE") or 2)
+
+
+def build_strategy(args: argparse.Namespace) -> Any:
+    if args.launcher == "elan":
+        return lightning_elan.ElanStrategy(global_batch_size=args.global_batch)
+    return "ddp"
+
+
+def build_trainer(args: argparse.Namespace, callbacks: list[Callback]) -> pl.Trainer:
+    torchrun = args.launcher == "torchrun"
+    world = world_size()
+    return pl.Trainer(
+        strategy=build_strategy(args),
+        accelerator=args.accelerator,
+        devices=1 if torchrun or args.launcher == "elan" else world,
+        num_nodes=world if torchrun else 1,
+        max_steps=args.max_steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+
+
+def build_callbacks(args: argparse.Namespace) -> tuple[list[Callback], Path | None]:
+    """The step recorder plus the launcher's checkpoint callback; returns them and the checkpoint to resume."""
+    callbacks: list[Callback] = [StepTimes(args.steps_dir, args.label)]
+    resume = args.resume
+    if args.stop_file is not None:
+        callbacks.append(StopFile(args.stop_file))
+    if args.launcher == "ddp" and args.stop_at_step is not None:
+        if args.checkpoint is None:
+            raise SystemExit("--stop-at-step needs --checkpoint")
+        callbacks.append(StopAtStep(args.stop_at_step, args.checkpoint))
+    if args.launcher == "torchrun":
+        if args.ckpt_dir is None:
+            raise SystemExit("--launcher torchrun needs --ckpt-dir")
+        args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        latest = args.ckpt_dir / CHECKPOINT_NAME
+        callbacks.append(PeriodicCheckpoint(args.ckpt_every, latest))
+        resume = latest if latest.exists() else None
+    return callbacks, resume
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    args = parse_args(argv)
+    pl.seed_everything(0, verbose=False)
+    callbacks, resume = build_callbacks(args)
+    # per-worker batch at launch; elan keeps the global batch fixed under resizes (strong scaling)
+    initial_world = 2 if args.launcher == "elan" else world_size()
+    dataset = RepeatedDataset(args.global_batch * (args.max_steps + 8))
+    loader = DataLoader(dataset, batch_size=max(1, args.global_batch // initial_world), shuffle=True)
+    model = BenchModel(args.model)
+    trainer = build_trainer(args, callbacks)
+    trainer.fit(model, loader, ckpt_path=str(resume) if resume else None)
+    if args.accelerator == "gpu":
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The benchmark's model, data and per-step timestamp recorder (shared by every launcher).
+
+Models are plain MLPs in float32 trained with Adam, sized by parameter count: ``tiny`` (CI smoke test), ``1m``,
+``11m`` and ``25m``. A joiner needs the parameters and Adam's two moments: 12 bytes per parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import Dataset
+
+IN_FEATURES = 256
+CLASSES = 10
+BASE_SAMPLES = 1024  # distinct samples; the dataset repeats them up to its virtual length
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """An MLP: ``depth`` hidden layers of ``width`` units."""
+
+    name: str
+    width: int
+    depth: int
+
+    def parameters(self) -> int:
+        hidden = IN_FEATURES * self.width + self.width
+        hidden += (self.depth - 1) * (self.width * self.width + self.width)
+        return hidden + self.width * CLASSES + CLASSES
+
+
+MODEL_SIZES: dict[str, ModelSize] = {
+    size.name: size
+    for size in (
+        ModelSize("tiny", 64, 2),
+        ModelSize("1m", 576, 4),
+        ModelSize("11m", 1664, 5),
+        ModelSize("25m", 2048, 7),
+    )
+}
+
+
+class RepeatedDataset(Dataset):
+    """``length`` samples cycling over ``BASE_SAMPLES`` fixed random ones (cheap, deterministic, long epochs)."""
+
+    def __init__(self, length: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(BASE_SAMPLES, IN_FEATURES, generator=generator)
+        self.y = torch.randint(CLASSES, (BASE_SAMPLES,), generator=generator)
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index % BASE_SAMPLES], self.y[index % BASE_SAMPLES]
+
+
+def build_mlp(size: ModelSize) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Linear(IN_FEATURES, size.width), nn.ReLU()]
+    for _ in range(size.depth - 1):
+        layers += [nn.Linear(size.width, size.width), nn.ReLU()]
+    layers.append(nn.Linear(size.width, CLASSES))
+    return nn.Sequential(*layers)
+
+
+class BenchModel(pl.LightningModule):
+    def __init__(self, size: str = "tiny", lr: float = 1e-4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = build_mlp(MODEL_SIZES[size])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class StepTimes(Callback):
+    """Appends one JSON line per optimizer step (``time.time()`` after the step) to this process's own file.
+
+    The first line describes the process: its pid, worker id, spawn time (the launcher's ``ELAN_SPAWN_TIME``, or
+    ``BENCH_SPAWN_TIME`` set by the harness) and start time. Every later line is ``{"s": step, "t": time, "w":
+    world size, "r": rank}``. Lines are flushed at once so the harness can follow the job while it runs.
+    """
+
+    def __init__(self, directory: Path, label: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"{label}-{os.getpid()}.jsonl"
+        self._file: TextIO = self.path.open("a", buffering=1)
+        self._write(
+            {
+                "event": "start",
+                "pid": os.getpid(),
+                "worker": os.environ.get("ELAN_WORKER_ID") or os.environ.get("RANK") or "w0",
+                "spawn": spawn_time(),
+                "t": time.time(),
+            }
+        )
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._write({"s": trainer.global_step, "t": time.time(), "w": trainer.world_size, "r": trainer.global_rank})
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._file.flush()
+
+
+def spawn_time() -> float:
+    """When this process was started: the launcher's stamp if there is one, else the kernel's start time."""
+    for key in ("ELAN_SPAWN_TIME", "BENCH_SPAWN_TIME"):
+        if os.environ.get(key):
+            return float(os.environ[key])
+    return process_start_time()
+
+
+def process_start_time(pid: int | None = None) -> float:
+    """``time.time()`` at which ``pid`` (default: this process) was started, from ``/proc`` (Linux)."""
+    stat = Path(f"/proc/{pid or os.getpid()}/stat").read_text()
+    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")

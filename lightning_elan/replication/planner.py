@@ -1,0 +1,342 @@
+"""Topology-aware replication plan: who sends the training state to which joiner, over which link, when (pure).
+
+Rules (Elan §IV, ETL fig. 2, DESIGN.md §5):
+
+1. **Nearest.** Each joiner copies from a source at the lowest link level it has to any source
+   (:func:`~lightning_elan.replication.topology.link_level`: L0 same GPU < L1 P2P < L2 host bridge < L3 cross-socket <
+   L4 network). Sources are the stayers, or the leavers when nobody stays (as :func:`choose_sources` does).
+2. **Concurrent, balanced.** Among a joiner's nearest sources, joiners are spread so that no source serves more than
+   it must: the assignment is a balanced semi-matching on the "nearest" edges (no source with load ``k`` has a joiner
+   that could move to a nearest source with load ``<= k - 2``, even through a chain of moves), which minimises the
+   largest load and gives distinct sources whenever there are enough. Ties go to the source whose cross-socket link is
+   less used, then to the source listed first.
+3. **Serialised where links are shared.** Copies that cross the same socket-to-socket link (L3) of one machine run in
+   turn: each gets its own ``wave`` (0, 1, ...). Everything else runs in wave 0, concurrently.
+4. **Slices (optional, Or et al.).** With ``slices=True`` a joiner whose nearest level is L1, L2 or L4 also pulls
+   disjoint byte ranges from nearest sources that serve nobody else (at most ``max_slices`` sources in all); the
+   ranges are given by :func:`slice_range`. Off by default: it only pays when the senders, not the receiver's link,
+   are the bottleneck.
+
+Each :class:`Transfer` also names the transport for its level (:func:`choose_transport`): ``cuda_ipc`` for GPU pairs
+at L0/L1, ``shm`` for the rest of one machine (host shared memory; GPU tensors are staged through it), ``collective``
+(NCCL/gloo send on a transfer group) across machines.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lightning_elan.replication.topology import (
+    L0_SAME_DEVICE,
+    L1_P2P,
+    L3_CROSS_SOCKET,
+    L4_NETWORK,
+    WorkerTopology,
+    link_level,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "TRANSPORTS",
+    "Transfer",
+    "choose_transport",
+    "contention_key",
+    "plan_transfers",
+    "primary_sources",
+    "slice_range",
+    "transfers_from",
+    "transfers_to",
+]
+
+TRANSPORT_CUDA_IPC = "cuda_ipc"
+TRANSPORT_SHM = "shm"
+TRANSPORT_COLLECTIVE = "collective"
+TRANSPORTS = (TRANSPORT_CUDA_IPC, TRANSPORT_SHM, TRANSPORT_COLLECTIVE)
+SLICE_ALIGN = 256  # bytes; slice boundaries fall on this alignment
+
+LevelFn = Callable[[WorkerTopology, WorkerTopology], int]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One copy of the training state (or of one slice of it) from ``source`` to ``joiner``."""
+
+    source: str
+    joiner: str
+    level: int
+    wave: int = 0
+    transport: str = TRANSPORT_COLLECTIVE
+    slice_index: int = 0
+    slice_count: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Transfer:
+        return cls(**dict(data))
+
+
+def plan_transfers(
+    stayers: Mapping[str, WorkerTopology | Mapping[str, Any]],
+    joiners: Mapping[str, WorkerTopology | Mapping[str, Any]],
+    leavers: Mapping[str, WorkerTopology | Mapping[str, Any]] | None = None,
+    *,
+    slices: bool = False,
+    max_slices: int = 4,
+    level_of: LevelFn = link_level,
+) -> list[Transfer]:
+    """The transfers that bring every joiner the state; see the module docstring for the rules.
+
+    Mappings are ``worker id -> topology`` (a :class:`WorkerTopology` or its dict); their order is the tie-break order.
+    Returns one transfer per joiner (``slice_count`` per joiner with ``slices=True``), sorted by wave, then joiner
+    order, then slice. Raises ``ValueError`` when joiners need a source and there is none, or a joiner is also a source.
+    """
+    if max_slices < 1:
+        raise ValueError(f"max_slices must be >= 1, got {max_slices}")
+    joiner_topo = {worker: WorkerTopology.coerce(t) for worker, t in joiners.items()}
+    if not joiner_topo:
+        return []
+    source_topo = {worker: WorkerTopology.coerce(t) for worker, t in (stayers or leavers or {}).items()}
+    if not source_topo:
+        raise ValueError(f"no source for joiners {list(joiner_topo)}: there are no stayers and no leavers")
+    overlap = sorted(set(source_topo) & set(joiner_topo))
+    if overlap:
+        raise ValueError(f"workers {overlap} are listed both as joiners and as sources")
+    levels = {j: {s: level_of(jt, st) for s, st in source_topo.items()} for j, jt in joiner_topo.items()}
+    nearest = {j: _nearest(by_source) for j, by_source in levels.items()}
+    assignment = _assign(list(joiner_topo), list(source_topo), nearest, _link_keys(joiner_topo, source_topo, levels))
+    extra = _slice_sources(list(joiner_topo), nearest, levels, assignment, max_slices) if slices else {}
+    transfers = _build(joiner_topo, source_topo, levels, assignment, extra)
+    log.debug("replication plan: %s", [t.to_dict() for t in transfers])
+    return transfers
+
+
+def _nearest(by_source: Mapping[str, int]) -> list[str]:
+    best = min(by_source.values())
+    return [source for source, level in by_source.items() if level == best]
+
+
+# --------------------------------------------------------------------------------------------
+# balanced assignment on the nearest edges
+# --------------------------------------------------------------------------------------------
+
+
+def _link_keys(
+    joiners: Mapping[str, WorkerTopology], sources: Mapping[str, WorkerTopology], levels: Mapping[str, Mapping[str, int]]
+) -> dict[tuple[str, str], tuple | None]:
+    return {(j, s): contention_key(sources[s], jt, levels[j][s]) for j, jt in joiners.items() for s in sources}
+
+
+def _assign(
+    joiners: list[str], sources: list[str], nearest: Mapping[str, list[str]], links: Mapping[tuple[str, str], Any]
+) -> dict[str, str]:
+    """Greedy (most constrained joiner first, least loaded source), then rebalanced along alternating paths."""
+    order = {s: i for i, s in enumerate(sources)}
+    position = {j: i for i, j in enumerate(joiners)}
+    load = dict.fromkeys(sources, 0)
+    link_load: dict[Any, int] = {}
+    assignment: dict[str, str] = {}
+    for joiner in sorted(joiners, key=lambda j: (len(nearest[j]), position[j])):
+        source = min(nearest[joiner], key=lambda s: (load[s], link_load.get(links[joiner, s], 0), order[s]))
+        assignment[joiner] = source
+        load[source] += 1
+        key = links[joiner, source]
+        if key is not None:
+            link_load[key] = link_load.get(key, 0) + 1
+    _rebalance(assignment, nearest, load, order)
+    return assignment
+
+
+def _rebalance(
+    assignment: dict[str, str], nearest: Mapping[str, list[str]], load: dict[str, int], order: Mapping[str, int]
+) -> None:
+    """Shift joiners along cost-reducing paths until none is left (Harvey et al.'s optimal semi-matching)."""
+    while True:
+        for start in sorted(load, key=lambda s: (-load[s], order[s])):
+            path = _cost_reducing_path(start, assignment, nearest, load, order)
+            if path:
+                _apply(path, assignment, load)
+                break
+        else:
+            return
+
+
+def _cost_reducing_path(
+    start: str,
+    assignment: Mapping[str, str],
+    nearest: Mapping[str, list[str]],
+    load: Mapping[str, int],
+    order: Mapping[str, int],
+) -> list[tuple[str, str, str]]:
+    """BFS from ``start`` over (source -> its joiner -> that joiner's other nearest source) to a source with load
+    ``<= load[start] - 2``; returns the moves ``(joiner, from, to)`` from ``start`` outwards, or ``[]``."""
+    served: dict[str, list[str]] = {}
+    for joiner, source in assignment.items():
+        served.setdefault(source, []).append(joiner)
+    parent: dict[str, tuple[str, str]] = {}
+    queue = deque([start])
+    seen = {start}
+    while queue:
+        source = queue.popleft()
+        for joiner in served.get(source, []):
+            for other in sorted(nearest[joiner], key=order.__getitem__):
+                if other in seen:
+                    continue
+                seen.add(other)
+                parent[other] = (source, joiner)
+                if load[other] <= load[start] - 2:
+                    return _unwind(other, start, parent)
+                queue.append(other)
+    return []
+
+
+def _unwind(end: str, start: str, parent: Mapping[str, tuple[str, str]]) -> list[tuple[str, str, str]]:
+    moves = []
+    node = end
+    while node != start:
+        previous, joiner = parent[node]
+        moves.append((joiner, previous, node))
+        node = previous
+    return moves[::-1]
+
+
+def _apply(path: list[tuple[str, str, str]], assignment: dict[str, str], load: dict[str, int]) -> None:
+    for joiner, _, target in path:
+        assignment[joiner] = target
+    load[path[0][1]] -= 1
+    load[path[-1][2]] += 1
+
+
+# --------------------------------------------------------------------------------------------
+# slices, waves, transports
+# --------------------------------------------------------------------------------------------
+
+
+def _slice_sources(
+    joiners: list[str],
+    nearest: Mapping[str, list[str]],
+    levels: Mapping[str, Mapping[str, int]],
+    assignment: Mapping[str, str],
+    max_slices: int,
+) -> dict[str, list[str]]:
+    """Idle nearest sources each joiner may also pull a slice from (never at L0 or L3)."""
+    busy = set(assignment.values())
+    extra: dict[str, list[str]] = {}
+    for joiner in joiners:
+        primary = assignment[joiner]
+        if levels[joiner][primary] in (L0_SAME_DEVICE, L3_CROSS_SOCKET):
+            continue
+        idle = [s for s in nearest[joiner] if s not in busy][: max_slices - 1]
+        if idle:
+            extra[joiner] = idle
+            busy.update(idle)
+    return extra
+
+
+def _build(
+    joiners: Mapping[str, WorkerTopology],
+    sources: Mapping[str, WorkerTopology],
+    levels: Mapping[str, Mapping[str, int]],
+    assignment: Mapping[str, str],
+    extra: Mapping[str, list[str]],
+) -> list[Transfer]:
+    transfers: list[Transfer] = []
+    next_wave: dict[Any, int] = {}
+    for joiner, topo in joiners.items():
+        chosen = [assignment[joiner], *extra.get(joiner, [])]
+        for index, source in enumerate(chosen):
+            level = levels[joiner][source]
+            key = contention_key(sources[source], topo, level)
+            wave = 0
+            if key is not None:
+                wave = next_wave.get(key, 0)
+                next_wave[key] = wave + 1
+            transfers.append(
+                Transfer(
+                    source=source,
+                    joiner=joiner,
+                    level=level,
+                    wave=wave,
+                    transport=choose_transport(level, sources[source], topo),
+                    slice_index=index,
+                    slice_count=len(chosen),
+                )
+            )
+    position = {joiner: i for i, joiner in enumerate(joiners)}
+    return sorted(transfers, key=lambda t: (t.wave, position[t.joiner], t.slice_index))
+
+
+def contention_key(a: WorkerTopology, b: WorkerTopology, level: int) -> tuple | None:
+    """The shared physical link a copy at ``level`` occupies, when copies on it must run in turn (L3 only).
+
+    ``("L3", host, boot id, lower socket, higher socket)``; NUMA nodes stand in when sockets are unknown.
+    """
+    if level != L3_CROSS_SOCKET:
+        return None
+    if a.socket is not None and b.socket is not None:
+        ends = sorted((a.socket, b.socket))
+    else:
+        ends = sorted((_or_minus_one(a.numa_node), _or_minus_one(b.numa_node)))
+    return ("L3", a.host, a.boot_id or b.boot_id, *ends)
+
+
+def _or_minus_one(value: int | None) -> int:
+    return -1 if value is None else value
+
+
+def choose_transport(level: int, source: WorkerTopology, joiner: WorkerTopology) -> str:
+    """``cuda_ipc`` for two GPUs at L0/L1, ``shm`` within one machine otherwise, ``collective`` across machines."""
+    if level >= L4_NETWORK:
+        return TRANSPORT_COLLECTIVE
+    if level <= L1_P2P and source.is_gpu and joiner.is_gpu:
+        return TRANSPORT_CUDA_IPC
+    return TRANSPORT_SHM
+
+
+# --------------------------------------------------------------------------------------------
+# reading a plan
+# --------------------------------------------------------------------------------------------
+
+
+def primary_sources(transfers: Iterable[Transfer | Mapping[str, Any]]) -> dict[str, str]:
+    """``{joiner: source}`` of each joiner's first (or only) slice, in plan order."""
+    out: dict[str, str] = {}
+    for transfer in transfers:
+        t = transfer if isinstance(transfer, Transfer) else Transfer.from_dict(transfer)
+        if t.slice_index == 0:
+            out[t.joiner] = t.source
+    return out
+
+
+def transfers_from(transfers: Iterable[Transfer | Mapping[str, Any]], source: str) -> list[Transfer]:
+    """The transfers ``source`` sends, in plan order."""
+    return [t for t in map(_coerce, transfers) if t.source == source]
+
+
+def transfers_to(transfers: Iterable[Transfer | Mapping[str, Any]], joiner: str) -> list[Transfer]:
+    """The transfers ``joiner`` receives (one, or one per slice), in slice order."""
+    return sorted((t for t in map(_coerce, transfers) if t.joiner == joiner), key=lambda t: t.slice_index)
+
+
+def _coerce(transfer: Transfer | Mapping[str, Any]) -> Transfer:
+    return transfer if isinstance(transfer, Transfer) else Transfer.from_dict(transfer)
+
+
+def slice_range(nbytes: int, index: int, count: int, align: int = SLICE_ALIGN) -> tuple[int, int]:
+    """Byte range ``[start, stop)`` of slice ``index`` of ``count`` over ``nbytes``; slices tile ``[0, nbytes)``.
+
+    Boundaries are multiples of ``align`` (the last slice ends at ``nbytes``); a slice may be empty when ``nbytes`` is
+    small.
+    """
+    if not 0 <= index < count:
+        raise ValueError(f"slice {index} outside 0..{count - 1}")
+    units = -(-nbytes // align)
+    start = min(nbytes, (units * index // count) * align)
+    stop = nbytes if index == count - 1 else min(nbytes, (units * (index + 1) // count) * align)
+    return start, stop
