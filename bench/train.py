@@ -114,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", type=Path, default=None, help="ddp: checkpoint to start from")
     parser.add_argument("--ckpt-dir", type=Path, default=None, help="torchrun: folder of the periodic checkpoint")
     parser.add_argument("--ckpt-every", type=int, default=10)
+    parser.add_argument("--epoch-steps", type=int, default=1000, help="global batches per epoch")
     parser.add_argument("--stop-file", type=Path, default=None, help="stop at the step this file names, once it exists")
     return parser.parse_args(argv)
 
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     callbacks, resume = build_callbacks(args)
     # per-worker batch at launch; elan keeps the global batch fixed under resizes (strong scaling)
     initial_world = 2 if args.launcher == "elan" else world_size()
-    dataset = RepeatedDataset(args.global_batch * (args.max_steps + 8))
+    dataset = RepeatedDataset(args.global_batch * args.epoch_steps)
     loader = DataLoader(dataset, batch_size=max(1, args.global_batch // initial_world), shuffle=True)
     model = BenchModel(args.model)
     trainer = build_trainer(args, callbacks)

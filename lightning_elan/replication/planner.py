@@ -128,7 +128,9 @@ def _nearest(by_source: Mapping[str, int]) -> list[str]:
 
 
 def _link_keys(
-    joiners: Mapping[str, WorkerTopology], sources: Mapping[str, WorkerTopology], levels: Mapping[str, Mapping[str, int]]
+    joiners: Mapping[str, WorkerTopology],
+    sources: Mapping[str, WorkerTopology],
+    levels: Mapping[str, Mapping[str, int]],
 ) -> dict[tuple[str, str], tuple | None]:
     return {(j, s): contention_key(sources[s], jt, levels[j][s]) for j, jt in joiners.items() for s in sources}
 

@@ -134,9 +134,7 @@ def link_level(a: WorkerTopology, b: WorkerTopology) -> int:
     if not _same_machine(a, b) or not _same_ipc_domain(a, b):
         return L4_NETWORK
     if a.is_gpu and b.is_gpu:
-        if _same_gpu(a, b):
-            return L0_SAME_DEVICE
-        return min(_gpu_level(a, b), _gpu_level(b, a))
+        return L0_SAME_DEVICE if _same_gpu(a, b) else _gpu_level(a, b)
     return _socket_level(a, b)
 
 
@@ -157,18 +155,32 @@ def _same_gpu(a: WorkerTopology, b: WorkerTopology) -> bool:
 
 
 def _gpu_level(a: WorkerTopology, b: WorkerTopology) -> int:
-    """The level of ``a`` -> ``b`` from what ``a`` reported (both are distinct GPUs on one machine)."""
+    """Two distinct GPUs on one machine: the level the strongest evidence either side reported gives.
+
+    Evidence, strongest first: NVLink peers, a link code (NVML / ``nvidia-smi``), the two PCIe paths, P2P capability,
+    sockets. Equal evidence from both sides (they normally agree) resolves to the lower level, so the result is
+    symmetric.
+    """
+    strength_ab, level_ab = _gpu_evidence(a, b)
+    strength_ba, level_ba = _gpu_evidence(b, a)
+    if strength_ab != strength_ba:
+        return level_ab if strength_ab > strength_ba else level_ba
+    return min(level_ab, level_ba)
+
+
+def _gpu_evidence(a: WorkerTopology, b: WorkerTopology) -> tuple[int, int]:
+    """``(strength, level)`` of ``a`` -> ``b`` from what ``a`` reported."""
     peer = b.pci_bus_id
     if peer is not None and peer in a.nvlink_peers:
-        return L1_P2P
+        return 4, L1_P2P
     code = a.gpu_links.get(peer) if peer is not None else None
     if code is not None:
-        return _code_level(code, a, b)
+        return 3, _code_level(code, a, b)
     if a.pci_path and b.pci_path:
-        return _code_level(_path_code(a, b), a, b)
+        return 2, _code_level(_path_code(a, b), a, b)
     if a.p2p_peers is not None and peer in a.p2p_peers:
-        return L1_P2P
-    return _socket_level(a, b)
+        return 1, L1_P2P
+    return 0, _socket_level(a, b)
 
 
 def _code_level(code: str, a: WorkerTopology, b: WorkerTopology) -> int:
@@ -180,7 +192,7 @@ def _code_level(code: str, a: WorkerTopology, b: WorkerTopology) -> int:
     if level is None:
         return _socket_level(a, b)
     if level == L1_P2P and not _p2p_allowed(a, b):
-        return L2_HOST_BRIDGE  # behind one switch, but P2P is disabled (ACS, consumer boards): copies go through the host
+        return L2_HOST_BRIDGE  # one switch, but P2P disabled (ACS, consumer boards): copies go through the host
     return level
 
 
@@ -323,7 +335,7 @@ def _cuda_index(device: Any) -> int | None:
         import torch
 
         return torch.cuda.current_device()
-    except Exception:  # noqa: BLE001 - no usable CUDA: treat as device 0
+    except Exception:
         return 0
 
 
@@ -351,7 +363,7 @@ def _fill_cuda_identity(topo: WorkerTopology, index: int) -> None:
         uuid = getattr(props, "uuid", None)
         if uuid is not None:
             topo.gpu_uuid = str(uuid) if str(uuid).startswith("GPU-") else f"GPU-{uuid}"
-    except Exception as error:  # noqa: BLE001 - no CUDA build, no device, no driver
+    except Exception as error:
         log.debug("no CUDA identity for device %s: %s", index, error)
 
 
@@ -368,7 +380,7 @@ def _fill_gpu_links(topo: WorkerTopology, *, use_nvml: bool, use_smi: bool) -> N
 def _import_nvml() -> Any:
     try:
         import pynvml  # type: ignore[import-not-found]
-    except Exception:  # noqa: BLE001 - not installed or broken
+    except Exception:
         return None
     return pynvml
 
@@ -377,7 +389,7 @@ def _fill_from_nvml(topo: WorkerTopology, nvml: Any) -> bool:
     """GPU links, P2P and NVLink peers from NVML; False if NVML does not answer."""
     try:
         nvml.nvmlInit()
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         log.debug("NVML unavailable: %s", error)
         return False
     try:
@@ -398,20 +410,20 @@ def _fill_from_nvml(topo: WorkerTopology, nvml: Any) -> bool:
                 p2p.append(bus)
         topo.gpu_links, topo.p2p_peers, topo.nvlink_peers, topo.gpu_source = links, p2p, nvlink, "nvml"
         return True
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         log.debug("NVML topology query failed: %s", error)
         return False
     finally:
         try:
             nvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
 def _nvml_p2p(nvml: Any, a: Any, b: Any, caps_index: int) -> bool:
     try:
         return int(nvml.nvmlDeviceGetP2PStatus(a, b, caps_index)) == _NVML_P2P_STATUS_OK
-    except Exception:  # noqa: BLE001 - old driver / unsupported query
+    except Exception:
         return False
 
 
@@ -421,7 +433,7 @@ def _nvlink_count(nvml: Any, handle: Any, peer_bus: str) -> int:
     for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
         try:
             remote = nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link)
-        except Exception:  # noqa: BLE001 - link not present
+        except Exception:
             continue
         try:
             count += normalize_bus_id(remote.busId) == peer_bus
@@ -472,7 +484,7 @@ def _fill_from_torch(topo: WorkerTopology) -> None:
             if torch.cuda.can_device_access_peer(topo.device_index, other):
                 peers.append(bus)
         topo.p2p_peers, topo.gpu_source = peers, "torch"
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         log.debug("torch.cuda peer query failed: %s", error)
 
 

@@ -31,7 +31,8 @@ class ReadyWorkerOptimizer(WorkerOptimizer, Protocol):
 
 @dataclass(frozen=True)
 class ScalingLimits:
-    """The user's ranges: per-worker batch in ``[min_local_batch, max_local_batch]``, global batch ≤ ``max_global_batch``."""
+    """The user's ranges: per-worker batch within ``[min_local_batch, max_local_batch]``, global batch at most
+    ``max_global_batch`` (``None``: no limit)."""
 
     min_local_batch: int = 1
     max_local_batch: int | None = None

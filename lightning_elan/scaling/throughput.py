@@ -73,7 +73,7 @@ class ThroughputModel:
     # ------------------------------------------------------------------ observations
 
     def observe_step(self, local_batch: int, world_size: int, compute_s: float, allreduce_s: float) -> None:
-        """Record one step: this worker's local batch, the world size, and the step split into compute and all-reduce."""
+        """Record one step: this worker's local batch, the world size, and the step's compute and all-reduce time."""
         if local_batch < 1 or world_size < 1:
             return
         self._compute.setdefault(int(local_batch), RunningMean()).add(max(0.0, float(compute_s)), self.window)

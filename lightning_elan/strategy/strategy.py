@@ -194,9 +194,14 @@ class ElanStrategy(DDPStrategy):
             self._mark_left()
             raise compat.LeaveFit
         plan = reply["plan"]
+        phases = _PhaseClock()
         self._enter_generation(plan)
+        phases.mark("group")
         checkpoint, elan_state, received = self._receive_training_state(plan)
+        phases.mark("receive")
         self._apply_training_state(trainer, checkpoint, elan_state)
+        phases.mark("restore")
+        log.info("worker %s joined generation %d after %s", self.identity.worker_id, plan["generation"], phases)
         self._joined = True
         self._pending_report = {"role": "joiner", "generation": plan["generation"], "bytes_received": received}
         self._timeline.adjustment_started()
@@ -353,19 +358,25 @@ class ElanStrategy(DDPStrategy):
         self._timeline.adjustment_started()
         compat.set_logger_versions(trainer, decision["logger_versions"])
         joiners = _joiners_of(plan, me)
+        phases = _PhaseClock()
         snapshot = self._snapshot(trainer) if joiners else None
+        phases.mark("snapshot")
         old_model = self.model
         assert self._groups is not None
         self._groups.leave()
         staying = me in plan["members"]
         if staying:
             self._enter_generation(plan)
+        phases.mark("group")
         sent = self._send_training_state(plan, snapshot, joiners) if snapshot is not None else 0
+        phases.mark("send")
         _remove_ddp_hooks(old_model)
         self.model = self.lightning_module
         if not staying:
             self._leave(plan, sent, time.perf_counter() - started)
         self._rewire(trainer)
+        phases.mark("rewire")
+        log.info("worker %s in generation %d after %s", me, plan["generation"], phases)
         self._pending_report = {
             "role": "stayer", "generation": plan["generation"], "bytes_sent": sent,
             "adjust_s": time.perf_counter() - started,
@@ -475,6 +486,22 @@ class _ElanCoordinator(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._strategy.on_batch_end(trainer)
+
+
+class _PhaseClock:
+    """Milliseconds spent in each named phase, for the adjustment log line."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._phases: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._phases.append((phase, (now - self._last) * 1e3))
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{phase} {ms:.1f} ms" for phase, ms in self._phases)
 
 
 def _joiners_of(plan: dict[str, Any], source: str) -> list[str]:

@@ -357,3 +357,50 @@ def test_state_round_trips_through_json_mid_adjustment() -> None:
         assert restored.report(worker, 2, "stayer", pause_s=0.1) is None
     assert restored.generation == 2
     assert restored.report("w3", 2, "stayer", pause_s=0.1)["leavers"] == ["w0"]
+
+
+# ---- topology-aware sources -----------------------------------------------------------------------------------------
+
+
+def gpu_topology(host: str, socket: int, bus: int) -> dict:
+    return {"host": host, "device_type": "cuda", "device_index": 0, "pci_bus_id": f"0000:{bus:02x}:00.0",
+            "socket": socket}
+
+
+def test_registered_topologies_route_sources_through_the_planner() -> None:
+    # Elan fig. 9: w0, w1 on socket 0 of n0, w2 on socket 1, w3 on n1; joiner w4 near w2, w5 near w3
+    state = started(4)
+    places = {"w0": ("n0", 0, 1), "w1": ("n0", 0, 2), "w2": ("n0", 1, 0x81), "w3": ("n1", 0, 1)}
+    for worker, (host, socket, bus) in places.items():
+        state.register(worker, host=host, device="cuda:0", pid=1, topology=gpu_topology(host, socket, bus))
+    new = state.scale("add", count=2)["new_workers"]
+    state.register(new[0], host="n0", device="cuda:1", pid=2, topology=gpu_topology("n0", 1, 0x82))
+    state.register(new[1], host="n1", device="cuda:1", pid=3, topology=gpu_topology("n1", 0, 2))
+
+    plan = decide(state)
+
+    assert plan["sources"] == {"w4": "w2", "w5": "w3"}
+    assert [(t["source"], t["joiner"], t["level"], t["wave"], t["transport"]) for t in plan["transfers"]] == [
+        ("w2", "w4", 2, 0, "shm"),
+        ("w3", "w5", 2, 0, "shm"),
+    ]
+    restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert restored.in_flight is not None and restored.in_flight.plan.to_dict() == plan
+
+
+def test_a_missing_topology_falls_back_to_round_robin_without_transfers() -> None:
+    state = started(2)
+    state.register("w0", host="n0", topology={"host": "n0"})
+    new = state.scale("add", count=2)["new_workers"]
+    ready(state, new)  # joiners register without a topology
+
+    plan = decide(state)
+
+    assert plan["sources"] == {"w2": "w0", "w3": "w1"}
+    assert "transfers" not in plan
+
+
+def test_an_unreadable_topology_is_ignored() -> None:
+    state = started(1)
+    state.register("w0", host="n0", topology={"no_host": True})
+    assert state.members[0].topology is None

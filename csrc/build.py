@@ -1,0 +1,286 @@
+"""Compile the lightning_elan CUDA extension (module ``lightning_elan_cuda``) without setuptools.
+
+Three translation units, compiled in parallel, then linked into one Python extension module:
+
+* ``multi_tensor_copy.cu`` with ``nvcc`` (no torch header: fast, any torch build),
+* ``runtime.cpp`` with the host compiler against ``cuda_runtime.h``,
+* ``bindings.cpp`` with the host compiler against torch's headers (the only file including ``torch/extension.h``).
+
+Nothing here needs a GPU, nor a CUDA build of torch: CI runs it on machines with ``nvcc`` and a CPU torch to catch a
+broken kernel or binding before any GPU run. ``lightning_elan.replication.cuda_ext`` calls :func:`build` to build at
+run time (into a cache directory) when asked to.
+
+Usage: ``python csrc/build.py [--out DIR] [--arch 90] [--arch 80] [--objects-only] [--quiet]``. ``--arch`` defaults to
+``$ELAN_CUDA_ARCHS`` (``;``/``,`` separated, e.g. ``"80;90"``), else the visible GPU's compute capability, else 90.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("lightning_elan.csrc.build")
+
+CSRC = Path(__file__).resolve().parent
+MODULE_NAME = "lightning_elan_cuda"
+SOURCES = ("multi_tensor_copy.cu", "runtime.cpp", "bindings.cpp")
+HEADERS = ("elan_cuda.h",)
+DEFAULT_ARCH = "90"
+
+
+class BuildError(RuntimeError):
+    """A compile or link step failed, or a tool is missing; the message says which and why."""
+
+
+@dataclass
+class Toolchain:
+    nvcc: str
+    cuda_home: Path
+    cxx: str
+    torch_includes: list[str] = field(default_factory=list)
+    torch_lib: str = ""
+    python_include: str = ""
+    cxx11_abi: int = 1
+
+
+def find_cuda_home() -> Path | None:
+    """``$CUDA_HOME``/``$CUDA_PATH``, the toolkit around ``nvcc`` (wrappers resolved), or ``/usr/local/cuda``."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+        candidates.extend(_nvcc_wrapper_targets(Path(nvcc)))
+    candidates.append("/usr/local/cuda")
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "include" / "cuda_runtime.h").exists():
+            return Path(candidate)
+    return None
+
+
+def _nvcc_wrapper_targets(nvcc: Path) -> list[str]:
+    """Toolkit roots named inside a small shell wrapper such as ``exec /usr/local/cuda-13.0/bin/nvcc "$@"``."""
+    try:
+        if nvcc.stat().st_size > 4096:
+            return []
+        text = nvcc.read_text(errors="ignore")
+    except OSError:
+        return []
+    return [str(Path(word).parent.parent) for word in text.split() if word.endswith("/bin/nvcc")]
+
+
+def toolchain() -> Toolchain:
+    """Locate nvcc, the CUDA headers, the host compiler and torch's headers; raises :class:`BuildError`."""
+    cuda_home = find_cuda_home()
+    nvcc = shutil.which("nvcc") or (str(cuda_home / "bin" / "nvcc") if cuda_home else None)
+    if nvcc is None or not Path(nvcc).exists():
+        raise BuildError("no CUDA toolkit: nvcc is not on PATH and CUDA_HOME is not set")
+    if cuda_home is None:
+        raise BuildError(f"found {nvcc} but no CUDA headers (include/cuda_runtime.h): set CUDA_HOME")
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise BuildError("no host C++ compiler (c++/g++) on PATH")
+    try:
+        import torch
+        from torch.utils.cpp_extension import include_paths, library_paths
+    except ImportError as error:
+        raise BuildError(f"torch is needed to build the bindings: {error}") from error
+    return Toolchain(
+        nvcc=nvcc,
+        cuda_home=cuda_home,
+        cxx=cxx,
+        torch_includes=include_paths(),
+        torch_lib=library_paths()[0],
+        python_include=sysconfig.get_paths()["include"],
+        cxx11_abi=int(torch._C._GLIBCXX_USE_CXX11_ABI),
+    )
+
+
+def default_archs() -> list[str]:
+    env = os.environ.get("ELAN_CUDA_ARCHS")
+    if env:
+        return [arch.strip().replace(".", "") for arch in env.replace(",", ";").split(";") if arch.strip()]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return [f"{major}{minor}"]
+    except Exception:
+        pass
+    return [DEFAULT_ARCH]
+
+
+def _cuda_lib_dir(cuda_home: Path) -> Path:
+    for name in ("lib64", "lib", "targets/x86_64-linux/lib"):
+        if (cuda_home / name / "libcudart.so").exists():
+            return cuda_home / name
+    return cuda_home / "lib64"
+
+
+def commands(tc: Toolchain, out: Path, archs: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """The compile command per source and the link command."""
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    gencode.append(f"-gencode=arch=compute_{max(archs)},code=compute_{max(archs)}")  # PTX for newer GPUs
+    cuda_include = f"-I{tc.cuda_home / 'include'}"
+    compile_cmds = {
+        "multi_tensor_copy.cu": [
+            tc.nvcc, "-c", str(CSRC / "multi_tensor_copy.cu"), "-o", str(out / "multi_tensor_copy.o"),
+            "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", *gencode,
+        ],
+        "runtime.cpp": [
+            tc.cxx, "-c", str(CSRC / "runtime.cpp"), "-o", str(out / "runtime.o"),
+            "-O2", "-std=c++17", "-fPIC", "-Wall", cuda_include,
+        ],
+        "bindings.cpp": [
+            tc.cxx, "-c", str(CSRC / "bindings.cpp"), "-o", str(out / "bindings.o"),
+            "-O2", "-std=c++20", "-fPIC", "-w",
+            *(f"-I{p}" for p in tc.torch_includes), f"-I{tc.python_include}", cuda_include,
+            f"-DTORCH_EXTENSION_NAME={MODULE_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+            f"-D_GLIBCXX_USE_CXX11_ABI={tc.cxx11_abi}",
+        ],
+    }  # fmt: skip
+    cuda_lib = _cuda_lib_dir(tc.cuda_home)
+    link = [
+        tc.cxx, "-shared", "-o", str(out / module_filename()),
+        *(str(out / Path(source).with_suffix(".o").name) for source in SOURCES),
+        f"-L{tc.torch_lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
+        f"-L{cuda_lib}", "-lcudart", f"-Wl,-rpath,{cuda_lib}", f"-Wl,-rpath,{tc.torch_lib}",
+    ]  # fmt: skip
+    return compile_cmds, link
+
+
+def module_filename() -> str:
+    return MODULE_NAME + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+
+
+def source_hash(archs: list[str]) -> str:
+    """Identifies a build: sources, headers, archs, torch version and ABI."""
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS, "build.py"):
+        digest.update((CSRC / name).read_bytes())
+    digest.update(";".join(archs).encode())
+    try:
+        import torch
+
+        digest.update(torch.__version__.encode())
+    except ImportError:
+        pass
+    return digest.hexdigest()[:16]
+
+
+def _run(name: str, argv: list[str], quiet: bool) -> float:
+    t0 = time.perf_counter()
+    if not quiet:
+        print("+", " ".join(argv), flush=True)
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise BuildError(f"{name} failed (exit {result.returncode}):\n{result.stdout}{result.stderr}")
+    if result.stderr.strip() and not quiet:
+        print(result.stderr, file=sys.stderr)
+    return time.perf_counter() - t0
+
+
+def read_stamp(out: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """What the build in ``out`` was made from (``key``, ``archs``, ``torch``), or None."""
+    try:
+        return json.loads((Path(out) / "build.stamp").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_current(out: str | os.PathLike[str]) -> bool:
+    """Whether ``out`` holds a linked module built from these sources for this torch."""
+    stamp = read_stamp(out)
+    if stamp is None or not (Path(out) / module_filename()).exists():
+        return False
+    return stamp.get("key") == source_hash(list(stamp.get("archs") or []))
+
+
+@contextlib.contextmanager
+def _locked(out_dir: Path):
+    """One build per directory at a time (several workers of one host may ask at once)."""
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build(out: str | os.PathLike[str] | None = None, archs: list[str] | None = None, *, objects_only: bool = False,
+          quiet: bool = True) -> Path:
+    """Compile (and link, unless ``objects_only``) into ``out``; returns the module path (or ``out``).
+
+    Reuses a previous build in ``out`` with the same :func:`source_hash`. Raises :class:`BuildError`.
+    """
+    archs = archs or default_archs()
+    out_dir = Path(out) if out is not None else CSRC / "build"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(out_dir):
+        return _build_locked(out_dir, archs, objects_only, quiet)
+
+
+def _build_locked(out_dir: Path, archs: list[str], objects_only: bool, quiet: bool) -> Path:
+    target = out_dir / module_filename()
+    key = source_hash(archs)
+    stamp = read_stamp(out_dir)
+    if not objects_only and target.exists() and stamp is not None and stamp.get("key") == key:
+        return target
+    tc = toolchain()
+    compile_cmds, link = commands(tc, out_dir, archs)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(compile_cmds)) as pool:
+        futures = {name: pool.submit(_run, name, argv, quiet) for name, argv in compile_cmds.items()}
+        times = {name: future.result() for name, future in futures.items()}
+    log.info("compiled in %.1f s (%s)", time.perf_counter() - t0, ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
+    if objects_only:
+        return out_dir
+    _run("link", link, quiet)
+    (out_dir / "build.stamp").write_text(json.dumps({"key": key, "archs": archs, "torch": _torch_version()}) + "\n")
+    return target
+
+
+def _torch_version() -> str | None:
+    try:
+        import torch
+
+        return torch.__version__
+    except ImportError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(CSRC / "build"), help="output directory (default csrc/build)")
+    parser.add_argument("--arch", action="append", help="SM architecture, e.g. 90 (repeatable)")
+    parser.add_argument("--objects-only", action="store_true", help="compile, do not link")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    t0 = time.perf_counter()
+    try:
+        path = build(args.out, [a.replace(".", "") for a in args.arch] if args.arch else None,
+                     objects_only=args.objects_only, quiet=args.quiet)
+    except BuildError as error:
+        print(f"build failed: {error}", file=sys.stderr)
+        return 1
+    print(f"built {path} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

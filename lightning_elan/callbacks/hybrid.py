@@ -1,0 +1,233 @@
+"""HybridScaling: learns the job's throughput model while it trains and decides the global batch at every resize."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_elan.callbacks.lr_ramp import ProgressiveLinearLR
+from lightning_elan.scaling.batch import POLICIES, ScalingDecision, ScalingLimits, scale_global_batch
+from lightning_elan.scaling.lr import LR_RULES, lr_factor
+from lightning_elan.scaling.report import scaling_summary
+from lightning_elan.scaling.throughput import ThroughputModel
+from lightning_elan.scaling.timing import StepTimer
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+
+class HybridScaling(Callback):
+    """Strong, weak or Elan's hybrid scaling of the global batch when the job changes size.
+
+    Every worker times its own steps (no synchronisation: see :mod:`lightning_elan.scaling.timing` for how a step is
+    split into compute and all-reduce) and feeds a :class:`~lightning_elan.scaling.ThroughputModel`, kept in this
+    callback's state so joiners and a new rank 0 inherit it. At an adjustment rank 0 calls :meth:`decide`; every rank
+    then calls :meth:`apply` with the broadcast decision (which starts the LR ramp of any
+    :class:`ProgressiveLinearLR`).
+
+    Args:
+        policy: ``"strong"`` (global batch kept), ``"weak"`` (×N'/N) or ``"hybrid"`` (Algorithm 1; strong until the
+            throughput model is ready).
+        min_local_batch: smallest per-worker batch Algorithm 1 may choose.
+        max_local_batch: largest per-worker batch (memory cap; also shrinks the global batch on scale-in).
+        max_global_batch: largest global batch.
+        lr_rule: ``"linear"`` (LR × k) or ``"sqrt"`` (LR × √k) for a global batch multiplied by k.
+        min_observations: steps per point before the model counts as ready.
+        warmup_steps: steps not measured after the start and after every world-size change.
+        backward_ratio: backward/forward compute ratio assumed until steps without communication measure it.
+        learn: record measured steps (off: keep the model as loaded, e.g. from ``profile``).
+        profile: path of a JSON ``ThroughputModel.state_dict()`` to start from (a measured or synthetic profile).
+    """
+
+    def __init__(
+        self,
+        policy: str = "strong",
+        min_local_batch: int = 1,
+        max_local_batch: int | None = None,
+        max_global_batch: int | None = None,
+        lr_rule: str = "linear",
+        min_observations: int = 3,
+        warmup_steps: int = 2,
+        backward_ratio: float = 2.0,
+        learn: bool = True,
+        profile: str | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if lr_rule not in LR_RULES:
+            raise ValueError(f"lr_rule must be one of {LR_RULES}, got {lr_rule!r}")
+        self.policy = policy
+        self.limits = ScalingLimits(min_local_batch, max_local_batch, max_global_batch)
+        self.lr_rule = lr_rule
+        self.warmup_steps = warmup_steps
+        self.learn = learn
+        self.model = ThroughputModel(min_observations=min_observations)
+        if profile is not None:
+            self.model.load_state_dict(json.loads(Path(profile).read_text()))
+        self.timer = StepTimer(backward_ratio)
+        self.base_global_batch: int | None = None  # the batch the user's LR was tuned for
+        self.global_batch: int | None = None
+        self.world_size = 1
+        self.last_decision: ScalingDecision | None = None
+        self._skip = warmup_steps
+
+    # ------------------------------------------------------------------ the integration points (see package doc)
+
+    def decide(self, n_old: int, n_new: int, global_batch: int) -> ScalingDecision:
+        """The global batch for ``n_old → n_new`` workers under the policy, with the LR multiplier to ramp to.
+
+        Called on rank 0 at an adjustment; the strategy broadcasts the result (``ScalingDecision.to_dict()``).
+        """
+        if self.base_global_batch is None:
+            self.base_global_batch = global_batch
+        decision = scale_global_batch(self.policy, n_old, n_new, global_batch, self.model, self.limits)
+        target = lr_factor(decision.global_batch / self.base_global_batch, self.lr_rule)
+        decision = ScalingDecision(decision.global_batch, decision.local_batch, decision.k, decision.reason, target)
+        log.info("scaling %d -> %d workers: global batch %d -> %d (%s)", n_old, n_new, global_batch,
+                 decision.global_batch, decision.reason)
+        self.last_decision = decision
+        return decision
+
+    def apply(
+        self, trainer: pl.Trainer, decision: ScalingDecision | Mapping[str, Any], step: int | None = None
+    ) -> None:
+        """On every rank, after the decision arrived: remember it and start the LR ramp at ``step`` (default: the
+        trainer's ``global_step``, i.e. the first optimizer step taken with the new batch)."""
+        if not isinstance(decision, ScalingDecision):
+            decision = ScalingDecision.from_dict(dict(decision))
+        if self.base_global_batch is None and decision.k > 0:
+            self.base_global_batch = max(1, round(decision.global_batch / decision.k))
+        self.last_decision = decision
+        self.global_batch = decision.global_batch
+        start = trainer.global_step if step is None else step
+        if decision.lr_scale is not None:
+            for callback in _ramps(trainer.callbacks):
+                callback.start_ramp(start, decision.lr_scale)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able, for ``elan status``: the fitted throughput per world size at the current and next global batch,
+        and the last decision with its reason."""
+        return scaling_summary(self.model, self.policy, self.global_batch, self.world_size, self.last_decision)
+
+    def record_allreduce_time(self, seconds: float) -> None:
+        """Optional: a measured all-reduce time for the step in flight (replaces the estimate from the timings)."""
+        self.timer.allreduce(seconds)
+
+    # ------------------------------------------------------------------ hooks: timing on every worker
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.model.grad_bytes is None:
+            self.model.grad_bytes = _gradient_bytes(pl_module)
+        if self.policy != "strong" and not _ramps(trainer.callbacks):
+            log.warning("HybridScaling(policy=%r) changes the global batch but no ProgressiveLinearLR scales the LR",
+                        self.policy)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        world_size = trainer.world_size
+        if world_size != self.world_size:
+            self.world_size, self._skip = world_size, self.warmup_steps
+        local = _batch_length(batch)
+        self.global_batch = _strategy_global_batch(trainer) or self.global_batch or (local or 0) * world_size or None
+        if self.base_global_batch is None:
+            self.base_global_batch = self.global_batch
+        if local is None and self.global_batch:
+            local = math.ceil(self.global_batch / world_size)
+        self.timer.batch_start(time.perf_counter(), local or 0, world_size)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self.timer.before_backward(time.perf_counter())
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.timer.after_backward(time.perf_counter())
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.timer.optimizer_step()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        sample = self.timer.batch_end(time.perf_counter())
+        if sample is not None:
+            self._observe(sample.local_batch, sample.world_size, sample.compute_s, sample.allreduce_s)
+            self._log(pl_module, sample.local_batch)
+
+    def _observe(self, local_batch: int, world_size: int, compute_s: float, allreduce_s: float) -> None:
+        if self._skip > 0:
+            self._skip -= 1
+        elif self.learn:
+            self.model.observe_step(local_batch, world_size, compute_s, allreduce_s)
+
+    def _log(self, pl_module: pl.LightningModule, local_batch: int) -> None:
+        metrics = {"elan/local_batch": local_batch, "elan/world_size": self.world_size}
+        if self.global_batch is not None:
+            metrics["elan/global_batch"] = self.global_batch
+        for name, value in metrics.items():
+            pl_module.log(name, float(value), on_step=True, on_epoch=False)
+
+    # ------------------------------------------------------------------ state (checkpoints and replication)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "backward_ratio": [self.timer.ratio.count, self.timer.ratio.mean],
+            "base_global_batch": self.base_global_batch,
+            "global_batch": self.global_batch,
+            "last_decision": None if self.last_decision is None else self.last_decision.to_dict(),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.model.load_state_dict(state_dict["model"])
+        self.timer.ratio.count, self.timer.ratio.mean = state_dict["backward_ratio"]
+        self.base_global_batch = state_dict.get("base_global_batch")
+        self.global_batch = state_dict.get("global_batch")
+        decision = state_dict.get("last_decision")
+        self.last_decision = None if decision is None else ScalingDecision.from_dict(decision)
+
+
+def _ramps(callbacks: Sequence[Callback]) -> list[ProgressiveLinearLR]:
+    return [callback for callback in callbacks if isinstance(callback, ProgressiveLinearLR)]
+
+
+def _gradient_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def _strategy_global_batch(trainer: pl.Trainer) -> int | None:
+    """The elan strategy's global batch (``data_position.global_batch``), when there is one."""
+    position = getattr(trainer.strategy, "data_position", None)
+    return getattr(position, "global_batch", None)
+
+
+def _batch_length(batch: Any) -> int | None:
+    """Samples in this worker's batch: the first dimension of the first tensor found."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else None
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            length = _batch_length(item)
+            if length is not None:
+                return length
+    return None
