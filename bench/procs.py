@@ -31,6 +31,7 @@ def bench_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("OMP_NUM_THREADS", "1")  # 2-3 workers share 2 cores: one thread each, for every launcher
     env["PYTHONWARNINGS"] = "ignore"
     env.update(extra or {})
     return env

@@ -1,0 +1,471 @@
+"""Same-host transports of a packed training state: host shared memory and CUDA IPC (Elan §IV: IO-free).
+
+Both have the shape of :mod:`lightning_elan.replication.transport` (a source sends ``cpu_state`` and ``tensors``,
+destinations receive ``(cpu_state, tensors, bytes)``; the header travels pickled through the store under
+``prefix + "/header"``), but no process group: the bytes go through memory both processes map.
+
+* **Shared memory** (:func:`send_state_shm` / :func:`receive_state_shm`, levels L2/L3, and CPU workers): the source
+  packs every buffer once into one file in ``/dev/shm`` (an *arena*, each dtype buffer 256-byte aligned; CUDA tensors
+  are packed on the GPU first, then copied down once); each destination maps the file and copies its bytes to its own
+  buffers (CPU, or its GPU). The source unlinks the file as soon as every destination has mapped it.
+* **CUDA IPC** (:func:`send_state_ipc` / :func:`receive_state_ipc`, levels L0/L1): the source packs into one GPU
+  arena (one kernel launch with the CUDA extension), exports one IPC handle; each destination opens it and copies
+  device to device (P2P across GPUs), then acknowledges; the source frees the arena after every acknowledgement.
+
+Each source side is also available in two steps, ``share_state_*`` (pack + publish, returns at once) and the share's
+``wait()``/``close()``, so a stayer can resume training while the joiners copy (the arena is a separate copy of the
+state). Destinations of a sliced plan (Or et al.) use :class:`ShmReader`/:class:`IpcReader` and ``copy_to`` with a
+byte range of :func:`~lightning_elan.replication.planner.slice_range`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import mmap
+import os
+import pickle
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_elan.replication import cuda_ext
+from lightning_elan.replication.cuda_ext import ArenaLayout, IpcHandle, arena_layout, arena_views
+from lightning_elan.replication.packing import PackedLayout, empty_buffers, make_layout, state_nbytes, unpack
+from lightning_elan.replication.transport import DEFAULT_TIMEOUT, header_key
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "IpcReader",
+    "IpcShare",
+    "ShmReader",
+    "ShmShare",
+    "ShmUnavailable",
+    "default_shm_dir",
+    "receive_state_ipc",
+    "receive_state_shm",
+    "send_state_ipc",
+    "send_state_shm",
+    "share_state_ipc",
+    "share_state_shm",
+]
+
+SHM_FORMAT = "elan-shm/1"
+IPC_FORMAT = "elan-ipc/1"
+_POLL_MIN_S = 1e-4
+_POLL_MAX_S = 1e-2
+
+
+class ShmUnavailable(RuntimeError):
+    """Shared memory cannot hold the state (no such directory, not enough space): use the collective transport."""
+
+
+def default_shm_dir() -> Path:
+    """``/dev/shm`` where it exists (Linux tmpfs), else the temporary directory."""
+    path = Path("/dev/shm")
+    if path.is_dir() and os.access(path, os.W_OK):
+        return path
+    import tempfile
+
+    return Path(tempfile.gettempdir())
+
+
+# --------------------------------------------------------------------------------------------
+# store helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _ack_key(prefix: str) -> str:
+    return f"{prefix}/acks"
+
+
+def _publish(store: dist.Store, prefix: str, header: dict[str, Any]) -> int:
+    data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+    store.set(header_key(prefix), data)
+    return len(data)
+
+
+def _fetch_header(store: dist.Store, prefix: str, fmt: str, timeout: datetime.timedelta) -> tuple[dict[str, Any], int]:
+    store.wait([header_key(prefix)], timeout)
+    data = store.get(header_key(prefix))
+    header = pickle.loads(data)
+    if not isinstance(header, dict) or header.get("format") != fmt:
+        got = header.get("format") if isinstance(header, dict) else type(header).__name__
+        raise RuntimeError(f"transfer {prefix}: expected a {fmt} header, got {got!r}")
+    return header, len(data)
+
+
+def _wait_acks(store: dist.Store, prefix: str, count: int, timeout: datetime.timedelta) -> None:
+    """Block until ``count`` destinations acknowledged (``store.add`` on the ack key), or raise ``TimeoutError``."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    delay = _POLL_MIN_S
+    while store.add(_ack_key(prefix), 0) < count:
+        if time.monotonic() > deadline:
+            got = store.add(_ack_key(prefix), 0)
+            raise TimeoutError(f"transfer {prefix}: {got} of {count} destinations acknowledged within {timeout}")
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_MAX_S)
+
+
+def _ack(store: dist.Store, prefix: str) -> None:
+    store.add(_ack_key(prefix), 1)
+
+
+# --------------------------------------------------------------------------------------------
+# copying an arena byte range into per-key buffers (both readers)
+# --------------------------------------------------------------------------------------------
+
+CopyFn = Callable[[torch.Tensor, int], None]  # (contiguous destination bytes, source offset in the arena)
+
+
+def _copy_range(places: ArenaLayout, buffers: dict[str, torch.Tensor], start: int, stop: int, copy: CopyFn) -> int:
+    """Copy the part of each key's region that falls in ``[start, stop)`` of the arena; returns the bytes copied."""
+    copied = 0
+    for key, offset in places.offsets.items():
+        lo, hi = max(start, offset), min(stop, offset + places.sizes[key])
+        if lo >= hi:
+            continue
+        dst = buffers[key].view(torch.uint8)[lo - offset : hi - offset]
+        copy(dst, lo)
+        copied += hi - lo
+    return copied
+
+
+def _pack_into_views(tensors: list[torch.Tensor], layout: PackedLayout, views: dict[str, torch.Tensor]) -> None:
+    """Pack into ``views`` (host memory); CUDA buffers are packed on their GPU first, then copied down once each."""
+    staging: dict[str, torch.Tensor] = {}
+    targets = dict(views)
+    first: dict[str, torch.Tensor] = {}
+    for spec, t in zip(layout.specs, tensors, strict=True):
+        first.setdefault(spec.key, t)
+    for key, t in first.items():
+        if t.is_cuda:
+            staging[key] = targets[key] = torch.empty(layout.buffer_numels[key], dtype=t.dtype, device=t.device)
+    cuda_ext.pack_into(tensors, layout, targets)
+    for key, buf in staging.items():
+        views[key].copy_(buf)
+
+
+# --------------------------------------------------------------------------------------------
+# shared memory
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShmShare:
+    """A published shared-memory segment; :meth:`wait` for the destinations, then :meth:`close` to unlink it."""
+
+    store: dist.Store
+    prefix: str
+    path: Path
+    receivers: int
+    nbytes: int  # packed bytes + header bytes (what send_state_shm returns)
+
+    def wait(self, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+        """Until every destination has mapped the segment (after that, unlinking it is safe)."""
+        _wait_acks(self.store, self.prefix, self.receivers, timeout)
+
+    def close(self) -> None:
+        """Unlink the segment (idempotent); destinations that mapped it keep their mapping."""
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def share_state_shm(
+    store: dist.Store,
+    prefix: str,
+    cpu_state: Any,
+    tensors: list[torch.Tensor],
+    receivers: int = 1,
+    *,
+    shm_dir: str | os.PathLike[str] | None = None,
+) -> ShmShare:
+    """Pack ``tensors`` into a new shared-memory segment and publish the header; returns without waiting.
+
+    Raises :class:`ShmUnavailable` when the segment cannot be created (the caller falls back to the collective).
+    """
+    t0 = time.perf_counter()
+    layout = make_layout(tensors)
+    places = arena_layout(layout)
+    path = Path(shm_dir or default_shm_dir()) / f"elan-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    mapping = _create_segment(path, places.nbytes)
+    try:
+        arena = _as_tensor(mapping, places.nbytes)
+        _pack_into_views(tensors, layout, arena_views(arena, layout, places))
+        del arena
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        _close_mapping(mapping)
+    header = {"format": SHM_FORMAT, "cpu_state": cpu_state, "layout": layout, "arena": places, "path": str(path)}
+    header_len = _publish(store, prefix, header)
+    log.debug("shm %s: %d bytes packed into %s in %.1f ms", prefix, places.nbytes, path, _ms(t0))
+    return ShmShare(store, prefix, path, receivers, places.nbytes + header_len)
+
+
+def send_state_shm(
+    store: dist.Store,
+    prefix: str,
+    cpu_state: Any,
+    tensors: list[torch.Tensor],
+    receivers: int = 1,
+    *,
+    shm_dir: str | os.PathLike[str] | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> int:
+    """Send to ``receivers`` destinations on this host; returns once all have mapped the segment (bytes sent)."""
+    share = share_state_shm(store, prefix, cpu_state, tensors, receivers, shm_dir=shm_dir)
+    try:
+        share.wait(timeout)
+    finally:
+        share.close()
+    return share.nbytes
+
+
+def _create_segment(path: Path, nbytes: int) -> mmap.mmap:
+    """A new file of ``nbytes`` (space reserved, so a full tmpfs is an error here, not a SIGBUS later), mapped."""
+    size = max(nbytes, 1)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as error:
+        raise ShmUnavailable(f"cannot create {path}: {error}") from error
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _populate(), prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as error:
+        path.unlink(missing_ok=True)
+        raise ShmUnavailable(f"cannot reserve {size} bytes in {path.parent}: {error}") from error
+    finally:
+        os.close(fd)
+
+
+def _populate() -> int:
+    return getattr(mmap, "MAP_POPULATE", 0)  # pre-fault the pages in one call (Linux)
+
+
+def _as_tensor(mapping: mmap.mmap, nbytes: int) -> torch.Tensor:
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+
+
+def _close_mapping(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:  # a tensor still views it: the mapping goes when that tensor does
+        log.debug("shared-memory mapping still referenced; left to the garbage collector")
+
+
+class ShmReader:
+    """A destination's view of a published segment: header read, segment mapped and acknowledged on open."""
+
+    def __init__(self, store: dist.Store, prefix: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+        header, self.header_bytes = _fetch_header(store, prefix, SHM_FORMAT, timeout)
+        self.prefix = prefix
+        self.cpu_state: Any = header["cpu_state"]
+        self.layout: PackedLayout = header["layout"]
+        self.places: ArenaLayout = header["arena"]
+        self._mapping = _map_readonly(Path(header["path"]), self.places.nbytes)
+        _ack(store, prefix)  # mapped: the source may unlink the file now
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a private (copy-on-write) mapping is writable anyway
+            self._arena: torch.Tensor | None = _as_tensor(self._mapping, self.places.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.places.nbytes
+
+    def copy_to(self, buffers: dict[str, torch.Tensor], start: int = 0, stop: int | None = None) -> int:
+        """Copy arena bytes ``[start, stop)`` into ``buffers`` (from ``empty_buffers(self.layout, ...)``)."""
+        arena = self._arena
+        if arena is None:
+            raise RuntimeError(f"transfer {self.prefix}: reader is closed")
+        stop = self.nbytes if stop is None else stop
+        return _copy_range(self.places, buffers, start, stop, lambda dst, at: dst.copy_(arena[at : at + dst.numel()]))
+
+    def close(self) -> None:
+        self._arena = None
+        _close_mapping(self._mapping)
+
+    def __enter__(self) -> ShmReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _map_readonly(path: Path, nbytes: int) -> mmap.mmap:
+    size = max(nbytes, 1)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _populate(), prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def receive_state_shm(
+    store: dist.Store,
+    prefix: str,
+    device_for: Callable[[str], torch.device],
+    *,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> tuple[Any, list[torch.Tensor], int]:
+    """Receive what :func:`send_state_shm` sends: ``(cpu_state, tensors, bytes_received)`` (tensors: buffer views)."""
+    t0 = time.perf_counter()
+    with ShmReader(store, prefix, timeout) as reader:
+        buffers = empty_buffers(reader.layout, device_for)
+        reader.copy_to(buffers)
+        _sync(buffers)
+    log.debug("shm %s: received %d bytes in %.1f ms", prefix, reader.nbytes, _ms(t0))
+    return reader.cpu_state, unpack(buffers, reader.layout), state_nbytes(buffers) + reader.header_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA IPC
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IpcShare:
+    """A published GPU arena; :meth:`wait` for every destination's copy, then :meth:`close` to free it."""
+
+    store: dist.Store
+    prefix: str
+    arena: torch.Tensor | None
+    receivers: int
+    nbytes: int
+
+    def wait(self, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+        """Until every destination has finished copying."""
+        _wait_acks(self.store, self.prefix, self.receivers, timeout)
+
+    def close(self) -> None:
+        """Free the arena (only after :meth:`wait`: destinations read it until they acknowledge)."""
+        self.arena = None
+
+
+def share_state_ipc(
+    store: dist.Store,
+    prefix: str,
+    cpu_state: Any,
+    tensors: list[torch.Tensor],
+    device: torch.device | str | int,
+    receivers: int = 1,
+) -> IpcShare:
+    """Pack ``tensors`` into one shareable arena on CUDA ``device``, export it and publish the header."""
+    t0 = time.perf_counter()
+    device = torch.device("cuda", cuda_ext._index(device))
+    layout = make_layout(tensors)
+    places = arena_layout(layout)
+    arena = cuda_ext.alloc_shareable(places.nbytes, device)
+    cuda_ext.pack_into(tensors, layout, arena_views(arena, layout, places))
+    torch.cuda.synchronize(device)  # the bytes are in place before anyone can open the handle
+    handle = cuda_ext.ipc_export(arena)
+    header = {"format": IPC_FORMAT, "cpu_state": cpu_state, "layout": layout, "arena": places, "handle": handle}
+    header_len = _publish(store, prefix, header)
+    log.debug("ipc %s: %d bytes packed on %s (%s) in %.1f ms", prefix, places.nbytes, device, handle.kind, _ms(t0))
+    return IpcShare(store, prefix, arena, receivers, places.nbytes + header_len)
+
+
+def send_state_ipc(
+    store: dist.Store,
+    prefix: str,
+    cpu_state: Any,
+    tensors: list[torch.Tensor],
+    device: torch.device | str | int,
+    receivers: int = 1,
+    *,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> int:
+    """Send to ``receivers`` destinations on this host over CUDA IPC; returns once all have copied (bytes sent)."""
+    share = share_state_ipc(store, prefix, cpu_state, tensors, device, receivers)
+    try:
+        share.wait(timeout)
+    finally:
+        share.close()
+    return share.nbytes
+
+
+class IpcReader:
+    """A destination's view of a published GPU arena, opened on ``device``; :meth:`close` acknowledges."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        prefix: str,
+        device: torch.device | str | int,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        header, self.header_bytes = _fetch_header(store, prefix, IPC_FORMAT, timeout)
+        self.store, self.prefix = store, prefix
+        self.cpu_state: Any = header["cpu_state"]
+        self.layout: PackedLayout = header["layout"]
+        self.places: ArenaLayout = header["arena"]
+        handle: IpcHandle = header["handle"]
+        self._mapping: cuda_ext.IpcMapping | None = cuda_ext.ipc_open(handle, device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.places.nbytes
+
+    def copy_to(self, buffers: dict[str, torch.Tensor], start: int = 0, stop: int | None = None) -> int:
+        """Issue the copies of arena bytes ``[start, stop)`` into ``buffers``; :meth:`close` waits for them."""
+        mapping = self._mapping
+        if mapping is None:
+            raise RuntimeError(f"transfer {self.prefix}: reader is closed")
+        stop = self.nbytes if stop is None else stop
+        return _copy_range(self.places, buffers, start, stop, mapping.copy_to)
+
+    def close(self) -> None:
+        """Wait for the copies, unmap, and tell the source it may free the arena (idempotent)."""
+        if self._mapping is None:
+            return
+        self._mapping.close()
+        self._mapping = None
+        _ack(self.store, self.prefix)
+
+    def __enter__(self) -> IpcReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def receive_state_ipc(
+    store: dist.Store,
+    prefix: str,
+    device: torch.device | str | int,
+    device_for: Callable[[str], torch.device],
+    *,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> tuple[Any, list[torch.Tensor], int]:
+    """Receive what :func:`send_state_ipc` sends, copying on CUDA ``device``: ``(cpu_state, tensors, bytes)``."""
+    t0 = time.perf_counter()
+    with IpcReader(store, prefix, device, timeout) as reader:
+        buffers = empty_buffers(reader.layout, device_for)
+        reader.copy_to(buffers)
+    log.debug("ipc %s: received %d bytes in %.1f ms", prefix, reader.nbytes, _ms(t0))
+    return reader.cpu_state, unpack(buffers, reader.layout), state_nbytes(buffers) + reader.header_bytes
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _sync(buffers: dict[str, torch.Tensor]) -> None:
+    for device in {b.device for b in buffers.values() if b.is_cuda}:
+        torch.cuda.synchronize(device)
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
