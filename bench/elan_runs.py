@@ -16,14 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.analysis import Pause, ProcessSteps, load_steps, pause_around
-from bench.common import Follower, Scenario, stop_margin, write_stop_file
+from bench.common import STALL_S, Follower, Scenario, StallWatch, stop_margin, write_stop_file
 from bench.procs import Children, bench_env, train_command
 from lightning_elan.protocol.client import AMClient, AMError
 
 log = logging.getLogger(__name__)
 
-ACTIONS: tuple[str, ...] = ("add", "remove", "migrate")
-SCENARIO_OF_ACTION = {"add": "scale-out 2→3", "remove": "scale-in 3→2", "migrate": "migrate 1"}
 
 
 @dataclass
@@ -68,6 +66,7 @@ class ElanJob:
         return {
             "model": self.model,
             "launched_at": self.launched_at,
+            "steps_dir": str(self.steps_dir),
             "returncode": self.returncode,
             "adjustments": [a.as_dict() for a in self.adjustments],
         }
@@ -88,7 +87,7 @@ def elan_command(scenario: Scenario, job: str, state_dir: Path, steps_dir: Path,
 
 
 def run_elan_job(scenario: Scenario, out: Path, children: Children, coordinate_every: int = 10) -> ElanJob:
-    """Start 2 workers, then ``cycles`` × (add, remove, migrate), each after ``settle_steps`` steps; analyse."""
+    """Start 2 workers, then ``cycles`` × ``actions`` (add, remove, migrate), each after ``settle_steps``; analyse."""
     job = f"bench-{scenario.model}-{int(time.time())}"
     out.mkdir(parents=True, exist_ok=True)
     steps_dir, state_dir, home = out / "steps", out / "state", out / "elan-home"
@@ -101,14 +100,16 @@ def run_elan_job(scenario: Scenario, out: Path, children: Children, coordinate_e
     requested: list[tuple[str, float]] = []
     try:
         alive = lambda: proc.poll() is None  # noqa: E731
-        follower.wait_for_step(scenario.warmup_steps, scenario.timeout_s, alive)
+        follower.wait_for_step(scenario.warmup_steps, scenario.timeout_s, alive, stall_s=STALL_S)
         client = AMClient(_am_address(job, home, scenario.timeout_s), job, timeout_s=5.0)
         try:
             for _ in range(scenario.cycles):
-                for action in ACTIONS:
+                for action in scenario.actions:
                     requested.append((action, _scale(client, action)))
-                    record = _wait_for_adjustment(state_dir, len(requested), scenario.timeout_s, alive)
-                    follower.wait_for_step(int(record["step"]) + scenario.settle_steps, scenario.timeout_s, alive)
+                    record = _wait_for_adjustment(state_dir, len(requested), scenario.timeout_s, alive,
+                                                  StallWatch(follower, STALL_S))
+                    follower.wait_for_step(int(record["step"]) + scenario.settle_steps, scenario.timeout_s, alive,
+                                           stall_s=STALL_S)
         finally:
             client.close()
         write_stop_file(stop_file, follower.max_step() + stop_margin(follower, scenario.stop_margin_steps))
@@ -147,12 +148,16 @@ def _records(state_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _wait_for_adjustment(state_dir: Path, count: int, timeout_s: float, alive: Any) -> dict[str, Any]:
+def _wait_for_adjustment(
+    state_dir: Path, count: int, timeout_s: float, alive: Any, watch: StallWatch | None = None
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
         records = _records(state_dir)
         if len(records) >= count:
             return records[count - 1]
+        if watch is not None:
+            watch.check()
         if not alive():
             raise RuntimeError(f"elan job ended with {len(records)} of {count} adjustments done")
         if time.monotonic() > deadline:

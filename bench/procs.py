@@ -84,6 +84,26 @@ def _signal_group(pid: int, signum: int) -> None:
         pass
 
 
+def kill_strays(pids: Iterable[int], marker: str = "bench.train") -> list[int]:
+    """SIGKILL the processes among ``pids`` that still run our ``marker`` command (torchrun starts its workers in
+    process groups of their own, so stopping an agent's group can leave a wedged worker behind)."""
+    killed = []
+    for pid in pids:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in command:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    if killed:
+        log.warning("killed stray worker processes %s", killed)
+    return killed
+
+
 def wait_all(procs: Iterable[subprocess.Popen], timeout_s: float, poll_s: float = 0.005) -> list[int]:
     """Wait until every process has exited; raise ``TimeoutError`` after ``timeout_s``."""
     procs = list(procs)

@@ -44,7 +44,7 @@ class RestartJob:
     adjustments: list[RestartAdjustment] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "launched_at": self.launched_at,
+        return {"model": self.model, "launched_at": self.launched_at, "steps_dir": str(self.steps_dir),
                 "adjustments": [a.as_dict() for a in self.adjustments]}
 
 

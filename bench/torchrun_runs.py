@@ -26,11 +26,14 @@ from typing import Any
 from bench.analysis import Pause, ProcessSteps, load_steps, pause_around, split_at
 from bench.common import Follower, Scenario, stop_margin, write_stop_file
 from bench.etcd import EtcdServer
-from bench.procs import LOOPBACK, Children, bench_env, free_port
+from bench.procs import LOOPBACK, Children, bench_env, free_port, kill_strays
 
 log = logging.getLogger(__name__)
 
-LAST_CALL_TIMEOUT_S = 1  # torch's default is 30 s: every re-rendezvous below max nodes would wait that long
+# Every documented knob that shortens torchrun's restart path, set in its favour (torch's defaults in brackets):
+# last call [30 s] is waited at every rendezvous below --nnodes' maximum, and a node that went away blocks the
+# next round until keep_alive_interval × keep_alive_max_attempt [5 s × 3] has passed since its last heartbeat.
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=600"
 
 
 @dataclass
@@ -54,11 +57,11 @@ class TorchrunJob:
 
     def as_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "model": self.model, "launched_at": self.launched_at,
-                "adjustments": [a.as_dict() for a in self.adjustments]}
+                "steps_dir": str(self.steps_dir), "adjustments": [a.as_dict() for a in self.adjustments]}
 
 
 def agent_command(backend: str, endpoint: str, job: str, train_args: list[str]) -> list[str]:
-    conf = f"last_call_timeout={LAST_CALL_TIMEOUT_S},join_timeout=600"
+    conf = RDZV_CONF
     if backend == "etcd-v2":
         conf += ",protocol=http"
     return [
@@ -70,7 +73,7 @@ def agent_command(backend: str, endpoint: str, job: str, train_args: list[str]) 
 
 
 def run_torchrun_job(scenario: Scenario, backend: str, out: Path, children: Children) -> TorchrunJob:
-    """2 agents, then ``cycles`` × (start a 3rd agent, stop it), each after ``settle_steps`` new steps."""
+    """2 agents, then ``torchrun_cycles`` × (start a 3rd agent, stop it), each after ``settle_steps`` new steps."""
     out.mkdir(parents=True, exist_ok=True)
     if backend == "etcd-v2":
         with EtcdServer(out / "etcd") as etcd:
@@ -91,15 +94,19 @@ def _run(scenario: Scenario, backend: str, endpoint: str, out: Path, children: C
     command = agent_command(backend, endpoint, job, train_args)
     result = TorchrunJob(backend, scenario.model, time.time(), steps_dir)
     follower = Follower(steps_dir)
-    agents = [children.start(command, env, out / "logs" / f"agent{index}.log") for index in range(2)]
+    agents = [children.start(command, _agent_env(env, scenario, index), out / "logs" / f"agent{index}.log")
+              for index in range(2)]
     triggers: list[tuple[str, float]] = []
     try:
         alive = lambda: all(agent.poll() is None for agent in agents)  # noqa: E731
         follower.wait_for_step(scenario.warmup_steps, scenario.timeout_s, alive)
-        for cycle in range(scenario.cycles):
-            extra = children.start(command, env, out / "logs" / f"agent-extra{cycle}.log")
+        for cycle in range(scenario.torchrun_cycles):
+            extra = children.start(command, _agent_env(env, scenario, 2), out / "logs" / f"agent-extra{cycle}.log")
             triggers.append(("add", time.time()))
             _wait_for_progress(follower, triggers[-1][1], scenario, alive)
+            if "remove" not in scenario.actions:
+                agents.append(extra)  # stays to the end
+                continue
             triggers.append(("remove", time.time()))
             children.stop(extra)
             _wait_for_progress(follower, triggers[-1][1], scenario, alive)
@@ -110,8 +117,14 @@ def _run(scenario: Scenario, backend: str, endpoint: str, out: Path, children: C
     finally:
         for agent in agents:
             children.stop(agent)
+        kill_strays(process.pid for process in follower.processes())
     result.adjustments = analyse_torchrun(load_steps(steps_dir), triggers)
     return result
+
+
+def _agent_env(env: dict[str, str], scenario: Scenario, node: int) -> dict[str, str]:
+    """On GPUs every node (agent) gets a device of its own: all workers have LOCAL_RANK 0."""
+    return {**env, "CUDA_VISIBLE_DEVICES": str(node)} if scenario.accelerator == "gpu" else env
 
 
 def _wait_for_progress(follower: Follower, trigger: float, scenario: Scenario, alive: Any) -> None:

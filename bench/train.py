@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,21 @@ class StopFile(Callback):
             trainer.should_stop = True
 
 
+class ExitOnSigterm(Callback):
+    """torchrun stops workers with SIGTERM and SIGKILLs them 30 s later. Lightning 2.6's SIGTERM handler broadcasts
+    the flag to the other ranks from inside the signal handler: when the signal lands while the worker is inside a
+    collective, that nested broadcast deadlocks against the peers' all-reduce and every restart sat out the 30 s.
+    A torchrun script that checkpoints periodically loses nothing by exiting at once, so once training starts (after
+    Lightning installed its handlers) this one replaces them."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        signal.signal(signal.SIGTERM, _exit_now)
+
+
+def _exit_now(signum: int, frame: Any) -> None:
+    os._exit(128 + signum)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--launcher", choices=("elan", "ddp", "torchrun"), required=True)
@@ -166,12 +182,14 @@ def build_callbacks(args: argparse.Namespace) -> tuple[list[Callback], Path | No
         latest = args.ckpt_dir / CHECKPOINT_NAME
         callbacks.append(PeriodicCheckpoint(args.ckpt_every, latest))
         resume = latest if latest.exists() else None
+        callbacks.append(ExitOnSigterm())
     return callbacks, resume
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(name)s: %(message)s")
     log.setLevel(logging.INFO)
+    logging.getLogger("lightning_elan").setLevel(os.environ.get("BENCH_ELAN_LOG", "WARNING"))
     args = parse_args(argv)
     pl.seed_everything(0, verbose=False)
     callbacks, resume = build_callbacks(args)

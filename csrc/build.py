@@ -27,8 +27,8 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,15 +183,40 @@ def source_hash(archs: list[str]) -> str:
 
 
 def _run(name: str, argv: list[str], quiet: bool) -> float:
+    return _run_all({name: argv}, quiet)[name]
+
+
+def _run_all(cmds: dict[str, list[str]], quiet: bool) -> dict[str, float]:
+    """Run the commands in parallel; the first failure stops the others and raises :class:`BuildError`."""
     t0 = time.perf_counter()
-    if not quiet:
-        print("+", " ".join(argv), flush=True)
-    result = subprocess.run(argv, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise BuildError(f"{name} failed (exit {result.returncode}):\n{result.stdout}{result.stderr}")
-    if result.stderr.strip() and not quiet:
-        print(result.stderr, file=sys.stderr)
-    return time.perf_counter() - t0
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs = {name: tempfile.TemporaryFile() for name in cmds}  # files, not pipes: long error logs cannot block
+    times: dict[str, float] = {}
+    try:
+        for name, argv in cmds.items():
+            if not quiet:
+                print("+", " ".join(argv), flush=True)
+            procs[name] = subprocess.Popen(argv, stdout=logs[name], stderr=subprocess.STDOUT)
+        while len(times) < len(procs):
+            for name, proc in procs.items():
+                if name in times or proc.poll() is None:
+                    continue
+                logs[name].seek(0)
+                output = logs[name].read().decode(errors="replace")
+                if proc.returncode != 0:
+                    raise BuildError(f"{name} failed (exit {proc.returncode}):\n{output}")
+                if output.strip() and not quiet:
+                    print(output, file=sys.stderr)
+                times[name] = time.perf_counter() - t0
+            time.sleep(0.05)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log_file in logs.values():
+            log_file.close()
+    return times
 
 
 def read_stamp(out: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -221,8 +246,13 @@ def _locked(out_dir: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def build(out: str | os.PathLike[str] | None = None, archs: list[str] | None = None, *, objects_only: bool = False,
-          quiet: bool = True) -> Path:
+def build(
+    out: str | os.PathLike[str] | None = None,
+    archs: list[str] | None = None,
+    *,
+    objects_only: bool = False,
+    quiet: bool = True,
+) -> Path:
     """Compile (and link, unless ``objects_only``) into ``out``; returns the module path (or ``out``).
 
     Reuses a previous build in ``out`` with the same :func:`source_hash`. Raises :class:`BuildError`.
@@ -243,9 +273,7 @@ def _build_locked(out_dir: Path, archs: list[str], objects_only: bool, quiet: bo
     tc = toolchain()
     compile_cmds, link = commands(tc, out_dir, archs)
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=len(compile_cmds)) as pool:
-        futures = {name: pool.submit(_run, name, argv, quiet) for name, argv in compile_cmds.items()}
-        times = {name: future.result() for name, future in futures.items()}
+    times = _run_all(compile_cmds, quiet)
     log.info("compiled in %.1f s (%s)", time.perf_counter() - t0, ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
     if objects_only:
         return out_dir
@@ -273,8 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.perf_counter()
     try:
-        path = build(args.out, [a.replace(".", "") for a in args.arch] if args.arch else None,
-                     objects_only=args.objects_only, quiet=args.quiet)
+        path = build(
+            args.out,
+            [a.replace(".", "") for a in args.arch] if args.arch else None,
+            objects_only=args.objects_only,
+            quiet=args.quiet,
+        )
     except BuildError as error:
         print(f"build failed: {error}", file=sys.stderr)
         return 1

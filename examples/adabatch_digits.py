@@ -67,7 +67,8 @@ def digits_splits(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
 
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
-    mean, std = x_train.mean(axis=0), x_train.std(axis=0) + 1e-6
+    mean, std = x_train.mean(axis=0), x_train.std(axis=0)
+    std[std == 0] = 1.0  # pixels that are blank in every training image
 
     def tensors(features: np.ndarray, labels: np.ndarray) -> TensorDataset:
         data = torch.tensor((features - mean) / std, dtype=torch.float32)
@@ -88,8 +89,10 @@ class DigitsMLP(pl.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        accuracy = (self.net(x).argmax(dim=1) == y).float().mean()
+        logits = self.net(x)
+        accuracy = (logits.argmax(dim=1) == y).float().mean()
         self.log("test_acc", accuracy, sync_dist=True, batch_size=len(y))
+        self.log("test_loss", nn.functional.cross_entropy(logits, y), sync_dist=True, batch_size=len(y))
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
@@ -98,7 +101,8 @@ class DigitsMLP(pl.LightningModule):
 
 
 class DigitsData(pl.LightningDataModule):
-    """Its ``batch_size`` may change between epochs (the trainer reloads the loaders every epoch)."""
+    """Its ``batch_size`` may change between epochs (the single-process trainer reloads the loaders every epoch); in
+    the elastic run it is the per-worker batch at launch and the strategy keeps the global batch."""
 
     def __init__(self, batch_size: int, seed: int) -> None:
         super().__init__()
@@ -116,25 +120,28 @@ class DigitsData(pl.LightningDataModule):
 
 
 class History(Callback):
-    """The LR the optimizer used at every step and the test accuracy after every epoch. Its state is replicated to
-    joiners in an elastic run, so rank 0 has the whole history at the end, whoever it is."""
+    """The LR the optimizer used at every step, the test accuracy and loss after every epoch. Its state is replicated
+    to joiners in an elastic run, so rank 0 has the whole history at the end, whoever it is."""
 
     def __init__(self) -> None:
         self.lr: list[float] = []
         self.accuracy: list[float] = []
+        self.loss: list[float] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.lr.append(float(optimizer.param_groups[0]["lr"]))  # after ProgressiveLinearLR (listed before us)
 
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking and "test_acc" in trainer.callback_metrics:
-            self.accuracy.append(float(trainer.callback_metrics["test_acc"]))
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        metrics = trainer.callback_metrics  # this epoch's validation has run and its metrics are final here
+        if "test_acc" in metrics:
+            self.accuracy.append(float(metrics["test_acc"]))
+            self.loss.append(float(metrics["test_loss"]))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lr": self.lr, "accuracy": self.accuracy}
+        return {"lr": self.lr, "accuracy": self.accuracy, "loss": self.loss}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.lr, self.accuracy = list(state_dict["lr"]), list(state_dict["accuracy"])
+        self.lr, self.accuracy, self.loss = (list(state_dict[key]) for key in ("lr", "accuracy", "loss"))
 
 
 class DoubleBatch(Callback):
@@ -154,10 +161,12 @@ class DoubleBatch(Callback):
 
 
 def make_trainer(config: Config, callbacks: list[Callback], strategy: str = "auto") -> pl.Trainer:
+    # one process changes its batch by reloading the loader each epoch; the elastic job re-splits its global batch
+    reload_every = 1 if strategy == "auto" else 0
     return pl.Trainer(
         max_epochs=config.epochs, accelerator="cpu", devices=1, strategy=strategy, callbacks=callbacks,
-        reload_dataloaders_every_n_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        reload_dataloaders_every_n_epochs=reload_every, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
 
 
@@ -182,7 +191,7 @@ def run_elastic(config: Config) -> None:
     if getattr(trainer.strategy, "has_left", False) or not trainer.is_global_zero:
         return
     path = config.out / "adabatch_digits_elastic.json"
-    path.write_text(json.dumps({"lr": history.lr, "accuracy": history.accuracy}))
+    path.write_text(json.dumps(history.state_dict()))
     plot(config.out / "adabatch_digits_elastic.png", {"elastic 1→2→4 workers": history})
     log.info("elastic run: final test accuracy %.4f; history in %s", history.accuracy[-1], path)
 
@@ -212,15 +221,19 @@ def plot(path: Path, runs: dict[str, History]) -> None:
 def compare(config: Config) -> dict[str, Any]:
     """Static vs. single-process AdaBatch over ``config.seeds`` seeds; plot seed 0."""
     finals: dict[str, list[float]] = {"static": [], "adabatch": []}
+    losses: dict[str, list[float]] = {"static": [], "adabatch": []}
     first: dict[str, History] = {}
     for seed in range(config.seeds):
         for name in finals:
             history = run_single_process(config, adabatch=name == "adabatch", seed=seed)
             finals[name].append(history.accuracy[-1])
+            losses[name].append(history.loss[-1])
             first.setdefault(name, history)
-    plot(config.out / "adabatch_digits.png", {"static batch 32": first["static"], "AdaBatch 32→64→128": first["adabatch"]})
+    labels = {"static": f"static batch {config.batch}", "adabatch": "AdaBatch x1, x2, x4"}
+    plot(config.out / "adabatch_digits.png", {labels[name]: history for name, history in first.items()})
     means = {name: float(np.mean(values)) for name, values in finals.items()}
-    return {"final_accuracy": finals, "mean": means, "difference": means["adabatch"] - means["static"]}
+    return {"final_accuracy": finals, "final_loss": losses, "mean": means,
+            "difference": means["adabatch"] - means["static"]}
 
 
 def parse_args() -> tuple[Config, bool]:
@@ -248,8 +261,9 @@ def main() -> None:
         return
     result = compare(config)
     for name, values in result["final_accuracy"].items():
-        log.info("%-9s final test accuracy %s  mean %.4f", name, " ".join(f"{v:.4f}" for v in values),
-                 result["mean"][name])
+        loss = " ".join(f"{v:.4f}" for v in result["final_loss"][name])
+        log.info("%-9s final test accuracy %s (mean %.4f), test loss %s", name, " ".join(f"{v:.4f}" for v in values),
+                 result["mean"][name], loss)
     log.info("AdaBatch - static: %+.2f points (target: within ±0.5); LR curves in %s", 100 * result["difference"],
              config.out / "adabatch_digits.png")
 

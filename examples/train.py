@@ -62,7 +62,8 @@ def main() -> None:
     model = Classifier()
     if args.step_sleep:
         model.on_train_batch_end = lambda *_: __import__("time").sleep(args.step_sleep)
-    trainer = pl.Trainer(strategy=os.environ.get("DEMO_STRATEGY", "elan"), max_epochs=args.epochs, logger=False, enable_checkpointing=False,
+    strategy = os.environ.get("DEMO_STRATEGY", "elan")
+    trainer = pl.Trainer(strategy=strategy, max_epochs=args.epochs, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, train, val)
     if not getattr(trainer.strategy, "has_left", False) and trainer.is_global_zero:

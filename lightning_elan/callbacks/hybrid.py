@@ -140,16 +140,23 @@ class HybridScaling(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        world_size = trainer.world_size
-        if world_size != self.world_size:
-            self.world_size, self._skip = world_size, self.warmup_steps
+        self._track_world_size(trainer.world_size)
         local = _batch_length(batch)
-        self.global_batch = _strategy_global_batch(trainer) or self.global_batch or (local or 0) * world_size or None
+        self._track_global_batch(trainer, local)
+        if local is None and self.global_batch:
+            local = math.ceil(self.global_batch / self.world_size)
+        self.timer.batch_start(time.perf_counter(), local or 0, self.world_size)
+
+    def _track_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            self.world_size, self._skip = world_size, self.warmup_steps  # first steps in a new world: not measured
+
+    def _track_global_batch(self, trainer: pl.Trainer, local_batch: int | None) -> None:
+        """The elan strategy's global batch; else the last decision's; else this batch × the world size."""
+        guess = None if local_batch is None else local_batch * self.world_size
+        self.global_batch = _strategy_global_batch(trainer) or self.global_batch or guess
         if self.base_global_batch is None:
             self.base_global_batch = self.global_batch
-        if local is None and self.global_batch:
-            local = math.ceil(self.global_batch / world_size)
-        self.timer.batch_start(time.perf_counter(), local or 0, world_size)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -166,9 +173,11 @@ class HybridScaling(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         sample = self.timer.batch_end(time.perf_counter())
-        if sample is not None:
+        if sample is None:
+            return
+        if getattr(trainer.strategy, "sample_weight", 1.0) != 0.0:  # not a stand-in sample of an empty share
             self._observe(sample.local_batch, sample.world_size, sample.compute_s, sample.allreduce_s)
-            self._log(pl_module, sample.local_batch)
+        self._log(pl_module, sample.local_batch)
 
     def _observe(self, local_batch: int, world_size: int, compute_s: float, allreduce_s: float) -> None:
         if self._skip > 0:

@@ -1,18 +1,14 @@
 """The optional CUDA extension (``csrc/``) and its pure-torch fallback, behind one API.
 
-What the extension does, and what the fallback does instead:
+What the extension does (and what the fallback does instead):
 
-=====================  =============================================  ===========================================
-operation              extension (``lightning_elan_cuda``)            fallback (pure torch)
-=====================  =============================================  ===========================================
-:func:`pack`           one kernel launch copies every CUDA tensor     :func:`lightning_elan.replication.packing.pack`
-                       into its slice of the per-dtype buffers        (``torch.cat`` into each buffer)
-:func:`unpack_into`    one launch copies buffer slices into tensors   ``copy_`` per tensor
-:func:`ipc_export`     ``cudaIpcGetMemHandle`` of a raw ``cudaMalloc``  ``torch.multiprocessing`` reductions
-:func:`ipc_open`       ``cudaIpcOpenMemHandle`` + async memcpys       rebuild the shared tensor + ``copy_``
-:func:`pci_bus_id`     ``cudaDeviceGetPCIBusId``                      ``torch.cuda.get_device_properties``
-:func:`can_access_peer`  ``cudaDeviceCanAccessPeer``                  ``torch.cuda.can_device_access_peer``
-=====================  =============================================  ===========================================
+* :func:`pack` / :func:`pack_into`: one kernel launch copies every CUDA tensor into its slice of the per-dtype
+  buffers (fallback: :func:`lightning_elan.replication.packing.pack`, ``torch.cat`` / ``copy_``);
+* :func:`unpack_into`: one launch copies the buffer slices into existing tensors (fallback: ``copy_`` per tensor);
+* :func:`ipc_export` / :func:`ipc_open`: ``cudaIpcGetMemHandle`` of a raw ``cudaMalloc``, ``cudaIpcOpenMemHandle``
+  and async memcpys (fallback: ``torch.multiprocessing`` CUDA reductions and ``copy_``);
+* :func:`pci_bus_id` / :func:`can_access_peer`: ``cudaDeviceGetPCIBusId`` / ``cudaDeviceCanAccessPeer`` (fallback:
+  ``torch.cuda.get_device_properties`` / ``torch.cuda.can_device_access_peer``).
 
 Both paths produce the same bytes and the same :class:`~lightning_elan.replication.packing.PackedLayout` (the
 contract the unit and GPU tests check). :func:`load` finds the module: a build in ``$LIGHTNING_ELAN_CUDA_EXT_DIR``,
@@ -26,6 +22,7 @@ Build ahead of time: ``python csrc/build.py`` (or ``python -m lightning_elan.rep
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.machinery
 import importlib.util
@@ -145,6 +142,7 @@ def _search_dirs() -> list[Path]:
     return [*dirs, CSRC / "build", CACHE_DIR]
 
 
+@functools.cache
 def _build_module() -> ModuleType | None:
     """``csrc/build.py`` loaded as a module (it is not part of the installed package)."""
     path = CSRC / "build.py"
@@ -160,10 +158,23 @@ def _build_module() -> ModuleType | None:
 
 
 def _import_built(directory: Path) -> ModuleType | None:
+    """The module built in ``directory`` if it matches the sources, this torch and this GPU's architecture."""
     builder = _build_module()
     if builder is None or not builder.is_current(directory):
         return None
+    stamp = builder.read_stamp(directory) or {}
+    if not _arch_runs_here(stamp.get("archs") or []):
+        log.info("the build in %s is for SM %s, not this GPU; ignored", directory, stamp.get("archs"))
+        return None
     return _import_file(directory / builder.module_filename())
+
+
+def _arch_runs_here(archs: list[str]) -> bool:
+    """SASS for this GPU's capability, or PTX (built for the highest arch) that it can JIT-compile."""
+    major, minor = torch.cuda.get_device_capability()
+    capability = major * 10 + minor
+    numbers = [int(arch) for arch in archs if str(arch).isdigit()]
+    return capability in numbers or (bool(numbers) and max(numbers) <= capability)
 
 
 def _import_file(path: Path) -> ModuleType | None:

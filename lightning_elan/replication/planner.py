@@ -51,6 +51,7 @@ __all__ = [
     "slice_range",
     "transfers_from",
     "transfers_to",
+    "wave_sizes",
 ]
 
 TRANSPORT_CUDA_IPC = "cuda_ipc"
@@ -324,6 +325,14 @@ def transfers_from(transfers: Iterable[Transfer | Mapping[str, Any]], source: st
 def transfers_to(transfers: Iterable[Transfer | Mapping[str, Any]], joiner: str) -> list[Transfer]:
     """The transfers ``joiner`` receives (one, or one per slice), in slice order."""
     return sorted((t for t in map(_coerce, transfers) if t.joiner == joiner), key=lambda t: t.slice_index)
+
+
+def wave_sizes(transfers: Iterable[Transfer | Mapping[str, Any]]) -> dict[int, int]:
+    """``{wave: number of transfers in it}`` (a source of wave ``w`` > 0 waits for the ``w - 1`` count)."""
+    sizes: dict[int, int] = {}
+    for t in map(_coerce, transfers):
+        sizes[t.wave] = sizes.get(t.wave, 0) + 1
+    return sizes
 
 
 def _coerce(transfer: Transfer | Mapping[str, Any]) -> Transfer:

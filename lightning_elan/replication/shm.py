@@ -6,8 +6,9 @@ destinations receive ``(cpu_state, tensors, bytes)``; the header travels pickled
 
 * **Shared memory** (:func:`send_state_shm` / :func:`receive_state_shm`, levels L2/L3, and CPU workers): the source
   packs every buffer once into one file in ``/dev/shm`` (an *arena*, each dtype buffer 256-byte aligned; CUDA tensors
-  are packed on the GPU first, then copied down once); each destination maps the file and copies its bytes to its own
-  buffers (CPU, or its GPU). The source unlinks the file as soon as every destination has mapped it.
+  are packed on the GPU first, then copied down once); each destination maps the file privately (copy-on-write) and
+  copies the bytes bound for its GPU there; the CPU-bound ones it uses in place (``zero_copy``, the default: no copy,
+  no fresh pages) or copies (``zero_copy=False``). The source unlinks the file as soon as every destination mapped it.
 * **CUDA IPC** (:func:`send_state_ipc` / :func:`receive_state_ipc`, levels L0/L1): the source packs into one GPU
   arena (one kernel launch with the CUDA extension), exports one IPC handle; each destination opens it and copies
   device to device (P2P across GPUs), then acknowledges; the source frees the arena after every acknowledgement.
@@ -50,12 +51,16 @@ __all__ = [
     "ShmShare",
     "ShmUnavailable",
     "default_shm_dir",
+    "mark_wave_received",
+    "publish_fallback",
     "receive_state_ipc",
     "receive_state_shm",
+    "remove_stale_segments",
     "send_state_ipc",
     "send_state_shm",
     "share_state_ipc",
     "share_state_shm",
+    "wait_for_wave",
 ]
 
 SHM_FORMAT = "elan-shm/1"
@@ -65,7 +70,11 @@ _POLL_MAX_S = 1e-2
 
 
 class ShmUnavailable(RuntimeError):
-    """Shared memory cannot hold the state (no such directory, not enough space): use the collective transport."""
+    """This same-host transport cannot be used (no shared-memory space, CUDA IPC refused...): use the collective.
+
+    Raised on the source by ``share_state_*``; after :func:`publish_fallback` it is raised on the destinations too, so
+    both sides switch to the collective transport together.
+    """
 
 
 def default_shm_dir() -> Path:
@@ -100,17 +109,52 @@ def _fetch_header(store: dist.Store, prefix: str, fmt: str, timeout: datetime.ti
     if not isinstance(header, dict) or header.get("format") != fmt:
         got = header.get("format") if isinstance(header, dict) else type(header).__name__
         raise RuntimeError(f"transfer {prefix}: expected a {fmt} header, got {got!r}")
+    if header.get("fallback"):
+        raise ShmUnavailable(f"transfer {prefix}: the source fell back to the collective: {header['fallback']}")
     return header, len(data)
+
+
+def publish_fallback(store: dist.Store, prefix: str, transport: str, reason: str) -> None:
+    """Tell the destinations of ``prefix`` (``transport``: ``"shm"`` or ``"cuda_ipc"``) that this transfer goes over
+    the collective instead: their ``receive_state_*`` / reader raises :class:`ShmUnavailable`."""
+    fmt = {"shm": SHM_FORMAT, "cuda_ipc": IPC_FORMAT}[transport]
+    _publish(store, prefix, {"format": fmt, "fallback": reason or "unavailable"})
+
+
+# --------------------------------------------------------------------------------------------
+# waves: copies that share a cross-socket link run in turn, across sources
+# --------------------------------------------------------------------------------------------
+
+
+def _wave_key(prefix: str, wave: int) -> str:
+    return f"{prefix}/wave{wave}/received"
+
+
+def mark_wave_received(store: dist.Store, prefix: str, wave: int) -> None:
+    """A joiner finished receiving its transfer of ``wave`` (``prefix``: one per adjustment, e.g. the generation's)."""
+    store.add(_wave_key(prefix, wave), 1)
+
+
+def wait_for_wave(
+    store: dist.Store, prefix: str, wave: int, transfers_in_previous_wave: int, timeout: datetime.timedelta
+) -> None:
+    """A source about to send a transfer of ``wave`` > 0 waits until every transfer of ``wave - 1`` was received."""
+    if wave <= 0 or transfers_in_previous_wave <= 0:
+        return
+    _wait_count(store, _wave_key(prefix, wave - 1), transfers_in_previous_wave, timeout, f"wave {wave - 1}")
 
 
 def _wait_acks(store: dist.Store, prefix: str, count: int, timeout: datetime.timedelta) -> None:
     """Block until ``count`` destinations acknowledged (``store.add`` on the ack key), or raise ``TimeoutError``."""
+    _wait_count(store, _ack_key(prefix), count, timeout, f"transfer {prefix}: destinations")
+
+
+def _wait_count(store: dist.Store, key: str, count: int, timeout: datetime.timedelta, what: str) -> None:
     deadline = time.monotonic() + timeout.total_seconds()
     delay = _POLL_MIN_S
-    while store.add(_ack_key(prefix), 0) < count:
+    while store.add(key, 0) < count:
         if time.monotonic() > deadline:
-            got = store.add(_ack_key(prefix), 0)
-            raise TimeoutError(f"transfer {prefix}: {got} of {count} destinations acknowledged within {timeout}")
+            raise TimeoutError(f"{what}: {store.add(key, 0)} of {count} acknowledged within {timeout}")
         time.sleep(delay)
         delay = min(delay * 2, _POLL_MAX_S)
 
@@ -197,21 +241,19 @@ def share_state_shm(
     t0 = time.perf_counter()
     layout = make_layout(tensors)
     places = arena_layout(layout)
-    path = Path(shm_dir or default_shm_dir()) / f"elan-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    mapping = _create_segment(path, places.nbytes)
+    directory = Path(shm_dir or default_shm_dir())
+    remove_stale_segments(directory)
+    path = directory / f"elan-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     try:
-        arena = _as_tensor(mapping, places.nbytes)
-        _pack_into_views(tensors, layout, arena_views(arena, layout, places))
-        del arena
+        # the mapping is never closed explicitly: tensors over it keep it alive, and it unmaps when the last goes
+        _pack_into_views(tensors, layout, arena_views(_as_tensor(_create_segment(path, places.nbytes)), layout, places))
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    finally:
-        _close_mapping(mapping)
     header = {"format": SHM_FORMAT, "cpu_state": cpu_state, "layout": layout, "arena": places, "path": str(path)}
     header_len = _publish(store, prefix, header)
     log.debug("shm %s: %d bytes packed into %s in %.1f ms", prefix, places.nbytes, path, _ms(t0))
-    return ShmShare(store, prefix, path, receivers, places.nbytes + header_len)
+    return ShmShare(store, prefix, path, receivers, sum(places.sizes.values()) + header_len)
 
 
 def send_state_shm(
@@ -233,19 +275,40 @@ def send_state_shm(
     return share.nbytes
 
 
-def _create_segment(path: Path, nbytes: int) -> mmap.mmap:
-    """A new file of ``nbytes`` (space reserved, so a full tmpfs is an error here, not a SIGBUS later), mapped."""
-    size = max(nbytes, 1)
+def remove_stale_segments(directory: Path, older_than: datetime.timedelta = 2 * DEFAULT_TIMEOUT) -> list[Path]:
+    """Delete segments a crashed source left behind: a live one exists only until its destinations mapped it, far
+    less than ``older_than`` (twice the transfer timeout). Returns what was removed."""
+    removed = []
+    cutoff = time.time() - older_than.total_seconds()
+    for path in directory.glob("elan-*"):
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed.append(path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+    if removed:
+        log.warning("removed %d stale shared-memory segments from %s", len(removed), directory)
+    return removed
+
+
+def _create_segment(path: Path, nbytes: int) -> mmap.mmap | None:
+    """A new file of ``nbytes`` (space reserved, so a full tmpfs is an error here, not a SIGBUS later), mapped.
+
+    An empty state still creates the (empty) file, so destinations find what they expect; it maps nothing.
+    """
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except OSError as error:
         raise ShmUnavailable(f"cannot create {path}: {error}") from error
     try:
-        os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _populate(), prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if nbytes == 0:
+            return None
+        os.posix_fallocate(fd, 0, nbytes)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _populate(), prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as error:
         path.unlink(missing_ok=True)
-        raise ShmUnavailable(f"cannot reserve {size} bytes in {path.parent}: {error}") from error
+        raise ShmUnavailable(f"cannot reserve {nbytes} bytes in {path.parent}: {error}") from error
     finally:
         os.close(fd)
 
@@ -254,17 +317,14 @@ def _populate() -> int:
     return getattr(mmap, "MAP_POPULATE", 0)  # pre-fault the pages in one call (Linux)
 
 
-def _as_tensor(mapping: mmap.mmap, nbytes: int) -> torch.Tensor:
-    if nbytes == 0:
+def _as_tensor(mapping: mmap.mmap | None) -> torch.Tensor:
+    """A uint8 tensor over the whole mapping. It holds a reference to the ``mmap`` object, which unmaps when the last
+    tensor viewing it is gone: never ``close()`` such a mapping (torch does not pin the buffer; it would dangle)."""
+    if mapping is None:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-
-
-def _close_mapping(mapping: mmap.mmap) -> None:
-    try:
-        mapping.close()
-    except BufferError:  # a tensor still views it: the mapping goes when that tensor does
-        log.debug("shared-memory mapping still referenced; left to the garbage collector")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a private (copy-on-write) mapping is writable anyway
+        return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 class ShmReader:
@@ -276,15 +336,30 @@ class ShmReader:
         self.cpu_state: Any = header["cpu_state"]
         self.layout: PackedLayout = header["layout"]
         self.places: ArenaLayout = header["arena"]
-        self._mapping = _map_readonly(Path(header["path"]), self.places.nbytes)
+        mapping = _map_private(Path(header["path"]), self.places.nbytes)
         _ack(store, prefix)  # mapped: the source may unlink the file now
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # a private (copy-on-write) mapping is writable anyway
-            self._arena: torch.Tensor | None = _as_tensor(self._mapping, self.places.nbytes)
+        self._arena: torch.Tensor | None = _as_tensor(mapping)
 
     @property
     def nbytes(self) -> int:
         return self.places.nbytes
+
+    def buffers(self, device_for: Callable[[str], torch.device], zero_copy: bool = True) -> dict[str, torch.Tensor]:
+        """The packed buffers on the devices ``device_for`` names: CPU ones are views of the (private, copy-on-write)
+        mapping with ``zero_copy``, everything else is copied."""
+        arena = self._arena
+        if arena is None:
+            raise RuntimeError(f"transfer {self.prefix}: reader is closed")
+        views = arena_views(arena, self.layout, self.places)
+        out: dict[str, torch.Tensor] = {}
+        for key, view in views.items():
+            device = torch.device(device_for(key.rpartition(":")[0]))
+            if zero_copy and device.type == "cpu":
+                out[key] = view
+            else:
+                out[key] = torch.empty(view.shape, dtype=view.dtype, device=device)
+                out[key].copy_(view)
+        return out
 
     def copy_to(self, buffers: dict[str, torch.Tensor], start: int = 0, stop: int | None = None) -> int:
         """Copy arena bytes ``[start, stop)`` into ``buffers`` (from ``empty_buffers(self.layout, ...)``)."""
@@ -295,8 +370,8 @@ class ShmReader:
         return _copy_range(self.places, buffers, start, stop, lambda dst, at: dst.copy_(arena[at : at + dst.numel()]))
 
     def close(self) -> None:
+        """Drop this reader's reference; the mapping goes with the last tensor that views it (zero-copy buffers)."""
         self._arena = None
-        _close_mapping(self._mapping)
 
     def __enter__(self) -> ShmReader:
         return self
@@ -305,11 +380,13 @@ class ShmReader:
         self.close()
 
 
-def _map_readonly(path: Path, nbytes: int) -> mmap.mmap:
-    size = max(nbytes, 1)
+def _map_private(path: Path, nbytes: int) -> mmap.mmap | None:
+    """A private, copy-on-write mapping of the segment (writes stay in this process), pre-faulted."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _populate(), prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if nbytes == 0:
+            return None
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE | _populate(), prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
 
@@ -319,13 +396,17 @@ def receive_state_shm(
     prefix: str,
     device_for: Callable[[str], torch.device],
     *,
+    zero_copy: bool = True,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> tuple[Any, list[torch.Tensor], int]:
-    """Receive what :func:`send_state_shm` sends: ``(cpu_state, tensors, bytes_received)`` (tensors: buffer views)."""
+    """Receive what :func:`send_state_shm` sends: ``(cpu_state, tensors, bytes_received)`` (tensors: buffer views).
+
+    With ``zero_copy`` the tensors bound for the CPU are views of a private (copy-on-write) mapping of the segment:
+    no copy, no fresh pages; writing to them copies only the pages written. The rest is copied to its device.
+    """
     t0 = time.perf_counter()
     with ShmReader(store, prefix, timeout) as reader:
-        buffers = empty_buffers(reader.layout, device_for)
-        reader.copy_to(buffers)
+        buffers = reader.buffers(device_for, zero_copy)
         _sync(buffers)
     log.debug("shm %s: received %d bytes in %.1f ms", prefix, reader.nbytes, _ms(t0))
     return reader.cpu_state, unpack(buffers, reader.layout), state_nbytes(buffers) + reader.header_bytes
@@ -363,19 +444,28 @@ def share_state_ipc(
     device: torch.device | str | int,
     receivers: int = 1,
 ) -> IpcShare:
-    """Pack ``tensors`` into one shareable arena on CUDA ``device``, export it and publish the header."""
+    """Pack ``tensors`` into one shareable arena on CUDA ``device``, export it and publish the header.
+
+    Raises :class:`ShmUnavailable` when the arena cannot be allocated or exported (fall back to the collective).
+    """
     t0 = time.perf_counter()
     device = torch.device("cuda", cuda_ext._index(device))
     layout = make_layout(tensors)
     places = arena_layout(layout)
-    arena = cuda_ext.alloc_shareable(places.nbytes, device)
-    cuda_ext.pack_into(tensors, layout, arena_views(arena, layout, places))
-    torch.cuda.synchronize(device)  # the bytes are in place before anyone can open the handle
-    handle = cuda_ext.ipc_export(arena)
+    arena, handle = None, None
+    if places.nbytes:
+        try:
+            arena = cuda_ext.alloc_shareable(places.nbytes, device)
+            cuda_ext.pack_into(tensors, layout, arena_views(arena, layout, places))
+            torch.cuda.synchronize(device)  # the bytes are in place before anyone can open the handle
+            handle = cuda_ext.ipc_export(arena)
+        except (RuntimeError, OSError) as error:  # out of memory, IPC refused (containers without --ipc=host)...
+            raise ShmUnavailable(f"CUDA IPC export of {places.nbytes} bytes on {device} failed: {error}") from error
     header = {"format": IPC_FORMAT, "cpu_state": cpu_state, "layout": layout, "arena": places, "handle": handle}
     header_len = _publish(store, prefix, header)
-    log.debug("ipc %s: %d bytes packed on %s (%s) in %.1f ms", prefix, places.nbytes, device, handle.kind, _ms(t0))
-    return IpcShare(store, prefix, arena, receivers, places.nbytes + header_len)
+    kind = handle.kind if handle else "empty"
+    log.debug("ipc %s: %d bytes packed on %s (%s) in %.1f ms", prefix, places.nbytes, device, kind, _ms(t0))
+    return IpcShare(store, prefix, arena, receivers, sum(places.sizes.values()) + header_len)
 
 
 def send_state_ipc(
@@ -412,8 +502,9 @@ class IpcReader:
         self.cpu_state: Any = header["cpu_state"]
         self.layout: PackedLayout = header["layout"]
         self.places: ArenaLayout = header["arena"]
-        handle: IpcHandle = header["handle"]
-        self._mapping: cuda_ext.IpcMapping | None = cuda_ext.ipc_open(handle, device)
+        handle: IpcHandle | None = header["handle"]
+        self._mapping = cuda_ext.ipc_open(handle, device) if handle is not None else None
+        self._closed = False
 
     @property
     def nbytes(self) -> int:
@@ -421,18 +512,21 @@ class IpcReader:
 
     def copy_to(self, buffers: dict[str, torch.Tensor], start: int = 0, stop: int | None = None) -> int:
         """Issue the copies of arena bytes ``[start, stop)`` into ``buffers``; :meth:`close` waits for them."""
-        mapping = self._mapping
-        if mapping is None:
+        if self._closed:
             raise RuntimeError(f"transfer {self.prefix}: reader is closed")
+        if self._mapping is None:  # an empty state: nothing to copy
+            return 0
         stop = self.nbytes if stop is None else stop
-        return _copy_range(self.places, buffers, start, stop, mapping.copy_to)
+        return _copy_range(self.places, buffers, start, stop, self._mapping.copy_to)
 
     def close(self) -> None:
         """Wait for the copies, unmap, and tell the source it may free the arena (idempotent)."""
-        if self._mapping is None:
+        if self._closed:
             return
-        self._mapping.close()
-        self._mapping = None
+        self._closed = True
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
         _ack(self.store, self.prefix)
 
     def __enter__(self) -> IpcReader:

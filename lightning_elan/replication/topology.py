@@ -294,8 +294,9 @@ def parse_smi_bus_ids(text: str) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
-def detect(device: Any = None, *, sysfs: str | os.PathLike[str] = "/sys", use_nvml: bool = True,
-           use_smi: bool = True) -> WorkerTopology:
+def detect(
+    device: Any = None, *, sysfs: str | os.PathLike[str] = "/sys", use_nvml: bool = True, use_smi: bool = True
+) -> WorkerTopology:
     """Gather this worker's topology for ``device`` (``None``/``"cpu"``, ``"cuda:1"``, an int or a torch device).
 
     Cheap: a few ``/sys`` reads, one NVML session or one ``nvidia-smi`` call for a GPU worker. Never raises for a
@@ -403,8 +404,10 @@ def _fill_from_nvml(topo: WorkerTopology, nvml: Any) -> bool:
             if _nvml_p2p(nvml, me, other, _NVML_P2P_CAPS_INDEX_NVLINK):
                 nvlink.append(bus)
             ancestor = nvml.nvmlDeviceGetTopologyCommonAncestor(me, other)
-            links[bus] = f"NV{_nvlink_count(nvml, me, bus)}" if bus in nvlink else _NVML_TOPOLOGY_CODES.get(
-                int(ancestor), _SMI_SYS
+            links[bus] = (
+                f"NV{_nvlink_count(nvml, me, bus)}"
+                if bus in nvlink
+                else _NVML_TOPOLOGY_CODES.get(int(ancestor), _SMI_SYS)
             )
             if _nvml_p2p(nvml, me, other, _NVML_P2P_CAPS_INDEX_READ):
                 p2p.append(bus)

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_elan

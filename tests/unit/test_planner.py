@@ -15,6 +15,7 @@ from lightning_elan.replication.planner import (
     slice_range,
     transfers_from,
     transfers_to,
+    wave_sizes,
 )
 from lightning_elan.replication.topology import (
     L1_P2P,
@@ -119,6 +120,7 @@ def test_copies_sharing_a_cross_socket_link_run_in_turn() -> None:
     assert {plan["G4"].source, plan["G6"].source} == {"G0", "G1"}  # still distinct sources
     assert plan["G4"].level == plan["G6"].level == L3_CROSS_SOCKET
     assert sorted(t.wave for t in plan.values()) == [0, 1]
+    assert wave_sizes(plan.values()) == {0: 1, 1: 1}
 
 
 def test_nearest_beats_balance() -> None:

@@ -114,3 +114,20 @@ def test_state_and_summary_are_json_and_restore_a_replica(tmp_path):
 def test_invalid_configuration_raises(kwargs):
     with pytest.raises(ValueError):
         HybridScaling(**kwargs)
+
+
+def test_callbacks_configure_from_a_lightning_cli_style_config():
+    jsonargparse = pytest.importorskip("jsonargparse")
+    from lightning.pytorch.callbacks import Callback
+
+    parser = jsonargparse.ArgumentParser()
+    parser.add_argument("--callbacks", type=list[Callback])
+    config = parser.parse_args(["--callbacks", json.dumps([
+        {"class_path": "lightning_elan.callbacks.HybridScaling",
+         "init_args": {"policy": "hybrid", "max_global_batch": 4096, "lr_rule": "sqrt"}},
+        {"class_path": "lightning_elan.callbacks.ProgressiveLinearLR", "init_args": {"ramp_steps": 50}},
+    ])])
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in 4.49
+    scaling, ramp = instantiate(config).callbacks
+    assert (scaling.policy, scaling.limits.max_global_batch, scaling.lr_rule) == ("hybrid", 4096, "sqrt")
+    assert isinstance(ramp, ProgressiveLinearLR) and ramp.ramp_steps == 50

@@ -1,0 +1,42 @@
+"""GPU tests: everything here is marked ``gpu`` and skipped without a CUDA device.
+
+Run on a GPU machine with ``python -m pytest -q -m gpu tests/gpu -s`` (``-s`` shows the benchmark figures). The
+extension-backed cases build ``csrc/`` first (``LIGHTNING_ELAN_BUILD_CUDA_EXT``); they skip, with the reason, when it
+cannot be built, and the pure-torch cases still run.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+
+from lightning_elan.replication import cuda_ext
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "tests/gpu/" in str(item.path).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ext() -> ModuleType:
+    """The built extension, or skip with the loader's reason."""
+    cuda_ext._reset_for_tests()
+    module = cuda_ext.load(build=True)
+    if module is None:
+        pytest.skip(f"CUDA extension unavailable: {cuda_ext.status()}")
+    return module
+
+
+@pytest.fixture(params=["torch", "ext"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Run a test on the pure-torch path and on the extension."""
+    if request.param == "ext":
+        request.getfixturevalue("ext")
+    return request.param
