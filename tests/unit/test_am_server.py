@@ -319,3 +319,25 @@ def test_start_reports_a_bind_failure(am: ApplicationMaster, tmp_path: Path) -> 
 
     with pytest.raises(zmq.ZMQError):
         second.start()
+
+
+def test_coordinate_without_a_decision_does_not_write_the_store_but_updates_status():
+    class CountingStore(MemoryStore):
+        saves = 0
+
+        def save(self, state: dict[str, Any]) -> None:
+            CountingStore.saves += 1
+            super().save(state)
+
+    with ApplicationMaster(JOB, CountingStore(), register=False) as am:
+        with AMClient(am.address, JOB) as client:
+            client.request("start_job", {"nproc": 2})
+            saves_after_start = CountingStore.saves
+            for step in range(5):
+                body = {"worker_id": "w0", "generation": 0, "step": step, "epoch": 0, "position": 12 * step,
+                        "global_batch": 12}
+                assert client.request("coordinate", body) == {"decision": "none"}
+            assert CountingStore.saves == saves_after_start
+            assert client.status()["step"] == 4
+            client.scale("add", count=1)
+            assert CountingStore.saves == saves_after_start + 1
