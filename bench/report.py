@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from bench.analysis import Spread, load_steps, throughput_timeline
+from bench.analysis import Spread, load_steps
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ def verdicts(section: dict[str, Any]) -> list[str]:
     big = max(ran, key=lambda m: section["models"][m]["parameters"], default=None)
     if big is not None:
         entry = section["models"][big]
-        for action in ("add", "remove"):
+        for action in actions_run(entry):
             elan = Spread.of(pauses(entry["elan"], action))
             for job in ("restart", *TORCHRUN):
                 other = Spread.of(pauses(entry.get(job), action))
@@ -284,35 +284,58 @@ def plot_timeline(results: dict[str, Any], path: Path, model: str | None = None)
         if not steps_dir.exists():
             log.warning("no timeline: %s is gone", steps_dir)
             return False
-        processes = load_steps(steps_dir)
-        centres, rates, _, _ = throughput_timeline(processes, batch, job["launched_at"], bin_s=_bin(steps_dir))
-        series[name] = (centres, rates, *workers_training(processes, job["launched_at"]))
+        processes, origin = load_steps(steps_dir), job["launched_at"]
+        series[name] = (*sliding_rate(processes, batch, origin), *world_sizes(processes, origin))
     _draw(series, path, f"{model} ({entry['parameters'] / 1e6:.1f} M parameters, Adam, float32, "
-                        f"{section['accelerator'].upper()}): same schedule of adjustments")
+                        f"{section['accelerator'].upper()}): the same adjustments at the same steps")
     return True
 
 
-def workers_training(processes: list[Any], origin: float) -> tuple[list[float], list[int]]:
-    """How many workers are training over time: each process counts from its first step to its last one, so the
-    world size drops to 0 while a stopped job restarts (and a joiner counts once it trains)."""
-    events = []
+def first_completions(processes: list[Any]) -> dict[int, tuple[float, int, set[int]]]:
+    """step → (job completion time, world size, pids that completed it); only first completions count."""
+    steps: dict[int, tuple[float, int, set[int]]] = {}
     for process in processes:
-        if process.steps:
-            events += [(process.steps[0].time - origin, 1), (process.steps[-1].time - origin, -1)]
-    times, counts, count = [0.0], [0], 0
-    for when, delta in sorted(events):
-        count += delta
-        times.append(when)
-        counts.append(count)
-    return times, counts
+        for record in process.steps:
+            when, world, pids = steps.get(record.step, (record.time, record.world, set()))
+            pids.add(process.pid)
+            steps[record.step] = (max(when, record.time), world, pids)
+    return steps
 
 
-def _bin(steps_dir: Path) -> float:
-    durations = []
-    for process in load_steps(steps_dir):
-        durations += [b.time - a.time for a, b in zip(process.steps, process.steps[1:], strict=False)]
-    typical = statistics.median(durations) if durations else 0.25
-    return max(1.0, 3 * typical)
+def sliding_rate(processes: list[Any], batch: int, origin: float, window_s: float = 3.0,
+                 every_s: float = 0.25) -> tuple[list[float], list[float]]:
+    """Samples/s over the last ``window_s`` seconds, evaluated every ``every_s`` seconds of wall time."""
+    times = sorted(when - origin for when, _, _ in first_completions(processes).values())
+    if not times:
+        return [], []
+    grid = [index * every_s for index in range(int((times[-1] + window_s) / every_s) + 1)]
+    rates, low, high = [], 0, 0
+    for t in grid:
+        while high < len(times) and times[high] <= t:
+            high += 1
+        while low < high and times[low] <= t - window_s:
+            low += 1
+        rates.append((high - low) * batch / window_s)
+    return grid, rates
+
+
+def world_sizes(processes: list[Any], origin: float) -> tuple[list[float], list[int]]:
+    """The world size of every step, and 0 between two steps that no process both completed (a restart)."""
+    steps = first_completions(processes)
+    times, worlds = [0.0], [0]
+    previous: tuple[float, int, set[int]] | None = None
+    for step in sorted(steps):
+        when, world, pids = steps[step]
+        if previous is not None and not (previous[2] & pids):
+            times.append(previous[0] - origin)
+            worlds.append(0)
+        times.append(when - origin)
+        worlds.append(world)
+        previous = steps[step]
+    if previous is not None:
+        times.append(previous[0] - origin)
+        worlds.append(0)
+    return times, worlds
 
 
 def _draw(series: dict[str, tuple], path: Path, title: str) -> None:
@@ -323,14 +346,14 @@ def _draw(series: dict[str, tuple], path: Path, title: str) -> None:
 
     colours = {"elan": "tab:blue", "stop-and-restart": "tab:orange"}
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True, height_ratios=(3, 1.3))
-    for name, (centres, rates, times, worlds) in series.items():
-        top.plot(centres, rates, drawstyle="steps-mid", color=colours[name], label=name, linewidth=1.4)
+    for name, (grid, rates, times, worlds) in series.items():
+        top.plot(grid, rates, color=colours[name], label=name, linewidth=1.4)
         bottom.step(times, worlds, where="post", color=colours[name], label=name, linewidth=1.4)
-    top.set_ylabel("samples / s")
+    top.set_ylabel("samples / s (3 s window)")
     top.set_title(title, fontsize=10)
     top.legend(loc="upper right")
     top.grid(alpha=0.3)
-    bottom.set_ylabel("workers training")
+    bottom.set_ylabel("world size\n(0: restarting)")
     bottom.set_xlabel("wall time since launch (s)")
     bottom.set_yticks([0, 1, 2, 3])
     bottom.set_ylim(-0.2, 3.4)

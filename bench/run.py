@@ -23,12 +23,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from bench.common import Scenario
 from bench.procs import LOOPBACK, Children, bench_env, free_port, wait_all
-from bench.workload import MODEL_SIZES
+from bench.sizes import MODEL_SIZES
 
 log = logging.getLogger("bench")
 
@@ -58,20 +59,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeline-model", default=None, help="model of the PNG (default: the largest run)")
     parser.add_argument("--keep-work-dir", action="store_true")
     parser.add_argument("--parallel-baselines", action="store_true",
-                        help="run stop-and-restart and torchrun at the same time (CI smoke test only: their timings "
-                             "are then not representative)")
+                        help="run the overhead runs, stop-and-restart and torchrun concurrently (CI smoke test only: "
+                             "timings are then not representative)")
     return parser.parse_args(argv)
 
 
 def environment() -> dict[str, Any]:
-    import lightning
-    import torch
-
+    """The machine and versions (read from package metadata: the harness itself never imports torch on CPU)."""
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
+        "torch": metadata.version("torch"),
+        "lightning": metadata.version("lightning"),
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
@@ -131,15 +130,10 @@ def run_device(args: argparse.Namespace, accelerator: str, work: Path, children:
     sizes = [MODEL_SIZES[model].parameters() * STATE_BYTES_PER_PARAMETER for model in models]
     log.info("[%s] broadcast bandwidth for %s bytes", accelerator, sizes)
     section["bandwidth"] = measure_bandwidth(sizes, accelerator, work, children)
-    for model in models:
-        scenario = Scenario(model, cycles=args.cycles, torchrun_cycles=args.torchrun_cycles,
-                            settle_steps=args.settle_steps, warmup_steps=args.warmup_steps, accelerator=accelerator,
-                            actions=tuple(a.strip() for a in args.actions.split(",") if a.strip()))
-        entry: dict[str, Any] = {"parameters": MODEL_SIZES[model].parameters(),
-                                 "state_bytes": MODEL_SIZES[model].parameters() * STATE_BYTES_PER_PARAMETER}
-        section["models"][model] = entry
-        run_model(args, scenario, work / accelerator / model, children, entry, section["failures"], save)
-    if args.overhead_rounds > 0:
+
+    def overhead() -> None:
+        if args.overhead_rounds <= 0:
+            return
         log.info("[%s] runtime overhead: %s, %d rounds", accelerator, args.overhead_model, args.overhead_rounds)
         runs = run_overhead(args.overhead_model, args.overhead_rounds, args.overhead_steps,
                             work / accelerator / "overhead", children, accelerator,
@@ -147,6 +141,22 @@ def run_device(args: argparse.Namespace, accelerator: str, work: Path, children:
         section["overhead"] = {"model": args.overhead_model, "steps": args.overhead_steps,
                                "runs": [run.as_dict() for run in runs]}
         save()
+
+    with ThreadPoolExecutor(1) as pool:
+        concurrent = pool.submit(overhead) if args.parallel_baselines else None
+        for model in models:
+            scenario = Scenario(model, cycles=args.cycles, torchrun_cycles=args.torchrun_cycles,
+                                settle_steps=args.settle_steps, warmup_steps=args.warmup_steps,
+                                accelerator=accelerator,
+                                actions=tuple(a.strip() for a in args.actions.split(",") if a.strip()))
+            entry: dict[str, Any] = {"parameters": MODEL_SIZES[model].parameters(),
+                                     "state_bytes": MODEL_SIZES[model].parameters() * STATE_BYTES_PER_PARAMETER}
+            section["models"][model] = entry
+            run_model(args, scenario, work / accelerator / model, children, entry, section["failures"], save)
+        if concurrent is not None:
+            concurrent.result()
+        else:
+            overhead()
 
 
 def run_model(args: argparse.Namespace, scenario: Scenario, base: Path, children: Children, entry: dict[str, Any],

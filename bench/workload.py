@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -19,34 +18,9 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import Dataset
 
-IN_FEATURES = 256
-CLASSES = 10
+from bench.sizes import CLASSES, IN_FEATURES, MODEL_SIZES, ModelSize
+
 BASE_SAMPLES = 1024  # distinct samples; the dataset repeats them up to its virtual length
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    """An MLP: ``depth`` hidden layers of ``width`` units."""
-
-    name: str
-    width: int
-    depth: int
-
-    def parameters(self) -> int:
-        hidden = IN_FEATURES * self.width + self.width
-        hidden += (self.depth - 1) * (self.width * self.width + self.width)
-        return hidden + self.width * CLASSES + CLASSES
-
-
-MODEL_SIZES: dict[str, ModelSize] = {
-    size.name: size
-    for size in (
-        ModelSize("tiny", 64, 2),
-        ModelSize("1m", 576, 4),
-        ModelSize("11m", 1664, 5),
-        ModelSize("25m", 2048, 7),
-    )
-}
 
 
 class RepeatedDataset(Dataset):

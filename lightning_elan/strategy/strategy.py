@@ -89,6 +89,7 @@ class ElanStrategy(DDPStrategy):
         self._deferred = False
         self._timeline = StepTimeline()
         self._pending_report: dict[str, Any] | None = None
+        self._retired_model: Any = None
 
     # ------------------------------------------------------------------ registration and environment
 
@@ -371,6 +372,7 @@ class ElanStrategy(DDPStrategy):
         sent = self._send_training_state(plan, snapshot, joiners) if snapshot is not None else 0
         phases.mark("send")
         _remove_ddp_hooks(old_model)
+        self._retire(old_model)
         self.model = self.lightning_module
         if not staying:
             self._leave(plan, sent, time.perf_counter() - started)
@@ -400,6 +402,14 @@ class ElanStrategy(DDPStrategy):
         sent = send_state(group, self._groups.store, prefix, cpu_state, tensors)
         log.info("worker %s sent %.1f MB of state to %s", self.identity.worker_id, sent / 1e6, ", ".join(joiners))
         return sent
+
+    def _retire(self, old_model: Any) -> None:
+        """Keep the previous generation's DDP wrapper alive until the next adjustment.
+
+        Freeing it right after its process group was destroyed can deadlock: its reducer's destructor waits for gloo's
+        worker thread, which needs the GIL the freeing thread holds. One generation later no work of it is pending.
+        """
+        self._retired_model = old_model
 
     def _enter_generation(self, plan: dict[str, Any]) -> None:
         assert self._groups is not None

@@ -1,9 +1,10 @@
 """Smoke test of the benchmark harness (`python -m bench.run`): tiny model, one adjustment (scale out 2→3).
 
-Runs the elan job, then the stop-and-restart replay and torchrun elastic with the c10d rendezvous side by side
-(to stay under a minute), the copy-floor broadcast and a one-round overhead comparison, then checks that every
-figure the report shows is present and positive. torchrun's etcd-v2 rendezvous needs an etcd server (a Debian
-package, not in CI) and is left to the full benchmark (see docs/benchmarks.md).
+Runs the copy-floor broadcast, the elan job, its stop-and-restart replay and a one-round overhead comparison (the
+last two side by side: their timings are not representative), then checks that every figure the report shows is
+present and positive. Every Lightning process costs ~3.5 s of CPU to start on the 2-core CI machine, so torchrun
+elastic (8 more processes per adjustment; its etcd-v2 rendezvous also needs a Debian etcd server) is left to the
+full benchmark (docs/benchmarks.md) to keep this test under a minute.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def test_bench_smoke_reports_every_figure(tmp_path):
         "--device", "cpu", "--models", "tiny", "--cycles", "1", "--actions", "add", "--settle-steps", "3",
         "--warmup-steps", "3",
         "--overhead-model", "tiny", "--overhead-configs", "ddp,10", "--overhead-rounds", "1",
-        "--overhead-steps", "45", "--parallel-baselines", "--skip", "torchrun-etcd-v2",
+        "--overhead-steps", "45", "--parallel-baselines", "--skip", "torchrun-c10d,torchrun-etcd-v2",
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -38,8 +39,7 @@ def test_bench_smoke_reports_every_figure(tmp_path):
 
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     values = figures(results)
-    expected = ["elan_pause_s", "elan_gap_s", "copy_floor_s", "joiner_startup_s", "restart_pause_s",
-                "torchrun-c10d_pause_s"]
+    expected = ["elan_pause_s", "elan_gap_s", "copy_floor_s", "joiner_startup_s", "restart_pause_s"]
     for name in expected:
         assert f"cpu/tiny/add/{name}" in values, f"{name} missing from {sorted(values)}"
     for name in ("cpu/tiny/bandwidth_Bps", "cpu/overhead/ddp/steps_per_s", "cpu/overhead/elan/10/steps_per_s"):
