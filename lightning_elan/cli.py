@@ -119,6 +119,10 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
         "--coordinate-every", type=positive_int, default=None, metavar="K", help="coordination interval in steps"
     )
     run.add_argument(
+        "--report-timeout", type=_positive_float, default=600.0, metavar="SECONDS",
+        help="a request fails if a new worker has not reported ready after this long (default 600)",
+    )
+    run.add_argument(
         "--schedule",
         type=schedule_type,
         default=None,
@@ -223,6 +227,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         command=command,
         state_dir=args.state_dir or registry.default_state_dir(args.job),
         coordinate_every=args.coordinate_every or DEFAULT_COORDINATE_EVERY,
+        report_timeout_s=args.report_timeout,
         schedule=list(args.schedule or []),
         devices=args.devices,
     )

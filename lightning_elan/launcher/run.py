@@ -60,6 +60,7 @@ class LaunchConfig:
     command: list[str]
     state_dir: Path
     coordinate_every: int = DEFAULT_COORDINATE_EVERY
+    report_timeout_s: float = 600.0
     schedule: list[ScaleAction] = field(default_factory=list)
     devices: str = "cpu"
     poll_interval_s: float = 0.05
@@ -200,7 +201,12 @@ class JobLauncher:
 
     def _start_job(self) -> list[str]:
         reply = self._request(
-            "start_job", {"nproc": self.config.nproc, "coordinate_every": self.config.coordinate_every}
+            "start_job",
+            {
+                "nproc": self.config.nproc,
+                "coordinate_every": self.config.coordinate_every,
+                "report_timeout_s": self.config.report_timeout_s,
+            },
         )
         members = [str(worker_id) for worker_id in reply["members"]]
         log.info("job %s: generation %s with %d member(s)", self.config.job, reply.get("generation"), len(members))
@@ -236,7 +242,16 @@ class JobLauncher:
                 log.warning("AM asked again for %s, which is already started; ignored", worker_id)
                 continue
             self._spawn(worker_id, "joiner", {}, detail=f"joiner for request {item.get('request_id')}")
+        for worker_id in reply.get("stop") or []:
+            self._stop_unreported(str(worker_id))
         return bool(reply.get("finished"))
+
+    def _stop_unreported(self, worker_id: str) -> None:
+        """Terminate a joiner whose request failed because it never reported ready (the AM logged why)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.process.poll() is None:
+            log.warning("stopping %s: it never reported ready, its request failed", worker_id)
+            worker.process.terminate()
 
     def _spawn(self, worker_id: str, role: str, extra: Mapping[str, str], *, detail: str) -> Worker:
         device_index = self._next_device()

@@ -306,7 +306,9 @@ class ApplicationMaster:
     # ---- handlers ------------------------------------------------------------------------------------------------
 
     def _on_start_job(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._state.start_job(body["nproc"], body.get("coordinate_every"), body.get("hosts"))
+        return self._state.start_job(
+            body["nproc"], body.get("coordinate_every"), body.get("hosts"), body.get("report_timeout_s")
+        )
 
     def _on_scale(self, body: dict[str, Any]) -> dict[str, Any]:
         fields = ("action", "count", "ranks", "size", "at_step")

@@ -29,6 +29,10 @@ CANCELLED = "cancelled"  # its request failed (a partner exited) or was cancelle
 WAITING_STATUSES = (REQUESTED, SPAWNED, READY)
 
 
+DEFAULT_REPORT_TIMEOUT_S = 600.0
+"""A request fails if one of its new workers has not reported ready this long after it was started."""
+
+
 class StateError(Exception):
     """A request the job state refuses; ``str(error)`` is the message for the client."""
 
@@ -230,6 +234,7 @@ class JobState:
     finish_reason: str | None = None
     next_worker: int = 0
     next_request: int = 1
+    report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
 
     # ---- serialisation -------------------------------------------------------------------------------------------
 
@@ -252,6 +257,7 @@ class JobState:
             "finish_reason": self.finish_reason,
             "next_worker": self.next_worker,
             "next_request": self.next_request,
+            "report_timeout_s": self.report_timeout_s,
         }
 
     @classmethod
@@ -274,6 +280,7 @@ class JobState:
             finish_reason=data["finish_reason"],
             next_worker=data["next_worker"],
             next_request=data["next_request"],
+            report_timeout_s=data.get("report_timeout_s", DEFAULT_REPORT_TIMEOUT_S),
         )
 
     # ---- queries -------------------------------------------------------------------------------------------------
@@ -321,7 +328,9 @@ class JobState:
 
     # ---- transitions ---------------------------------------------------------------------------------------------
 
-    def start_job(self, nproc: int, coordinate_every: int | None = None, hosts: Any = None) -> dict[str, Any]:
+    def start_job(
+        self, nproc: int, coordinate_every: int | None = None, hosts: Any = None, report_timeout_s: float | None = None
+    ) -> dict[str, Any]:
         """Create generation 0 with members w0..w{nproc-1}; a started job just returns its current membership."""
         if self.started:
             return self._membership()
@@ -334,6 +343,10 @@ class JobState:
         self.members = [Member(worker, 0, host=host_of.get(worker)) for worker in worker_ids]
         self.next_worker += nproc
         self.coordinate_every = coordinate_every
+        if report_timeout_s is not None:
+            if report_timeout_s <= 0:
+                raise StateError(f"report_timeout_s must be > 0, got {report_timeout_s}")
+            self.report_timeout_s = float(report_timeout_s)
         self.started = True
         return self._membership()
 
@@ -366,14 +379,30 @@ class JobState:
         return {"request_id": request.request_id, "new_workers": list(request.new_workers)}
 
     def launcher_poll(self, now: float | None = None) -> dict[str, Any]:
-        """Hand the launcher the workers it has to start and mark them spawned."""
+        """Hand the launcher the workers it has to start (marked spawned) and those it has to stop (their request
+        failed because a worker of it never reported ready)."""
         spawn = []
         for pending in self.pending_workers.values():
             if pending.status == REQUESTED:
                 pending.status = SPAWNED
                 pending.spawned_at = _now(now)
                 spawn.append({"worker_id": pending.worker_id, "request_id": pending.request_id})
-        return {"spawn": spawn, "finished": self.finished}
+        return {"spawn": spawn, "stop": self._fail_unreported(_now(now)), "finished": self.finished}
+
+    def _fail_unreported(self, now: float) -> list[str]:
+        """Fail every request with a worker started more than ``report_timeout_s`` ago that never reported."""
+        stop: list[str] = []
+        for request in list(self.pending):
+            late = [
+                worker for worker in request.new_workers
+                if (pending := self.pending_workers.get(worker)) is not None and pending.status == SPAWNED
+                and pending.spawned_at is not None and now - pending.spawned_at > self.report_timeout_s
+            ]
+            if late:
+                reason = f"worker(s) {', '.join(late)} did not report ready within {self.report_timeout_s:.0f} s"
+                self._fail_request(request, reason)
+                stop += [worker for worker in request.new_workers if worker in self.pending_workers]
+        return stop
 
     def register(
         self,

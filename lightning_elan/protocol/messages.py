@@ -50,6 +50,7 @@ BODY_SCHEMAS: dict[str, dict[str, Field]] = {
         "nproc": Field(_INT, required=True),
         "coordinate_every": Field(_INT),
         "hosts": Field((list, dict)),
+        "report_timeout_s": Field(_NUMBER),
     },
     "scale": {
         "action": Field(_STR, required=True),

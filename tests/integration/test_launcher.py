@@ -50,6 +50,8 @@ WORKER = textwrap.dedent(
 
 
     signal.signal(signal.SIGTERM, on_term)
+    if mode == "joiner-silent" and env["ELAN_ROLE"] == "joiner":
+        time.sleep(300)  # hangs before it ever reports ready
     client = AMClient(env["ELAN_AM_ADDRESS"], env["ELAN_JOB"])
     client.request("register", {"worker_id": worker_id, "host": socket.gethostname(), "device": "cpu",
                                 "pid": os.getpid()})
@@ -81,7 +83,7 @@ WORKER = textwrap.dedent(
         wait_for(lambda: any(json.loads(p.read_text())["ELAN_ROLE"] == "joiner" for p in out.glob("w*.json")
                              if p.name.count(".") == 1))
         sys.exit(0)
-    if mode == "joiner-fails":
+    if mode in ("joiner-fails", "joiner-silent"):
         wait_for(lambda: client.status()["pending"] == [])  # the AM dropped the failed joiner's request
         sys.exit(0)
     sys.exit(f"unknown mode {mode}")
@@ -202,3 +204,10 @@ def test_sigterm_to_launcher_is_forwarded(tmp_path: Path) -> None:
     assert launcher.returncode == 128 + signal.SIGTERM, stderr
     for worker_id in ("w0", "w1"):
         assert (out / f"{worker_id}.terminated.json").exists()
+
+
+def test_joiner_that_never_reports_fails_its_request_and_is_stopped(tmp_path: Path) -> None:
+    result = elan_run(tmp_path, "silent", 1, "joiner-silent", "--schedule", "1:add=1", "--report-timeout", "2")
+    assert result.returncode == 0, result.stderr
+    assert "did not report ready within 2 s" in result.stderr
+    assert (tmp_path / "out" / "w1.terminated.json").exists(), "the silent joiner was not stopped"

@@ -404,3 +404,22 @@ def test_an_unreadable_topology_is_ignored() -> None:
     state = started(1)
     state.register("w0", host="n0", topology={"no_host": True})
     assert state.members[0].topology is None
+
+
+def test_a_request_whose_worker_never_reports_fails_and_the_queue_moves_on() -> None:
+    state = JobState(job="job")
+    state.start_job(2, report_timeout_s=30)
+    stuck = state.scale("add", count=1)["new_workers"]
+    behind = state.scale("add", count=1)["new_workers"]
+    assert [w["worker_id"] for w in state.launcher_poll(now=1000.0)["spawn"]] == stuck + behind
+    ready(state, behind)
+    assert state.launcher_poll(now=1029.0)["stop"] == []
+    assert state.coordinate("w0", 0, 5)["decision"] == "none", "the head request still waits for its worker"
+    assert state.launcher_poll(now=1031.0)["stop"] == stuck
+    assert state.wait_plan(stuck[0])["status"] == "cancelled"
+    assert "did not report ready within 30 s" in state.wait_plan(stuck[0])["reason"]
+    plan = decide(state, step=6)
+    assert plan["joiners"] == behind
+    assert JobState.from_dict(json.loads(json.dumps(state.to_dict()))).report_timeout_s == 30
+    with pytest.raises(StateError, match="report_timeout_s"):
+        JobState(job="other").start_job(1, report_timeout_s=0)
