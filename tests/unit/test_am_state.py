@@ -53,6 +53,7 @@ def test_add_spawns_new_workers_then_plans_them_in_after_they_report_ready() -> 
     assert reply == {"request_id": "r1", "new_workers": ["w2", "w3"]}
     assert first_poll == {
         "spawn": [{"worker_id": "w2", "request_id": "r1"}, {"worker_id": "w3", "request_id": "r1"}],
+        "stop": [],
         "finished": False,
     }
     assert second_poll["spawn"] == []
@@ -327,7 +328,7 @@ def test_shutdown_cancels_pending_requests_and_finishes_the_job() -> None:
 
     assert state.shutdown("training done") == {}
 
-    assert state.launcher_poll() == {"spawn": [], "finished": True}
+    assert state.launcher_poll() == {"spawn": [], "stop": [], "finished": True}
     assert state.wait_plan("w2") == {"status": "cancelled", "reason": "job shut down: training done"}
     assert state.status()["finished"] is True
     assert state.worker_exit("w0", 0) == {"expected": True}
