@@ -63,6 +63,7 @@ __all__ = [
     "wait_for_wave",
 ]
 
+SHM_DIR_ENV = "ELAN_SHM_DIR"
 SHM_FORMAT = "elan-shm/1"
 IPC_FORMAT = "elan-ipc/1"
 _POLL_MIN_S = 1e-4
@@ -78,7 +79,10 @@ class ShmUnavailable(RuntimeError):
 
 
 def default_shm_dir() -> Path:
-    """``/dev/shm`` where it exists (Linux tmpfs), else the temporary directory."""
+    """``$ELAN_SHM_DIR`` if set (e.g. a larger tmpfs than a container's 64 MB ``/dev/shm``), else ``/dev/shm`` where
+    it exists (Linux tmpfs), else the temporary directory."""
+    if os.environ.get(SHM_DIR_ENV):
+        return Path(os.environ[SHM_DIR_ENV])
     path = Path("/dev/shm")
     if path.is_dir() and os.access(path, os.W_OK):
         return path

@@ -30,10 +30,13 @@ class AMLink:
         self._sender.start()
         self._quiet_until = 0.0
 
-    def register(self, device: str) -> None:
+    def register(self, device: str, topology: dict[str, Any] | None = None) -> None:
+        """Tell the AM where this worker lives; for a joiner this is *report ready*."""
         body = {
             "worker_id": self.identity.worker_id, "host": socket.gethostname(), "device": device, "pid": os.getpid()
         }
+        if topology is not None:
+            body["topology"] = topology
         self._client.request("register", body, timeout_s=5.0, retries=5)
 
     def coordinate(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -59,5 +59,6 @@ class GenerationGroups:
     def active(self) -> bool:
         return self.generation is not None and dist.is_initialized()
 
-    def transfer_prefix(self, generation: int, source: str) -> str:
-        return f"elan/gen{generation}/transfer/{source}"
+    def replication_prefix(self, generation: int) -> str:
+        """Store prefix of the transfers that form ``generation`` (one namespace per adjustment)."""
+        return f"elan/gen{generation}/transfer"
