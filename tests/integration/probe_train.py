@@ -1,7 +1,9 @@
 """A plain Lightning training script used by the integration tests (run through `elan run`).
 
 It records, per worker: the dataset indices it trained on (per epoch), a bitwise digest of its parameters and optimizer
-state at every step, and, on the worker that ends as rank 0, the final parameters.
+state at every step, the LR the optimizer used and the global batch at every step, when validation ran, and, on the
+worker that ends as rank 0, the final parameters. ``--scaling POLICY`` adds ``HybridScaling`` and
+``ProgressiveLinearLR``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_elan
+from lightning_elan.callbacks import HybridScaling, ProgressiveLinearLR
 
 
 class IndexedDataset(Dataset):
@@ -44,6 +47,8 @@ class ProbeModel(pl.LightningModule):
         self.out_dir = out_dir
         self.consumed: dict[int, list[int]] = {}
         self.digests: list[list] = []
+        self.steps: list[list] = []  # [global_step, epoch, world_size, global_batch, lr used by the optimizer]
+        self.validations: list[list[int]] = []  # [epoch, global_step] of every validation run (not sanity checks)
 
     def training_step(self, batch, batch_idx):
         index, x, y = batch
@@ -62,6 +67,17 @@ class ProbeModel(pl.LightningModule):
     def on_train_batch_start(self, batch, batch_idx):
         trainer = self.trainer
         self.digests.append([trainer.global_step, trainer.world_size, trainer.global_rank, state_digest(self)])
+
+    def on_before_optimizer_step(self, optimizer):
+        # after the callbacks' hook: ProgressiveLinearLR has scaled the LR for this step
+        trainer = self.trainer
+        global_batch = getattr(getattr(trainer.strategy, "data_position", None), "global_batch", None)
+        lr = optimizer.param_groups[0]["lr"]
+        self.steps.append([trainer.global_step, trainer.current_epoch, trainer.world_size, global_batch, lr])
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            self.validations.append([self.trainer.current_epoch, self.trainer.global_step])
 
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
@@ -95,8 +111,13 @@ def main() -> None:
     parser.add_argument("--val", action="store_true")
     parser.add_argument("--strategy", default="elan", help="'elan', or a Lightning strategy for comparison runs")
     parser.add_argument("--devices", default="auto")
+    parser.add_argument("--accelerator", default="cpu", help="'gpu' for the CUDA runs of tests/gpu")
+    parser.add_argument("--backend", default=None, help="process group backend of the elan strategy (e.g. gloo)")
     parser.add_argument("--full-lightning", action="store_true", help="CSV logger, ModelCheckpoint, progress bar")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (slows a job down)")
+    parser.add_argument("--scaling", choices=["strong", "weak", "hybrid"], help="add HybridScaling with this policy")
+    parser.add_argument("--ramp-steps", type=int, default=4, help="ProgressiveLinearLR ramp (with --scaling)")
+    parser.add_argument("--profile", type=Path, help="ThroughputModel JSON for HybridScaling (not learned further)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -107,17 +128,23 @@ def main() -> None:
     train = DataLoader(dataset, batch_size=args.batch_size, shuffle=not args.no_shuffle, **loader_kwargs)
     val = DataLoader(IndexedDataset(30), batch_size=5) if args.val else None
     strategy = args.strategy
-    if args.global_batch:
-        strategy = lightning_elan.ElanStrategy(global_batch_size=args.global_batch)
+    if strategy == "elan" and (args.global_batch or args.backend):
+        strategy = lightning_elan.ElanStrategy(global_batch_size=args.global_batch, process_group_backend=args.backend)
     full = args.full_lightning
+    callbacks = [ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)] if full else []
+    if args.scaling:
+        profile = None if args.profile is None else str(args.profile)
+        scaling = HybridScaling(policy=args.scaling, profile=profile, learn=profile is None)
+        callbacks += [scaling, ProgressiveLinearLR(ramp_steps=args.ramp_steps)]
     trainer = pl.Trainer(
         strategy=strategy,
+        accelerator=args.accelerator,
         devices=int(args.devices) if args.devices.isdigit() else args.devices,
         max_epochs=args.epochs,
         default_root_dir=args.out,
         logger=CSVLogger(args.out / "logs", flush_logs_every_n_steps=1) if full else False,
         log_every_n_steps=1,
-        callbacks=[ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)] if full else [],
+        callbacks=callbacks,
         enable_checkpointing=full,
         enable_progress_bar=full,
         enable_model_summary=False,
@@ -135,6 +162,8 @@ def main() -> None:
         "world_size": trainer.world_size,
         "consumed": model.consumed,
         "digests": model.digests,
+        "steps": model.steps,
+        "validations": model.validations,
     }
     (args.out / f"record-{worker}.json").write_text(json.dumps(record))
     if not record["left"] and trainer.global_rank == 0:
