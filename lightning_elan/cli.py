@@ -31,6 +31,7 @@ from lightning_elan.launcher.schedule import (
     parse_schedule,
 )
 from lightning_elan.master import registry
+from lightning_elan.scaling.report import format_summary
 
 log = logging.getLogger("lightning_elan.cli")
 
@@ -438,6 +439,11 @@ def describe_adjustment(record: Mapping[str, Any]) -> str:
         text += f", pause max {max(pauses):.3f} s"
     if record.get("bytes_replicated") is not None:
         text += f", {_bytes(record['bytes_replicated'])} replicated"
+    if record.get("global_batch") is not None:
+        text += f", global batch {record['global_batch']}"
+    decision = record.get("scaling")
+    if decision:
+        text += f" (lr x{decision.get('lr_scale')}: {decision.get('reason')})"
     start, end = record.get("requested_at"), record.get("completed_at")
     if start is not None and end is not None:
         text += f", {float(end) - float(start):.2f} s from request to completion"
@@ -464,6 +470,8 @@ def format_status(status: Mapping[str, Any]) -> str:
     lines.append(f"in flight: {describe_plan(in_flight) if in_flight else 'none'}")
     last = status.get("last_adjustment")
     lines.append(f"last adjustment: {describe_adjustment(last) if last else 'none'}")
+    if status.get("scaling"):
+        lines += format_summary(status["scaling"])
     return "\n".join(lines)
 
 

@@ -165,3 +165,79 @@ def adopt_loggers(trainer: pl.Trainer) -> None:
                 _ = logger.experiment
             finally:
                 _ExperimentWriter._check_log_dir_exists = check
+
+
+def refresh_epoch_length(trainer: pl.Trainer) -> int | float | None:
+    """Re-read the training loaders' lengths into every place Lightning cached them; returns the new epoch length.
+
+    After the global batch changes the epoch has a different number of batches (``len`` of the elastic loader counts
+    the batches already taken with the old size plus the rest with the new one). Lightning reads that length only in
+    ``_FitLoop.setup_data`` and caches it in: ``CombinedLoader.limits`` (``_parse_num_batches`` of each length, also
+    copied into the live ``_ModeIterator.limits``), ``_FitLoop.max_batches`` (``trainer.num_training_batches``, which
+    ``_TrainingEpochLoop._num_ready_batches_reached`` compares with the batches ready), ``_DataFetcher.length``/
+    ``done`` (``is_last_batch``: the fetcher sets ``done = fetched >= length`` after each batch), and
+    ``trainer.val_check_batch`` (``int(max_batches * val_check_interval)`` for a float interval: end-of-epoch
+    validation runs when ``(batch_idx + 1) % val_check_batch == 0``). The progress bar's total is updated too.
+    ``estimated_stepping_batches`` reads ``num_training_batches`` live.
+    """
+    from lightning.fabric.utilities.data import sized_len
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
+    fit_loop = trainer.fit_loop
+    combined = fit_loop._combined_loader
+    if combined is None:
+        return None
+    lengths = [sized_len(loader) for loader in combined.flattened]
+    limit = trainer.limit_train_batches
+    limits = [
+        _parse_num_batches(RunningStage.TRAINING, float("inf") if length is None else length, limit)
+        for length in lengths
+    ]
+    combined.limits = limits
+    if combined._iterator is not None:
+        combined._iterator.limits = limits
+        max_batches = sized_len(combined)
+    else:
+        max_batches = max(limits) if limits else None
+    fit_loop.max_batches = float("inf") if max_batches is None else max_batches
+    _refresh_fetcher(fit_loop._data_fetcher, max_batches)
+    _refresh_val_check_batch(trainer)
+    _refresh_progress_bar_total(trainer)
+    return fit_loop.max_batches
+
+
+def _refresh_fetcher(fetcher: Any, length: int | float | None) -> None:
+    """``_DataFetcher.length`` (set in ``reset``) and ``done`` (``fetched >= length``, else set at StopIteration)."""
+    if fetcher is None or fetcher.length is None or length is None:
+        return
+    fetcher.length = length
+    fetcher.done = fetcher.fetched >= length
+
+
+def _refresh_val_check_batch(trainer: pl.Trainer) -> None:
+    """``_FitLoop.setup_data``'s rule for ``val_check_batch``: an int interval and time-based validation are not
+    relative to the epoch length; a float interval is."""
+    max_batches = trainer.fit_loop.max_batches
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return
+    if isinstance(trainer.val_check_interval, int) or max_batches == float("inf"):
+        return
+    trainer.val_check_batch = max(1, int(max_batches * trainer.val_check_interval))
+
+
+def _refresh_progress_bar_total(trainer: pl.Trainer) -> None:
+    """``TQDMProgressBar.on_train_epoch_start`` set the bar's total from ``num_training_batches``."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, TQDMProgressBar) and callback._train_progress_bar is not None:
+            callback._train_progress_bar.total = _finite(trainer.num_training_batches)
+
+
+def _finite(total: int | float) -> int | None:
+    return None if total == float("inf") else int(total)
+
+
+def batches_ready_in_epoch(trainer: pl.Trainer) -> int | None:
+    """Batches the training epoch loop has started in this epoch (``_BatchProgress.current.ready``)."""
+    progress = getattr(trainer.fit_loop.epoch_loop, "batch_progress", None)
+    return None if progress is None else int(progress.current.ready)

@@ -41,6 +41,24 @@ def remaining_steps(num_samples: int, position: int, global_batch: int, drop_las
     return steps_in_epoch(max(num_samples - position, 0), global_batch, drop_last)
 
 
+def epoch_steps(
+    num_samples: int, global_batch: int, drop_last: bool, steps_before: int = 0, position_before: int = 0
+) -> int:
+    """Global batches in an epoch whose first ``steps_before`` batches (``position_before`` samples) used an earlier
+    global batch and the rest uses ``global_batch``."""
+    return steps_before + remaining_steps(num_samples, position_before, global_batch, drop_last)
+
+
+def epoch_end_position(
+    num_samples: int, global_batch: int, drop_last: bool, position_before: int = 0
+) -> int:
+    """Position at which the epoch ends: ``num_samples``, or with ``drop_last`` the end of the last full global batch
+    counted from ``position_before`` (where the current global batch took over)."""
+    rest = max(num_samples - position_before, 0)
+    steps = steps_in_epoch(rest, global_batch, drop_last)
+    return position_before + min(rest, steps * global_batch)
+
+
 def global_batch_size_at(num_samples: int, position: int, global_batch: int) -> int:
     """Size of the global batch that starts at ``position`` (the last one may be partial)."""
     return max(0, min(global_batch, num_samples - position))

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils.data import RandomSampler, Sampler, SequentialSampler
 
-from lightning_elan.data.positions import global_batch_size_at, local_share, remaining_steps, steps_in_epoch
+from lightning_elan.data.positions import (
+    epoch_end_position,
+    epoch_steps,
+    global_batch_size_at,
+    local_share,
+    remaining_steps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -19,11 +26,17 @@ WorldView = Callable[[], tuple[int, int]]
 
 @dataclass
 class DataPosition:
-    """The whole data state of a job: epoch, samples consumed in it, and the global batch size."""
+    """The whole data state of a job: epoch, samples consumed in it, and the global batch size.
+
+    When the global batch changes mid-epoch, ``steps_before``/``position_before`` remember how many global batches
+    (and samples) of this epoch were cut with earlier sizes: the rest of the epoch is cut from ``position_before``.
+    """
 
     epoch: int = 0
     position: int = 0
     global_batch: int | None = None
+    steps_before: int = 0
+    position_before: int = 0
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -32,6 +45,25 @@ class DataPosition:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self.global_batch = None if state.get("global_batch") is None else int(state["global_batch"])
+        self.steps_before = int(state.get("steps_before", 0))
+        self.position_before = int(state.get("position_before", 0))
+
+    def start_epoch(self, epoch: int) -> None:
+        self.epoch, self.position, self.steps_before, self.position_before = epoch, 0, 0, 0
+
+    def steps_done(self) -> int:
+        """Global batches of this epoch taken so far (the last one may have been partial)."""
+        if self.global_batch is None:
+            return 0
+        return self.steps_before + math.ceil((self.position - self.position_before) / self.global_batch)
+
+    def change_global_batch(self, global_batch: int) -> None:
+        """Cut the rest of the epoch, from the current position, into global batches of ``global_batch``."""
+        if global_batch < 1:
+            raise ValueError(f"global batch must be >= 1, got {global_batch}")
+        if self.global_batch is not None and global_batch != self.global_batch:
+            self.steps_before, self.position_before = self.steps_done(), self.position
+        self.global_batch = global_batch
 
 
 class EpochOrder:
@@ -85,8 +117,7 @@ class ElasticSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.data.epoch:
-            self.data.epoch = epoch
-            self.data.position = 0
+            self.data.start_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.order.indices(self.data.epoch))
@@ -96,8 +127,14 @@ class ElasticSampler(Sampler[int]):
 
     def epoch_end(self) -> int:
         """Position at which the epoch ends (excludes the dropped last partial batch)."""
-        steps = steps_in_epoch(self.order.num_samples, self._global_batch(), self.drop_last)
-        return min(self.order.num_samples, steps * self._global_batch())
+        return epoch_end_position(self.order.num_samples, self._global_batch(), self.drop_last,
+                                  self.data.position_before)
+
+    def epoch_steps(self) -> int:
+        """Global batches in the current epoch, counting those taken with an earlier global batch."""
+        data = self.data
+        return epoch_steps(self.order.num_samples, self._global_batch(), self.drop_last, data.steps_before,
+                           data.position_before)
 
     def _global_batch(self) -> int:
         assert self.data.global_batch is not None, "global batch not set"
@@ -129,8 +166,9 @@ class ElasticBatchSampler(Sampler[list[int]]):
         return indices[share.start : share.stop]
 
     def __len__(self) -> int:
-        """Global batches in the whole epoch (Lightning adds the batches already done when it resumes)."""
-        return steps_in_epoch(self.sampler.order.num_samples, self.sampler._global_batch(), self.sampler.drop_last)
+        """Global batches in the whole epoch (Lightning adds the batches already done when it resumes), including
+        those taken before a change of the global batch in this epoch."""
+        return self.sampler.epoch_steps()
 
     def remaining(self) -> int:
         data = self.sampler.data

@@ -327,14 +327,15 @@ class ApplicationMaster:
 
     def _on_coordinate(self, body: dict[str, Any]) -> dict[str, Any]:
         in_flight_before = self._state.in_flight
-        fields = ("worker_id", "generation", "step", "epoch", "position", "global_batch")
+        fields = ("worker_id", "generation", "step", "epoch", "position", "global_batch", "scaling")
         reply = self._state.coordinate(**{name: body.get(name) for name in fields})
         if reply["decision"] == "adjust" and in_flight_before is None:
             logger.info("job %r: decided plan %s", self.job, json.dumps(reply["plan"]))
         return reply
 
     def _on_report(self, body: dict[str, Any]) -> dict[str, Any]:
-        fields = ("worker_id", "generation", "role", "pause_s", "bytes_sent", "bytes_received", "startup_s")
+        fields = ("worker_id", "generation", "role", "pause_s", "bytes_sent", "bytes_received", "startup_s",
+                  "global_batch", "scaling")
         record = self._state.report(**{name: body.get(name) for name in fields})
         if record is not None:
             self._records_to_write.append(record)

@@ -7,6 +7,7 @@ docs/architecture.md, *Semantics of the AM*.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -183,7 +184,23 @@ class Adjustment:
             "bytes_replicated": sum(report.get("bytes_received") or 0 for report in self.reports.values()),
             "pause_s": {worker: self.reports[worker].get("pause_s") for worker in plan.stayers},
             "joiner_startup_s": {worker: self.reports[worker].get("startup_s") for worker in plan.joiners},
+            **self._scaling_outcome(),
         }
+
+    def _scaling_outcome(self) -> dict[str, Any]:
+        """The global batch and scaling decision the new members report they applied (they must all agree)."""
+        applied = {
+            worker: (self.reports[worker].get("global_batch"), self.reports[worker].get("scaling"))
+            for worker in self.plan.members
+        }
+        distinct = {json.dumps(value, sort_keys=True) for value in applied.values()}
+        if len(distinct) > 1:
+            logger.error("adjustment to generation %d: members applied different scaling: %s", self.plan.generation,
+                         applied)
+            return {"global_batch": None, "scaling": None,
+                    "scaling_mismatch": {worker: value[0] for worker, value in applied.items()}}
+        global_batch, decision = next(iter(applied.values()), (None, None))
+        return {"global_batch": global_batch, "scaling": decision}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -204,6 +221,7 @@ class Progress:
     position: int | None = None
     global_batch: int | None = None
     updated_at: float | None = None
+    scaling: dict[str, Any] | None = None  # rank 0's last scaling summary (HybridScaling), for status
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -316,6 +334,7 @@ class JobState:
             "epoch": self.progress.epoch,
             "position": self.progress.position,
             "global_batch": self.progress.global_batch,
+            "scaling": self.progress.scaling,
             "pending": [self._pending_summary(request) for request in self.pending],
             "in_flight": self.in_flight.plan.to_dict() if self.in_flight else None,
             "last_adjustment": self.last_adjustment,
@@ -440,8 +459,10 @@ class JobState:
         position: int | None = None,
         global_batch: int | None = None,
         now: float | None = None,
+        scaling: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Rank 0's periodic question: ``{decision: "none"}`` or ``{decision: "adjust", plan}``."""
+        """Rank 0's periodic question: ``{decision: "none"}`` or ``{decision: "adjust", plan}``; ``scaling`` is rank
+        0's latest scaling summary when it sends one (kept until the next)."""
         self._require_started()
         self._require_known(worker_id)
         self._commit_if_new_generation(worker_id, generation, now)
@@ -449,7 +470,7 @@ class JobState:
             raise StateError(f"generation {generation} is not current (current generation {self.generation})")
         if self.member(worker_id) is None:
             raise StateError(f"worker {worker_id} is not a member of generation {self.generation}")
-        self.progress = Progress(step, epoch, position, global_batch, _now(now))
+        self.progress = Progress(step, epoch, position, global_batch, _now(now), scaling or self.progress.scaling)
         if self.in_flight is not None:
             return {"decision": "adjust", "plan": self.in_flight.plan.to_dict()}
         plan = None if self.finished else self._decide_head(step, now)
@@ -467,8 +488,11 @@ class JobState:
         bytes_received: int | None = None,
         startup_s: float | None = None,
         now: float | None = None,
+        global_batch: int | None = None,
+        scaling: dict[str, Any] | None = None,
     ) -> dict[str, Any] | None:
-        """Record a worker's report after an adjustment; returns the adjustment record once all members reported."""
+        """Record a worker's report after an adjustment; returns the adjustment record once all members reported.
+        ``global_batch`` and ``scaling`` are the global batch and the scaling decision the worker applied."""
         self._require_known(worker_id)
         if role not in ROLES:
             raise StateError(f"unknown role {role!r} (expected stayer, joiner or leaver)")
@@ -487,6 +511,8 @@ class JobState:
             "bytes_received": bytes_received,
             "startup_s": startup_s,
             "reported_at": _now(now),
+            "global_batch": global_batch,
+            "scaling": scaling,
         }
         return self._complete_if_all_reported(adjustment, now)
 

@@ -39,11 +39,34 @@ class Field:
     types: tuple[type, ...]
     required: bool = False
     item_type: type | None = None
+    schema: dict[str, Field] | None = None  # the fields of a nested object
+
+
 
 
 _INT = (int,)
 _NUMBER = (int, float)
 _STR = (str,)
+
+# a HybridScaling decision (ScalingDecision.to_dict()), in reports and in the scaling summary
+SCALING_DECISION: dict[str, Field] = {
+    "global_batch": Field(_INT, required=True),
+    "local_batch": Field(_INT, required=True),
+    "k": Field(_NUMBER, required=True),
+    "reason": Field(_STR, required=True),
+    "lr_scale": Field(_NUMBER),
+}
+
+# the scaling summary rank 0 sends with a coordinate, for `elan status` (lightning_elan.scaling.scaling_summary)
+SCALING_SUMMARY: dict[str, Field] = {
+    "policy": Field(_STR, required=True),
+    "model_ready": Field((bool,), required=True),
+    "observations": Field((dict,)),
+    "world_size": Field(_INT),
+    "global_batch": Field(_INT),
+    "throughput": Field((list,), item_type=dict),
+    "last_decision": Field((dict,), schema=SCALING_DECISION),
+}
 
 BODY_SCHEMAS: dict[str, dict[str, Field]] = {
     "start_job": {
@@ -76,6 +99,7 @@ BODY_SCHEMAS: dict[str, dict[str, Field]] = {
         "epoch": Field(_INT),
         "position": Field(_INT),
         "global_batch": Field(_INT),
+        "scaling": Field((dict,), schema=SCALING_SUMMARY),
     },
     "wait_plan": {"worker_id": Field(_STR, required=True), "timeout_s": Field(_NUMBER)},
     "report": {
@@ -86,6 +110,8 @@ BODY_SCHEMAS: dict[str, dict[str, Field]] = {
         "bytes_sent": Field(_INT),
         "bytes_received": Field(_INT),
         "startup_s": Field(_NUMBER),
+        "global_batch": Field(_INT),
+        "scaling": Field((dict,), schema=SCALING_DECISION),
     },
 }
 
@@ -133,17 +159,23 @@ def validate_body(msg_type: str, body: Any, msg_id: str | None = None) -> None:
         raise ProtocolError(f"unknown message type {msg_type!r} (expected one of {sorted(MESSAGE_TYPES)})", msg_id)
     if not isinstance(body, dict):
         raise ProtocolError(f"{msg_type}: body must be an object, got {_type_name(body)}", msg_id)
-    for name, spec in BODY_SCHEMAS[msg_type].items():
+    _validate_fields(msg_type, BODY_SCHEMAS[msg_type], body, msg_id)
+
+
+def _validate_fields(where: str, schema: dict[str, Field], body: dict[str, Any], msg_id: str | None) -> None:
+    for name, spec in schema.items():
         value = body.get(name)
         if value is None:
             if spec.required:
-                raise ProtocolError(f"{msg_type}: missing field {name!r}", msg_id)
+                raise ProtocolError(f"{where}: missing field {name!r}", msg_id)
             continue
         if not _matches(value, spec.types):
             expected = " or ".join(t.__name__ for t in spec.types)
-            raise ProtocolError(f"{msg_type}: field {name!r} must be {expected}, got {_type_name(value)}", msg_id)
+            raise ProtocolError(f"{where}: field {name!r} must be {expected}, got {_type_name(value)}", msg_id)
         if spec.item_type is not None and not all(_matches(item, (spec.item_type,)) for item in value):
-            raise ProtocolError(f"{msg_type}: field {name!r} must list {spec.item_type.__name__} values", msg_id)
+            raise ProtocolError(f"{where}: field {name!r} must list {spec.item_type.__name__} values", msg_id)
+        if spec.schema is not None:
+            _validate_fields(f"{where}.{name}", spec.schema, value, msg_id)
 
 
 def _dumps(obj: dict[str, Any]) -> bytes:

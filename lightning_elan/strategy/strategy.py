@@ -35,6 +35,7 @@ from lightning_elan.strategy.am_link import AMLink
 from lightning_elan.strategy.environment import ElanEnvironment
 from lightning_elan.strategy.groups import GenerationGroups
 from lightning_elan.strategy.identity import WorkerIdentity
+from lightning_elan.strategy.scaling_link import ScalingLink
 from lightning_elan.strategy.timeline import StepTimeline
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class ElanStrategy(DDPStrategy):
         self._timeline = StepTimeline()
         self._pending_report: dict[str, Any] | None = None
         self._retired_model: Any = None
+        self._scaling = ScalingLink()
 
     # ------------------------------------------------------------------ registration and environment
 
@@ -308,6 +310,12 @@ class ElanStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ coordination at batch boundaries
 
+    def on_epoch_start(self, trainer: pl.Trainer) -> None:
+        """Called by the coordinator callback when an epoch starts: an epoch after a change of the global batch has
+        a different length than the epoch Lightning measured at setup."""
+        if self._elastic_train_loader() is not None:
+            compat.refresh_epoch_length(trainer)
+
     def on_batch_end(self, trainer: pl.Trainer) -> None:
         """Called by the coordinator callback after every training batch."""
         pause = self._timeline.step_ended()
@@ -339,18 +347,22 @@ class ElanStrategy(DDPStrategy):
         if blocker is not None:
             log.debug("no adjustment after step %d: %s", trainer.global_step, blocker)
             return _DEFERRED, None
-        reply = self._am.coordinate(
-            {
-                "generation": self.generation,
-                "step": trainer.global_step,
-                "epoch": self.data_position.epoch,
-                "position": self.data_position.position,
-                "global_batch": self.data_position.global_batch,
-            }
-        )
+        body = {
+            "generation": self.generation,
+            "step": trainer.global_step,
+            "epoch": self.data_position.epoch,
+            "position": self.data_position.position,
+            "global_batch": self.data_position.global_batch,
+        }
+        summary = self._scaling.summary_if_due(trainer)
+        if summary is not None:
+            body["scaling"] = summary
+        reply = self._am.coordinate(body)
         if reply.get("decision") != "adjust":
             return _NO_CHANGE, None
-        return _ADJUST, {"plan": reply["plan"], "logger_versions": compat.logger_versions(trainer)}
+        plan = reply["plan"]
+        scaling = self._scaling.decide(trainer, plan, self.data_position.global_batch)
+        return _ADJUST, {"plan": plan, "logger_versions": compat.logger_versions(trainer), "scaling": scaling}
 
     def _adjust(self, trainer: pl.Trainer, decision: dict[str, Any]) -> None:
         """Old members at a decided adjustment: stayers re-form and rewire, sources send state, leavers leave."""
@@ -358,6 +370,8 @@ class ElanStrategy(DDPStrategy):
         started = time.perf_counter()
         self._timeline.adjustment_started()
         compat.set_logger_versions(trainer, decision["logger_versions"])
+        # before the snapshot: joiners receive the new data position and the started LR ramp
+        self._scaling.apply(trainer, self.data_position, decision.get("scaling"))
         joiners = _joiners_of(plan, me)
         phases = _PhaseClock()
         snapshot = self._snapshot(trainer) if joiners else None
@@ -428,6 +442,8 @@ class ElanStrategy(DDPStrategy):
         if loader is not None:
             loader.rebuild()
         compat.refetch_prefetched_batch(trainer)
+        if loader is not None:
+            compat.refresh_epoch_length(trainer)  # the global batch may have changed: the epoch has a new length
         compat.reset_evaluation_dataloaders(trainer)
         compat.move_progress_bar(trainer)
 
@@ -446,6 +462,7 @@ class ElanStrategy(DDPStrategy):
     def _send_report(self, pause: float) -> None:
         assert self._am is not None and self._pending_report is not None
         report = {**self._pending_report, "pause_s": pause}
+        report.update(self._scaling.report_fields(self.lightning_module.trainer, self.data_position))
         if report["role"] == "joiner":
             report["startup_s"] = time.time() - self.identity.spawn_time
         self._am.report(report)
@@ -492,6 +509,10 @@ class _ElanCoordinator(Callback):
 
     def __init__(self, strategy: ElanStrategy) -> None:
         self._strategy = strategy
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._strategy.on_epoch_start(trainer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

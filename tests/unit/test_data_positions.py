@@ -92,4 +92,6 @@ def test_rebuild_restarts_from_the_current_position_with_the_new_world():
     loader.rebuild()
     assert next(iterator).tolist() == [5]
     assert len(loader) == 5
-    assert loader.state_dict() == {"epoch": 0, "position": 4, "global_batch": 4}
+    assert loader.state_dict() == {
+        "epoch": 0, "position": 4, "global_batch": 4, "steps_before": 0, "position_before": 0
+    }
