@@ -7,7 +7,9 @@ Integration points for the strategy
 ===================================
 
 Both callbacks work in any Lightning run on their own (timing, logging, the ramp, checkpoint state); changing the
-global batch is the strategy's job. At an adjustment ``n_old → n_new`` decided at a batch boundary:
+global batch is the strategy's job. ``ElanStrategy`` does what follows through
+:class:`lightning_elan.strategy.scaling_link.ScalingLink`. At an adjustment ``n_old → n_new`` decided at a batch
+boundary:
 
 1. **Decide, on rank 0 only**, before anything is broadcast (``ElanStrategy._ask_master``)::
 
