@@ -36,6 +36,12 @@ std::string ipc_get_handle(std::uintptr_t base, int device);     // 64-byte cuda
 std::uintptr_t ipc_open(const std::string& handle, int device);  // cudaIpcOpenMemHandle (lazy peer access)
 void ipc_close(std::uintptr_t ptr, int device);
 void memcpy_async(std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes, int device, std::uintptr_t stream);
+// A device copy of `count` int64 from host memory (cudaMalloc + a synchronous cudaMemcpy): the table of a prepared
+// copy plan, built once. Freed by release_table.
+std::uintptr_t upload_table(const std::int64_t* host, std::size_t count, int device);
+// Waits for the device (a launch still reading the table may be queued on any stream), then frees; never throws
+// (called from destructors, possibly at interpreter teardown when the CUDA runtime is already unloading).
+void release_table(std::uintptr_t table, int device) noexcept;
 void stream_synchronize(std::uintptr_t stream, int device);
 const char* error_string(int error);
 

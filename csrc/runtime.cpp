@@ -111,6 +111,31 @@ void memcpy_async(std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes, in
         "cudaMemcpyAsync");
 }
 
+std::uintptr_t upload_table(const std::int64_t* host, std::size_t count, int device) {
+  const std::size_t nbytes = count * sizeof(std::int64_t);
+  const std::uintptr_t table = device_malloc(nbytes, device);
+  try {
+    DeviceScope scope(device);
+    // pageable source: cudaMemcpy returns once the bytes are on the device (no stream ordering needed afterwards)
+    check(cudaMemcpy(reinterpret_cast<void*>(table), host, nbytes, cudaMemcpyHostToDevice), "cudaMemcpy (plan table)");
+  } catch (...) {
+    release_table(table, device);
+    throw;
+  }
+  return table;
+}
+
+void release_table(std::uintptr_t table, int device) noexcept {
+  try {
+    DeviceScope scope(device);
+    // the table may still be read by a launch queued on any stream of the device: wait for all of them first
+    cudaDeviceSynchronize();
+    cudaFree(reinterpret_cast<void*>(table));
+  } catch (const std::exception&) {  // no device / runtime unloading: nothing left to free
+  }
+  cudaGetLastError();  // do not leave a sticky error for the caller's next CUDA call
+}
+
 void stream_synchronize(std::uintptr_t stream, int device) {
   DeviceScope scope(device);
   check(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -172,3 +173,84 @@ def test_arena_layout_sizes_in_bytes_sorted_by_key() -> None:
     assert list(places.offsets) == sorted(layout.buffer_numels)
     assert places.sizes == {"cpu:torch.float32": 4, "cpu:torch.float64": 24, "cpu:torch.int8": 5}
     assert places.nbytes == 2 * 256 + 5
+
+
+# ------------------------------------------------------------------ the C++ glue on CPU tensors (built module, no GPU)
+
+
+def import_built(built: Path) -> ModuleType:
+    path = next(built.glob("lightning_elan_cuda*.so"))
+    loader = importlib.machinery.ExtensionFileLoader("lightning_elan_cuda", str(path))
+    spec = importlib.util.spec_from_file_location("lightning_elan_cuda", path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        loader.exec_module(module)
+    except ImportError as error:
+        pytest.skip(f"built, but cannot be imported here: {error}")
+    return module
+
+
+def force_cpp(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route cuda_ext through ``module`` even for CPU buffers: the C++ checks run and hand every tensor to copy_."""
+    monkeypatch.setattr(cuda_ext, "load", lambda build=None: module)
+    monkeypatch.setattr(cuda_ext, "_module_for", lambda buffers, use_ext: module)
+
+
+@needs_nvcc
+def test_the_cpp_paths_hand_cpu_tensors_back_to_copy(built: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = import_built(built)
+    force_cpp(module, monkeypatch)
+    tensors = mixed_tensors(2)
+    layout = packing.make_layout(tensors)
+    reference, _ = packing.pack(tensors)
+    buffers = {key: torch.zeros_like(buf) for key, buf in reference.items()}
+    targets = [torch.zeros_like(t) for t in tensors]
+    copied = [torch.zeros_like(t) for t in tensors]
+
+    cuda_ext.pack_into(tensors, layout, buffers)
+    cuda_ext.unpack_into(buffers, layout, targets)
+    got, got_layout = cuda_ext.pack(tensors)
+    launched = cuda_ext.multi_tensor_copy(tensors, copied)
+
+    assert not launched
+    assert got_layout == layout
+    for key, buf in reference.items():
+        assert bits(buffers[key]) == bits(buf) and bits(got[key]) == bits(buf), key
+    assert [bits(t) for t in targets] == [bits(t) for t in tensors] == [bits(t) for t in copied]
+    index = cuda_ext._layout_index(module, layout)
+    assert cuda_ext._layout_index(module, layout) is index  # built once per layout
+    fallback = module.pack_into(tensors, [buffers[key] for key in index.keys], index.native, lambda device: 0)
+    assert fallback == [i for i, t in enumerate(tensors) if t.numel()]  # 0-byte tensors need no copy
+
+
+@needs_nvcc
+@pytest.mark.parametrize("use_cpp", [True, False], ids=["cpp", "torch"])
+def test_plans_rerun_on_new_contents_and_into_parameters(
+    built: Path, monkeypatch: pytest.MonkeyPatch, use_cpp: bool
+) -> None:
+    if use_cpp:
+        force_cpp(import_built(built), monkeypatch)
+    tensors = mixed_tensors(3)
+    layout = packing.make_layout(tensors)
+    buffers, _ = packing.pack([torch.zeros_like(t) for t in tensors])
+    params = [torch.nn.Parameter(torch.zeros_like(t)) if t.is_floating_point() else torch.zeros_like(t)
+              for t in tensors]  # fmt: skip
+
+    pack_plan = cuda_ext.prepare_pack(tensors, layout, buffers)
+    unpack_plan = cuda_ext.prepare_unpack(buffers, layout, params)
+    for seed in (4, 5):
+        with torch.no_grad():
+            for t, fresh in zip(tensors, mixed_tensors(seed), strict=True):
+                t.copy_(fresh)
+        pack_plan.run()
+        unpack_plan.run()
+        reference, _ = packing.pack(tensors)
+        assert all(bits(buffers[key]) == bits(buf) for key, buf in reference.items())
+        assert [bits(p.detach()) for p in params] == [bits(t) for t in tensors]
+    copied_by_copy = sum(1 for t in tensors if t.numel()) if use_cpp else len(tensors)  # C++ skips 0-byte pairs
+    assert pack_plan.devices == [] and pack_plan.nbytes == 0 and pack_plan.fallback_count == copied_by_copy
+    with pytest.raises(ValueError, match="does not match"):
+        cuda_ext.prepare_unpack(buffers, layout, [torch.zeros(2), *params[1:]])
+    with pytest.raises(ValueError, match="does not match"):
+        cuda_ext.unpack_into(buffers, layout, [*params[:-1], torch.zeros(11, dtype=torch.float64)])
