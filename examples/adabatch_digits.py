@@ -16,9 +16,12 @@ batch following by ``HybridScaling(policy="weak")`` and the LR by ``ProgressiveL
 
     elan run --nproc 1 --job adabatch --schedule "450:to=2,680:to=4" -- python examples/adabatch_digits.py --elastic
 
-(45 steps per epoch at batch 32, 23 at 64: epochs 10 and 20 start at steps 450 and 680.) It needs the strategy to
-apply HybridScaling's decision at each adjustment (see ``lightning_elan.callbacks``); rank 0 writes
-``adabatch_digits_elastic.png`` and ``.json`` at the end.
+(45 steps per epoch at batch 32, 23 at 64: epochs 10 and 20 start at steps 450 and 680; the adjustments land one
+step later, because the last batch of an epoch is followed by validation, so the global batch changes one batch into
+the epoch.) Rank 0 writes ``adabatch_digits_elastic.png`` and ``.json`` at the end.
+
+``--with-elastic`` runs the comparison and that ``elan run`` job, and prints the elastic run's final accuracy next to
+the static run of the same seed (0).
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,7 +244,41 @@ def compare(config: Config) -> dict[str, Any]:
             "difference": means["adabatch"] - means["static"]}
 
 
-def parse_args() -> tuple[Config, bool]:
+def elastic_schedule(config: Config, train_size: int = 1437) -> str:
+    """``--schedule`` that doubles the workers when epochs ``doubling_epochs`` start (1 → 2 → 4)."""
+    first, second = config.doubling_epochs
+    at_1 = first * math.ceil(train_size / config.batch)
+    at_2 = at_1 + (second - first) * math.ceil(train_size / (2 * config.batch))
+    return f"{at_1}:to=2,{at_2}:to=4"
+
+
+def run_elastic_job(config: Config) -> History:
+    """The elastic run through ``elan run`` (1 → 2 → 4 workers); returns rank 0's history."""
+    out = config.out / "elastic"
+    out.mkdir(parents=True, exist_ok=True)
+    home = tempfile.mkdtemp(prefix="elan-home-")
+    command = [
+        sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "1", "--job", "adabatch",
+        "--state-dir", str(out / "state"), "--schedule", elastic_schedule(config), "--",
+        sys.executable, str(Path(__file__).resolve()), "--elastic", "--out", str(out), "--epochs", str(config.epochs),
+        "--batch", str(config.batch), "--lr", str(config.lr), "--ramp-steps", str(config.ramp_steps),
+    ]
+    log.info("elastic run: %s", " ".join(command))
+    subprocess.run(command, check=True, env={**os.environ, "ELAN_HOME": home})
+    history = History()
+    history.load_state_dict(json.loads((out / "adabatch_digits_elastic.json").read_text()))
+    return history
+
+
+def report_elastic(config: Config, static_seed0: float) -> None:
+    history = run_elastic_job(config)
+    difference = 100 * (history.accuracy[-1] - static_seed0)
+    log.info("elastic 1->2->4 workers (seed 0) final test accuracy %.4f vs static %.4f: %+.2f points "
+             "(target: within ±0.5); LR curve in %s", history.accuracy[-1], static_seed0, difference,
+             config.out / "elastic" / "adabatch_digits_elastic.png")
+
+
+def parse_args() -> tuple[Config, bool, bool]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--elastic", action="store_true", help="one worker of an `elan run` job (see the module doc)")
     parser.add_argument("--epochs", type=int, default=Config.epochs)
@@ -245,16 +287,17 @@ def parse_args() -> tuple[Config, bool]:
     parser.add_argument("--ramp-steps", type=int, default=Config.ramp_steps)
     parser.add_argument("--seeds", type=int, default=Config.seeds, help="seeds averaged in the comparison")
     parser.add_argument("--out", type=Path, default=Config.out, help="directory for the PNG/JSON")
+    parser.add_argument("--with-elastic", action="store_true", help="also run the elastic job through `elan run`")
     args = parser.parse_args()
     config = Config(args.epochs, args.batch, args.lr, args.ramp_steps, args.seeds, args.out)
-    return config, args.elastic
+    return config, args.elastic, args.with_elastic
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    config, elastic = parse_args()
+    config, elastic, with_elastic = parse_args()
     config.out.mkdir(parents=True, exist_ok=True)
     if elastic:
         run_elastic(config)
@@ -266,6 +309,8 @@ def main() -> None:
                  result["mean"][name], loss)
     log.info("AdaBatch - static: %+.2f points (target: within ±0.5); LR curves in %s", 100 * result["difference"],
              config.out / "adabatch_digits.png")
+    if with_elastic:
+        report_elastic(config, result["final_accuracy"]["static"][0])
 
 
 if __name__ == "__main__":
