@@ -43,8 +43,12 @@ def checksum(tensors: list[Any]) -> float:
     return float(sum(t.double().sum().item() for t in tensors))
 
 
-def _connect(port: int) -> Any:
+def _connect(port: int, log_level: str) -> Any:
+    import logging
+
     import torch.distributed as dist
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(process)d %(name)s: %(message)s")
 
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
 
@@ -63,10 +67,11 @@ def _ready_then_go(store: Any) -> float:
     return float(store.get("go").decode())
 
 
-def source_main(port: int, name: str, plan: dict, size_mb: float, tensors: int, device: str, out: Any) -> None:
+def source_main(port: int, name: str, plan: dict, size_mb: float, tensors: int, device: str, out: Any,
+                log_level: str) -> None:
     from lightning_elan.replication.exchange import send_replica
 
-    store = _connect(port)
+    store = _connect(port, log_level)
     state = make_state(size_mb, tensors, device)
     _sync(device)
     start = _ready_then_go(store)
@@ -76,14 +81,14 @@ def source_main(port: int, name: str, plan: dict, size_mb: float, tensors: int, 
     out.put({"role": "source", "name": name, "busy": busy, "release": time.time() - start})
 
 
-def joiner_main(port: int, name: str, plan: dict, device: str, expected: float, out: Any) -> None:
+def joiner_main(port: int, name: str, plan: dict, size_mb: float, device: str, expected: float, out: Any,
+                log_level: str) -> None:
     import torch
 
     from lightning_elan.replication.exchange import receive_replica
 
-    store = _connect(port)
-    if device.startswith("cuda"):
-        torch.cuda.init()
+    store = _connect(port, log_level)
+    _warm_up(size_mb, device)
     start = _ready_then_go(store)
     context = _context(store, device)
     _, received, nbytes, transport = receive_replica(context, plan, name, lambda _: torch.device(device))
@@ -91,6 +96,16 @@ def joiner_main(port: int, name: str, plan: dict, device: str, expected: float, 
     elapsed = time.time() - start
     ok = abs(checksum(received) - expected) <= 1e-6 * max(1.0, abs(expected))
     out.put({"role": "joiner", "name": name, "receive": elapsed, "bytes": nbytes, "transport": transport, "ok": ok})
+
+
+def _warm_up(size_mb: float, device: str) -> None:
+    """What a real joiner has done before it receives: CUDA context, copy kernels loaded, model-sized memory cached."""
+    import torch
+
+    scratch = torch.empty(int(size_mb * 1e6), dtype=torch.uint8, device=device)
+    scratch.copy_(torch.zeros_like(scratch))
+    del scratch
+    _sync(device)
 
 
 def _sync(device: str) -> None:
@@ -109,7 +124,8 @@ def plan_for(joiners: int, sources: int, transport: str) -> dict[str, Any]:
             "transfers": transfers}  # fmt: skip
 
 
-def run_case(joiners: int, sources: int, transport: str, size_mb: float, tensors: int, device: str) -> dict[str, Any]:
+def run_case(joiners: int, sources: int, transport: str, size_mb: float, tensors: int, device: str,
+             log_level: str = "WARNING") -> dict[str, Any]:
     import torch.distributed as dist
 
     from bench.procs import free_port
@@ -120,9 +136,11 @@ def run_case(joiners: int, sources: int, transport: str, size_mb: float, tensors
     plan = plan_for(joiners, sources, transport)
     expected = checksum(make_state(size_mb, tensors, "cpu"))
     out = ctx.Queue()
-    procs = [ctx.Process(target=source_main, args=(port, f"s{i}", plan, size_mb, tensors, device, out))
+    procs = [ctx.Process(target=source_main, args=(port, f"s{i}", plan, size_mb, tensors, device, out,
+                                                    log_level))
              for i in range(sources)]  # fmt: skip
-    procs += [ctx.Process(target=joiner_main, args=(port, f"j{i}", plan, device, expected, out))
+    procs += [ctx.Process(target=joiner_main, args=(port, f"j{i}", plan, size_mb, device, expected, out,
+                                                    log_level))
               for i in range(joiners)]  # fmt: skip
     for proc in procs:
         proc.start()
@@ -152,13 +170,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensors", type=int, default=160)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG shows each transfer's phases")
     args = parser.parse_args(argv)
     default = "collective,cuda_ipc" if args.device.startswith("cuda") else "collective,shm"
     rows = []
     for size in (float(s) for s in args.sizes_mb.split(",")):
         for transport in (args.transports or default).split(","):
             for case, (joiners, sources) in CASES.items():
-                runs = [run_case(joiners, sources, transport, size, args.tensors, args.device)
+                runs = [run_case(joiners, sources, transport, size, args.tensors, args.device, args.log_level)
                         for _ in range(args.repeat)]  # fmt: skip
                 row = {"device": args.device, "size_mb": size, "transport": transport, "case": case,
                        "used": runs[0]["transports"],

@@ -22,6 +22,13 @@
 
 #include "elan_cuda.h"
 
+// A Python ValueError raised as pybind11's own exception type, which needs no exception translator of torch's (on the
+// H100 image, torch 2.11, the process died with SIGSEGV where this module threw c10::ValueError; c10::Error was fine).
+#define ELAN_CHECK_VALUE(cond, ...)                          \
+  do {                                                       \
+    if (!(cond)) throw py::value_error(c10::str(__VA_ARGS__)); \
+  } while (false)
+
 namespace {
 
 constexpr std::int64_t kDefaultChunkBytes = 1 << 16;
@@ -141,7 +148,7 @@ bool pair_ok(const at::Tensor& src, const at::Tensor& dst) {
 }
 
 Resolved resolve_pairs(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts) {
-  TORCH_CHECK_VALUE(srcs.size() == dsts.size(), "multi_tensor_copy: ", srcs.size(), " sources for ", dsts.size(),
+  ELAN_CHECK_VALUE(srcs.size() == dsts.size(), "multi_tensor_copy: ", srcs.size(), " sources for ", dsts.size(),
                     " destinations");
   Resolved r;
   for (std::size_t i = 0; i < srcs.size(); ++i) {
@@ -174,11 +181,11 @@ std::shared_ptr<LayoutIndex> make_index(std::vector<std::int64_t> key, std::vect
                                         std::vector<std::int64_t> nbytes, std::vector<at::ScalarType> dtype,
                                         std::vector<std::vector<std::int64_t>> shape, std::int64_t nkeys) {
   const std::size_t n = key.size();
-  TORCH_CHECK_VALUE(byte_offset.size() == n && nbytes.size() == n && dtype.size() == n && shape.size() == n,
+  ELAN_CHECK_VALUE(byte_offset.size() == n && nbytes.size() == n && dtype.size() == n && shape.size() == n,
                     "LayoutIndex: per-tensor lists of different lengths");
   for (std::size_t i = 0; i < n; ++i) {
-    TORCH_CHECK_VALUE(key[i] >= 0 && key[i] < nkeys, "LayoutIndex: key index ", key[i], " out of range");
-    TORCH_CHECK_VALUE(byte_offset[i] >= 0 && nbytes[i] >= 0, "LayoutIndex: negative offset or size");
+    ELAN_CHECK_VALUE(key[i] >= 0 && key[i] < nkeys, "LayoutIndex: key index ", key[i], " out of range");
+    ELAN_CHECK_VALUE(byte_offset[i] >= 0 && nbytes[i] >= 0, "LayoutIndex: negative offset or size");
   }
   auto index = std::make_shared<LayoutIndex>();
   index->key = std::move(key);
@@ -194,7 +201,7 @@ enum class Direction { kPack, kUnpack };  // tensors -> buffers, buffers -> tens
 
 // unpack_into's contract: every target has its spec's shape and dtype (checked before anything is copied).
 void check_target(const at::Tensor& t, const LayoutIndex& index, std::size_t i) {
-  TORCH_CHECK_VALUE(t.defined() && t.sizes().equals(index.shape[i]) && t.scalar_type() == index.dtype[i], "target ",
+  ELAN_CHECK_VALUE(t.defined() && t.sizes().equals(index.shape[i]) && t.scalar_type() == index.dtype[i], "target ",
                     i, " ", (t.defined() ? t.sizes() : at::IntArrayRef{}), "/",
                     (t.defined() ? t.scalar_type() : at::ScalarType::Undefined), " does not match ",
                     at::IntArrayRef(index.shape[i]), "/", index.dtype[i]);
@@ -210,8 +217,8 @@ bool packed_ok(const at::Tensor& t, const at::Tensor& buf, bool buf_ok, const La
 
 Resolved resolve_packed(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& buffers,
                         const LayoutIndex& index, Direction direction) {
-  TORCH_CHECK_VALUE(tensors.size() == index.size(), tensors.size(), " tensors for ", index.size(), " packed tensors");
-  TORCH_CHECK_VALUE(static_cast<std::int64_t>(buffers.size()) == index.nkeys, buffers.size(), " buffers for ",
+  ELAN_CHECK_VALUE(tensors.size() == index.size(), tensors.size(), " tensors for ", index.size(), " packed tensors");
+  ELAN_CHECK_VALUE(static_cast<std::int64_t>(buffers.size()) == index.nkeys, buffers.size(), " buffers for ",
                     index.nkeys, " keys");
   if (direction == Direction::kUnpack) {
     for (std::size_t i = 0; i < tensors.size(); ++i) check_target(tensors[i], index, i);
@@ -341,7 +348,7 @@ class CopyPlan {
   // plan got new storage (`p.data = ...`, `set_`): the table holds raw addresses, and a moved tensor would be
   // silently missed. The plan holds references, so the old storage is alive either way.
   void run(const std::vector<std::int64_t>& streams, bool check) const {
-    TORCH_CHECK_VALUE(streams.size() == launches_.size(), "CopyPlan.run: ", streams.size(), " streams for ",
+    ELAN_CHECK_VALUE(streams.size() == launches_.size(), "CopyPlan.run: ", streams.size(), " streams for ",
                       launches_.size(), " devices");
     if (check) TORCH_CHECK(!stale(), "CopyPlan: a tensor of the plan has new storage; prepare a new plan");
     for (std::size_t i = 0; i < launches_.size(); ++i) {
