@@ -323,7 +323,9 @@ class ApplicationMaster:
         return reply
 
     def _on_register(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._state.register(body["worker_id"], body.get("host"), body.get("device"), body.get("pid"))
+        return self._state.register(
+            body["worker_id"], body.get("host"), body.get("device"), body.get("pid"), topology=body.get("topology")
+        )
 
     def _on_coordinate(self, body: dict[str, Any]) -> dict[str, Any]:
         in_flight_before = self._state.in_flight

@@ -181,6 +181,7 @@ class Adjustment:
             "joiners": list(plan.joiners),
             "leavers": list(plan.leavers),
             "sources": dict(plan.sources),
+            "transfers": plan.transfers,
             "bytes_replicated": sum(report.get("bytes_received") or 0 for report in self.reports.values()),
             "pause_s": {worker: self.reports[worker].get("pause_s") for worker in plan.stayers},
             "joiner_startup_s": {worker: self.reports[worker].get("startup_s") for worker in plan.joiners},

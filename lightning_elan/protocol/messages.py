@@ -91,6 +91,7 @@ BODY_SCHEMAS: dict[str, dict[str, Field]] = {
         "host": Field(_STR),
         "device": Field((str, int)),
         "pid": Field(_INT),
+        "topology": Field((dict,)),
     },
     "coordinate": {
         "worker_id": Field(_STR, required=True),

@@ -29,8 +29,9 @@ from lightning_elan import compat
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare, global_batch_size_at, local_share
 from lightning_elan.data.sampler import DataPosition
+from lightning_elan.replication.exchange import OutgoingReplication, ReplicationContext, receive_replica, send_replica
 from lightning_elan.replication.packing import join_tensors, split_tensors
-from lightning_elan.replication.transport import make_transfer_group, receive_state, send_state
+from lightning_elan.replication.topology import detect as detect_topology
 from lightning_elan.strategy.am_link import AMLink
 from lightning_elan.strategy.environment import ElanEnvironment
 from lightning_elan.strategy.groups import GenerationGroups
@@ -49,6 +50,7 @@ _NO_CHANGE, _ADJUST, _DEFERRED = 0, 1, 2
 # a joiner warming up is no one's rank 0 (loggers and checkpoints stay quiet) until its generation forms
 _PROVISIONAL_RANK, _PROVISIONAL_WORLD = 1, 2
 _LEFT_RANK = -1
+_REPLICATION_MODES = ("auto", "collective")
 
 
 class ElanStrategy(DDPStrategy):
@@ -60,6 +62,9 @@ class ElanStrategy(DDPStrategy):
         global_batch_size: samples per optimizer step over all workers; default: the DataLoader's ``batch_size``
             times the initial world size. Kept fixed under resizes (strong scaling).
         join_timeout_s: how long a new worker waits for its adjustment before giving up.
+        replication: ``"auto"`` (default: each joiner copies from its nearest worker over CUDA IPC, shared memory or
+            the network, as the application master plans from every worker's topology) or ``"collective"`` (always a
+            broadcast on a transfer group). Default: ``$ELAN_REPLICATION``, else ``"auto"``.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and from there to DDP).
     """
 
@@ -70,6 +75,7 @@ class ElanStrategy(DDPStrategy):
         coordinate_every: int | None = None,
         global_batch_size: int | None = None,
         join_timeout_s: float = 1800.0,
+        replication: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.identity = WorkerIdentity.from_env()
@@ -81,6 +87,10 @@ class ElanStrategy(DDPStrategy):
             raise ValueError(f"coordinate_every must be >= 1, got {self.coordinate_every}")
         self.data_position = DataPosition(global_batch=global_batch_size)
         self.join_timeout_s = join_timeout_s
+        self.replication = replication or os.environ.get("ELAN_REPLICATION", "auto")
+        if self.replication not in _REPLICATION_MODES:
+            raise ValueError(f"replication must be one of {_REPLICATION_MODES}, got {self.replication!r}")
+        self._outgoing: OutgoingReplication | None = None
         self.has_left = False
         self._groups: GenerationGroups | None = None
         self._am: AMLink | None = None
@@ -150,7 +160,7 @@ class ElanStrategy(DDPStrategy):
             self._groups.form(self.identity.generation, self.identity.rank, self.identity.world_size)
             self.cluster_environment.assign(self.identity.rank, self.identity.world_size)
             if self._am is not None:
-                self._am.register(str(self.root_device))
+                self._am.register(str(self.root_device), self._topology())
         self.set_world_ranks()
 
     # ------------------------------------------------------------------ setup: joiners receive their state here
@@ -190,7 +200,7 @@ class ElanStrategy(DDPStrategy):
     def _join(self, trainer: pl.Trainer) -> None:
         """A joiner, warmed up: report ready, wait for the adjustment, enter the generation, take the state."""
         assert self._am is not None
-        self._am.register(str(self.root_device))
+        self._am.register(str(self.root_device), self._topology())
         reply = self._am.wait_plan(self.join_timeout_s)
         if reply.get("status") != "plan":
             log.info("worker %s is not needed (%s); leaving", self.identity.worker_id, reply.get("reason"))
@@ -209,17 +219,29 @@ class ElanStrategy(DDPStrategy):
         self._pending_report = {"role": "joiner", "generation": plan["generation"], "bytes_received": received}
         self._timeline.adjustment_started()
 
-    def _receive_training_state(self, plan: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], int]:
+    def _topology(self) -> dict[str, Any] | None:
+        """Where this worker lives, for the AM's replication planner (None: sources chosen without topology)."""
+        if self.replication == "collective":
+            return None
+        try:
+            return detect_topology(self.root_device).to_dict()
+        except Exception as error:  # a probe we did not foresee: replicate over the collective rather than fail
+            log.warning("topology detection failed (%s): this worker's transfers go over the collective", error)
+            return None
+
+    def _replication_context(self, plan: dict[str, Any]) -> ReplicationContext:
         assert self._groups is not None
-        me, source = self.identity.worker_id, plan["sources"][self.identity.worker_id]
-        siblings = _joiners_of(plan, source)
-        prefix = self._groups.transfer_prefix(plan["generation"], source)
-        group = make_transfer_group(
-            self._groups.store, prefix, 1 + siblings.index(me), 1 + len(siblings), self._process_group_backend,
-            self._timeout,
+        prefix = self._groups.replication_prefix(plan["generation"])
+        return ReplicationContext(self._groups.store, prefix, self._process_group_backend, self._timeout,
+                                  self.root_device)
+
+    def _receive_training_state(self, plan: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], int]:
+        me = self.identity.worker_id
+        cpu_state, tensors, received, transport = receive_replica(
+            self._replication_context(plan), plan, me, self._device_for
         )
-        cpu_state, tensors, received = receive_state(group, self._groups.store, prefix, self._device_for)
-        log.info("worker %s received %.1f MB of state from %s", me, received / 1e6, source)
+        log.info("worker %s received %.1f MB of state from %s over %s", me, received / 1e6, plan["sources"][me],
+                 transport)
         return join_tensors(cpu_state["checkpoint"], tensors), cpu_state["elan"], received
 
     def _apply_training_state(self, trainer: pl.Trainer, checkpoint: dict[str, Any], elan: dict[str, Any]) -> None:
@@ -318,6 +340,7 @@ class ElanStrategy(DDPStrategy):
 
     def on_batch_end(self, trainer: pl.Trainer) -> None:
         """Called by the coordinator callback after every training batch."""
+        self._finish_outgoing()
         pause = self._timeline.step_ended()
         if pause is not None and self._pending_report is not None:
             self._send_report(pause)
@@ -408,14 +431,18 @@ class ElanStrategy(DDPStrategy):
         return {"checkpoint": skeleton, "elan": elan}, tensors
 
     def _send_training_state(self, plan: dict[str, Any], snapshot: tuple, joiners: list[str]) -> int:
-        assert self._groups is not None
         cpu_state, tensors = snapshot
-        prefix = self._groups.transfer_prefix(plan["generation"], self.identity.worker_id)
-        group = make_transfer_group(self._groups.store, prefix, 0, 1 + len(joiners), self._process_group_backend,
-                                    self._timeout)
-        sent = send_state(group, self._groups.store, prefix, cpu_state, tensors)
-        log.info("worker %s sent %.1f MB of state to %s", self.identity.worker_id, sent / 1e6, ", ".join(joiners))
-        return sent
+        outgoing = send_replica(self._replication_context(plan), plan, self.identity.worker_id, cpu_state, tensors)
+        routes = "; ".join(f"{transport}: {', '.join(names)}" for transport, names in outgoing.joiners.items())
+        log.info("worker %s sent %.1f MB of state (%s)", self.identity.worker_id, outgoing.bytes_sent / 1e6, routes)
+        self._outgoing = outgoing
+        return outgoing.bytes_sent
+
+    def _finish_outgoing(self) -> None:
+        """Same-host joiners copy while this source trains on; before its next adjustment (or exit) they are done."""
+        if self._outgoing is not None:
+            outgoing, self._outgoing = self._outgoing, None
+            outgoing.finish(self._timeout)
 
     def _retire(self, old_model: Any) -> None:
         """Keep the previous generation's DDP wrapper alive until the next adjustment.
@@ -449,6 +476,7 @@ class ElanStrategy(DDPStrategy):
 
     def _leave(self, plan: dict[str, Any], sent: int, elapsed: float) -> None:
         assert self._am is not None
+        self._finish_outgoing()
         log.info("worker %s leaves the job at generation %d", self.identity.worker_id, plan["generation"])
         self._am.report(
             {"role": "leaver", "generation": plan["generation"], "bytes_sent": sent, "pause_s": elapsed}, wait=True
@@ -493,6 +521,7 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._finish_outgoing()
         super().teardown()
         if self.has_left:
             self.cluster_environment.assign(_LEFT_RANK, 0)
