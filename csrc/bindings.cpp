@@ -17,17 +17,48 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "elan_cuda.h"
 
-// A Python ValueError raised as pybind11's own exception type, which needs no exception translator of torch's (on the
-// H100 image, torch 2.11, the process died with SIGSEGV where this module threw c10::ValueError; c10::Error was fine).
-#define ELAN_CHECK_VALUE(cond, ...)                          \
-  do {                                                       \
-    if (!(cond)) throw py::value_error(c10::str(__VA_ARGS__)); \
+// Error messages are built without iostreams. On the H100 image (torch 2.11) this module carried its own copy of
+// libstdc++'s stream code, and formatting a number through an ostream (c10::str, TORCH_CHECK with an integer argument)
+// crashed with SIGSEGV in codecvt: the stream used the process's locale facets with the module's stream code.
+// std::to_string and string concatenation do not touch locales. ValueError is pybind11's own type (no translator).
+#define ELAN_CHECK_VALUE(cond, ...)                                   \
+  do {                                                                \
+    if (!(cond)) throw py::value_error(elan_message(__VA_ARGS__));    \
   } while (false)
+#define ELAN_CHECK(cond, ...)                                         \
+  do {                                                                \
+    if (!(cond)) throw std::runtime_error(elan_message(__VA_ARGS__)); \
+  } while (false)
+
+namespace {
+
+std::string message_part(const std::string& s) { return s; }
+std::string message_part(const char* s) { return s; }
+std::string message_part(at::ScalarType dtype) { return c10::toString(dtype); }
+std::string message_part(at::IntArrayRef shape) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+std::string message_part(T value) {
+  return std::to_string(value);
+}
+
+}  // namespace
+
+template <typename... Args>
+std::string elan_message(const Args&... args) {
+  std::string out;
+  (out.append(message_part(args)), ...);
+  return out;
+}
 
 namespace {
 
@@ -104,10 +135,10 @@ std::vector<std::int64_t> kernel_table(const DeviceTasks& g, std::int64_t chunk_
   return table;
 }
 
-void check_launch(int error) { TORCH_CHECK(error == 0, "multi_tensor_copy launch failed: ", elan::error_string(error)); }
+void check_launch(int error) { ELAN_CHECK(error == 0, "multi_tensor_copy launch failed: ", elan::error_string(error)); }
 
 void check_chunk(std::int64_t chunk_bytes) {
-  TORCH_CHECK(chunk_bytes >= 16 && chunk_bytes % 16 == 0, "chunk_bytes must be a positive multiple of 16, got ",
+  ELAN_CHECK(chunk_bytes >= 16 && chunk_bytes % 16 == 0, "chunk_bytes must be a positive multiple of 16, got ",
               chunk_bytes);
 }
 
@@ -283,9 +314,9 @@ std::vector<std::int64_t> unpack_into(const std::vector<at::Tensor>& buffers, co
 void multi_tensor_copy(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts, std::int64_t stream,
                        std::int64_t chunk_bytes) {
   Resolved r = resolve_pairs(srcs, dsts);
-  TORCH_CHECK(r.fallback.empty(), "multi_tensor_copy: pair ", r.fallback.empty() ? 0 : r.fallback.front(),
+  ELAN_CHECK(r.fallback.empty(), "multi_tensor_copy: pair ", r.fallback.empty() ? 0 : r.fallback.front(),
               " is not two contiguous CUDA tensors of one device, dtype and shape");
-  TORCH_CHECK(r.tasks.groups().size() <= 1, "multi_tensor_copy: all tensors must be on one device");
+  ELAN_CHECK(r.tasks.groups().size() <= 1, "multi_tensor_copy: all tensors must be on one device");
   check_chunk(chunk_bytes);
   launch_now(r.tasks, [stream](int) { return stream; }, chunk_bytes);
   for (const at::Tensor& t : r.written) bump_version(t);
@@ -350,7 +381,7 @@ class CopyPlan {
   void run(const std::vector<std::int64_t>& streams, bool check) const {
     ELAN_CHECK_VALUE(streams.size() == launches_.size(), "CopyPlan.run: ", streams.size(), " streams for ",
                       launches_.size(), " devices");
-    if (check) TORCH_CHECK(!stale(), "CopyPlan: a tensor of the plan has new storage; prepare a new plan");
+    if (check) ELAN_CHECK(!stale(), "CopyPlan: a tensor of the plan has new storage; prepare a new plan");
     for (std::size_t i = 0; i < launches_.size(); ++i) {
       const PlannedLaunch& l = launches_[i];
       check_launch(elan::launch_multi_tensor_copy(l.table.data(), l.ntasks, l.chunks, chunk_bytes_, l.device,
@@ -414,7 +445,7 @@ std::unique_ptr<CopyPlan> prepare_unpack(const std::vector<at::Tensor>& buffers,
 
 // A uint8 CUDA tensor over its own cudaMalloc allocation (so cudaIpcGetMemHandle of its data_ptr is valid).
 at::Tensor alloc_shareable(std::int64_t nbytes, std::int64_t device) {
-  TORCH_CHECK(nbytes >= 0, "alloc_shareable: negative size");
+  ELAN_CHECK(nbytes >= 0, "alloc_shareable: negative size");
   const int dev = static_cast<int>(device);
   const std::uintptr_t ptr = elan::device_malloc(static_cast<std::size_t>(nbytes), dev);
   auto deleter = [dev](void* p) {
