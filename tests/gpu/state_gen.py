@@ -66,3 +66,15 @@ def resnet50_state(device: str | torch.device = "cuda", optimizer_copies: int = 
     model = [random_tensor(shape, dtype, g).to(device) for shape, dtype in resnet50_shapes()]
     extra = [t.clone() for _ in range(optimizer_copies) for t in model if t.is_floating_point()]
     return model + extra
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` in logical order (bit-exact comparison, NaNs included)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bits_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert (g.dtype, tuple(g.shape)) == (w.dtype, tuple(w.shape)), i
+        assert torch.equal(raw(g), raw(w)), f"tensor {i} ({w.dtype}, {tuple(w.shape)}) differs"

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from state_gen import DTYPES, mixed_state, random_tensor
+from state_gen import DTYPES, assert_bits_equal, mixed_state, random_tensor, raw
 
 from lightning_elan.replication import cuda_ext, packing
 from lightning_elan.replication.cuda_ext import arena_layout, arena_views
 
 pytestmark = pytest.mark.gpu
 POISON = 0xA5
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` in logical order (bit-exact comparison, NaNs included)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def poison_(t: torch.Tensor) -> None:
@@ -36,13 +31,6 @@ def refill_(tensors: list[torch.Tensor], g: torch.Generator) -> None:
     with torch.no_grad():
         for t in tensors:
             t.copy_(random_tensor(tuple(t.shape), t.dtype, g).to(t.device))
-
-
-def assert_bits_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert (g.dtype, tuple(g.shape)) == (w.dtype, tuple(w.shape)), i
-        assert torch.equal(raw(g), raw(w)), f"tensor {i} ({w.dtype}, {tuple(w.shape)}) differs"
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from state_gen import mixed_state
+from state_gen import assert_bits_equal, mixed_state, raw
 
 from lightning_elan.replication import cuda_ext, packing
 from lightning_elan.replication.cuda_ext import arena_layout, arena_views
 
 pytestmark = pytest.mark.gpu
 POISON = 0xA5
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` in logical order (bit-exact comparison, NaNs included)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
@@ -25,13 +20,6 @@ def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     elif out.numel():
         out.zero_()
     return out
-
-
-def assert_bits_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert (g.dtype, tuple(g.shape)) == (w.dtype, tuple(w.shape)), i
-        assert torch.equal(raw(g), raw(w)), f"tensor {i} ({w.dtype}, {tuple(w.shape)}) differs"
 
 
 @pytest.mark.parametrize("seed", range(4))
