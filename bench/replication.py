@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from pathlib import Path
@@ -130,6 +131,7 @@ def run_case(joiners: int, sources: int, transport: str, size_mb: float, tensors
 
     from bench.procs import free_port
 
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what `elan run` gives its workers (spawned children inherit it)
     ctx = mp.get_context("spawn")
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=TIMEOUT, wait_for_workers=False)

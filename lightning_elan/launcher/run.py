@@ -279,6 +279,9 @@ class JobLauncher:
         env.update(extra)
         if device_index is not None:
             env["ELAN_DEVICE_INDEX"] = str(device_index)
+        # as torchrun does: several workers on one host, each with an OpenMP pool sized for the whole machine, spin
+        # against each other (measured here: packing a 100 MB state for replication took 1.2 s instead of 0.1 s)
+        env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
     @staticmethod

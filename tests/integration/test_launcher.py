@@ -26,7 +26,7 @@ WORKER = textwrap.dedent(
     from lightning_elan.protocol.client import AMClient
 
     out, mode = Path(sys.argv[1]), sys.argv[2]
-    env = {key: value for key, value in os.environ.items() if key.startswith("ELAN_")}
+    env = {key: value for key, value in os.environ.items() if key.startswith("ELAN_") or key == "OMP_NUM_THREADS"}
     worker_id = env["ELAN_WORKER_ID"]
 
 
@@ -105,6 +105,7 @@ def elan_run(
 
 def _env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ, ELAN_HOME=str(tmp_path / "home"))
+    env.pop("OMP_NUM_THREADS", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
@@ -133,6 +134,7 @@ def test_run_members_exit_zero(tmp_path: Path) -> None:
         assert host == "127.0.0.1" and int(port) > 0
         assert abs(float(env["ELAN_SPAWN_TIME"]) - time.time()) < 120
         assert "ELAN_DEVICE_INDEX" not in env
+        assert env["OMP_NUM_THREADS"] == "1", "one OpenMP thread per worker unless the user set it (as torchrun)"
     assert "spawned w0" in result.stderr and "w2 (pid" in result.stderr
     assert not (tmp_path / "home" / "jobs" / "ok3.json").exists(), "the AM leaves its registry file behind"
 
