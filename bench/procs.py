@@ -24,9 +24,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# user-facing settings of the library that pass from the harness's environment to the jobs it starts
+USER_KNOBS = ("ELAN_REPLICATION", "ELAN_SHM_DIR")
+
+
 def bench_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of every process the harness starts: repo on the path, gloo on loopback, quiet warnings."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("ELAN_", "TORCHELASTIC_"))}
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("ELAN_", "TORCHELASTIC_")) or key in USER_KNOBS}  # fmt: skip
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))

@@ -204,7 +204,9 @@ def _receive_same_host(
     prefix = context.route_prefix(mine.source, mine.transport)
     if mine.transport == TRANSPORT_CUDA_IPC:
         return receive_state_ipc(context.store, prefix, context.device, device_for, timeout=context.timeout)
-    return receive_state_shm(context.store, prefix, device_for, timeout=context.timeout)
+    # copied out, not zero-copy views: a joiner keeps what it receives (optimizer state loads without a copy), and
+    # views would pin the whole segment in /dev/shm, and copy its pages on write, for as long as the process trains
+    return receive_state_shm(context.store, prefix, device_for, zero_copy=False, timeout=context.timeout)
 
 
 def _receive_broadcast(

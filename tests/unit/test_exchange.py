@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,6 +120,19 @@ def test_one_source_serves_shared_memory_and_collective_joiners_at_once() -> Non
     assert_received(results["w2"], 5, "shm")
     assert_received(results["w3"], 5, "collective")
     assert_received(results["w4"], 5, "collective")
+
+
+def test_a_joiner_owns_what_it_received_over_shared_memory(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The joiner's tensors are its own memory, not views of the segment: nothing stays mapped from /dev/shm."""
+    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path))
+    store = dist.HashStore()
+    ctx = context(store)
+    plan = plan_of([transfer("w0", "w2", "shm")])
+    results = run_all({"w0": sender(ctx, plan, "w0", 6), "w2": receiver(ctx, plan, "w2")})
+    assert_received(results["w2"], 6, "shm")
+    assert list(tmp_path.iterdir()) == [], "the source unlinked its segment"
+    mapped = Path(f"/proc/{os.getpid()}/maps").read_text()
+    assert str(tmp_path) not in mapped, "a received tensor still maps the segment"
 
 
 def test_two_sources_send_concurrently_each_to_its_own_joiner() -> None:
