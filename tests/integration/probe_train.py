@@ -168,6 +168,10 @@ def main() -> None:
     (args.out / f"record-{worker}.json").write_text(json.dumps(record))
     if not record["left"] and trainer.global_rank == 0:
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
+    if args.strategy != "elan" and torch.distributed.is_initialized():
+        # a plain Lightning comparison run: rank 0 hosts the store, so no rank may exit while another still uses it
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ def test_static_elan_run_matches_lightning_ddp_sample_for_sample(static_run, tmp
         for rank in range(2)
     ]
     outputs = [proc.communicate(timeout=300)[0] for proc in procs]
-    assert all(proc.returncode == 0 for proc in procs), outputs[0][-3000:]
+    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
+    assert not failed, "\n".join(f"rank {r} (exit {procs[r].returncode}):\n{outputs[r][-3000:]}" for r in failed)
     assert_states_close(torch.load(out / "final.pt"), static_run.final_state(), TOLERANCE)
 
 
