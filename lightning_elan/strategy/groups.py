@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from datetime import timedelta
@@ -23,6 +24,7 @@ class GenerationGroups:
         self.timeout = timeout
         self.device = device
         self.generation: int | None = None
+        self._leave_at_exit_registered = False
 
     @classmethod
     def connect(cls, identity: WorkerIdentity, backend: str, timeout: timedelta, device: torch.device | None):
@@ -46,9 +48,20 @@ class GenerationGroups:
             device_id=self.device if self.device is not None and self.device.type != "cpu" else None,
         )
         self.generation = generation
+        self._leave_at_exit()
         elapsed = time.perf_counter() - start
         log.debug("generation %d formed: rank %d of %d in %.1f ms", generation, rank, world_size, elapsed * 1e3)
         return elapsed
+
+    def _leave_at_exit(self) -> None:
+        """Destroy the group before the interpreter shuts down (members keep it after ``fit`` for a later ``validate``).
+
+        torch asks for ``destroy_process_group`` before exit; left to interpreter finalization, a worker that had
+        finished training once died at exit with "terminate called without an active exception" (SIGABRT) in CI.
+        """
+        if not self._leave_at_exit_registered:
+            atexit.register(self.leave)
+            self._leave_at_exit_registered = True
 
     def leave(self) -> None:
         if dist.is_initialized():
