@@ -158,13 +158,35 @@ def adopt_loggers(trainer: pl.Trainer) -> None:
     from lightning.pytorch.loggers import CSVLogger
 
     for logger in trainer.loggers:
-        if isinstance(logger, CSVLogger) and logger._experiment is None:
+        if not isinstance(logger, CSVLogger):
+            continue
+        if logger._experiment is None:
             check = _ExperimentWriter._check_log_dir_exists
             _ExperimentWriter._check_log_dir_exists = lambda self: None
             try:
                 _ = logger.experiment
             finally:
                 _ExperimentWriter._check_log_dir_exists = check
+        if isinstance(logger._experiment, _ExperimentWriter):
+            _adopt_csv_columns(logger._experiment)
+
+
+def _adopt_csv_columns(writer: Any) -> None:
+    """Start the adopted writer's ``metrics_keys`` from the columns of the file the old rank 0 wrote.
+
+    ``_ExperimentWriter.save`` re-writes the file when a key is new to *this* writer, with ``metrics_keys`` as the
+    header; rows of the old rank 0 holding a column this writer never logged (``train_loss_epoch`` after an epoch end)
+    then fail ``csv.DictWriter`` with "dict contains fields not in fieldnames", and appended rows would not match the
+    header's columns.
+    """
+    import csv
+
+    if not writer._fs.isfile(writer.metrics_file_path):
+        log.debug("no %s to continue", writer.metrics_file_path)
+        return
+    with writer._fs.open(writer.metrics_file_path, "r", newline="") as file:
+        columns = next(csv.reader(file), [])
+    writer.metrics_keys = sorted(set(writer.metrics_keys) | set(columns))
 
 
 def refresh_epoch_length(trainer: pl.Trainer) -> int | float | None:
