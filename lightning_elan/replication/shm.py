@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 SHM_DIR_ENV = "ELAN_SHM_DIR"
-_MAX_WRITE = 1 << 30  # bytes per pwrite call (Linux caps one call at 2 GiB - 4 KiB)
+_MAX_IO = 1 << 30  # bytes per pwrite/preadv call (Linux caps one call at 2 GiB - 4 KiB)
 SHM_FORMAT = "elan-shm/1"
 IPC_FORMAT = "elan-ipc/1"
 _POLL_MIN_S = 1e-4
@@ -213,7 +213,7 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
 def _pwrite_all(fd: int, data: torch.Tensor, offset: int) -> None:
     view = memoryview(data.numpy())
     while view.nbytes:
-        written = os.pwrite(fd, view[:_MAX_WRITE], offset)
+        written = os.pwrite(fd, view[:_MAX_IO], offset)
         view, offset = view[written:], offset + written
 
 
@@ -399,7 +399,7 @@ class ShmReader:
         arena = torch.empty(self.places.nbytes, dtype=torch.uint8)
         view, offset = memoryview(arena.numpy()), 0
         while view.nbytes:
-            count = os.preadv(self._open_fd(), [view[:_MAX_WRITE]], offset)
+            count = os.preadv(self._open_fd(), [view[:_MAX_IO]], offset)
             if count == 0:
                 raise RuntimeError(f"transfer {self.prefix}: segment ended {view.nbytes} bytes early")
             view, offset = view[count:], offset + count

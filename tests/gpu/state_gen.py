@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 DTYPES = [
@@ -78,3 +80,13 @@ def assert_bits_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert (g.dtype, tuple(g.shape)) == (w.dtype, tuple(w.shape)), i
         assert torch.equal(raw(g), raw(w)), f"tensor {i} ({w.dtype}, {tuple(w.shape)}) differs"
+
+
+def assert_arena_holds(arena: torch.Tensor, places: Any, buffers: dict[str, torch.Tensor], poison: int) -> None:
+    """Each packed buffer sits at its arena offset, bit for bit; every other byte still holds ``poison``."""
+    written = torch.zeros(arena.numel(), dtype=torch.bool, device=arena.device)
+    for key, offset in places.offsets.items():
+        size = places.sizes[key]
+        assert torch.equal(arena[offset : offset + size], raw(buffers[key])), key
+        written[offset : offset + size] = True
+    assert bool((arena[~written] == poison).all()), "bytes outside the buffers were written"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from state_gen import DTYPES, assert_bits_equal, mixed_state, random_tensor, raw
+from state_gen import DTYPES, assert_arena_holds, assert_bits_equal, mixed_state, random_tensor
 
 from lightning_elan.replication import cuda_ext, packing
 from lightning_elan.replication.cuda_ext import arena_layout, arena_views
@@ -61,13 +61,7 @@ def test_prepared_pack_and_unpack_round_trip_bit_exact(backend: str, seed: int) 
         unpack_plan.run()
         torch.cuda.synchronize()
 
-        reference, _ = packing.pack(tensors)
-        written = torch.zeros(arena.numel(), dtype=torch.bool, device="cuda")
-        for key, offset in places.offsets.items():
-            size = places.sizes[key]
-            assert torch.equal(arena[offset : offset + size], raw(reference[key])), key
-            written[offset : offset + size] = True
-        assert bool((arena[~written] == POISON).all()), "bytes outside the buffers were written"
+        assert_arena_holds(arena, places, packing.pack(tensors)[0], POISON)
         assert_bits_equal(targets, tensors)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from state_gen import assert_bits_equal, mixed_state, raw
+from state_gen import assert_arena_holds, assert_bits_equal, mixed_state, raw
 
 from lightning_elan.replication import cuda_ext, packing
 from lightning_elan.replication.cuda_ext import arena_layout, arena_views
@@ -45,13 +45,7 @@ def test_pack_into_a_poisoned_arena_writes_exactly_the_buffers(backend: str, see
     cuda_ext.pack_into(tensors, layout, arena_views(arena, layout, places), use_ext=backend == "ext")
     torch.cuda.synchronize()
 
-    reference, _ = packing.pack(tensors)
-    written = torch.zeros(arena.numel(), dtype=torch.bool, device="cuda")
-    for key, offset in places.offsets.items():
-        size = places.sizes[key]
-        assert torch.equal(arena[offset : offset + size], raw(reference[key])), key
-        written[offset : offset + size] = True
-    assert bool((arena[~written] == POISON).all()), "bytes outside the buffers were written"
+    assert_arena_holds(arena, places, packing.pack(tensors)[0], POISON)
 
 
 @pytest.mark.parametrize("seed", range(4))

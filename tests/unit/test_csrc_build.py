@@ -47,15 +47,7 @@ def test_csrc_compiles_and_links(built: Path) -> None:
 
 @needs_nvcc
 def test_the_built_module_imports_and_answers_without_a_gpu(built: Path) -> None:
-    path = next(built.glob("lightning_elan_cuda*.so"))
-    loader = importlib.machinery.ExtensionFileLoader("lightning_elan_cuda", str(path))
-    spec = importlib.util.spec_from_file_location("lightning_elan_cuda", path, loader=loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    try:
-        loader.exec_module(module)
-    except ImportError as error:  # e.g. a CUDA runtime the loader cannot find on this machine
-        pytest.skip(f"built, but cannot be imported here: {error}")
+    module = import_built(built)
     expected = {"multi_tensor_copy", "alloc_shareable", "ipc_get_handle", "ipc_open", "ipc_close", "memcpy_async"}
     assert expected | {"device_count", "pci_bus_id", "can_access_peer"} <= set(dir(module))
     count = module.device_count()
@@ -186,7 +178,7 @@ def import_built(built: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     try:
         loader.exec_module(module)
-    except ImportError as error:
+    except ImportError as error:  # e.g. a CUDA runtime the loader cannot find on this machine
         pytest.skip(f"built, but cannot be imported here: {error}")
     return module
 
