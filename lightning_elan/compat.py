@@ -41,6 +41,26 @@ def disable_distributed_sampler(trainer: pl.Trainer) -> bool:
     return user_setting
 
 
+def user_wants_distributed_sampler(trainer: pl.Trainer) -> bool:
+    """The user's ``use_distributed_sampler`` as :func:`disable_distributed_sampler` found it."""
+    return bool(getattr(trainer._accelerator_connector, "_elan_user_distributed_sampler", True))
+
+
+def with_sampler(dataloader: Any, sampler: Any, stage: Any) -> Any:
+    """The user's loader re-built around ``sampler`` (``lightning.pytorch.utilities.data._update_dataloader``, what
+    Lightning's own sampler injection uses: it re-runs the loader's constructor with the captured arguments)."""
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler, mode=stage)
+
+
+def set_ddp_arguments(strategy: Any, process_group: Any, init_sync: bool) -> None:
+    """The group DDP communicates on and whether its constructor broadcasts rank 0's weights:
+    ``DDPStrategy._setup_model`` passes ``DDPStrategy._ddp_kwargs`` to ``DistributedDataParallel``."""
+    strategy._ddp_kwargs["process_group"] = process_group
+    strategy._ddp_kwargs["init_sync"] = init_sync
+
+
 def dump_training_state(trainer: pl.Trainer) -> dict[str, Any]:
     """Lightning's full checkpoint dict, in memory (``_CheckpointConnector.dump_checkpoint``)."""
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)

@@ -81,6 +81,7 @@ class HybridScaling(Callback):
         self.world_size = 1
         self.last_decision: ScalingDecision | None = None
         self._skip = warmup_steps
+        self._trainer: pl.Trainer | None = None
 
     # ------------------------------------------------------------------ the integration points (see package doc)
 
@@ -115,6 +116,16 @@ class HybridScaling(Callback):
             for callback in _ramps(trainer.callbacks):
                 callback.start_ramp(start, decision.lr_scale)
 
+    # ------------------------------------------------------------------ the elastic engine's ScalingParticipant
+
+    def decide_resize(self, n_old: int, n_new: int, global_batch: int) -> ScalingDecision:
+        return self.decide(n_old, n_new, global_batch)
+
+    def apply_resize(self, decision: ScalingDecision) -> None:
+        """The LR ramp starts at the next optimizer step of the trainer this callback was set up with."""
+        assert self._trainer is not None, "HybridScaling.apply_resize before setup"
+        self.apply(self._trainer, decision)
+
     def summary(self) -> dict[str, Any]:
         """JSON-able, for ``elan status``: the fitted throughput per world size at the current and next global batch,
         and the last decision with its reason."""
@@ -130,6 +141,10 @@ class HybridScaling(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._trainer = trainer
+        register = getattr(trainer.strategy, "register_scaling", None)
+        if callable(register):  # the elan strategy: this callback decides the global batch at every resize
+            register(self)
         if self.model.grad_bytes is None:
             self.model.grad_bytes = _gradient_bytes(pl_module)
         if self.policy != "strong" and not _ramps(trainer.callbacks):

@@ -73,3 +73,8 @@ def local_share(position: int, global_size: int, world_size: int, rank: int) -> 
     start = position + rank * base + min(rank, extra)
     size = base + (1 if rank < extra else 0)
     return LocalShare(start, start + size, global_size, world_size)
+
+
+def share_at(position: int, epoch_end: int, global_batch: int, world_size: int, rank: int) -> LocalShare:
+    """``rank``'s share of the global batch that starts at ``position`` (the one rule every reader of a share uses)."""
+    return local_share(position, global_batch_size_at(epoch_end, position, global_batch), world_size, rank)

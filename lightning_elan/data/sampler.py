@@ -11,11 +11,11 @@ import torch
 from torch.utils.data import RandomSampler, Sampler, SequentialSampler
 
 from lightning_elan.data.positions import (
+    LocalShare,
     epoch_end_position,
     epoch_steps,
-    global_batch_size_at,
-    local_share,
     remaining_steps,
+    share_at,
 )
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ WorldView = Callable[[], tuple[int, int]]
 @dataclass
 class DataPosition:
     """The whole data state of a job: epoch, samples consumed in it, and the global batch size.
+
+    Its methods are the only writers of these fields (the elastic worker owns the one instance of a process).
 
     When the global batch changes mid-epoch, ``steps_before``/``position_before`` remember how many global batches
     (and samples) of this epoch were cut with earlier sizes: the rest of the epoch is cut from ``position_before``.
@@ -56,6 +58,13 @@ class DataPosition:
         if self.global_batch is None:
             return 0
         return self.steps_before + math.ceil((self.position - self.position_before) / self.global_batch)
+
+    def advance(self, epoch_end: int, world_size: int, rank: int) -> LocalShare:
+        """Take the next global batch: ``rank``'s share of it; the position moves past it (at most to ``epoch_end``)."""
+        assert self.global_batch is not None, "global batch not set"
+        share = share_at(self.position, epoch_end, self.global_batch, world_size, rank)
+        self.position = min(epoch_end, self.position + self.global_batch)
+        return share
 
     def change_global_batch(self, global_batch: int) -> None:
         """Cut the rest of the epoch, from the current position, into global batches of ``global_batch``."""
@@ -154,12 +163,11 @@ class ElasticBatchSampler(Sampler[list[int]]):
         rank, world_size = self.world()
         position, end, batch = data.position, self.sampler.epoch_end(), self.sampler._global_batch()
         while position < end:
-            yield self._local_indices(indices, position, global_batch_size_at(end, position, batch), rank, world_size)
+            yield self._local_indices(indices, share_at(position, end, batch, world_size, rank), position)
             position += batch
 
     @staticmethod
-    def _local_indices(indices: list[int], position: int, size: int, rank: int, world_size: int) -> list[int]:
-        share = local_share(position, size, world_size, rank)
+    def _local_indices(indices: list[int], share: LocalShare, position: int) -> list[int]:
         if share.size == 0:
             # a rank with no sample still runs forward/backward (its loss is weighted 0): give it a stand-in sample
             return [indices[position]]

@@ -139,6 +139,16 @@ class AdjustmentPlan:
     def involves(self, worker_id: str) -> bool:
         return worker_id in self.members or worker_id in self.leavers
 
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, worker_id: str) -> int:
+        return self.members.index(worker_id)
+
+    def joiners_served_by(self, source: str) -> list[str]:
+        return [joiner for joiner in self.joiners if self.sources[joiner] == source]
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         if data["transfers"] is None:

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from lightning_elan.protocol import AMClient, AMError, AMUnavailable
-from lightning_elan.strategy.identity import WorkerIdentity
+from lightning_elan.strategy.identity import WorkerIdentity  # TODO contract
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Step timestamps, for the pause an adjustment costs (pure)."""
+"""Step timestamps and phase clocks, for the pause an adjustment costs (pure)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,19 @@ class StepTimeline:
 
     def typical_step(self) -> float:
         return statistics.median(self._durations) if self._durations else 0.0
+
+
+class PhaseClock:
+    """Milliseconds spent in each named phase, for the adjustment log line."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._phases: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._phases.append((phase, (now - self._last) * 1e3))
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{phase} {ms:.1f} ms" for phase, ms in self._phases)

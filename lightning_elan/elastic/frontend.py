@@ -1,0 +1,65 @@
+"""What a training framework gives the elastic engine: the interface every front-end implements.
+
+The engine (:class:`~lightning_elan.elastic.worker.ElasticWorker`) runs the membership protocol; a front-end (the
+Lightning strategy, the Accelerate accelerator) knows how to dump and load its training state, rebuild its data
+iterator, re-wrap its model, and end its training loop. Nothing here imports a framework.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from lightning_elan.scaling.batch import ScalingDecision
+
+__all__ = ["FrontEnd", "ScalingParticipant"]
+
+
+@runtime_checkable
+class FrontEnd(Protocol):
+    """The framework side of one worker, called by the engine on the training thread at batch boundaries."""
+
+    def training_state(self) -> dict[str, Any]:
+        """The framework's whole training state, in memory (tensors anywhere inside; no file)."""
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """A joiner: restore what :meth:`training_state` returned on its source."""
+
+    def shared_state(self) -> dict[str, Any]:
+        """Rank 0's small framework state every member adopts at an adjustment (e.g. logger versions)."""
+
+    def adopt_shared_state(self, state: dict[str, Any]) -> None:
+        """Adopt rank 0's :meth:`shared_state` (every old member, at an adjustment)."""
+
+    def adjustment_blocker(self) -> str | None:
+        """Why the job cannot change size at this batch boundary (gradients accumulating, epoch end, ...), or None."""
+
+    def before_resize(self) -> None:
+        """Stop using the current generation (e.g. detach the model from its DDP wrapper)."""
+
+    def membership_changed(self, previous_rank: int | None) -> None:
+        """This worker's rank or world size changed (read them from the engine); ``previous_rank`` is None for a
+        joiner that was in no generation."""
+
+    def after_resize(self) -> None:
+        """A stayer after a resize: re-wrap the model on the new group, rebuild the data iterator from the position."""
+
+    def leave(self) -> NoReturn:
+        """End the training loop normally on a worker that left the job (the engine marked it as left)."""
+
+
+class ScalingParticipant(Protocol):
+    """Whoever decides the global batch at a resize (``HybridScaling``), registered with the engine."""
+
+    @property
+    def last_decision(self) -> ScalingDecision | None:
+        """The decision applied last, reported to the application master."""
+
+    def decide_resize(self, n_old: int, n_new: int, global_batch: int) -> ScalingDecision:
+        """Rank 0: the global batch (and LR scale) for a resize ``n_old → n_new``."""
+
+    def apply_resize(self, decision: ScalingDecision) -> None:
+        """Every old member, before the state snapshot: act on the decision (e.g. start the LR ramp)."""
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able scaling summary for ``elan status``."""

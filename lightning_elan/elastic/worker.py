@@ -1,0 +1,429 @@
+"""The elastic engine: one object per worker that runs the membership protocol (no Lightning, no Accelerate).
+
+:class:`ElasticWorker` owns the link to the application master (AM), the worker's one process group
+(:class:`~lightning_elan.elastic.process_group.ElasticProcessGroup`), the job's data position and the adjustment
+sequence. A front-end (:class:`~lightning_elan.elastic.frontend.FrontEnd`) calls it at three places:
+
+* :meth:`ElasticWorker.start` when the framework sets up its distributed state: a member enters generation 0, a
+  joiner only connects;
+* :meth:`ElasticWorker.join` on a joiner once it has built everything (its *report ready*): it waits for the plan,
+  enters the new generation, receives the training state from its source and hands it to the front-end;
+* :meth:`ElasticWorker.at_batch_boundary` after the last hook of every trained batch: every ``coordinate_every``
+  steps rank 0 asks the AM, one broadcast on the group tells every rank, and an adjustment runs as one sequence —
+  scaling decision, snapshot, re-form, send, rewire (or leave), report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_elan.data.positions import LocalShare
+from lightning_elan.data.sampler import DataPosition
+from lightning_elan.elastic.am_link import AMLink
+from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
+from lightning_elan.elastic.process_group import ElasticProcessGroup, install_default_group, uninstall_default_group
+from lightning_elan.elastic.rng import rng_state, set_rng_state
+from lightning_elan.elastic.timeline import PhaseClock, StepTimeline
+from lightning_elan.master.state import AdjustmentPlan
+from lightning_elan.replication.exchange import OutgoingReplication, ReplicationContext, receive_replica, send_replica
+from lightning_elan.replication.packing import join_tensors, split_tensors
+from lightning_elan.replication.topology import detect as detect_topology
+from lightning_elan.scaling.batch import ScalingDecision
+from lightning_elan.strategy.identity import WorkerIdentity, split_host_port
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ElasticWorker", "NotAMember", "generation_prefix"]
+
+# what rank 0 broadcasts at a coordination point
+_NO_CHANGE, _ADJUST, _DEFERRED = 0, 1, 2
+REPLICATION_MODES = ("auto", "collective")
+SUMMARY_EVERY_S = 5.0
+"""Rank 0 sends the scaling summary with a ``coordinate`` at most this often (and right after a decision)."""
+
+
+class NotAMember(RuntimeError):
+    """Raised by :meth:`ElasticWorker.join` when the AM cancelled this joiner (its request failed or the job ended)."""
+
+
+def generation_prefix(generation: int) -> str:
+    """Store prefix of everything that forms ``generation``: its group's rendezvous and the transfers to joiners."""
+    return f"elan/gen{generation}/"
+
+
+@dataclass(frozen=True)
+class _Adjust:
+    """What rank 0 broadcasts when the AM says *adjust*: the plan, rank 0's shared state, the scaling decision."""
+
+    plan: AdjustmentPlan
+    shared: dict[str, Any]
+    scaling: dict[str, Any] | None
+
+
+class ElasticWorker:
+    """One worker's side of the elastic job (see the module docstring)."""
+
+    def __init__(
+        self,
+        environment: WorkerIdentity,
+        *,
+        coordinate_every: int | None = None,
+        join_timeout_s: float = 1800.0,
+        replication: str | None = None,
+        global_batch: int | None = None,
+    ) -> None:
+        self.environment = environment
+        self.coordinate_every = coordinate_every or environment.coordinate_every
+        if self.coordinate_every < 1:
+            raise ValueError(f"coordinate_every must be >= 1, got {self.coordinate_every}")
+        self.replication = replication or os.environ.get("ELAN_REPLICATION", "auto")
+        if self.replication not in REPLICATION_MODES:
+            raise ValueError(f"replication must be one of {REPLICATION_MODES}, got {self.replication!r}")
+        self.backend = "gloo"
+        self.device = torch.device("cpu")
+        self.timeout = timedelta(minutes=5)
+        self.join_timeout_s = join_timeout_s
+        self.data = DataPosition(global_batch=global_batch)
+        self.group: ElasticProcessGroup | None = None
+        self.generation: int | None = None
+        self.has_left = False
+        self._frontend: FrontEnd | None = None
+        self._scaling: ScalingParticipant | None = None
+        self._link: AMLink | None = None
+        self._outgoing: OutgoingReplication | None = None
+        self._pending_report: dict[str, Any] | None = None
+        self._deferred = False
+        self._keys_to_delete: str | None = None
+        self._summary_sent_at: float | None = None
+        self._timeline = StepTimeline()
+
+    # ------------------------------------------------------------------ wiring
+
+    def attach(self, frontend: FrontEnd) -> None:
+        self._frontend = frontend
+
+    def register_scaling(self, participant: ScalingParticipant) -> None:
+        """Hand every resize's global-batch decision to ``participant`` (default: strong scaling, no decision)."""
+        self._scaling = participant
+
+    @property
+    def frontend(self) -> FrontEnd:
+        if self._frontend is None:
+            raise RuntimeError("no front-end attached to the elastic worker")
+        return self._frontend
+
+    # ------------------------------------------------------------------ membership
+
+    @property
+    def is_member(self) -> bool:
+        """In a generation now (a joiner becomes one in :meth:`join`; a leaver stops being one)."""
+        return self.generation is not None and not self.has_left
+
+    @property
+    def rank(self) -> int:
+        return self._group().rank()
+
+    @property
+    def world_size(self) -> int:
+        return self._group().size()
+
+    @property
+    def generation_group(self) -> dist.ProcessGroup:
+        """The current generation's own process group (sizes fixed): for DDP, whose reducer reads the C++ size."""
+        return self._group().current
+
+    @property
+    def worker_id(self) -> str:
+        return self.environment.worker_id
+
+    def start(self, backend: str, device: torch.device, timeout: timedelta) -> None:
+        """Connect to the job; a member (or a standalone process) enters its generation, a joiner waits for join().
+
+        ``backend`` (gloo or nccl) and ``device`` are the framework's; ``timeout`` bounds every collective.
+        """
+        if self.group is not None:
+            return
+        self.backend, self.device, self.timeout = backend, device, timeout
+        self.group = ElasticProcessGroup(self._connect_store(), self.backend, self.timeout, self.device)
+        if not self.environment.standalone:
+            self._link = AMLink(self.environment)
+        if self.environment.joiner:
+            return
+        env = self.environment
+        self.group.configure(generation_prefix(env.generation), env.rank, env.world_size)
+        install_default_group(self.group)
+        self.generation = env.generation
+        if self._link is not None:
+            self._link.register(str(self.device), self._topology())
+
+    def join(self) -> None:
+        """A joiner, warmed up: report ready, wait for the adjustment, enter the generation, take the state."""
+        link = self._require_link()
+        link.register(str(self.device), self._topology())
+        reply = link.wait_plan(self.join_timeout_s)
+        if reply.get("status") != "plan":
+            self.has_left = True
+            raise NotAMember(f"worker {self.worker_id} is not needed ({reply.get('reason')})")
+        plan = AdjustmentPlan.from_dict(reply["plan"])
+        phases = PhaseClock()
+        self._enter(plan)
+        install_default_group(self._group())
+        phases.mark("group")
+        state, received = self._receive(plan)
+        phases.mark("receive")
+        self.frontend.load_training_state(state)
+        phases.mark("restore")
+        log.info("worker %s joined generation %d after %s", self.worker_id, plan.generation, phases)
+        self._pending_report = {"role": "joiner", "generation": plan.generation, "bytes_received": received}
+        self._timeline.adjustment_started()
+
+    def take_global_batch(self, epoch_end: int) -> LocalShare:
+        """Advance the serial position by one global batch; return this rank's share of it."""
+        return self.data.advance(epoch_end, self.world_size, self.rank)
+
+    # ------------------------------------------------------------------ batch boundaries
+
+    def at_batch_boundary(self, step: int) -> None:
+        """After the last hook of a trained batch (``step`` optimizer steps done): report, coordinate, adjust."""
+        self._finish_outgoing()
+        pause = self._timeline.step_ended()
+        if pause is not None and self._pending_report is not None:
+            self._send_report(pause)
+        if self._link is None or not (self._deferred or step % self.coordinate_every == 0):
+            return
+        code, decision = self._agree(step)
+        self._deferred = code == _DEFERRED
+        self._delete_finished_keys()
+        if decision is not None:
+            self._adjust(decision)
+
+    def _agree(self, step: int) -> tuple[int, _Adjust | None]:
+        """Rank 0 asks the AM; one int32 broadcast tells every rank, the plan follows only when there is one."""
+        code, decision = (self._ask_master(step) if self.rank == 0 else (_NO_CHANGE, None))
+        group = self._group()
+        flag = torch.tensor([code], dtype=torch.int32, device=self._collective_device())
+        dist.broadcast(flag, src=0, group=group)
+        code = int(flag.item())
+        if code != _ADJUST:
+            return code, None
+        box = [decision]
+        dist.broadcast_object_list(box, src=0, group=group, device=self._collective_device())
+        return code, box[0]
+
+    def _ask_master(self, step: int) -> tuple[int, _Adjust | None]:
+        blocker = self.frontend.adjustment_blocker()
+        if blocker is not None:
+            log.debug("no adjustment after step %d: %s", step, blocker)
+            return _DEFERRED, None
+        body = {"generation": self.generation, "step": step, "epoch": self.data.epoch,
+                "position": self.data.position, "global_batch": self.data.global_batch}
+        summary = self._scaling_summary_if_due()
+        if summary is not None:
+            body["scaling"] = summary
+        reply = self._require_link().coordinate(body)
+        if reply.get("decision") != "adjust":
+            return _NO_CHANGE, None
+        plan = AdjustmentPlan.from_dict(reply["plan"])
+        return _ADJUST, _Adjust(plan, self.frontend.shared_state(), self._decide_scaling(plan))
+
+    # ------------------------------------------------------------------ the adjustment sequence (old members)
+
+    def _adjust(self, decision: _Adjust) -> None:
+        """Stayers re-form and rewire, sources send the state, leavers leave."""
+        plan, started = decision.plan, time.perf_counter()
+        self._timeline.adjustment_started()
+        self.frontend.adopt_shared_state(decision.shared)
+        self._apply_scaling(decision.scaling)  # before the snapshot: joiners inherit the new batch and LR ramp
+        phases = PhaseClock()
+        snapshot = self._snapshot() if plan.joiners_served_by(self.worker_id) else None
+        phases.mark("snapshot")
+        self.frontend.before_resize()
+        staying = self.worker_id in plan.members
+        if staying:
+            self._enter(plan)
+        else:
+            self._group().shutdown()
+        phases.mark("group")
+        sent = self._send(plan, snapshot) if snapshot is not None else 0
+        phases.mark("send")
+        if not staying:
+            self._leave(plan, sent, time.perf_counter() - started)
+        self.frontend.after_resize()
+        phases.mark("rewire")
+        log.info("worker %s in generation %d after %s", self.worker_id, plan.generation, phases)
+        self._pending_report = {"role": "stayer", "generation": plan.generation, "bytes_sent": sent}
+
+    def _enter(self, plan: AdjustmentPlan) -> None:
+        previous = self.rank if self.is_member else None
+        self._group().configure(generation_prefix(plan.generation), plan.rank_of(self.worker_id), plan.world_size)
+        self.generation = plan.generation
+        self._keys_to_delete = generation_prefix(plan.generation - 1)
+        self.frontend.membership_changed(previous)
+
+    def _leave(self, plan: AdjustmentPlan, sent: int, elapsed: float) -> None:
+        self._finish_outgoing()
+        log.info("worker %s leaves the job at generation %d", self.worker_id, plan.generation)
+        report = {"role": "leaver", "generation": plan.generation, "bytes_sent": sent, "pause_s": elapsed}
+        self._require_link().report(report, wait=True)
+        self.has_left = True
+        self.frontend.leave()
+
+    # ------------------------------------------------------------------ state replication
+
+    def _snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        skeleton, tensors = split_tensors(self.frontend.training_state())
+        engine = {"data": self.data.state_dict(), "rng": rng_state()}
+        return {"frontend": skeleton, "engine": engine}, tensors
+
+    def _send(self, plan: AdjustmentPlan, snapshot: tuple[dict[str, Any], list[torch.Tensor]]) -> int:
+        cpu_state, tensors = snapshot
+        outgoing = send_replica(self._replication_context(plan), plan.to_dict(), self.worker_id, cpu_state, tensors)
+        routes = "; ".join(f"{transport}: {', '.join(names)}" for transport, names in outgoing.joiners.items())
+        log.info("worker %s sent %.1f MB of state (%s)", self.worker_id, outgoing.bytes_sent / 1e6, routes)
+        self._outgoing = outgoing
+        return outgoing.bytes_sent
+
+    def _receive(self, plan: AdjustmentPlan) -> tuple[dict[str, Any], int]:
+        cpu_state, tensors, received, transport = receive_replica(
+            self._replication_context(plan), plan.to_dict(), self.worker_id, self._device_for
+        )
+        log.info("worker %s received %.1f MB of state from %s over %s", self.worker_id, received / 1e6,
+                 plan.sources[self.worker_id], transport)
+        self.data.load_state_dict(cpu_state["engine"]["data"])
+        set_rng_state(cpu_state["engine"]["rng"])
+        return join_tensors(cpu_state["frontend"], tensors), received
+
+    def _finish_outgoing(self) -> None:
+        """Same-host joiners copy while this source trains on; before its next adjustment (or exit) they are done."""
+        if self._outgoing is not None:
+            outgoing, self._outgoing = self._outgoing, None
+            outgoing.finish(self.timeout)
+
+    def _replication_context(self, plan: AdjustmentPlan) -> ReplicationContext:
+        prefix = f"{generation_prefix(plan.generation)}transfer"
+        return ReplicationContext(self._group().store, prefix, self.backend, self.timeout, self.device)
+
+    def _device_for(self, device_type: str) -> torch.device:
+        return torch.device("cpu") if device_type == "cpu" else self.device
+
+    def _delete_finished_keys(self) -> None:
+        """Rank 0, at the first coordination of a generation: the keys that formed the generation before it go.
+
+        Every member passed the agreement, so every stayer source finished; the previous adjustment's leavers
+        finished a whole generation ago. At most two generations' keys live in the store.
+        """
+        prefix, self._keys_to_delete = self._keys_to_delete, None
+        if prefix is None or self.rank != 0:
+            return
+        removed = delete_prefix(self._group().store, prefix)
+        log.debug("deleted %d store keys under %s", removed, prefix)
+
+    # ------------------------------------------------------------------ scaling
+
+    def _decide_scaling(self, plan: AdjustmentPlan) -> dict[str, Any] | None:
+        if self._scaling is None or self.data.global_batch is None:
+            return None
+        decision = self._scaling.decide_resize(self.world_size, plan.world_size, self.data.global_batch)
+        return decision.to_dict()
+
+    def _apply_scaling(self, decision: dict[str, Any] | None) -> None:
+        if decision is None or self._scaling is None:
+            return
+        chosen = ScalingDecision.from_dict(dict(decision))
+        old = self.data.global_batch
+        self.data.change_global_batch(chosen.global_batch)
+        self._scaling.apply_resize(chosen)
+        self._summary_sent_at = None  # the next coordinate shows the new decision
+        log.info("global batch %s -> %d (lr x%s): %s", old, chosen.global_batch, chosen.lr_scale, chosen.reason)
+
+    def _scaling_summary_if_due(self, now: float | None = None) -> dict[str, Any] | None:
+        if self._scaling is None:
+            return None
+        now = time.monotonic() if now is None else now
+        if self._summary_sent_at is not None and now - self._summary_sent_at < SUMMARY_EVERY_S:
+            return None
+        self._summary_sent_at = now
+        return self._scaling.summary()
+
+    # ------------------------------------------------------------------ reports
+
+    def _send_report(self, pause: float) -> None:
+        assert self._pending_report is not None
+        report = {**self._pending_report, "pause_s": pause, **self._scaling_report()}
+        if report["role"] == "joiner":
+            report["startup_s"] = time.time() - self.environment.spawn_time
+        self._require_link().report(report)
+        self._pending_report = None
+
+    def _scaling_report(self) -> dict[str, Any]:
+        """The global batch this worker trains with and the decision it applied."""
+        fields: dict[str, Any] = {}
+        if self.data.global_batch is not None:
+            fields["global_batch"] = self.data.global_batch
+        last = self._scaling.last_decision if self._scaling is not None else None
+        if last is not None:
+            fields["scaling"] = last.to_dict()
+        return fields
+
+    # ------------------------------------------------------------------ plumbing
+
+    def close(self) -> None:
+        """The training loop is over: same-host joiners finish copying, the AM link closes (the group stays)."""
+        self._finish_outgoing()
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    def shutdown(self) -> None:
+        """Leave the job's group for good: torch's default group is destroyed (a later ``start`` installs anew)."""
+        self.close()
+        if self.group is not None:
+            uninstall_default_group(self.group)
+        self.group, self.generation = None, None
+
+    def _connect_store(self) -> dist.Store:
+        """Client of the launcher's long-lived TCPStore, or an in-process store for a standalone run."""
+        if self.environment.standalone:
+            return dist.HashStore()
+        host, port = split_host_port(self.environment.store_address or "")
+        return dist.TCPStore(host, port, is_master=False, timeout=self.timeout, wait_for_workers=False)
+
+    def _topology(self) -> dict[str, Any] | None:
+        """Where this worker lives, for the AM's replication planner (None: every transfer over the collective)."""
+        if self.replication == "collective":
+            return None
+        try:
+            return detect_topology(self.device).to_dict()
+        except Exception as error:  # a probe we did not foresee: replicate over the collective rather than fail
+            log.warning("topology detection failed (%s): this worker's transfers go over the collective", error)
+            return None
+
+    def _collective_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def _group(self) -> ElasticProcessGroup:
+        if self.group is None:
+            raise RuntimeError("the elastic worker has not started")
+        return self.group
+
+    def _require_link(self) -> AMLink:
+        if self._link is None:
+            raise RuntimeError("this worker has no application master (standalone run)")
+        return self._link
+
+
+def delete_prefix(store: dist.Store, prefix: str) -> int:
+    """Delete every key under ``prefix``; returns how many (0 for a store that cannot list its keys)."""
+    try:
+        keys = store.list_keys()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return 0
+    return sum(bool(store.delete_key(key)) for key in keys if key.startswith(prefix))
