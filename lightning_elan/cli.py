@@ -31,6 +31,7 @@ from lightning_elan.launcher.schedule import (
     parse_schedule,
 )
 from lightning_elan.master import registry
+from lightning_elan.protocol.contract import DEFAULT_COORDINATE_EVERY, DEFAULT_REPORT_TIMEOUT_S, AdjustmentPlan
 from lightning_elan.scaling.report import format_summary
 
 log = logging.getLogger("lightning_elan.cli")
@@ -117,11 +118,12 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=positive_int, required=True, metavar="N", help="workers in generation 0")
     run.add_argument("--job", type=job_name, required=True, metavar="NAME")
     run.add_argument(
-        "--coordinate-every", type=positive_int, default=None, metavar="K", help="coordination interval in steps"
+        "--coordinate-every", type=positive_int, default=None, metavar="K",
+        help=f"coordination interval in steps (default {DEFAULT_COORDINATE_EVERY})",
     )
     run.add_argument(
-        "--report-timeout", type=_positive_float, default=600.0, metavar="SECONDS",
-        help="a request fails if a new worker has not reported ready after this long (default 600)",
+        "--report-timeout", type=_positive_float, default=DEFAULT_REPORT_TIMEOUT_S, metavar="SECONDS",
+        help="a request fails if a new worker has not reported ready after this long (default %(default)g)",
     )
     run.add_argument(
         "--schedule",
@@ -220,7 +222,7 @@ class _ElanFormatter(logging.Formatter):
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command = _worker_command(args, parser)
     refuse_if_running(args.job, parser)
-    from lightning_elan.launcher.run import DEFAULT_COORDINATE_EVERY, JobLauncher, LaunchConfig, LaunchError
+    from lightning_elan.launcher.run import JobLauncher, LaunchConfig, LaunchError
 
     config = LaunchConfig(
         job=args.job,
@@ -421,11 +423,11 @@ def describe_request(request: Mapping[str, Any]) -> str:
     return text
 
 
-def describe_plan(plan: Mapping[str, Any]) -> str:
+def describe_plan(plan: AdjustmentPlan) -> str:
     return (
-        f"{plan.get('request_id')} {plan.get('action')} at step {plan.get('step')}: generation "
-        f"{plan.get('previous_generation')} → {plan.get('generation')}, members {_ids(plan.get('members'))}, "
-        f"joiners {_ids(plan.get('joiners'))}, leavers {_ids(plan.get('leavers'))}"
+        f"{plan.request_id} {plan.action} at step {plan.step}: generation "
+        f"{plan.previous_generation} → {plan.generation}, members {_ids(plan.members)}, "
+        f"joiners {_ids(plan.joiners)}, leavers {_ids(plan.leavers)}"
     )
 
 
@@ -467,7 +469,7 @@ def format_status(status: Mapping[str, Any]) -> str:
     lines.append(f"pending requests ({len(pending)}):" if pending else "pending requests: none")
     lines += [f"  {describe_request(request)}" for request in pending]
     in_flight = status.get("in_flight")
-    lines.append(f"in flight: {describe_plan(in_flight) if in_flight else 'none'}")
+    lines.append(f"in flight: {describe_plan(AdjustmentPlan.from_dict(in_flight)) if in_flight else 'none'}")
     last = status.get("last_adjustment")
     lines.append(f"last adjustment: {describe_adjustment(last) if last else 'none'}")
     if status.get("scaling"):

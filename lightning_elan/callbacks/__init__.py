@@ -14,7 +14,7 @@ boundary:
 1. **Decide, on rank 0 only**, before anything is broadcast (``ElanStrategy._ask_master``)::
 
        scaling = next((c for c in trainer.callbacks if isinstance(c, HybridScaling)), None)
-       decision = scaling.decide(n_old=trainer.world_size, n_new=len(plan["members"]),
+       decision = scaling.decide(n_old=trainer.world_size, n_new=plan.world_size,  # plan: AdjustmentPlan
                                  global_batch=self.data_position.global_batch)
        payload["scaling"] = decision.to_dict()          # JSON-able; or put it in the AM's plan
 

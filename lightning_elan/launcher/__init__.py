@@ -19,7 +19,7 @@ from lightning_elan.launcher.schedule import (
     parse_schedule,
 )
 
-_LAUNCHER_NAMES = ("DEFAULT_COORDINATE_EVERY", "JobLauncher", "LaunchConfig", "LaunchError", "Worker")
+_LAUNCHER_NAMES = ("JobLauncher", "LaunchConfig", "LaunchError", "Worker")
 
 
 def __getattr__(name: str) -> Any:
@@ -32,7 +32,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ACTIONS",
-    "DEFAULT_COORDINATE_EVERY",
     "JobLauncher",
     "LaunchConfig",
     "LaunchError",

@@ -25,27 +25,19 @@ from typing import Any
 from lightning_elan.launcher.schedule import ScaleAction, format_schedule_item
 from lightning_elan.master import ApplicationMaster, FileStore
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
+from lightning_elan.protocol.contract import (
+    DEFAULT_COORDINATE_EVERY,
+    DEFAULT_REPORT_TIMEOUT_S,
+    ROLE_JOINER,
+    ROLE_MEMBER,
+    WORKER_ENV_VARS,
+    WorkerEnvironment,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_COORDINATE_EVERY = 10
 LOCAL_HOST = "127.0.0.1"
 STATE_FILES: tuple[str, ...] = ("state.json", "adjustments.jsonl")
-# Variables of the worker contract: stripped from the inherited environment, then set per worker.
-WORKER_ENV_KEYS: tuple[str, ...] = (
-    "ELAN_JOB",
-    "ELAN_AM_ADDRESS",
-    "ELAN_STORE_ADDRESS",
-    "ELAN_WORKER_ID",
-    "ELAN_ROLE",
-    "ELAN_GENERATION",
-    "ELAN_RANK",
-    "ELAN_WORLD_SIZE",
-    "ELAN_COORDINATE_EVERY",
-    "ELAN_SPAWN_TIME",
-    "ELAN_DEVICE_INDEX",
-)
-
 
 class LaunchError(RuntimeError):
     """The job cannot be started as configured (the CLI reports it as a usage error)."""
@@ -60,7 +52,7 @@ class LaunchConfig:
     command: list[str]
     state_dir: Path
     coordinate_every: int = DEFAULT_COORDINATE_EVERY
-    report_timeout_s: float = 600.0
+    report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
     schedule: list[ScaleAction] = field(default_factory=list)
     devices: str = "cpu"
     poll_interval_s: float = 0.05
@@ -230,8 +222,8 @@ class JobLauncher:
     def _spawn_members(self, members: list[str]) -> None:
         world_size = len(members)
         for rank, worker_id in enumerate(members):
-            extra = {"ELAN_GENERATION": "0", "ELAN_RANK": str(rank), "ELAN_WORLD_SIZE": str(world_size)}
-            self._spawn(worker_id, "member", extra, detail=f"member, rank {rank} of {world_size}")
+            detail = f"member, rank {rank} of {world_size}"
+            self._spawn(worker_id, ROLE_MEMBER, rank=rank, world_size=world_size, detail=detail)
 
     def _spawn_requested(self) -> bool:
         """Start every joiner the AM asks for; return the AM's ``finished`` flag."""
@@ -241,7 +233,7 @@ class JobLauncher:
             if worker_id in self._workers:
                 log.warning("AM asked again for %s, which is already started; ignored", worker_id)
                 continue
-            self._spawn(worker_id, "joiner", {}, detail=f"joiner for request {item.get('request_id')}")
+            self._spawn(worker_id, ROLE_JOINER, detail=f"joiner for request {item.get('request_id')}")
         for worker_id in reply.get("stop") or []:
             self._stop_unreported(str(worker_id))
         return bool(reply.get("finished"))
@@ -253,9 +245,20 @@ class JobLauncher:
             log.warning("stopping %s: it never reported ready, its request failed", worker_id)
             worker.process.terminate()
 
-    def _spawn(self, worker_id: str, role: str, extra: Mapping[str, str], *, detail: str) -> Worker:
+    def _spawn(self, worker_id: str, role: str, *, rank: int = -1, world_size: int = 0, detail: str) -> Worker:
         device_index = self._next_device()
-        env = self._worker_env(worker_id, role, extra, device_index)
+        description = WorkerEnvironment.launched(
+            job=self.config.job,
+            worker_id=worker_id,
+            role=role,
+            am_address=self.am_address,
+            store_address=self.store_address,
+            coordinate_every=self.config.coordinate_every,
+            rank=rank,
+            world_size=world_size,
+            device_index=device_index,
+        )
+        env = self._worker_env(description)
         process = subprocess.Popen(self.config.command, env=env)
         worker = Worker(worker_id, role, process, device_index)
         self._workers[worker_id] = worker
@@ -263,22 +266,10 @@ class JobLauncher:
         log.info("spawned %s (%s%s, pid %d)", worker_id, detail, where, process.pid)
         return worker
 
-    def _worker_env(
-        self, worker_id: str, role: str, extra: Mapping[str, str], device_index: int | None
-    ) -> dict[str, str]:
-        env = {key: value for key, value in self._base_env.items() if key not in WORKER_ENV_KEYS}
-        env.update(
-            ELAN_JOB=self.config.job,
-            ELAN_AM_ADDRESS=self.am_address,
-            ELAN_STORE_ADDRESS=self.store_address,
-            ELAN_WORKER_ID=worker_id,
-            ELAN_ROLE=role,
-            ELAN_COORDINATE_EVERY=str(self.config.coordinate_every),
-            ELAN_SPAWN_TIME=repr(time.time()),
-        )
-        env.update(extra)
-        if device_index is not None:
-            env["ELAN_DEVICE_INDEX"] = str(device_index)
+    def _worker_env(self, description: WorkerEnvironment) -> dict[str, str]:
+        """The inherited environment without any ``ELAN_*`` worker variable, then this worker's."""
+        env = {key: value for key, value in self._base_env.items() if key not in WORKER_ENV_VARS}
+        env.update(description.to_env())
         # as torchrun does: several workers on one host, each with an OpenMP pool sized for the whole machine, spin
         # against each other (measured here: packing a 100 MB state for replication took 1.2 s instead of 0.1 s)
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -558,7 +549,6 @@ def _on_main_thread() -> bool:
 
 
 __all__ = [
-    "DEFAULT_COORDINATE_EVERY",
     "JobLauncher",
     "LaunchConfig",
     "LaunchError",

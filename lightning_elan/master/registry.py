@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning_elan.master.store import FileStore
+from lightning_elan.protocol.contract import ENV_HOME
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def elan_home() -> Path:
     """``$ELAN_HOME``, default ``~/.elan``."""
-    return Path(os.environ.get("ELAN_HOME") or "~/.elan").expanduser()
+    return Path(os.environ.get(ENV_HOME) or "~/.elan").expanduser()
 
 
 def check_job_name(job: str) -> str:

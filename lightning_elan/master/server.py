@@ -19,9 +19,16 @@ import zmq
 from lightning_elan.master import registry
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore
+from lightning_elan.protocol.contract import (
+    MUTATING_TYPES,
+    AdjustmentReport,
+    CoordinateRequest,
+    RegisterRequest,
+    WaitPlanReply,
+    WaitPlanRequest,
+)
 from lightning_elan.protocol.messages import (
     MAX_MESSAGE_BYTES,
-    MUTATING_TYPES,
     ProtocolError,
     Request,
     decode_request,
@@ -323,41 +330,37 @@ class ApplicationMaster:
         return reply
 
     def _on_register(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._state.register(
-            body["worker_id"], body.get("host"), body.get("device"), body.get("pid"), topology=body.get("topology")
-        )
+        return self._state.register(RegisterRequest.from_body(body))
 
     def _on_coordinate(self, body: dict[str, Any]) -> dict[str, Any]:
         in_flight_before = self._state.in_flight
-        fields = ("worker_id", "generation", "step", "epoch", "position", "global_batch", "scaling")
-        reply = self._state.coordinate(**{name: body.get(name) for name in fields})
-        if reply["decision"] == "adjust" and in_flight_before is None:
-            logger.info("job %r: decided plan %s", self.job, json.dumps(reply["plan"]))
-        return reply
+        reply = self._state.coordinate(CoordinateRequest.from_body(body))
+        if reply.plan is not None and in_flight_before is None:
+            logger.info("job %r: decided plan %s", self.job, json.dumps(reply.plan.to_dict()))
+        return reply.to_body()
 
     def _on_report(self, body: dict[str, Any]) -> dict[str, Any]:
-        fields = ("worker_id", "generation", "role", "pause_s", "bytes_sent", "bytes_received", "startup_s",
-                  "global_batch", "scaling")
-        record = self._state.report(**{name: body.get(name) for name in fields})
+        record = self._state.report(AdjustmentReport.from_body(body))
         if record is not None:
             self._records_to_write.append(record)
         return {}
 
     def _on_wait_plan(self, body: dict[str, Any]) -> dict[str, Any] | _Park:
-        answer = self._state.wait_plan(body["worker_id"])
+        request = WaitPlanRequest.from_body(body)
+        answer = self._state.wait_plan(request.worker_id)
         if answer is not None:
-            return answer
-        if (body.get("timeout_s") or 0) <= 0:
-            return {"status": "wait"}
+            return answer.to_body()
+        if (request.timeout_s or 0) <= 0:
+            return WaitPlanReply.wait().to_body()
         return _Park()
 
     # ---- parked wait_plan requests -------------------------------------------------------------------------------
 
     def _park(self, request: Request, envelope: list[bytes]) -> None:
         """Park a wait_plan; a resend with the same id replaces the earlier one."""
-        timeout_s = min(float(request.body["timeout_s"]), MAX_WAIT_S)
-        deadline = time.monotonic() + timeout_s
-        self._parked[request.id] = _ParkedWait(envelope, request.id, request.body["worker_id"], deadline)
+        wait = WaitPlanRequest.from_body(request.body)
+        deadline = time.monotonic() + min(float(wait.timeout_s or 0), MAX_WAIT_S)
+        self._parked[request.id] = _ParkedWait(envelope, request.id, wait.worker_id, deadline)
 
     def _wake_parked(self) -> None:
         """Answer every parked wait_plan whose worker now has a plan or a cancellation."""
@@ -368,13 +371,13 @@ class ApplicationMaster:
                 self._answer_parked(parked, error_reply(parked.msg_id, str(error)))
                 continue
             if answer is not None:
-                self._answer_parked(parked, ok_reply(parked.msg_id, answer))
+                self._answer_parked(parked, ok_reply(parked.msg_id, answer.to_body()))
 
     def _expire_parked(self) -> None:
         now = time.monotonic()
         for parked in list(self._parked.values()):
             if parked.deadline <= now:
-                self._answer_parked(parked, ok_reply(parked.msg_id, {"status": "wait"}))
+                self._answer_parked(parked, ok_reply(parked.msg_id, WaitPlanReply.wait().to_body()))
 
     def _answer_parked(self, parked: _ParkedWait, reply: dict[str, Any]) -> None:
         del self._parked[parked.msg_id]

@@ -13,13 +13,23 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_elan.protocol.contract import (
+    DEFAULT_REPORT_TIMEOUT_S,
+    REPORT_ROLES,
+    AdjustmentPlan,
+    AdjustmentReport,
+    CoordinateReply,
+    CoordinateRequest,
+    RegisterRequest,
+    Transfer,
+    WaitPlanReply,
+)
 from lightning_elan.replication.sources import plan_replication
 from lightning_elan.replication.topology import WorkerTopology
 
 logger = logging.getLogger(__name__)
 
 ACTIONS = ("add", "remove", "migrate", "to")
-ROLES = ("stayer", "joiner", "leaver")
 MAX_COMPLETING = 8  # committed adjustments still waiting for reports; older ones are dropped
 
 # PendingWorker.status values
@@ -28,10 +38,6 @@ SPAWNED = "spawned"  # returned by launcher_poll
 READY = "ready"  # registered (reported ready); waits for its plan
 CANCELLED = "cancelled"  # its request failed (a partner exited) or was cancelled (shutdown)
 WAITING_STATUSES = (REQUESTED, SPAWNED, READY)
-
-
-DEFAULT_REPORT_TIMEOUT_S = 600.0
-"""A request fails if one of its new workers has not reported ready this long after it was started."""
 
 
 class StateError(Exception):
@@ -114,53 +120,6 @@ class ScaleRequest:
 
 
 @dataclass
-class AdjustmentPlan:
-    """What every participant of an adjustment receives (docs/architecture.md, *Plan*)."""
-
-    request_id: str
-    action: str
-    generation: int
-    previous_generation: int
-    step: int
-    members: list[str]  # new rank order
-    previous_members: list[str]
-    joiners: list[str]
-    leavers: list[str]
-    sources: dict[str, str]
-    hosts: dict[str, str | None]
-    # the replication planner's transfers ({source, joiner, level, wave, transport, slice_index, slice_count}) when
-    # every worker involved registered a topology; absent from the wire form otherwise
-    transfers: list[dict[str, Any]] | None = None
-
-    @property
-    def stayers(self) -> list[str]:
-        return [worker for worker in self.members if worker not in self.joiners]
-
-    def involves(self, worker_id: str) -> bool:
-        return worker_id in self.members or worker_id in self.leavers
-
-    @property
-    def world_size(self) -> int:
-        return len(self.members)
-
-    def rank_of(self, worker_id: str) -> int:
-        return self.members.index(worker_id)
-
-    def joiners_served_by(self, source: str) -> list[str]:
-        return [joiner for joiner in self.joiners if self.sources[joiner] == source]
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        if data["transfers"] is None:
-            del data["transfers"]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AdjustmentPlan:
-        return cls(**data)
-
-
-@dataclass
 class Adjustment:
     """A decided plan with its timeline and the reports received so far."""
 
@@ -191,7 +150,7 @@ class Adjustment:
             "joiners": list(plan.joiners),
             "leavers": list(plan.leavers),
             "sources": dict(plan.sources),
-            "transfers": plan.transfers,
+            "transfers": None if plan.transfers is None else [transfer.to_dict() for transfer in plan.transfers],
             "bytes_replicated": sum(report.get("bytes_received") or 0 for report in self.reports.values()),
             "pause_s": {worker: self.reports[worker].get("pause_s") for worker in plan.stayers},
             "joiner_startup_s": {worker: self.reports[worker].get("startup_s") for worker in plan.joiners},
@@ -434,46 +393,30 @@ class JobState:
                 stop += [worker for worker in request.new_workers if worker in self.pending_workers]
         return stop
 
-    def register(
-        self,
-        worker_id: str,
-        host: str | None = None,
-        device: str | int | None = None,
-        pid: int | None = None,
-        now: float | None = None,
-        topology: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    def register(self, request: RegisterRequest, now: float | None = None) -> dict[str, Any]:
         """Record a worker's host/device/pid (and topology); for a joiner this is *report ready*."""
-        topology = _checked_topology(worker_id, topology)
+        worker_id = request.worker_id
+        where = (request.host, request.device, request.pid, _checked_topology(worker_id, request.topology))
         member = self.member(worker_id)
         if member is not None:
-            member.host, member.device, member.pid, member.topology = host, device, pid, topology
+            member.host, member.device, member.pid, member.topology = where
             return {}
         pending = self.pending_workers.get(worker_id)
         if pending is None:
             if worker_id in self.left_workers:
                 raise StateError(f"worker {worker_id} has left the job")
             raise StateError(f"unknown worker {worker_id}")
-        pending.host, pending.device, pending.pid, pending.topology = host, device, pid, topology
+        pending.host, pending.device, pending.pid, pending.topology = where
         if pending.status in (REQUESTED, SPAWNED):
             pending.status = READY
             pending.ready_at = _now(now)
             self._note_ready(pending.request_id, pending.ready_at)
         return {}
 
-    def coordinate(
-        self,
-        worker_id: str,
-        generation: int,
-        step: int,
-        epoch: int | None = None,
-        position: int | None = None,
-        global_batch: int | None = None,
-        now: float | None = None,
-        scaling: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """Rank 0's periodic question: ``{decision: "none"}`` or ``{decision: "adjust", plan}``; ``scaling`` is rank
-        0's latest scaling summary when it sends one (kept until the next)."""
+    def coordinate(self, request: CoordinateRequest, now: float | None = None) -> CoordinateReply:
+        """Rank 0's periodic question: no decision, or the plan to adjust to; ``request.scaling`` is rank 0's latest
+        scaling summary when it sends one (kept until the next)."""
+        worker_id, generation = request.worker_id, request.generation
         self._require_started()
         self._require_known(worker_id)
         self._commit_if_new_generation(worker_id, generation, now)
@@ -481,32 +424,20 @@ class JobState:
             raise StateError(f"generation {generation} is not current (current generation {self.generation})")
         if self.member(worker_id) is None:
             raise StateError(f"worker {worker_id} is not a member of generation {self.generation}")
-        self.progress = Progress(step, epoch, position, global_batch, _now(now), scaling or self.progress.scaling)
+        self.progress = Progress(request.step, request.epoch, request.position, request.global_batch, _now(now),
+                                 request.scaling or self.progress.scaling)
         if self.in_flight is not None:
-            return {"decision": "adjust", "plan": self.in_flight.plan.to_dict()}
-        plan = None if self.finished else self._decide_head(step, now)
-        if plan is None:
-            return {"decision": "none"}
-        return {"decision": "adjust", "plan": plan.to_dict()}
+            return CoordinateReply.adjust(self.in_flight.plan)
+        plan = None if self.finished else self._decide_head(request.step, now)
+        return CoordinateReply.none() if plan is None else CoordinateReply.adjust(plan)
 
-    def report(
-        self,
-        worker_id: str,
-        generation: int,
-        role: str,
-        pause_s: float | None = None,
-        bytes_sent: int | None = None,
-        bytes_received: int | None = None,
-        startup_s: float | None = None,
-        now: float | None = None,
-        global_batch: int | None = None,
-        scaling: dict[str, Any] | None = None,
-    ) -> dict[str, Any] | None:
+    def report(self, report: AdjustmentReport, now: float | None = None) -> dict[str, Any] | None:
         """Record a worker's report after an adjustment; returns the adjustment record once all members reported.
         ``global_batch`` and ``scaling`` are the global batch and the scaling decision the worker applied."""
+        worker_id, generation = report.worker_id, report.generation
         self._require_known(worker_id)
-        if role not in ROLES:
-            raise StateError(f"unknown role {role!r} (expected stayer, joiner or leaver)")
+        if report.role not in REPORT_ROLES:
+            raise StateError(f"unknown role {report.role!r} (expected stayer, joiner or leaver)")
         self._commit_if_new_generation(worker_id, generation, now)
         adjustment = self._adjustment_to(generation)
         if adjustment is None:
@@ -515,33 +446,24 @@ class JobState:
             raise StateError(f"no adjustment to generation {generation} (current generation {self.generation})")
         if not adjustment.plan.involves(worker_id):
             raise StateError(f"worker {worker_id} is not part of the adjustment to generation {generation}")
-        adjustment.reports[worker_id] = {
-            "role": role,
-            "pause_s": pause_s,
-            "bytes_sent": bytes_sent,
-            "bytes_received": bytes_received,
-            "startup_s": startup_s,
-            "reported_at": _now(now),
-            "global_batch": global_batch,
-            "scaling": scaling,
-        }
+        adjustment.reports[worker_id] = _stored_report(report, _now(now))
         return self._complete_if_all_reported(adjustment, now)
 
-    def wait_plan(self, worker_id: str) -> dict[str, Any] | None:
+    def wait_plan(self, worker_id: str) -> WaitPlanReply | None:
         """The answer to a joiner's ``wait_plan``: a plan, a cancellation, or None to keep waiting."""
         self._require_known(worker_id)
         if self.in_flight is not None and self.in_flight.plan.involves(worker_id):
-            return {"status": "plan", "plan": self.in_flight.plan.to_dict()}
+            return WaitPlanReply.with_plan(self.in_flight.plan)
         last = self.last_plan
         if last is not None and last.generation == self.generation and worker_id in last.joiners:
-            return {"status": "plan", "plan": last.to_dict()}  # asked again after its plan was committed
+            return WaitPlanReply.with_plan(last)  # asked again after its plan was committed
         pending = self.pending_workers.get(worker_id)
         if pending is not None and pending.status == CANCELLED:
-            return {"status": "cancelled", "reason": pending.reason or f"worker {worker_id} was cancelled"}
+            return WaitPlanReply.cancelled(pending.reason or f"worker {worker_id} was cancelled")
         if worker_id in self.left_workers:
-            return {"status": "cancelled", "reason": f"worker {worker_id} has left the job"}
+            return WaitPlanReply.cancelled(f"worker {worker_id} has left the job")
         if self.finished:
-            return {"status": "cancelled", "reason": f"job finished: {self.finish_reason}"}
+            return WaitPlanReply.cancelled(f"job finished: {self.finish_reason}")
         return None
 
     def worker_exit(self, worker_id: str, returncode: int) -> dict[str, Any]:
@@ -662,6 +584,7 @@ class JobState:
         hosts = {worker: self._host_of(worker) for worker in previous + joiners}
         topologies = {worker: self._topology_of(worker) for worker in previous + joiners}
         sources, transfers = plan_replication(stayers, leavers, joiners, topologies)
+        routes = None if transfers is None else [Transfer.from_dict(transfer) for transfer in transfers]
         return AdjustmentPlan(
             request_id=request.request_id,
             action=request.action,
@@ -674,7 +597,7 @@ class JobState:
             leavers=leavers,
             sources=sources,
             hosts=hosts,
-            transfers=transfers,
+            transfers=routes,
         )
 
     def _leavers(self, request: ScaleRequest) -> list[str]:
@@ -779,6 +702,20 @@ class JobState:
 
 def _now(now: float | None) -> float:
     return time.time() if now is None else now
+
+
+def _stored_report(report: AdjustmentReport, reported_at: float) -> dict[str, Any]:
+    """A report as the adjustment keeps it (and persists it): every field but who sent it, plus when it arrived."""
+    return {
+        "role": report.role,
+        "pause_s": report.pause_s,
+        "bytes_sent": report.bytes_sent,
+        "bytes_received": report.bytes_received,
+        "startup_s": report.startup_s,
+        "reported_at": reported_at,
+        "global_batch": report.global_batch,
+        "scaling": report.scaling,
+    }
 
 
 def _checked_topology(worker_id: str, topology: Any) -> dict[str, Any] | None:

@@ -1,4 +1,8 @@
-"""A request/reply client for the application master (ZeroMQ DEALER with timeout and resend)."""
+"""A request/reply client for the application master (ZeroMQ DEALER with timeout and resend).
+
+The worker ↔ AM messages go in and out as the contract's dataclasses (:mod:`lightning_elan.protocol.contract`);
+``request`` is the untyped form every call goes through.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,14 @@ from typing import Any
 
 import zmq
 
+from lightning_elan.protocol.contract import (
+    AdjustmentReport,
+    CoordinateReply,
+    CoordinateRequest,
+    RegisterRequest,
+    WaitPlanReply,
+    WaitPlanRequest,
+)
 from lightning_elan.protocol.messages import ProtocolError, Reply, decode_reply, encode_request, new_message_id
 
 logger = logging.getLogger(__name__)
@@ -95,10 +107,27 @@ class AMClient:
         """The job's status (see docs/architecture.md, *Status*)."""
         return self.request("status")
 
-    def wait_plan(self, worker_id: str, timeout_s: float) -> dict[str, Any]:
+    def register(self, request: RegisterRequest, *, timeout_s: float | None = None, retries: int | None = None) -> None:
+        """Tell the AM where a worker lives; for a joiner this is *report ready*."""
+        self.request(request.TYPE, request.to_body(), timeout_s=timeout_s, retries=retries)
+
+    def coordinate(
+        self, request: CoordinateRequest, *, timeout_s: float | None = None, retries: int | None = None
+    ) -> CoordinateReply:
+        """Rank 0's question: adjust now (with the plan) or not."""
+        return CoordinateReply.from_body(
+            self.request(request.TYPE, request.to_body(), timeout_s=timeout_s, retries=retries)
+        )
+
+    def wait_plan(self, worker_id: str, timeout_s: float, *, retries: int | None = None) -> WaitPlanReply:
         """Long-poll for this joiner's plan; the client waits ``timeout_s`` plus its own timeout for the answer."""
-        body = {"worker_id": worker_id, "timeout_s": timeout_s}
-        return self.request("wait_plan", body, timeout_s=timeout_s + self.timeout_s)
+        request = WaitPlanRequest(worker_id, timeout_s)
+        body = self.request(request.TYPE, request.to_body(), timeout_s=timeout_s + self.timeout_s, retries=retries)
+        return WaitPlanReply.from_body(body)
+
+    def report(self, report: AdjustmentReport, *, timeout_s: float | None = None, retries: int | None = None) -> None:
+        """Send one worker's adjustment report."""
+        self.request(report.TYPE, report.to_body(), timeout_s=timeout_s, retries=retries)
 
     def close(self) -> None:
         """Close the socket (pending messages are dropped)."""

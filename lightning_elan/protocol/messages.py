@@ -1,4 +1,7 @@
-"""The AM wire protocol: one UTF-8 JSON frame per request and per reply (pure, no sockets).
+"""The AM wire protocol's framing and validation: one UTF-8 JSON frame per request and per reply (pure, no sockets).
+
+The body schemas, message types and version live in :mod:`lightning_elan.protocol.contract`; this module checks
+frames and bodies against them.
 
 Request: ``{"v": 1, "id": ID, "job": NAME, "type": TYPE, "body": {...}}``.
 Reply: ``{"v": 1, "id": ID, "ok": true, "body": {...}}`` or ``{"v": 1, "id": ID|null, "ok": false, "error": MSG}``.
@@ -12,109 +15,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 1
+from lightning_elan.protocol.contract import BODY_SCHEMAS, MESSAGE_TYPES, PROTOCOL_VERSION, Field, ProtocolError
+
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LENGTH = 200
-
-# Requests that change the AM's state: their successful replies are cached (and persisted) by request id.
-MUTATING_TYPES = frozenset(
-    {"start_job", "scale", "launcher_poll", "worker_exit", "shutdown", "register", "coordinate", "report"}
-)
-READ_ONLY_TYPES = frozenset({"status", "wait_plan"})
-MESSAGE_TYPES = MUTATING_TYPES | READ_ONLY_TYPES
-
-
-class ProtocolError(ValueError):
-    """A message that breaks the protocol; ``msg_id`` is the request id when it could be read."""
-
-    def __init__(self, message: str, msg_id: str | None = None) -> None:
-        super().__init__(message)
-        self.msg_id = msg_id
-
-
-@dataclass(frozen=True)
-class Field:
-    """One body field: the JSON types it accepts and whether it must be present (optional fields may be null)."""
-
-    types: tuple[type, ...]
-    required: bool = False
-    item_type: type | None = None
-    schema: dict[str, Field] | None = None  # the fields of a nested object
-
-
-
-
-_INT = (int,)
-_NUMBER = (int, float)
-_STR = (str,)
-
-# a HybridScaling decision (ScalingDecision.to_dict()), in reports and in the scaling summary
-SCALING_DECISION: dict[str, Field] = {
-    "global_batch": Field(_INT, required=True),
-    "local_batch": Field(_INT, required=True),
-    "k": Field(_NUMBER, required=True),
-    "reason": Field(_STR, required=True),
-    "lr_scale": Field(_NUMBER),
-}
-
-# the scaling summary rank 0 sends with a coordinate, for `elan status` (lightning_elan.scaling.scaling_summary)
-SCALING_SUMMARY: dict[str, Field] = {
-    "policy": Field(_STR, required=True),
-    "model_ready": Field((bool,), required=True),
-    "observations": Field((dict,)),
-    "world_size": Field(_INT),
-    "global_batch": Field(_INT),
-    "throughput": Field((list,), item_type=dict),
-    "last_decision": Field((dict,), schema=SCALING_DECISION),
-}
-
-BODY_SCHEMAS: dict[str, dict[str, Field]] = {
-    "start_job": {
-        "nproc": Field(_INT, required=True),
-        "coordinate_every": Field(_INT),
-        "hosts": Field((list, dict)),
-        "report_timeout_s": Field(_NUMBER),
-    },
-    "scale": {
-        "action": Field(_STR, required=True),
-        "count": Field(_INT),
-        "ranks": Field((list,), item_type=int),
-        "size": Field(_INT),
-        "at_step": Field(_INT),
-    },
-    "status": {},
-    "launcher_poll": {},
-    "worker_exit": {"worker_id": Field(_STR, required=True), "returncode": Field(_INT, required=True)},
-    "shutdown": {"reason": Field(_STR)},
-    "register": {
-        "worker_id": Field(_STR, required=True),
-        "host": Field(_STR),
-        "device": Field((str, int)),
-        "pid": Field(_INT),
-        "topology": Field((dict,)),
-    },
-    "coordinate": {
-        "worker_id": Field(_STR, required=True),
-        "generation": Field(_INT, required=True),
-        "step": Field(_INT, required=True),
-        "epoch": Field(_INT),
-        "position": Field(_INT),
-        "global_batch": Field(_INT),
-        "scaling": Field((dict,), schema=SCALING_SUMMARY),
-    },
-    "wait_plan": {"worker_id": Field(_STR, required=True), "timeout_s": Field(_NUMBER)},
-    "report": {
-        "worker_id": Field(_STR, required=True),
-        "generation": Field(_INT, required=True),
-        "role": Field(_STR, required=True),
-        "pause_s": Field(_NUMBER),
-        "bytes_sent": Field(_INT),
-        "bytes_received": Field(_INT),
-        "startup_s": Field(_NUMBER),
-        "global_batch": Field(_INT),
-        "scaling": Field((dict,), schema=SCALING_DECISION),
-    },
-}
 
 
 @dataclass(frozen=True)
@@ -289,3 +193,21 @@ def decode_reply(data: bytes) -> Reply:
             raise ProtocolError("error reply needs an 'error' string", msg_id)
         return Reply(id=msg_id, ok=False, body={}, error=error)
     raise ProtocolError("reply needs 'ok': true or false", msg_id)
+
+
+__all__ = [
+    "MAX_ID_LENGTH",
+    "MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
+    "ProtocolError",
+    "Reply",
+    "Request",
+    "decode_reply",
+    "decode_request",
+    "encode_reply",
+    "encode_request",
+    "error_reply",
+    "new_message_id",
+    "ok_reply",
+    "validate_body",
+]

@@ -62,10 +62,10 @@ WORKER = textwrap.dedent(
             sys.exit(3)
         while True:
             reply = client.wait_plan(worker_id, timeout_s=1.0)
-            if reply["status"] != "wait":
+            if reply.status != "wait":
                 break
-        write(worker_id + ".plan", reply)
-        sys.exit(0 if reply["status"] == "cancelled" else 5)
+        write(worker_id + ".plan", reply.to_body())
+        sys.exit(0 if reply.status == "cancelled" else 5)
 
     if mode == "ok":
         sys.exit(0)

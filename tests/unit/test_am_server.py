@@ -15,6 +15,14 @@ from lightning_elan.master import registry
 from lightning_elan.master.server import ApplicationMaster
 from lightning_elan.master.store import FileStore, MemoryStore
 from lightning_elan.protocol import AMClient, AMError, AMUnavailable
+from lightning_elan.protocol.contract import (
+    AdjustmentPlan,
+    AdjustmentReport,
+    CoordinateReply,
+    CoordinateRequest,
+    RegisterRequest,
+    WaitPlanReply,
+)
 from lightning_elan.protocol.messages import MAX_MESSAGE_BYTES, encode_request
 
 JOB = "job"
@@ -69,13 +77,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def add_and_decide(client: AMClient) -> dict[str, Any]:
+def add_and_decide(client: AMClient) -> AdjustmentPlan:
     """Scale out by one worker, let it report ready, and have rank 0 decide; returns the plan."""
     new_worker = client.scale("add", count=1)["new_workers"][0]
-    client.request("register", {"worker_id": new_worker, "host": "127.0.0.1", "pid": 1})
-    reply = client.request("coordinate", {"worker_id": "w0", "generation": 0, "step": 5})
-    assert reply["decision"] == "adjust"
-    return reply["plan"]
+    client.register(RegisterRequest(new_worker, host="127.0.0.1", pid=1))
+    reply = client.coordinate(CoordinateRequest("w0", 0, 5))
+    assert reply.decision == "adjust" and reply.plan is not None
+    assert reply.plan.joiners == [new_worker] and reply.plan.rank_of(new_worker) == 2
+    return reply.plan
 
 
 def test_address_has_the_bound_port(am: ApplicationMaster) -> None:
@@ -114,10 +123,10 @@ def test_a_restarted_am_resumes_members_and_the_in_flight_plan(am: ApplicationMa
         again = client.request("coordinate", {"worker_id": "w0", "generation": 0, "step": 6})
         with pytest.raises(AMError, match=r"adjustment in flight \(generation 0 → 1\); retry"):
             client.scale("add", count=1)
-        client.request("coordinate", {"worker_id": "w2", "generation": 1, "step": 6})
+        client.coordinate(CoordinateRequest("w2", 1, 6))
         status = client.status()
 
-    assert again == {"decision": "adjust", "plan": plan}
+    assert again == {"decision": "adjust", "plan": plan.to_dict()}  # the wire form, unchanged by the restart
     assert status["generation"] == 1
     assert [member["worker_id"] for member in status["members"]] == ["w0", "w1", "w2"]
 
@@ -178,8 +187,8 @@ def test_a_failing_store_rolls_the_transition_back_and_the_am_keeps_serving(tmp_
 
 def test_wait_plan_is_woken_as_soon_as_a_plan_is_decided(am: ApplicationMaster, client: AMClient) -> None:
     new_worker = client.scale("add", count=1)["new_workers"][0]
-    client.request("register", {"worker_id": new_worker})
-    answers: list[tuple[dict[str, Any], float]] = []
+    client.register(RegisterRequest(new_worker))
+    answers: list[tuple[WaitPlanReply, float]] = []
 
     def joiner() -> None:
         with AMClient(am.address, JOB) as joiner_client:
@@ -190,12 +199,12 @@ def test_wait_plan_is_woken_as_soon_as_a_plan_is_decided(am: ApplicationMaster, 
     thread.start()
     time.sleep(0.2)  # let the joiner park
     decided_at = time.monotonic()
-    plan = client.request("coordinate", {"worker_id": "w0", "generation": 0, "step": 5})["plan"]
+    plan = client.coordinate(CoordinateRequest("w0", 0, 5)).plan
     thread.join(5.0)
 
     assert answers, "the parked wait_plan was not answered"
     answer, answered_at = answers[0]
-    assert answer == {"status": "plan", "plan": plan}
+    assert plan is not None and answer == WaitPlanReply.with_plan(plan)
     assert answered_at - decided_at < 1.0
 
 
@@ -205,13 +214,13 @@ def test_wait_plan_answers_wait_when_its_timeout_passes(client: AMClient) -> Non
     started = time.monotonic()
     answer = client.wait_plan(new_worker, timeout_s=0.2)
 
-    assert answer == {"status": "wait"}
+    assert answer == WaitPlanReply.wait()
     assert 0.15 <= time.monotonic() - started < 1.0
 
 
 def test_shutdown_cancels_a_parked_wait_plan(am: ApplicationMaster, client: AMClient) -> None:
     new_worker = client.scale("add", count=1)["new_workers"][0]
-    answers: list[dict[str, Any]] = []
+    answers: list[WaitPlanReply] = []
     thread = threading.Thread(
         target=lambda: answers.append(AMClient(am.address, JOB).wait_plan(new_worker, timeout_s=5.0))
     )
@@ -220,7 +229,7 @@ def test_shutdown_cancels_a_parked_wait_plan(am: ApplicationMaster, client: AMCl
     client.request("shutdown", {"reason": "done"})
     thread.join(5.0)
 
-    assert answers == [{"status": "cancelled", "reason": "job shut down: done"}]
+    assert answers == [WaitPlanReply.cancelled("job shut down: done")]
     assert client.request("launcher_poll")["finished"] is True
 
 
@@ -271,24 +280,14 @@ def test_adjustment_record_is_appended_to_the_state_dir(
     am: ApplicationMaster, client: AMClient, tmp_path: Path
 ) -> None:
     plan = add_and_decide(client)
-    for worker in plan["members"]:
-        role = "joiner" if worker in plan["joiners"] else "stayer"
-        client.request(
-            "report",
-            {
-                "worker_id": worker,
-                "generation": 1,
-                "role": role,
-                "pause_s": 0.1,
-                "bytes_received": 10,
-                "startup_s": 1.0,
-            },
-        )
+    for worker in plan.members:
+        role = "joiner" if worker in plan.joiners else "stayer"
+        client.report(AdjustmentReport(worker, 1, role, pause_s=0.1, bytes_received=10, startup_s=1.0))
 
     lines = (tmp_path / "adjustments.jsonl").read_text().splitlines()
     assert len(lines) == 1
     record = json.loads(lines[0])
-    assert record["request_id"] == plan["request_id"]
+    assert record["request_id"] == plan.request_id
     assert record["bytes_replicated"] == 30
     assert client.status()["last_adjustment"] == record
 
@@ -336,7 +335,7 @@ def test_coordinate_without_a_decision_does_not_write_the_store_but_updates_stat
             for step in range(5):
                 body = {"worker_id": "w0", "generation": 0, "step": step, "epoch": 0, "position": 12 * step,
                         "global_batch": 12}
-                assert client.request("coordinate", body) == {"decision": "none"}
+                assert client.coordinate(CoordinateRequest(**body)) == CoordinateReply.none()
             assert CountingStore.saves == saves_after_start
             assert client.status()["step"] == 4
             client.scale("add", count=1)

@@ -5,6 +5,14 @@ import json
 import pytest
 
 from lightning_elan.master.state import JobState, StateError
+from lightning_elan.protocol.contract import (
+    AdjustmentPlan,
+    AdjustmentReport,
+    CoordinateReply,
+    CoordinateRequest,
+    RegisterRequest,
+    WaitPlanReply,
+)
 
 
 def started(nproc: int = 3) -> JobState:
@@ -15,21 +23,21 @@ def started(nproc: int = 3) -> JobState:
 
 def ready(state: JobState, workers: list[str]) -> None:
     for worker in workers:
-        state.register(worker, host="host", device="cpu", pid=100)
+        state.register(RegisterRequest(worker, host="host", device="cpu", pid=100))
 
 
-def decide(state: JobState, step: int = 10) -> dict:
-    reply = state.coordinate(state.member_ids[0], state.generation, step)
-    assert reply["decision"] == "adjust", reply
-    return reply["plan"]
+def decide(state: JobState, step: int = 10) -> AdjustmentPlan:
+    reply = state.coordinate(CoordinateRequest(state.member_ids[0], state.generation, step))
+    assert reply.decision == "adjust" and reply.plan is not None, reply
+    return reply.plan
 
 
-def adjust(state: JobState, action: str, **arguments: object) -> dict:
+def adjust(state: JobState, action: str, **arguments: object) -> AdjustmentPlan:
     """Request, register the joiners, decide and commit one adjustment; returns its plan."""
     new_workers = state.scale(action, **arguments)["new_workers"]
     ready(state, new_workers)
     plan = decide(state)
-    state.coordinate(plan["members"][0], plan["generation"], 11)
+    state.coordinate(CoordinateRequest(plan.members[0], plan.generation, 11))
     return plan
 
 
@@ -57,10 +65,10 @@ def test_add_spawns_new_workers_then_plans_them_in_after_they_report_ready() -> 
         "finished": False,
     }
     assert second_poll["spawn"] == []
-    assert state.coordinate("w0", 0, 5) == {"decision": "none"}
+    assert state.coordinate(CoordinateRequest("w0", 0, 5)) == CoordinateReply.none()
     ready(state, ["w2", "w3"])
     plan = decide(state, step=10)
-    assert plan == {
+    assert plan.to_dict() == {
         "request_id": "r1",
         "action": "add",
         "generation": 1,
@@ -81,9 +89,9 @@ def test_decision_waits_until_all_new_workers_reported() -> None:
 
     ready(state, ["w2"])
 
-    assert state.coordinate("w0", 0, 10) == {"decision": "none"}
+    assert state.coordinate(CoordinateRequest("w0", 0, 10)) == CoordinateReply.none()
     ready(state, ["w3"])
-    assert state.coordinate("w0", 0, 15)["decision"] == "adjust"
+    assert state.coordinate(CoordinateRequest("w0", 0, 15)).decision == "adjust"
 
 
 def test_at_step_defers_the_decision_to_the_first_coordination_at_or_after_it() -> None:
@@ -91,8 +99,8 @@ def test_at_step_defers_the_decision_to_the_first_coordination_at_or_after_it() 
     state.scale("add", count=1, at_step=20)
     ready(state, ["w2"])
 
-    assert state.coordinate("w0", 0, 15) == {"decision": "none"}
-    assert decide(state, step=25)["step"] == 25
+    assert state.coordinate(CoordinateRequest("w0", 0, 15)) == CoordinateReply.none()
+    assert decide(state, step=25).step == 25
 
 
 def test_only_the_head_request_is_considered() -> None:
@@ -100,7 +108,7 @@ def test_only_the_head_request_is_considered() -> None:
     state.scale("add", count=1, at_step=100)
     state.scale("remove", count=1)
 
-    assert state.coordinate("w0", 0, 10) == {"decision": "none"}
+    assert state.coordinate(CoordinateRequest("w0", 0, 10)) == CoordinateReply.none()
     assert [request["request_id"] for request in state.status()["pending"]] == ["r1", "r2"]
 
 
@@ -110,9 +118,9 @@ def test_remove_takes_the_newest_members_first() -> None:
 
     plan = adjust(state, "remove", count=2)
 
-    assert plan["leavers"] == ["w2", "w3"]  # w3: latest generation; w2: highest id of generation 0
-    assert plan["members"] == ["w0", "w1"]
-    assert plan["sources"] == {}
+    assert plan.leavers == ["w2", "w3"]  # w3: latest generation; w2: highest id of generation 0
+    assert plan.members == ["w0", "w1"]
+    assert plan.sources == {}
     assert state.generation == 2 and state.member_ids == ["w0", "w1"]
 
 
@@ -121,8 +129,8 @@ def test_remove_ranks_names_ranks_and_keeps_the_order_of_stayers() -> None:
 
     plan = adjust(state, "remove", ranks=[2, 0])
 
-    assert plan["leavers"] == ["w0", "w2"]
-    assert plan["members"] == ["w1", "w3"]
+    assert plan.leavers == ["w0", "w2"]
+    assert plan.members == ["w1", "w3"]
     assert state.status()["members"][0] == {"worker_id": "w1", "rank": 0, "host": None, "device": None, "pid": None}
 
 
@@ -142,10 +150,10 @@ def test_migrate_adds_and_removes_the_newest_old_members_in_one_adjustment() -> 
 
     plan = adjust(state, "migrate", count=2)
 
-    assert plan["joiners"] == ["w3", "w4"]
-    assert plan["leavers"] == ["w1", "w2"]
-    assert plan["members"] == ["w0", "w3", "w4"]
-    assert plan["sources"] == {"w3": "w0", "w4": "w0"}
+    assert plan.joiners == ["w3", "w4"]
+    assert plan.leavers == ["w1", "w2"]
+    assert plan.members == ["w0", "w3", "w4"]
+    assert plan.sources == {"w3": "w0", "w4": "w0"}
 
 
 def test_migrating_every_worker_sources_from_the_leavers() -> None:
@@ -153,8 +161,8 @@ def test_migrating_every_worker_sources_from_the_leavers() -> None:
 
     plan = adjust(state, "migrate", count=2)
 
-    assert plan["members"] == ["w2", "w3"]
-    assert plan["sources"] == {"w2": "w0", "w3": "w1"}
+    assert plan.members == ["w2", "w3"]
+    assert plan.sources == {"w2": "w0", "w3": "w1"}
 
 
 def test_to_resizes_against_the_projected_size() -> None:
@@ -199,9 +207,9 @@ def test_unknown_workers_are_refused() -> None:
     state = started(2)
 
     with pytest.raises(StateError, match=r"^unknown worker w9$"):
-        state.register("w9")
+        state.register(RegisterRequest("w9"))
     with pytest.raises(StateError, match=r"^unknown worker w9$"):
-        state.coordinate("w9", 0, 1)
+        state.coordinate(CoordinateRequest("w9", 0, 1))
     with pytest.raises(StateError, match=r"^unknown worker w9$"):
         state.worker_exit("w9", 1)
 
@@ -219,8 +227,8 @@ def test_in_flight_plan_refuses_scale_and_is_returned_again() -> None:
 
     with pytest.raises(StateError, match=r"^adjustment in flight \(generation 0 → 1\); retry$"):
         state.scale("add", count=1)
-    assert state.coordinate("w0", 0, 10) == {"decision": "adjust", "plan": plan}
-    assert state.wait_plan("w2") == {"status": "plan", "plan": plan}
+    assert state.coordinate(CoordinateRequest("w0", 0, 10)) == CoordinateReply.adjust(plan)
+    assert state.wait_plan("w2") == WaitPlanReply.with_plan(plan)
 
 
 def test_coordinate_of_the_new_generation_commits_the_plan() -> None:
@@ -229,15 +237,15 @@ def test_coordinate_of_the_new_generation_commits_the_plan() -> None:
     ready(state, ["w2"])
     decide(state)
 
-    assert state.coordinate("w0", 1, 12) == {"decision": "none"}
+    assert state.coordinate(CoordinateRequest("w0", 1, 12)) == CoordinateReply.none()
     assert state.generation == 1
     assert state.member_ids == ["w0", "w1", "w2"]
     assert state.in_flight is None
     assert state.member("w2").host == "host"
     with pytest.raises(StateError, match=r"^generation 0 is not current \(current generation 1\)$"):
-        state.coordinate("w0", 0, 12)
+        state.coordinate(CoordinateRequest("w0", 0, 12))
     with pytest.raises(StateError, match="generation 5 is not current"):
-        state.coordinate("w0", 5, 12)
+        state.coordinate(CoordinateRequest("w0", 5, 12))
 
 
 def test_a_joiners_report_commits_but_a_leavers_does_not() -> None:
@@ -246,10 +254,10 @@ def test_a_joiners_report_commits_but_a_leavers_does_not() -> None:
     ready(state, ["w3"])
     decide(state)
 
-    state.report("w2", 1, "leaver", pause_s=0.0, bytes_sent=100, bytes_received=0)
+    state.report(AdjustmentReport("w2", 1, "leaver", pause_s=0.0, bytes_sent=100, bytes_received=0))
     assert state.generation == 0
     assert state.worker_exit("w2", 0) == {"expected": True}
-    state.report("w3", 1, "joiner", pause_s=0.5, bytes_sent=0, bytes_received=100, startup_s=4.0)
+    state.report(AdjustmentReport("w3", 1, "joiner", pause_s=0.5, bytes_sent=0, bytes_received=100, startup_s=4.0))
     assert state.generation == 1
     assert state.member_ids == ["w0", "w1", "w3"]
 
@@ -260,9 +268,9 @@ def test_adjustment_record_is_produced_when_every_new_member_reported() -> None:
     ready(state, ["w2"])
     decide(state, step=10)
 
-    assert state.report("w2", 1, "joiner", pause_s=0.3, bytes_received=1000, startup_s=3.5) is None
-    assert state.report("w0", 1, "stayer", pause_s=0.2, bytes_sent=1000, bytes_received=0) is None
-    record = state.report("w1", 1, "stayer", pause_s=0.1, bytes_sent=0, bytes_received=24)
+    assert state.report(AdjustmentReport("w2", 1, "joiner", pause_s=0.3, bytes_received=1000, startup_s=3.5)) is None
+    assert state.report(AdjustmentReport("w0", 1, "stayer", pause_s=0.2, bytes_sent=1000, bytes_received=0)) is None
+    record = state.report(AdjustmentReport("w1", 1, "stayer", pause_s=0.1, bytes_sent=0, bytes_received=24))
 
     assert record is not None
     assert {key: record[key] for key in ("request_id", "action", "step", "generation", "joiners", "leavers")} == {
@@ -278,7 +286,7 @@ def test_adjustment_record_is_produced_when_every_new_member_reported() -> None:
     assert record["bytes_replicated"] == 1024
     assert record["requested_at"] <= record["all_reported_at"] <= record["decided_at"] <= record["completed_at"]
     assert state.status()["last_adjustment"] == record
-    assert state.report("w1", 1, "stayer", pause_s=0.1) is None  # a late duplicate changes nothing
+    assert state.report(AdjustmentReport("w1", 1, "stayer", pause_s=0.1)) is None  # a late duplicate changes nothing
 
 
 def test_report_from_a_worker_outside_the_adjustment_is_refused() -> None:
@@ -286,13 +294,13 @@ def test_report_from_a_worker_outside_the_adjustment_is_refused() -> None:
     state.scale("add", count=1)
     ready(state, ["w2"])
     decide(state)
-    state.coordinate("w0", 1, 11)
+    state.coordinate(CoordinateRequest("w0", 1, 11))
     state.scale("add", count=1)
 
     with pytest.raises(StateError, match="w3 is not part of the adjustment to generation 1"):
-        state.report("w3", 1, "joiner")
+        state.report(AdjustmentReport("w3", 1, "joiner"))
     with pytest.raises(StateError, match="no adjustment to generation 7"):
-        state.report("w0", 7, "stayer")
+        state.report(AdjustmentReport("w0", 7, "stayer"))
 
 
 def test_a_joiner_exiting_before_the_decision_fails_its_request_and_cancels_its_partners() -> None:
@@ -305,10 +313,10 @@ def test_a_joiner_exiting_before_the_decision_fails_its_request_and_cancels_its_
 
     assert state.pending == []
     answer = state.wait_plan("w2")
-    assert answer is not None and answer["status"] == "cancelled"
-    assert "request r1 failed: worker w3 exited with code 1" in answer["reason"]
+    assert answer is not None and answer.status == "cancelled"
+    assert "request r1 failed: worker w3 exited with code 1" in (answer.reason or "")
     assert state.worker_exit("w2", 0) == {"expected": True}
-    assert state.coordinate("w0", 0, 50) == {"decision": "none"}
+    assert state.coordinate(CoordinateRequest("w0", 0, 50)) == CoordinateReply.none()
     assert state.scale("add", count=1)["new_workers"] == ["w4"]  # ids are never reused
 
 
@@ -329,7 +337,7 @@ def test_shutdown_cancels_pending_requests_and_finishes_the_job() -> None:
     assert state.shutdown("training done") == {}
 
     assert state.launcher_poll() == {"spawn": [], "stop": [], "finished": True}
-    assert state.wait_plan("w2") == {"status": "cancelled", "reason": "job shut down: training done"}
+    assert state.wait_plan("w2") == WaitPlanReply.cancelled("job shut down: training done")
     assert state.status()["finished"] is True
     assert state.worker_exit("w0", 0) == {"expected": True}
     with pytest.raises(StateError, match="is finished"):
@@ -347,17 +355,17 @@ def test_state_round_trips_through_json_mid_adjustment() -> None:
     adjust(state, "add", count=1)
     state.scale("remove", ranks=[0])
     decide(state)
-    state.report("w0", 2, "leaver", bytes_sent=0)
+    state.report(AdjustmentReport("w0", 2, "leaver", bytes_sent=0))
 
     restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
 
     assert restored == state
     assert restored.in_flight is not None
-    assert restored.coordinate("w0", 1, 12) == state.coordinate("w0", 1, 12)
+    assert restored.coordinate(CoordinateRequest("w0", 1, 12)) == state.coordinate(CoordinateRequest("w0", 1, 12))
     for worker in ("w1", "w2"):
-        assert restored.report(worker, 2, "stayer", pause_s=0.1) is None
+        assert restored.report(AdjustmentReport(worker, 2, "stayer", pause_s=0.1)) is None
     assert restored.generation == 2
-    assert restored.report("w3", 2, "stayer", pause_s=0.1)["leavers"] == ["w0"]
+    assert restored.report(AdjustmentReport("w3", 2, "stayer", pause_s=0.1))["leavers"] == ["w0"]
 
 
 # ---- topology-aware sources -----------------------------------------------------------------------------------------
@@ -373,37 +381,38 @@ def test_registered_topologies_route_sources_through_the_planner() -> None:
     state = started(4)
     places = {"w0": ("n0", 0, 1), "w1": ("n0", 0, 2), "w2": ("n0", 1, 0x81), "w3": ("n1", 0, 1)}
     for worker, (host, socket, bus) in places.items():
-        state.register(worker, host=host, device="cuda:0", pid=1, topology=gpu_topology(host, socket, bus))
+        topology = gpu_topology(host, socket, bus)
+        state.register(RegisterRequest(worker, host=host, device="cuda:0", pid=1, topology=topology))
     new = state.scale("add", count=2)["new_workers"]
-    state.register(new[0], host="n0", device="cuda:1", pid=2, topology=gpu_topology("n0", 1, 0x82))
-    state.register(new[1], host="n1", device="cuda:1", pid=3, topology=gpu_topology("n1", 0, 2))
+    state.register(RegisterRequest(new[0], host="n0", device="cuda:1", pid=2, topology=gpu_topology("n0", 1, 0x82)))
+    state.register(RegisterRequest(new[1], host="n1", device="cuda:1", pid=3, topology=gpu_topology("n1", 0, 2)))
 
     plan = decide(state)
 
-    assert plan["sources"] == {"w4": "w2", "w5": "w3"}
-    assert [(t["source"], t["joiner"], t["level"], t["wave"], t["transport"]) for t in plan["transfers"]] == [
+    assert plan.sources == {"w4": "w2", "w5": "w3"}
+    assert [(t.source, t.joiner, t.level, t.wave, t.transport) for t in plan.transfers] == [
         ("w2", "w4", 2, 0, "shm"),
         ("w3", "w5", 2, 0, "shm"),
     ]
     restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
-    assert restored.in_flight is not None and restored.in_flight.plan.to_dict() == plan
+    assert restored.in_flight is not None and restored.in_flight.plan == plan
 
 
 def test_a_missing_topology_falls_back_to_round_robin_without_transfers() -> None:
     state = started(2)
-    state.register("w0", host="n0", topology={"host": "n0"})
+    state.register(RegisterRequest("w0", host="n0", topology={"host": "n0"}))
     new = state.scale("add", count=2)["new_workers"]
     ready(state, new)  # joiners register without a topology
 
     plan = decide(state)
 
-    assert plan["sources"] == {"w2": "w0", "w3": "w1"}
-    assert "transfers" not in plan
+    assert plan.sources == {"w2": "w0", "w3": "w1"}
+    assert plan.transfers is None and "transfers" not in plan.to_dict()
 
 
 def test_an_unreadable_topology_is_ignored() -> None:
     state = started(1)
-    state.register("w0", host="n0", topology={"no_host": True})
+    state.register(RegisterRequest("w0", host="n0", topology={"no_host": True}))
     assert state.members[0].topology is None
 
 
@@ -415,12 +424,12 @@ def test_a_request_whose_worker_never_reports_fails_and_the_queue_moves_on() -> 
     assert [w["worker_id"] for w in state.launcher_poll(now=1000.0)["spawn"]] == stuck + behind
     ready(state, behind)
     assert state.launcher_poll(now=1029.0)["stop"] == []
-    assert state.coordinate("w0", 0, 5)["decision"] == "none", "the head request still waits for its worker"
+    assert state.coordinate(CoordinateRequest("w0", 0, 5)).plan is None, "the head request still waits for its worker"
     assert state.launcher_poll(now=1031.0)["stop"] == stuck
-    assert state.wait_plan(stuck[0])["status"] == "cancelled"
-    assert "did not report ready within 30 s" in state.wait_plan(stuck[0])["reason"]
+    assert state.wait_plan(stuck[0]).status == "cancelled"
+    assert "did not report ready within 30 s" in state.wait_plan(stuck[0]).reason
     plan = decide(state, step=6)
-    assert plan["joiners"] == behind
+    assert plan.joiners == behind
     assert JobState.from_dict(json.loads(json.dumps(state.to_dict()))).report_timeout_s == 30
     with pytest.raises(StateError, match="report_timeout_s"):
         JobState(job="other").start_job(1, report_timeout_s=0)

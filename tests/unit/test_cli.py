@@ -318,8 +318,11 @@ def test_format_status_full() -> None:
             "previous_generation": 2,
             "step": 40,
             "members": ["w0", "w3", "w4"],
+            "previous_members": ["w0", "w3"],
             "joiners": ["w4"],
             "leavers": [],
+            "sources": {"w4": "w0"},
+            "hosts": {"w0": "box", "w3": "box", "w4": "box"},
         },
         "last_adjustment": {
             "request_id": "r2",

@@ -1,30 +1,85 @@
+"""The worker side of the launcher → worker environment contract (``protocol.contract.WorkerEnvironment``)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
 import pytest
 
-from lightning_elan.strategy.identity import WorkerIdentity
-from lightning_elan.strategy.timeline import StepTimeline
+from lightning_elan.protocol.contract import (
+    DEFAULT_COORDINATE_EVERY,
+    WORKER_ENV_VARS,
+    WorkerEnvironment,
+    split_host_port,
+)
+
+BASE = {"ELAN_AM_ADDRESS": "tcp://127.0.0.1:1", "ELAN_STORE_ADDRESS": "127.0.0.1:2", "ELAN_JOB": "j",
+        "ELAN_WORKER_ID": "w3", "ELAN_COORDINATE_EVERY": "4", "ELAN_SPAWN_TIME": "12.5"}
 
 
-def test_identity_standalone_without_launcher():
-    identity = WorkerIdentity.from_env({})
-    assert identity.standalone and identity.world_size == 1 and identity.rank == 0
+def launched(role: str, **overrides: object) -> WorkerEnvironment:
+    arguments = {"job": "j", "worker_id": "w3", "role": role, "am_address": "tcp://127.0.0.1:1",
+                 "store_address": "127.0.0.1:2", "coordinate_every": 4, "spawn_time": 1712345678.123456}
+    return WorkerEnvironment.launched(**{**arguments, **overrides})  # type: ignore[arg-type]
 
 
-def test_identity_of_a_member_and_a_joiner():
-    base = {"ELAN_AM_ADDRESS": "tcp://127.0.0.1:1", "ELAN_STORE_ADDRESS": "127.0.0.1:2", "ELAN_JOB": "j",
-            "ELAN_WORKER_ID": "w3", "ELAN_COORDINATE_EVERY": "4", "ELAN_SPAWN_TIME": "12.5"}
-    member = WorkerIdentity.from_env({**base, "ELAN_ROLE": "member", "ELAN_RANK": "1", "ELAN_WORLD_SIZE": "2",
-                                      "ELAN_GENERATION": "0"})
-    assert (member.rank, member.world_size, member.coordinate_every, member.joiner) == (1, 2, 4, False)
-    joiner = WorkerIdentity.from_env({**base, "ELAN_ROLE": "joiner"})
-    assert joiner.joiner and joiner.spawn_time == 12.5
-    with pytest.raises(ValueError, match="ELAN_ROLE"):
-        WorkerIdentity.from_env({**base, "ELAN_ROLE": "boss"})
+def test_standalone_without_launcher() -> None:
+    environment = WorkerEnvironment.from_env({"ELAN_COORDINATE_EVERY": "3"})
+
+    assert environment.standalone and not environment.joiner
+    assert (environment.rank, environment.world_size, environment.am_address) == (0, 1, None)
+    assert environment.coordinate_every == 3
+    assert WorkerEnvironment.from_env({}).coordinate_every == DEFAULT_COORDINATE_EVERY
+    with pytest.raises(ValueError, match="only a launched member or joiner"):
+        environment.to_env()
 
 
-def test_timeline_pause_is_the_extra_time_of_the_step_after_an_adjustment():
-    timeline = StepTimeline()
-    for t in (0.0, 1.0, 2.0, 3.0):
-        assert timeline.step_ended(t) is None
-    timeline.adjustment_started()
-    assert timeline.step_ended(5.5) == pytest.approx(1.5)
-    assert timeline.step_ended(6.5) is None
+def test_member_and_joiner_read_from_the_launchers_variables() -> None:
+    member = WorkerEnvironment.from_env({**BASE, "ELAN_ROLE": "member", "ELAN_RANK": "1", "ELAN_WORLD_SIZE": "2",
+                                         "ELAN_GENERATION": "0", "ELAN_DEVICE_INDEX": "1"})
+    joiner = WorkerEnvironment.from_env({**BASE, "ELAN_ROLE": "joiner"})
+
+    assert (member.role, member.rank, member.world_size, member.generation) == ("member", 1, 2, 0)
+    assert (member.coordinate_every, member.spawn_time, member.device_index) == (4, 12.5, 1)
+    assert joiner.joiner
+    assert (joiner.rank, joiner.world_size, joiner.generation, joiner.device_index) == (-1, 0, -1, None)
+
+
+def test_a_bad_role_is_refused() -> None:
+    with pytest.raises(ValueError, match="ELAN_ROLE must be 'member' or 'joiner', got 'boss'"):
+        WorkerEnvironment.from_env({**BASE, "ELAN_ROLE": "boss"})
+
+
+@pytest.mark.parametrize(
+    "environment",
+    [launched("member", rank=2, world_size=3, device_index=0), launched("joiner")],
+    ids=["member", "joiner"],
+)
+def test_to_env_round_trips_through_from_env(environment: WorkerEnvironment) -> None:
+    env = environment.to_env()
+
+    assert WorkerEnvironment.from_env(env) == environment
+    assert set(env) <= set(WORKER_ENV_VARS)  # the launcher strips exactly what it may set
+    assert all(isinstance(value, str) for value in env.values())
+
+
+def test_a_joiners_environment_carries_no_rank_and_a_member_carries_generation_zero() -> None:
+    joiner, member = launched("joiner").to_env(), launched("member", rank=0, world_size=2).to_env()
+
+    assert {"ELAN_RANK", "ELAN_WORLD_SIZE", "ELAN_GENERATION", "ELAN_DEVICE_INDEX"}.isdisjoint(joiner)
+    assert (member["ELAN_GENERATION"], member["ELAN_RANK"], member["ELAN_WORLD_SIZE"]) == ("0", "0", "2")
+
+
+def test_same_fields_as_the_strategys_worker_identity() -> None:
+    """The worker side switches to WorkerEnvironment unchanged (this check goes with strategy/identity.py)."""
+    identity = pytest.importorskip("lightning_elan.strategy.identity")
+
+    assert [f.name for f in fields(WorkerEnvironment)] == [f.name for f in fields(identity.WorkerIdentity)]
+    env = {**BASE, "ELAN_ROLE": "member", "ELAN_RANK": "1", "ELAN_WORLD_SIZE": "2", "ELAN_GENERATION": "0"}
+    ours, theirs = WorkerEnvironment.from_env(env), identity.WorkerIdentity.from_env(env)
+    assert [getattr(ours, f.name) for f in fields(ours)] == [getattr(theirs, f.name) for f in fields(theirs)]
+
+
+def test_split_host_port() -> None:
+    assert split_host_port("127.0.0.1:29500") == ("127.0.0.1", 29500)
+    assert split_host_port("::1:80") == ("::1", 80)

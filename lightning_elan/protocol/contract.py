@@ -1,0 +1,631 @@
+"""The typed contract between the launcher, the application master and the workers (pure: no torch, Lightning, zmq).
+
+This module owns, once each:
+
+* the protocol version and the defaults every side shares (coordination interval, report and join timeouts);
+* the worker environment the launcher sets (``ELAN_*`` names, :class:`WorkerEnvironment`);
+* the request body schemas (``BODY_SCHEMAS``; :mod:`lightning_elan.protocol.messages` validates against them);
+* the worker ↔ AM messages as dataclasses, each next to its schema, and the :class:`AdjustmentPlan`.
+
+Wire forms are the JSON of docs/architecture.md, unchanged: ``to_body()``/``to_dict()`` omit optional fields that are
+None where the protocol does, and ``from_body()``/``from_dict()`` ignore keys they do not know (as validation does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar, TypeVar
+
+from lightning_elan.replication.planner import TRANSPORT_COLLECTIVE, Transfer
+from lightning_elan.replication.topology import L4_NETWORK
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+CONTRACT_VERSION = PROTOCOL_VERSION  # the wire forms below are those of protocol version ``v``
+
+# ---- defaults (one place each) ---------------------------------------------------------------------------------------
+
+DEFAULT_COORDINATE_EVERY = 10
+"""Rank 0 asks the AM whether to adjust every this many optimizer steps."""
+DEFAULT_REPORT_TIMEOUT_S = 600.0
+"""A request fails if one of its new workers has not reported ready this long after it was started."""
+DEFAULT_JOIN_TIMEOUT_S = 1800.0
+"""A joiner gives up when no plan includes it this long after it reported ready."""
+
+# ---- environment variables -------------------------------------------------------------------------------------------
+
+ENV_PREFIX = "ELAN_"
+ENV_JOB = ENV_PREFIX + "JOB"
+ENV_AM_ADDRESS = ENV_PREFIX + "AM_ADDRESS"
+ENV_STORE_ADDRESS = ENV_PREFIX + "STORE_ADDRESS"
+ENV_WORKER_ID = ENV_PREFIX + "WORKER_ID"
+ENV_ROLE = ENV_PREFIX + "ROLE"
+ENV_GENERATION = ENV_PREFIX + "GENERATION"
+ENV_RANK = ENV_PREFIX + "RANK"
+ENV_WORLD_SIZE = ENV_PREFIX + "WORLD_SIZE"
+ENV_COORDINATE_EVERY = ENV_PREFIX + "COORDINATE_EVERY"
+ENV_SPAWN_TIME = ENV_PREFIX + "SPAWN_TIME"
+ENV_DEVICE_INDEX = ENV_PREFIX + "DEVICE_INDEX"
+WORKER_ENV_VARS: tuple[str, ...] = (
+    ENV_JOB,
+    ENV_AM_ADDRESS,
+    ENV_STORE_ADDRESS,
+    ENV_WORKER_ID,
+    ENV_ROLE,
+    ENV_GENERATION,
+    ENV_RANK,
+    ENV_WORLD_SIZE,
+    ENV_COORDINATE_EVERY,
+    ENV_SPAWN_TIME,
+    ENV_DEVICE_INDEX,
+)
+"""What the launcher sets for each worker (and strips from the environment the workers inherit)."""
+
+# user settings, read where they apply and inherited by the workers
+ENV_REPLICATION = ENV_PREFIX + "REPLICATION"  # "collective" forces collective replication (no topology registered)
+ENV_SHM_DIR = ENV_PREFIX + "SHM_DIR"  # directory of the shared-memory segments (default /dev/shm)
+ENV_HOME = ENV_PREFIX + "HOME"  # the job registry and default state dirs (default ~/.elan)
+
+ROLE_MEMBER = "member"
+ROLE_JOINER = "joiner"
+ROLE_STANDALONE = "standalone"
+LAUNCHED_ROLES = (ROLE_MEMBER, ROLE_JOINER)
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the protocol; ``msg_id`` is the request id when it could be read."""
+
+    def __init__(self, message: str, msg_id: str | None = None) -> None:
+        super().__init__(message)
+        self.msg_id = msg_id
+
+
+# ---- schemas ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Field:
+    """One body field: the JSON types it accepts and whether it must be present (optional fields may be null)."""
+
+    types: tuple[type, ...]
+    required: bool = False
+    item_type: type | None = None
+    schema: dict[str, Field] | None = None  # the fields of a nested object
+
+
+_INT = (int,)
+_NUMBER = (int, float)
+_STR = (str,)
+
+# a HybridScaling decision (ScalingDecision.to_dict()), in reports and in the scaling summary
+SCALING_DECISION: dict[str, Field] = {
+    "global_batch": Field(_INT, required=True),
+    "local_batch": Field(_INT, required=True),
+    "k": Field(_NUMBER, required=True),
+    "reason": Field(_STR, required=True),
+    "lr_scale": Field(_NUMBER),
+}
+
+# the scaling summary rank 0 sends with a coordinate, for `elan status` (lightning_elan.scaling.scaling_summary)
+SCALING_SUMMARY: dict[str, Field] = {
+    "policy": Field(_STR, required=True),
+    "model_ready": Field((bool,), required=True),
+    "observations": Field((dict,)),
+    "world_size": Field(_INT),
+    "global_batch": Field(_INT),
+    "throughput": Field((list,), item_type=dict),
+    "last_decision": Field((dict,), schema=SCALING_DECISION),
+}
+
+# ---- wire helpers ----------------------------------------------------------------------------------------------------
+
+_T = TypeVar("_T")
+
+
+def _wire(message: Any) -> dict[str, Any]:
+    """A message dataclass as its body: every field in declaration order, None-valued ones omitted."""
+    body = {f.name: getattr(message, f.name) for f in fields(message)}
+    return {name: value for name, value in body.items() if value is not None}
+
+
+def _from_wire(cls: type[_T], data: Mapping[str, Any], what: str) -> _T:
+    """Build ``cls`` from the keys it knows; a missing required key raises ``ProtocolError`` naming it."""
+    if not isinstance(data, Mapping):
+        raise ProtocolError(f"{what} must be an object, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    missing = [name for name in required_fields(cls) if data.get(name) is None]
+    if missing:
+        raise ProtocolError(f"{what}: missing field(s) {', '.join(repr(name) for name in missing)}")
+    return cls(**{name: value for name, value in data.items() if name in known})
+
+
+def required_fields(cls: type) -> list[str]:
+    """The fields of a contract dataclass that have no default (the schema's required keys)."""
+    return [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+
+
+# ---- the adjustment plan ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdjustmentPlan:
+    """What every participant of an adjustment receives (docs/architecture.md, *Plan*).
+
+    ``members`` is the new rank order; ``sources`` maps each joiner to the old member that sends it the state;
+    ``transfers`` is the topology-aware planner's routes, None (absent from the wire form) when a topology was missing.
+    """
+
+    request_id: str
+    action: str
+    generation: int
+    previous_generation: int
+    step: int
+    members: list[str]
+    previous_members: list[str]
+    joiners: list[str]
+    leavers: list[str]
+    sources: dict[str, str]
+    hosts: dict[str, str | None]
+    transfers: list[Transfer] | None = None
+
+    @property
+    def stayers(self) -> list[str]:
+        """Old members that are members of the new generation, in new rank order."""
+        return [worker for worker in self.members if worker not in self.joiners]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def involves(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` takes part: a member of the new generation or a leaver."""
+        return worker_id in self.members or worker_id in self.leavers
+
+    def rank_of(self, worker_id: str) -> int:
+        """``worker_id``'s rank in the new generation; ``ValueError`` if it is not a member."""
+        try:
+            return self.members.index(worker_id)
+        except ValueError:
+            raise ValueError(f"worker {worker_id} is not a member of generation {self.generation}") from None
+
+    def joiners_served_by(self, source: str) -> list[str]:
+        """The joiners whose ``sources`` entry is ``source``, in plan order."""
+        return [joiner for joiner in self.joiners if self.sources.get(joiner) == source]
+
+    def primary_transfers(self) -> list[Transfer]:
+        """Each joiner's (first-slice) transfer in plan order; a plan without ``transfers`` is all collective."""
+        if self.transfers is None:
+            return [
+                Transfer(source=self.sources[joiner], joiner=joiner, level=L4_NETWORK, transport=TRANSPORT_COLLECTIVE)
+                for joiner in self.joiners
+            ]
+        if any(transfer.slice_count > 1 for transfer in self.transfers):
+            logger.warning("plan %s splits transfers into slices; each joiner copies from its first source only",
+                           self.request_id)
+        return [transfer for transfer in self.transfers if transfer.slice_index == 0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form (``transfers`` only when there are some)."""
+        data: dict[str, Any] = {
+            "request_id": self.request_id,
+            "action": self.action,
+            "generation": self.generation,
+            "previous_generation": self.previous_generation,
+            "step": self.step,
+            "members": list(self.members),
+            "previous_members": list(self.previous_members),
+            "joiners": list(self.joiners),
+            "leavers": list(self.leavers),
+            "sources": dict(self.sources),
+            "hosts": dict(self.hosts),
+        }
+        if self.transfers is not None:
+            data["transfers"] = [transfer.to_dict() for transfer in self.transfers]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AdjustmentPlan:
+        if isinstance(data, Mapping) and data.get("transfers") is not None:
+            transfers = [t if isinstance(t, Transfer) else Transfer.from_dict(t) for t in data["transfers"]]
+            data = {**data, "transfers": transfers}
+        return _from_wire(cls, data, "plan")
+
+
+# ---- worker → AM requests (each next to its schema) ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegisterRequest:
+    """``register``: where a worker lives; for a joiner this is *report ready*."""
+
+    TYPE: ClassVar[str] = "register"
+    SCHEMA: ClassVar[dict[str, Field]] = {
+        "worker_id": Field(_STR, required=True),
+        "host": Field(_STR),
+        "device": Field((str, int)),
+        "pid": Field(_INT),
+        "topology": Field((dict,)),
+    }
+
+    worker_id: str
+    host: str | None = None
+    device: str | int | None = None
+    pid: int | None = None
+    topology: dict[str, Any] | None = None  # replication.topology.detect()'s dict
+
+    def to_body(self) -> dict[str, Any]:
+        return _wire(self)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> RegisterRequest:
+        return _from_wire(cls, body, cls.TYPE)
+
+
+@dataclass(frozen=True)
+class CoordinateRequest:
+    """``coordinate``: rank 0's periodic question, with the training progress and (sometimes) the scaling summary."""
+
+    TYPE: ClassVar[str] = "coordinate"
+    SCHEMA: ClassVar[dict[str, Field]] = {
+        "worker_id": Field(_STR, required=True),
+        "generation": Field(_INT, required=True),
+        "step": Field(_INT, required=True),
+        "epoch": Field(_INT),
+        "position": Field(_INT),
+        "global_batch": Field(_INT),
+        "scaling": Field((dict,), schema=SCALING_SUMMARY),
+    }
+
+    worker_id: str
+    generation: int
+    step: int
+    epoch: int | None = None
+    position: int | None = None
+    global_batch: int | None = None
+    scaling: dict[str, Any] | None = None  # SCALING_SUMMARY
+
+    def to_body(self) -> dict[str, Any]:
+        return _wire(self)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> CoordinateRequest:
+        return _from_wire(cls, body, cls.TYPE)
+
+
+@dataclass(frozen=True)
+class WaitPlanRequest:
+    """``wait_plan``: a joiner's long poll for its plan."""
+
+    TYPE: ClassVar[str] = "wait_plan"
+    SCHEMA: ClassVar[dict[str, Field]] = {"worker_id": Field(_STR, required=True), "timeout_s": Field(_NUMBER)}
+
+    worker_id: str
+    timeout_s: float | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        return _wire(self)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> WaitPlanRequest:
+        return _from_wire(cls, body, cls.TYPE)
+
+
+REPORT_ROLES = ("stayer", "joiner", "leaver")
+
+
+@dataclass(frozen=True)
+class AdjustmentReport:
+    """``report``: what one worker measured and applied in the adjustment to ``generation``."""
+
+    TYPE: ClassVar[str] = "report"
+    SCHEMA: ClassVar[dict[str, Field]] = {
+        "worker_id": Field(_STR, required=True),
+        "generation": Field(_INT, required=True),
+        "role": Field(_STR, required=True),
+        "pause_s": Field(_NUMBER),
+        "bytes_sent": Field(_INT),
+        "bytes_received": Field(_INT),
+        "startup_s": Field(_NUMBER),
+        "global_batch": Field(_INT),
+        "scaling": Field((dict,), schema=SCALING_DECISION),
+    }
+
+    worker_id: str
+    generation: int
+    role: str  # one of REPORT_ROLES
+    pause_s: float | None = None
+    bytes_sent: int | None = None
+    bytes_received: int | None = None
+    startup_s: float | None = None
+    global_batch: int | None = None
+    scaling: dict[str, Any] | None = None  # SCALING_DECISION
+
+    def to_body(self) -> dict[str, Any]:
+        return _wire(self)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> AdjustmentReport:
+        return _from_wire(cls, body, cls.TYPE)
+
+
+# ---- AM → worker replies ---------------------------------------------------------------------------------------------
+
+DECISION_NONE = "none"
+DECISION_ADJUST = "adjust"
+STATUS_WAIT = "wait"
+STATUS_PLAN = "plan"
+STATUS_CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class CoordinateReply:
+    """The answer to ``coordinate``: ``none``, or ``adjust`` with the plan."""
+
+    decision: str
+    plan: AdjustmentPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.decision not in (DECISION_NONE, DECISION_ADJUST):
+            raise ProtocolError(f"coordinate reply: unknown decision {self.decision!r} (expected none or adjust)")
+        if (self.plan is not None) != (self.decision == DECISION_ADJUST):
+            raise ProtocolError(f"coordinate reply: decision {self.decision!r} with plan {self.plan!r}")
+
+    @classmethod
+    def none(cls) -> CoordinateReply:
+        return cls(DECISION_NONE)
+
+    @classmethod
+    def adjust(cls, plan: AdjustmentPlan) -> CoordinateReply:
+        return cls(DECISION_ADJUST, plan)
+
+    def to_body(self) -> dict[str, Any]:
+        if self.plan is None:
+            return {"decision": self.decision}
+        return {"decision": self.decision, "plan": self.plan.to_dict()}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> CoordinateReply:
+        plan = body.get("plan")
+        return cls(body.get("decision"), None if plan is None else AdjustmentPlan.from_dict(plan))
+
+
+@dataclass(frozen=True)
+class WaitPlanReply:
+    """The answer to ``wait_plan``: ``wait``, ``plan`` with the plan, or ``cancelled`` with the reason."""
+
+    status: str
+    plan: AdjustmentPlan | None = None
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in (STATUS_WAIT, STATUS_PLAN, STATUS_CANCELLED):
+            raise ProtocolError(f"wait_plan reply: unknown status {self.status!r} (expected wait, plan or cancelled)")
+        if (self.plan is not None) != (self.status == STATUS_PLAN):
+            raise ProtocolError(f"wait_plan reply: status {self.status!r} with plan {self.plan!r}")
+
+    @classmethod
+    def wait(cls) -> WaitPlanReply:
+        return cls(STATUS_WAIT)
+
+    @classmethod
+    def with_plan(cls, plan: AdjustmentPlan) -> WaitPlanReply:
+        return cls(STATUS_PLAN, plan)
+
+    @classmethod
+    def cancelled(cls, reason: str) -> WaitPlanReply:
+        return cls(STATUS_CANCELLED, reason=reason)
+
+    def to_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"status": self.status}
+        if self.plan is not None:
+            body["plan"] = self.plan.to_dict()
+        if self.reason is not None:
+            body["reason"] = self.reason
+        return body
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> WaitPlanReply:
+        plan = body.get("plan")
+        return cls(body.get("status"), None if plan is None else AdjustmentPlan.from_dict(plan), body.get("reason"))
+
+
+# ---- the request schemas by type -------------------------------------------------------------------------------------
+
+TYPED_REQUESTS: tuple[type, ...] = (RegisterRequest, CoordinateRequest, WaitPlanRequest, AdjustmentReport)
+"""The requests with a dataclass: their ``SCHEMA`` is the one ``BODY_SCHEMAS`` holds for their ``TYPE``."""
+
+BODY_SCHEMAS: dict[str, dict[str, Field]] = {
+    "start_job": {
+        "nproc": Field(_INT, required=True),
+        "coordinate_every": Field(_INT),
+        "hosts": Field((list, dict)),
+        "report_timeout_s": Field(_NUMBER),
+    },
+    "scale": {
+        "action": Field(_STR, required=True),
+        "count": Field(_INT),
+        "ranks": Field((list,), item_type=int),
+        "size": Field(_INT),
+        "at_step": Field(_INT),
+    },
+    "status": {},
+    "launcher_poll": {},
+    "worker_exit": {"worker_id": Field(_STR, required=True), "returncode": Field(_INT, required=True)},
+    "shutdown": {"reason": Field(_STR)},
+    **{message.TYPE: message.SCHEMA for message in TYPED_REQUESTS},  # type: ignore[attr-defined]
+}
+
+# Requests that change the AM's state: their successful replies are cached (and persisted) by request id.
+MUTATING_TYPES = frozenset(
+    {"start_job", "scale", "launcher_poll", "worker_exit", "shutdown", "register", "coordinate", "report"}
+)
+READ_ONLY_TYPES = frozenset({"status", "wait_plan"})
+MESSAGE_TYPES = MUTATING_TYPES | READ_ONLY_TYPES
+
+
+# ---- the worker environment ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerEnvironment:
+    """The launcher's description of one worker process, carried in ``ELAN_*`` variables.
+
+    ``role`` is ``member`` (generation 0: ``generation``/``rank``/``world_size`` set), ``joiner`` (started for a
+    scale request: they are -1/-1/0 until its plan) or ``standalone`` (no ``elan run``: world size 1, no AM).
+    """
+
+    job: str
+    worker_id: str
+    role: str
+    am_address: str | None
+    store_address: str | None
+    generation: int
+    rank: int
+    world_size: int
+    coordinate_every: int
+    spawn_time: float
+    device_index: int | None
+
+    @property
+    def standalone(self) -> bool:
+        return self.role == ROLE_STANDALONE
+
+    @property
+    def joiner(self) -> bool:
+        return self.role == ROLE_JOINER
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerEnvironment:
+        """Read the environment (``os.environ`` by default); without ``ELAN_AM_ADDRESS`` the process is standalone."""
+        env = os.environ if env is None else env
+        coordinate_every = int(env.get(ENV_COORDINATE_EVERY, DEFAULT_COORDINATE_EVERY))
+        if ENV_AM_ADDRESS not in env:
+            return cls.standalone_process(coordinate_every)
+        role = env.get(ENV_ROLE, ROLE_MEMBER)
+        if role not in LAUNCHED_ROLES:
+            raise ValueError(f"{ENV_ROLE} must be 'member' or 'joiner', got {role!r}")
+        device = env.get(ENV_DEVICE_INDEX)
+        return cls(
+            job=env[ENV_JOB],
+            worker_id=env[ENV_WORKER_ID],
+            role=role,
+            am_address=env[ENV_AM_ADDRESS],
+            store_address=env[ENV_STORE_ADDRESS],
+            generation=int(env.get(ENV_GENERATION, -1)),
+            rank=int(env.get(ENV_RANK, -1)),
+            world_size=int(env.get(ENV_WORLD_SIZE, 0)),
+            coordinate_every=coordinate_every,
+            spawn_time=float(env.get(ENV_SPAWN_TIME, time.time())),
+            device_index=None if device in (None, "") else int(device),
+        )
+
+    @classmethod
+    def standalone_process(cls, coordinate_every: int = DEFAULT_COORDINATE_EVERY) -> WorkerEnvironment:
+        """A process no launcher started: rank 0 of 1, no AM, no store."""
+        return cls("standalone", "w0", ROLE_STANDALONE, None, None, 0, 0, 1, coordinate_every, time.time(), None)
+
+    @classmethod
+    def launched(
+        cls,
+        *,
+        job: str,
+        worker_id: str,
+        role: str,
+        am_address: str,
+        store_address: str,
+        coordinate_every: int = DEFAULT_COORDINATE_EVERY,
+        rank: int = -1,
+        world_size: int = 0,
+        spawn_time: float | None = None,
+        device_index: int | None = None,
+    ) -> WorkerEnvironment:
+        """What the launcher gives a member of generation 0 (with ``rank``/``world_size``) or a joiner."""
+        generation = 0 if role == ROLE_MEMBER else -1
+        spawn_time = time.time() if spawn_time is None else spawn_time
+        return cls(job, worker_id, role, am_address, store_address, generation, rank, world_size, coordinate_every,
+                   spawn_time, device_index)
+
+    def to_env(self) -> dict[str, str]:
+        """The ``ELAN_*`` variables that make ``from_env`` return this description (joiners carry no rank)."""
+        if self.role not in LAUNCHED_ROLES or self.am_address is None or self.store_address is None:
+            raise ValueError(f"only a launched member or joiner has a worker environment, not {self!r}")
+        env = {
+            ENV_JOB: self.job,
+            ENV_AM_ADDRESS: self.am_address,
+            ENV_STORE_ADDRESS: self.store_address,
+            ENV_WORKER_ID: self.worker_id,
+            ENV_ROLE: self.role,
+            ENV_COORDINATE_EVERY: str(self.coordinate_every),
+            ENV_SPAWN_TIME: repr(self.spawn_time),
+        }
+        if self.role == ROLE_MEMBER:
+            env.update({ENV_GENERATION: str(self.generation), ENV_RANK: str(self.rank),
+                        ENV_WORLD_SIZE: str(self.world_size)})
+        if self.device_index is not None:
+            env[ENV_DEVICE_INDEX] = str(self.device_index)
+        return env
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` → ``("host", port)`` (the host may itself contain colons)."""
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+__all__ = [
+    "BODY_SCHEMAS",
+    "CONTRACT_VERSION",
+    "DECISION_ADJUST",
+    "DECISION_NONE",
+    "DEFAULT_COORDINATE_EVERY",
+    "DEFAULT_JOIN_TIMEOUT_S",
+    "DEFAULT_REPORT_TIMEOUT_S",
+    "ENV_AM_ADDRESS",
+    "ENV_COORDINATE_EVERY",
+    "ENV_DEVICE_INDEX",
+    "ENV_GENERATION",
+    "ENV_HOME",
+    "ENV_JOB",
+    "ENV_PREFIX",
+    "ENV_RANK",
+    "ENV_REPLICATION",
+    "ENV_ROLE",
+    "ENV_SHM_DIR",
+    "ENV_SPAWN_TIME",
+    "ENV_STORE_ADDRESS",
+    "ENV_WORKER_ID",
+    "ENV_WORLD_SIZE",
+    "MESSAGE_TYPES",
+    "MUTATING_TYPES",
+    "PROTOCOL_VERSION",
+    "READ_ONLY_TYPES",
+    "REPORT_ROLES",
+    "ROLE_JOINER",
+    "ROLE_MEMBER",
+    "ROLE_STANDALONE",
+    "SCALING_DECISION",
+    "SCALING_SUMMARY",
+    "STATUS_CANCELLED",
+    "STATUS_PLAN",
+    "STATUS_WAIT",
+    "TYPED_REQUESTS",
+    "WORKER_ENV_VARS",
+    "AdjustmentPlan",
+    "AdjustmentReport",
+    "CoordinateReply",
+    "CoordinateRequest",
+    "Field",
+    "ProtocolError",
+    "RegisterRequest",
+    "Transfer",
+    "WaitPlanReply",
+    "WaitPlanRequest",
+    "WorkerEnvironment",
+    "required_fields",
+    "split_host_port",
+]

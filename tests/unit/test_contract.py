@@ -1,0 +1,216 @@
+"""The typed contract: wire forms unchanged, plan helpers, reply parsing, schemas and dataclasses in agreement."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+from lightning_elan.protocol import contract
+from lightning_elan.protocol.contract import (
+    BODY_SCHEMAS,
+    TYPED_REQUESTS,
+    AdjustmentPlan,
+    AdjustmentReport,
+    CoordinateReply,
+    CoordinateRequest,
+    ProtocolError,
+    RegisterRequest,
+    Transfer,
+    WaitPlanReply,
+    WaitPlanRequest,
+    required_fields,
+)
+from lightning_elan.protocol.messages import decode_request, encode_request
+
+# the plan of docs/architecture.md, *Plan*, with the planner's transfers: the wire form the AM has always sent
+WIRE_PLAN = {
+    "request_id": "r1", "action": "add", "generation": 1, "previous_generation": 0, "step": 20,
+    "members": ["w0", "w1", "w2", "w3", "w4"], "previous_members": ["w0", "w1"],
+    "joiners": ["w2", "w3", "w4"], "leavers": [], "sources": {"w2": "w0", "w3": "w1", "w4": "w0"},
+    "hosts": {"w0": "host", "w1": "host", "w2": "host", "w3": "host", "w4": None},
+    "transfers": [
+        {"source": "w0", "joiner": "w2", "level": 2, "wave": 0, "transport": "shm", "slice_index": 0, "slice_count": 1},
+        {"source": "w1", "joiner": "w3", "level": 1, "wave": 0, "transport": "cuda_ipc", "slice_index": 0,
+         "slice_count": 1},
+        {"source": "w0", "joiner": "w4", "level": 4, "wave": 1, "transport": "collective", "slice_index": 0,
+         "slice_count": 1},
+    ],
+}
+
+
+def plan_without_transfers() -> AdjustmentPlan:
+    return AdjustmentPlan.from_dict({key: value for key, value in WIRE_PLAN.items() if key != "transfers"})
+
+
+# ---- AdjustmentPlan ------------------------------------------------------------------------------------------------
+
+
+def test_plan_round_trips_through_its_unchanged_wire_form_with_typed_transfers() -> None:
+    plan = AdjustmentPlan.from_dict(json.loads(json.dumps(WIRE_PLAN)))
+
+    assert plan.transfers is not None and all(isinstance(t, Transfer) for t in plan.transfers)
+    assert plan.transfers[1] == Transfer("w1", "w3", level=1, wave=0, transport="cuda_ipc")
+    assert plan.to_dict() == WIRE_PLAN
+    assert list(plan.to_dict()) == list(WIRE_PLAN)  # same key order as before
+    assert AdjustmentPlan.from_dict(plan.to_dict()) == plan
+
+
+def test_a_plan_without_transfers_has_none_and_leaves_the_key_out() -> None:
+    plan = plan_without_transfers()
+
+    assert plan.transfers is None
+    assert "transfers" not in plan.to_dict()
+
+
+def test_plan_from_dict_names_a_missing_field_and_ignores_unknown_ones() -> None:
+    with pytest.raises(ProtocolError, match="plan: missing field\\(s\\) 'sources'"):
+        AdjustmentPlan.from_dict({key: value for key, value in WIRE_PLAN.items() if key != "sources"})
+    with pytest.raises(ProtocolError, match="plan must be an object"):
+        AdjustmentPlan.from_dict(["r1"])  # type: ignore[arg-type]
+
+    assert AdjustmentPlan.from_dict({**WIRE_PLAN, "from_a_newer_am": 1}).to_dict() == WIRE_PLAN
+
+
+def test_rank_of_is_the_new_rank_order_and_refuses_non_members() -> None:
+    plan = AdjustmentPlan.from_dict(
+        {**WIRE_PLAN, "members": ["w1", "w3", "w4"], "previous_members": ["w0", "w1"], "joiners": ["w3", "w4"],
+         "leavers": ["w0"], "sources": {"w3": "w1", "w4": "w1"}, "transfers": None}
+    )
+
+    assert [plan.rank_of(worker) for worker in ("w1", "w3", "w4")] == [0, 1, 2]
+    assert plan.world_size == 3
+    assert plan.stayers == ["w1"]
+    assert plan.involves("w0") and not plan.involves("w2")
+    with pytest.raises(ValueError, match="worker w0 is not a member of generation 1"):
+        plan.rank_of("w0")
+
+
+def test_joiners_served_by_lists_a_sources_joiners_in_plan_order() -> None:
+    plan = AdjustmentPlan.from_dict(WIRE_PLAN)
+
+    assert plan.joiners_served_by("w0") == ["w2", "w4"]
+    assert plan.joiners_served_by("w1") == ["w3"]
+    assert plan.joiners_served_by("w2") == []
+
+
+def test_primary_transfers_fall_back_to_collective_routes_from_the_sources() -> None:
+    assert [(t.source, t.joiner, t.transport, t.level) for t in plan_without_transfers().primary_transfers()] == [
+        ("w0", "w2", "collective", 4), ("w1", "w3", "collective", 4), ("w0", "w4", "collective", 4)
+    ]
+    sliced = {**WIRE_PLAN, "transfers": [
+        {"source": "w0", "joiner": "w2", "level": 2, "slice_index": 0, "slice_count": 2},
+        {"source": "w1", "joiner": "w2", "level": 2, "slice_index": 1, "slice_count": 2},
+    ]}
+    assert [(t.source, t.joiner) for t in AdjustmentPlan.from_dict(sliced).primary_transfers()] == [("w0", "w2")]
+
+
+# ---- replies ---------------------------------------------------------------------------------------------------------
+
+
+def test_coordinate_replies_parse_from_and_to_their_wire_form() -> None:
+    none = CoordinateReply.from_body({"decision": "none"})
+    adjust = CoordinateReply.from_body(json.loads(json.dumps({"decision": "adjust", "plan": WIRE_PLAN})))
+
+    assert none == CoordinateReply.none() and none.plan is None
+    assert adjust.decision == "adjust" and adjust.plan == AdjustmentPlan.from_dict(WIRE_PLAN)
+    assert adjust.to_body() == {"decision": "adjust", "plan": WIRE_PLAN}
+    assert none.to_body() == {"decision": "none"}
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"decision": "maybe"}, "unknown decision 'maybe'"),
+        ({}, "unknown decision None"),
+        ({"decision": "adjust"}, "decision 'adjust' with plan None"),
+    ],
+)
+def test_invalid_coordinate_replies_are_refused(body: dict, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        CoordinateReply.from_body(body)
+
+
+def test_wait_plan_replies_parse_each_status() -> None:
+    plan = AdjustmentPlan.from_dict(WIRE_PLAN)
+
+    assert WaitPlanReply.from_body({"status": "wait"}) == WaitPlanReply.wait()
+    assert WaitPlanReply.from_body({"status": "plan", "plan": WIRE_PLAN}) == WaitPlanReply.with_plan(plan)
+    cancelled = WaitPlanReply.from_body({"status": "cancelled", "reason": "job finished: done"})
+    assert (cancelled.status, cancelled.plan, cancelled.reason) == ("cancelled", None, "job finished: done")
+    assert cancelled.to_body() == {"status": "cancelled", "reason": "job finished: done"}
+    assert WaitPlanReply.with_plan(plan).to_body() == {"status": "plan", "plan": WIRE_PLAN}
+    with pytest.raises(ProtocolError, match="unknown status 'later'"):
+        WaitPlanReply.from_body({"status": "later"})
+    with pytest.raises(ProtocolError, match="status 'plan' with plan None"):
+        WaitPlanReply.from_body({"status": "plan"})
+
+
+# ---- request bodies --------------------------------------------------------------------------------------------------
+
+REQUESTS = [
+    RegisterRequest("w3", host="n0", device="cuda:1", pid=42, topology={"host": "n0", "socket": 1}),
+    CoordinateRequest("w0", 2, 40, epoch=1, position=1280, global_batch=32,
+                      scaling={"policy": "hybrid", "model_ready": False}),
+    WaitPlanRequest("w5", timeout_s=5.0),
+    AdjustmentReport("w2", 3, "joiner", pause_s=0.25, bytes_sent=0, bytes_received=10, startup_s=4.5,
+                     global_batch=24, scaling={"global_batch": 24, "local_batch": 8, "k": 1, "reason": "r"}),
+]
+
+
+@pytest.mark.parametrize("request_", REQUESTS, ids=lambda r: r.TYPE)
+def test_request_bodies_pass_validation_and_come_back_equal(request_: object) -> None:
+    payload = encode_request("m1", "job", request_.TYPE, request_.to_body())  # validated against BODY_SCHEMAS
+
+    assert type(request_).from_body(decode_request(payload, job="job").body) == request_
+
+
+def test_optional_none_fields_are_left_out_of_the_body_and_extra_keys_ignored() -> None:
+    body = CoordinateRequest("w0", 0, 5).to_body()
+
+    assert body == {"worker_id": "w0", "generation": 0, "step": 5}
+    assert AdjustmentReport("w1", 1, "stayer", pause_s=0.0).to_body() == {
+        "worker_id": "w1", "generation": 1, "role": "stayer", "pause_s": 0.0
+    }
+    assert CoordinateRequest.from_body({**body, "future_field": 1}) == CoordinateRequest("w0", 0, 5)
+    with pytest.raises(ProtocolError, match="report: missing field\\(s\\) 'generation', 'role'"):
+        AdjustmentReport.from_body({"worker_id": "w1"})
+
+
+@pytest.mark.parametrize("message", TYPED_REQUESTS, ids=lambda m: m.TYPE)
+def test_each_dataclass_has_exactly_its_schemas_fields_and_required_ones(message: type) -> None:
+    schema = BODY_SCHEMAS[message.TYPE]
+
+    assert schema is message.SCHEMA
+    assert [f.name for f in fields(message)] == list(schema)
+    assert required_fields(message) == [name for name, spec in schema.items() if spec.required]
+
+
+# ---- names, version, purity ------------------------------------------------------------------------------------------
+
+
+def test_every_environment_variable_has_the_one_prefix() -> None:
+    names = [value for name, value in vars(contract).items() if name.startswith("ENV_") and name != "ENV_PREFIX"]
+
+    assert len(names) == len(set(names)) == len(contract.WORKER_ENV_VARS) + 3
+    assert all(name.startswith(contract.ENV_PREFIX) for name in names)
+    assert {contract.ENV_REPLICATION, contract.ENV_SHM_DIR, contract.ENV_HOME}.isdisjoint(contract.WORKER_ENV_VARS)
+
+
+def test_frames_carry_the_contract_version() -> None:
+    frame = json.loads(encode_request("m1", "job", "status", {}))
+
+    assert frame["v"] == contract.PROTOCOL_VERSION == contract.CONTRACT_VERSION
+
+
+def test_the_contract_imports_no_torch_lightning_or_zmq() -> None:
+    code = (
+        "import sys, lightning_elan.protocol.contract, lightning_elan.protocol.messages; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'zmq')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+
+    assert result.stdout.strip() == "[]"
