@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -31,13 +31,20 @@ from lightning_elan.elastic.am_link import AMLink
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
 from lightning_elan.elastic.process_group import ElasticProcessGroup, install_default_group, uninstall_default_group
 from lightning_elan.elastic.rng import rng_state, set_rng_state
+from lightning_elan.elastic.scaling import ScalingLink
 from lightning_elan.elastic.timeline import PhaseClock, StepTimeline
-from lightning_elan.master.state import AdjustmentPlan
+from lightning_elan.protocol.contract import (
+    DEFAULT_JOIN_TIMEOUT_S,
+    ENV_REPLICATION,
+    AdjustmentPlan,
+    AdjustmentReport,
+    CoordinateRequest,
+    WorkerEnvironment,
+    split_host_port,
+)
 from lightning_elan.replication.exchange import OutgoingReplication, ReplicationContext, receive_replica, send_replica
 from lightning_elan.replication.packing import join_tensors, split_tensors
 from lightning_elan.replication.topology import detect as detect_topology
-from lightning_elan.scaling.batch import ScalingDecision
-from lightning_elan.strategy.identity import WorkerIdentity, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +53,6 @@ __all__ = ["ElasticWorker", "NotAMember", "generation_prefix"]
 # what rank 0 broadcasts at a coordination point
 _NO_CHANGE, _ADJUST, _DEFERRED = 0, 1, 2
 REPLICATION_MODES = ("auto", "collective")
-SUMMARY_EVERY_S = 5.0
-"""Rank 0 sends the scaling summary with a ``coordinate`` at most this often (and right after a decision)."""
 
 
 class NotAMember(RuntimeError):
@@ -73,10 +78,10 @@ class ElasticWorker:
 
     def __init__(
         self,
-        environment: WorkerIdentity,
+        environment: WorkerEnvironment,
         *,
         coordinate_every: int | None = None,
-        join_timeout_s: float = 1800.0,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
         replication: str | None = None,
         global_batch: int | None = None,
     ) -> None:
@@ -84,7 +89,7 @@ class ElasticWorker:
         self.coordinate_every = coordinate_every or environment.coordinate_every
         if self.coordinate_every < 1:
             raise ValueError(f"coordinate_every must be >= 1, got {self.coordinate_every}")
-        self.replication = replication or os.environ.get("ELAN_REPLICATION", "auto")
+        self.replication = replication or os.environ.get(ENV_REPLICATION, "auto")
         if self.replication not in REPLICATION_MODES:
             raise ValueError(f"replication must be one of {REPLICATION_MODES}, got {self.replication!r}")
         self.backend = "gloo"
@@ -96,13 +101,12 @@ class ElasticWorker:
         self.generation: int | None = None
         self.has_left = False
         self._frontend: FrontEnd | None = None
-        self._scaling: ScalingParticipant | None = None
+        self._scaling = ScalingLink()
         self._link: AMLink | None = None
         self._outgoing: OutgoingReplication | None = None
-        self._pending_report: dict[str, Any] | None = None
+        self._pending_report: AdjustmentReport | None = None
         self._deferred = False
         self._keys_to_delete: str | None = None
-        self._summary_sent_at: float | None = None
         self._timeline = StepTimeline()
 
     # ------------------------------------------------------------------ wiring
@@ -112,7 +116,7 @@ class ElasticWorker:
 
     def register_scaling(self, participant: ScalingParticipant) -> None:
         """Hand every resize's global-batch decision to ``participant`` (default: strong scaling, no decision)."""
-        self._scaling = participant
+        self._scaling.participant = participant
 
     @property
     def frontend(self) -> FrontEnd:
@@ -169,10 +173,10 @@ class ElasticWorker:
         link = self._require_link()
         link.register(str(self.device), self._topology())
         reply = link.wait_plan(self.join_timeout_s)
-        if reply.get("status") != "plan":
+        if reply.plan is None:
             self.has_left = True
-            raise NotAMember(f"worker {self.worker_id} is not needed ({reply.get('reason')})")
-        plan = AdjustmentPlan.from_dict(reply["plan"])
+            raise NotAMember(f"worker {self.worker_id} is not needed ({reply.reason})")
+        plan = reply.plan
         phases = PhaseClock()
         self._enter(plan)
         install_default_group(self._group())
@@ -182,7 +186,7 @@ class ElasticWorker:
         self.frontend.load_training_state(state)
         phases.mark("restore")
         log.info("worker %s joined generation %d after %s", self.worker_id, plan.generation, phases)
-        self._pending_report = {"role": "joiner", "generation": plan.generation, "bytes_received": received}
+        self._pending_report = AdjustmentReport(self.worker_id, plan.generation, "joiner", bytes_received=received)
         self._timeline.adjustment_started()
 
     def take_global_batch(self, epoch_end: int) -> LocalShare:
@@ -223,16 +227,16 @@ class ElasticWorker:
         if blocker is not None:
             log.debug("no adjustment after step %d: %s", step, blocker)
             return _DEFERRED, None
-        body = {"generation": self.generation, "step": step, "epoch": self.data.epoch,
-                "position": self.data.position, "global_batch": self.data.global_batch}
-        summary = self._scaling_summary_if_due()
-        if summary is not None:
-            body["scaling"] = summary
-        reply = self._require_link().coordinate(body)
-        if reply.get("decision") != "adjust":
+        assert self.generation is not None
+        request = CoordinateRequest(
+            self.worker_id, self.generation, step, epoch=self.data.epoch, position=self.data.position,
+            global_batch=self.data.global_batch, scaling=self._scaling.summary_if_due(),
+        )
+        plan = self._require_link().coordinate(request).plan
+        if plan is None:
             return _NO_CHANGE, None
-        plan = AdjustmentPlan.from_dict(reply["plan"])
-        return _ADJUST, _Adjust(plan, self.frontend.shared_state(), self._decide_scaling(plan))
+        scaling = self._scaling.decide(self.world_size, plan.world_size, self.data.global_batch)
+        return _ADJUST, _Adjust(plan, self.frontend.shared_state(), scaling)
 
     # ------------------------------------------------------------------ the adjustment sequence (old members)
 
@@ -241,7 +245,7 @@ class ElasticWorker:
         plan, started = decision.plan, time.perf_counter()
         self._timeline.adjustment_started()
         self.frontend.adopt_shared_state(decision.shared)
-        self._apply_scaling(decision.scaling)  # before the snapshot: joiners inherit the new batch and LR ramp
+        self._scaling.apply(self.data, decision.scaling)  # before the snapshot: joiners inherit batch and LR ramp
         phases = PhaseClock()
         snapshot = self._snapshot() if plan.joiners_served_by(self.worker_id) else None
         phases.mark("snapshot")
@@ -259,7 +263,7 @@ class ElasticWorker:
         self.frontend.after_resize()
         phases.mark("rewire")
         log.info("worker %s in generation %d after %s", self.worker_id, plan.generation, phases)
-        self._pending_report = {"role": "stayer", "generation": plan.generation, "bytes_sent": sent}
+        self._pending_report = AdjustmentReport(self.worker_id, plan.generation, "stayer", bytes_sent=sent)
 
     def _enter(self, plan: AdjustmentPlan) -> None:
         previous = self.rank if self.is_member else None
@@ -271,7 +275,7 @@ class ElasticWorker:
     def _leave(self, plan: AdjustmentPlan, sent: int, elapsed: float) -> None:
         self._finish_outgoing()
         log.info("worker %s leaves the job at generation %d", self.worker_id, plan.generation)
-        report = {"role": "leaver", "generation": plan.generation, "bytes_sent": sent, "pause_s": elapsed}
+        report = AdjustmentReport(self.worker_id, plan.generation, "leaver", pause_s=elapsed, bytes_sent=sent)
         self._require_link().report(report, wait=True)
         self.has_left = True
         self.frontend.leave()
@@ -326,52 +330,16 @@ class ElasticWorker:
         removed = delete_prefix(self._group().store, prefix)
         log.debug("deleted %d store keys under %s", removed, prefix)
 
-    # ------------------------------------------------------------------ scaling
-
-    def _decide_scaling(self, plan: AdjustmentPlan) -> dict[str, Any] | None:
-        if self._scaling is None or self.data.global_batch is None:
-            return None
-        decision = self._scaling.decide_resize(self.world_size, plan.world_size, self.data.global_batch)
-        return decision.to_dict()
-
-    def _apply_scaling(self, decision: dict[str, Any] | None) -> None:
-        if decision is None or self._scaling is None:
-            return
-        chosen = ScalingDecision.from_dict(dict(decision))
-        old = self.data.global_batch
-        self.data.change_global_batch(chosen.global_batch)
-        self._scaling.apply_resize(chosen)
-        self._summary_sent_at = None  # the next coordinate shows the new decision
-        log.info("global batch %s -> %d (lr x%s): %s", old, chosen.global_batch, chosen.lr_scale, chosen.reason)
-
-    def _scaling_summary_if_due(self, now: float | None = None) -> dict[str, Any] | None:
-        if self._scaling is None:
-            return None
-        now = time.monotonic() if now is None else now
-        if self._summary_sent_at is not None and now - self._summary_sent_at < SUMMARY_EVERY_S:
-            return None
-        self._summary_sent_at = now
-        return self._scaling.summary()
-
     # ------------------------------------------------------------------ reports
 
     def _send_report(self, pause: float) -> None:
+        """The first step after an adjustment is over: its pause, start-up time, global batch and scaling decision."""
         assert self._pending_report is not None
-        report = {**self._pending_report, "pause_s": pause, **self._scaling_report()}
-        if report["role"] == "joiner":
-            report["startup_s"] = time.time() - self.environment.spawn_time
+        startup = time.time() - self.environment.spawn_time if self._pending_report.role == "joiner" else None
+        report = replace(self._pending_report, pause_s=pause, startup_s=startup, global_batch=self.data.global_batch,
+                         scaling=self._scaling.last_decision())
         self._require_link().report(report)
         self._pending_report = None
-
-    def _scaling_report(self) -> dict[str, Any]:
-        """The global batch this worker trains with and the decision it applied."""
-        fields: dict[str, Any] = {}
-        if self.data.global_batch is not None:
-            fields["global_batch"] = self.data.global_batch
-        last = self._scaling.last_decision if self._scaling is not None else None
-        if last is not None:
-            fields["scaling"] = last.to_dict()
-        return fields
 
     # ------------------------------------------------------------------ plumbing
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from typing_extensions import override
+
+from lightning_elan.protocol.contract import ENV_AM_ADDRESS
 
 
 class ElanEnvironment(ClusterEnvironment):
@@ -33,9 +37,7 @@ class ElanEnvironment(ClusterEnvironment):
     @staticmethod
     @override
     def detect() -> bool:
-        import os
-
-        return "ELAN_AM_ADDRESS" in os.environ
+        return ENV_AM_ADDRESS in os.environ
 
     @override
     def world_size(self) -> int:

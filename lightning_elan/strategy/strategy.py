@@ -31,8 +31,8 @@ from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember
+from lightning_elan.protocol.contract import DEFAULT_JOIN_TIMEOUT_S, WorkerEnvironment
 from lightning_elan.strategy.environment import ElanEnvironment
-from lightning_elan.strategy.identity import WorkerIdentity
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -66,15 +66,15 @@ class ElanStrategy(DDPStrategy):
         self,
         coordinate_every: int | None = None,
         global_batch_size: int | None = None,
-        join_timeout_s: float = 1800.0,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
         replication: str | None = None,
         **kwargs: Any,
     ) -> None:
-        identity = WorkerIdentity.from_env()
+        environment = WorkerEnvironment.from_env()
         kwargs.setdefault("timeout", timedelta(seconds=300))
         super().__init__(cluster_environment=ElanEnvironment(), **kwargs)
         self.engine = ElasticWorker(
-            identity, coordinate_every=coordinate_every, join_timeout_s=join_timeout_s, replication=replication,
+            environment, coordinate_every=coordinate_every, join_timeout_s=join_timeout_s, replication=replication,
             global_batch=global_batch_size,
         )
         self.engine.attach(self)

@@ -14,10 +14,10 @@ from lightning_elan.cli import format_status
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import epoch_end_position, epoch_steps, global_batch_size_at, local_share
 from lightning_elan.data.sampler import DataPosition
+from lightning_elan.elastic.scaling import ScalingLink
 from lightning_elan.master.state import JobState
 from lightning_elan.protocol.contract import AdjustmentReport, CoordinateRequest, RegisterRequest
 from lightning_elan.protocol.messages import ProtocolError, validate_body
-from lightning_elan.strategy.scaling_link import ScalingLink
 
 DECISION = {"global_batch": 24, "local_batch": 6, "k": 2.0, "reason": "weak: global batch x4/2", "lr_scale": 2.0}
 
@@ -207,48 +207,48 @@ def test_elan_status_prints_the_model_and_the_last_decision():
     assert "scaling:" not in format_status({"job": "j", "generation": 0, "members": []})
 
 
-# ---------------------------------------------------------------------- the strategy's scaling link
+# ---------------------------------------------------------------------- the engine's scaling link
 
 
-def _trainer(callbacks: list, world_size: int = 2, global_step: int = 3, ready: int = 3) -> SimpleNamespace:
-    """The parts of a Trainer the link reads (world size, step, callbacks, the epoch loop's batch count)."""
-    progress = SimpleNamespace(current=SimpleNamespace(ready=ready))
-    fit_loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress))
-    return SimpleNamespace(callbacks=callbacks, world_size=world_size, global_step=global_step, fit_loop=fit_loop)
+class _Trainer(SimpleNamespace):
+    """What HybridScaling.apply reads of a Trainer: its callbacks and the next optimizer step."""
 
 
-def test_without_hybrid_scaling_nothing_is_decided_or_applied():
+def _registered(policy: str = "weak", global_step: int = 3) -> tuple[ScalingLink, _Trainer]:
+    scaling, ramp = HybridScaling(policy=policy), ProgressiveLinearLR(ramp_steps=4)
+    trainer = _Trainer(callbacks=[scaling, ramp], global_step=global_step)
+    scaling._trainer = trainer  # what HybridScaling.setup keeps when Lightning sets it up
+    link = ScalingLink(summary_every_s=5.0)
+    link.participant = scaling
+    return link, trainer
+
+
+def test_without_a_participant_nothing_is_decided_or_applied():
     link, data = ScalingLink(), DataPosition(global_batch=12, position=36)
-    trainer = _trainer([ProgressiveLinearLR()])
-    assert link.decide(trainer, {"members": ["w0", "w1", "w2"]}, 12) is None
-    link.apply(trainer, data, None)
+    assert link.decide(2, 3, 12) is None
+    link.apply(data, DECISION)
     assert data.global_batch == 12 and data.steps_before == 0
-    assert link.summary_if_due(trainer) is None
-    assert link.report_fields(trainer, data) == {"global_batch": 12}
+    assert link.summary_if_due() is None and link.last_decision() is None
 
 
 def test_rank0_decides_and_every_rank_applies_the_batch_and_the_ramp():
-    ramp = ProgressiveLinearLR(ramp_steps=4)
-    rank0, other = _trainer([HybridScaling(policy="weak"), ramp]), _trainer([HybridScaling(policy="weak"),
-                                                                             ProgressiveLinearLR(ramp_steps=4)])
-    decision = ScalingLink().decide(rank0, {"members": ["w0", "w1", "w2", "w3"]}, 12)
+    decider, _ = _registered()
+    decision = decider.decide(2, 4, 12)
     assert decision == DECISION
-    for trainer in (rank0, other):
+    for link, trainer in (_registered(), _registered()):
         data = DataPosition(global_batch=12, position=36)
-        link = ScalingLink()
-        link.apply(trainer, data, decision)
+        link.apply(data, decision)
         assert (data.global_batch, data.steps_before, data.position_before) == (24, 3, 36)
-        ramp_callback = trainer.callbacks[1]
-        assert [ramp_callback.scale_at(step) for step in (3, 5, 7, 9)] == [1.0, 1.5, 2.0, 2.0]
-        assert link.report_fields(trainer, data) == {"global_batch": 24, "scaling": DECISION}
+        ramp = trainer.callbacks[1]
+        assert [ramp.scale_at(step) for step in (3, 5, 7, 9)] == [1.0, 1.5, 2.0, 2.0]
+        assert link.last_decision() == DECISION
 
 
 def test_the_summary_goes_to_the_am_right_after_a_decision_and_then_at_most_every_interval():
-    link = ScalingLink(summary_every_s=5.0)
-    trainer = _trainer([HybridScaling(policy="weak"), ProgressiveLinearLR()])
-    assert link.summary_if_due(trainer, now=100.0)["policy"] == "weak"
-    assert link.summary_if_due(trainer, now=103.0) is None
-    assert link.summary_if_due(trainer, now=105.5) is not None
-    link.apply(trainer, DataPosition(global_batch=12, position=36), DECISION)
-    summary = link.summary_if_due(trainer, now=106.0)
+    link, _ = _registered()
+    assert link.summary_if_due(now=100.0)["policy"] == "weak"
+    assert link.summary_if_due(now=103.0) is None
+    assert link.summary_if_due(now=105.5) is not None
+    link.apply(DataPosition(global_batch=12, position=36), DECISION)
+    summary = link.summary_if_due(now=106.0)
     assert summary is not None and summary["last_decision"] == DECISION

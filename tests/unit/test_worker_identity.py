@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import pytest
 
 from lightning_elan.protocol.contract import (
@@ -68,16 +66,6 @@ def test_a_joiners_environment_carries_no_rank_and_a_member_carries_generation_z
 
     assert {"ELAN_RANK", "ELAN_WORLD_SIZE", "ELAN_GENERATION", "ELAN_DEVICE_INDEX"}.isdisjoint(joiner)
     assert (member["ELAN_GENERATION"], member["ELAN_RANK"], member["ELAN_WORLD_SIZE"]) == ("0", "0", "2")
-
-
-def test_same_fields_as_the_strategys_worker_identity() -> None:
-    """The worker side switches to WorkerEnvironment unchanged (this check goes with strategy/identity.py)."""
-    identity = pytest.importorskip("lightning_elan.strategy.identity")
-
-    assert [f.name for f in fields(WorkerEnvironment)] == [f.name for f in fields(identity.WorkerIdentity)]
-    env = {**BASE, "ELAN_ROLE": "member", "ELAN_RANK": "1", "ELAN_WORLD_SIZE": "2", "ELAN_GENERATION": "0"}
-    ours, theirs = WorkerEnvironment.from_env(env), identity.WorkerIdentity.from_env(env)
-    assert [getattr(ours, f.name) for f in fields(ours)] == [getattr(theirs, f.name) for f in fields(theirs)]
 
 
 def test_split_host_port() -> None:
