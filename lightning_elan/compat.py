@@ -19,14 +19,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_SUPPORTED = Version("2.4.0") <= Version(_installed_version("lightning")) < Version("2.7.0")
-if not _SUPPORTED:  # pragma: no cover - depends on the installed version
-    log.warning("lightning_elan was written against lightning 2.4–2.6; found %s", _installed_version("lightning"))
+SUPPORTED_LIGHTNING = (Version("2.4.0"), Version("2.7.0"))
+"""``lightning`` versions whose private behaviour this module was read from: ``>=2.4,<2.7``."""
+
+
+def check_lightning_version(installed: str) -> None:
+    """Refuse a Lightning whose internals this module was not written against (fails at import, with the range)."""
+    low, high = SUPPORTED_LIGHTNING
+    if not low <= Version(installed) < high:
+        raise ImportError(f"lightning_elan supports lightning>={low},<{high}; found lightning {installed}. Install a "
+                          f"supported version (pip install 'lightning>={low},<{high}').")
+
+
+check_lightning_version(_installed_version("lightning"))
 
 
 class LeaveFit(_TunerExitException):
     """Raised in a leaver: Lightning's ``_call_and_handle_interrupt`` treats ``_TunerExitException`` as a normal end —
     teardown runs, loggers finalise with "success", ``fit()`` returns, no ``on_exception`` hooks."""
+
+
+def collective_settings(strategy: Any) -> tuple[str, Any]:
+    """The process-group backend and collective timeout ``DDPStrategy.setup_distributed`` would use: it sets
+    ``_process_group_backend`` from ``_get_process_group_backend()`` (which the strategy's ``process_group_backend``
+    property then answers) and passes ``_timeout``."""
+    strategy._process_group_backend = strategy._get_process_group_backend()
+    return strategy._process_group_backend, strategy._timeout
 
 
 def disable_distributed_sampler(trainer: pl.Trainer) -> bool:
@@ -59,6 +77,12 @@ def set_ddp_arguments(strategy: Any, process_group: Any, init_sync: bool) -> Non
     ``DDPStrategy._setup_model`` passes ``DDPStrategy._ddp_kwargs`` to ``DistributedDataParallel``."""
     strategy._ddp_kwargs["process_group"] = process_group
     strategy._ddp_kwargs["init_sync"] = init_sync
+
+
+def detach_ddp(model: Any) -> None:
+    """Stop a retired DDP wrapper from reducing gradients: torch's ``DistributedDataParallel._remove_autograd_hooks``
+    removes the reducer's hooks from the parameters it shares with the next wrapper (torch 2.3–2.13)."""
+    model._remove_autograd_hooks()
 
 
 def dump_training_state(trainer: pl.Trainer) -> dict[str, Any]:

@@ -91,7 +91,7 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = None  # `elan run` (or the user) starts the processes
+        """No launcher: `elan run`, `elan worker` or the user start the processes (``DDPStrategy``'s own hook)."""
 
     @property
     @override
@@ -149,8 +149,8 @@ class ElanStrategy(DDPStrategy):
         if self.engine.is_member:
             return  # a second fit/validate in the same process keeps its generation
         reset_seed()
-        self._process_group_backend = self._get_process_group_backend()
-        self.engine.start(self._process_group_backend, self.root_device, self._timeout)
+        backend, timeout = compat.collective_settings(self)
+        self.engine.start(backend, self.root_device, timeout)
         self._collectives_local = not self.engine.is_member  # a joiner warming up
         self._sync_environment()
 
@@ -213,7 +213,7 @@ class ElanStrategy(DDPStrategy):
 
     def before_resize(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
-            self.model._remove_autograd_hooks()
+            compat.detach_ddp(self.model)
         self.model = self.lightning_module
 
     def membership_changed(self, previous_rank: int | None) -> None:
