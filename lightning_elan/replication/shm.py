@@ -37,9 +37,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_elan.replication import cuda_ext
-from lightning_elan.replication.cuda_ext import ArenaLayout, IpcHandle, arena_layout, arena_views
-from lightning_elan.replication.packing import PackedLayout, empty_buffers, make_layout, state_nbytes, unpack
+from lightning_elan.replication.cuda import ipc, kernels
+from lightning_elan.replication.cuda.ipc import IpcHandle
+from lightning_elan.replication.packing import (
+    ArenaLayout,
+    PackedLayout,
+    arena_layout,
+    arena_views,
+    empty_buffers,
+    make_layout,
+    state_nbytes,
+    unpack,
+)
 from lightning_elan.replication.transport import DEFAULT_TIMEOUT, header_key
 
 log = logging.getLogger(__name__)
@@ -197,7 +206,7 @@ def _arena_pieces(
     device with the extension), then each buffer is copied down once.
     """
     if any(t.is_cuda for t in tensors):
-        buffers, _ = cuda_ext.pack(tensors)
+        buffers, _ = kernels.pack(tensors)
         for key, buffer in buffers.items():
             yield places.offsets[key], _raw_bytes(buffer.cpu())
         return
@@ -373,7 +382,7 @@ class ShmReader:
         (one read of the whole segment); buffers bound for another device are copied there."""
         arena = self._mapped() if zero_copy else self._read_all()
         out: dict[str, torch.Tensor] = {}
-        for key, view in arena_views(arena, self.layout, self.places).items():
+        for key, view in arena_views(arena, self.places).items():
             device = torch.device(device_for(key.rpartition(":")[0]))
             out[key] = view if device.type == "cpu" else view.to(device)
         return out
@@ -484,16 +493,16 @@ def share_state_ipc(
     Raises :class:`ShmUnavailable` when the arena cannot be allocated or exported (fall back to the collective).
     """
     t0 = time.perf_counter()
-    device = torch.device("cuda", cuda_ext._index(device))
+    device = torch.device("cuda", ipc.device_index(device))
     layout = make_layout(tensors)
     places = arena_layout(layout)
     arena, handle = None, None
     if places.nbytes:
         try:
-            arena = cuda_ext.alloc_shareable(places.nbytes, device)
-            cuda_ext.pack_into(tensors, layout, arena_views(arena, layout, places))
+            arena = ipc.alloc_shareable(places.nbytes, device)
+            kernels.pack_into(tensors, layout, arena_views(arena, places))
             torch.cuda.synchronize(device)  # the bytes are in place before anyone can open the handle
-            handle = cuda_ext.ipc_export(arena)
+            handle = ipc.ipc_export(arena)
         except (RuntimeError, OSError) as error:  # out of memory, IPC refused (containers without --ipc=host)...
             raise ShmUnavailable(f"CUDA IPC export of {places.nbytes} bytes on {device} failed: {error}") from error
     header = {"format": IPC_FORMAT, "cpu_state": cpu_state, "layout": layout, "arena": places, "handle": handle}
@@ -538,7 +547,7 @@ class IpcReader:
         self.layout: PackedLayout = header["layout"]
         self.places: ArenaLayout = header["arena"]
         handle: IpcHandle | None = header["handle"]
-        self._mapping = cuda_ext.ipc_open(handle, device) if handle is not None else None
+        self._mapping = ipc.ipc_open(handle, device) if handle is not None else None
         self._closed = False
 
     @property

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from state_gen import mixed_state
 
-from lightning_elan.replication import cuda_ext
+from lightning_elan.replication.cuda import loader
 from lightning_elan.replication.shm import receive_state_ipc, receive_state_shm, send_state_ipc, send_state_shm
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +27,7 @@ def cpu_state() -> dict:
 
 def _source(port: int, prefix: str, transport: str, seed: int, receivers: int, no_ext: bool, out: str) -> None:
     if no_ext:
-        os.environ[cuda_ext.ENV_DISABLE] = "1"
+        os.environ[loader.ENV_DISABLE] = "1"
     torch.cuda.set_device(0)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
     tensors = mixed_state(seed)
@@ -35,7 +35,7 @@ def _source(port: int, prefix: str, transport: str, seed: int, receivers: int, n
         sent = send_state_ipc(store, prefix, cpu_state(), tensors, "cuda:0", receivers, timeout=TIMEOUT)
     else:
         sent = send_state_shm(store, prefix, cpu_state(), tensors, receivers, timeout=TIMEOUT)
-    Path(out).write_bytes(pickle.dumps({"sent": sent, "kind": cuda_ext.status()}))
+    Path(out).write_bytes(pickle.dumps({"sent": sent, "kind": loader.status()}))
 
 
 def on_gpu(_: str) -> torch.device:

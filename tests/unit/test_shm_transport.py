@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_elan.replication.packing import empty_buffers, unpack
-from lightning_elan.replication.planner import plan_transfers, slice_range, transfers_from
+from lightning_elan.replication.planner import plan_transfers
 from lightning_elan.replication.shm import (
-    ShmReader,
     ShmUnavailable,
     receive_state_shm,
     send_state_shm,
@@ -72,17 +71,6 @@ def _receive(port: int, prefix: str, out: str) -> None:
     Path(out).write_bytes(pickle.dumps((cpu_state, [t.clone() for t in tensors], received)))
 
 
-def _receive_slices(port: int, prefixes: list[str], out: str) -> None:
-    store = client(port)
-    readers = [ShmReader(store, prefix, TIMEOUT) for prefix in prefixes]
-    buffers = empty_buffers(readers[0].layout, lambda _: torch.device("cpu"))
-    for index, reader in enumerate(readers):
-        reader.copy_to(buffers, *slice_range(reader.nbytes, index, len(readers)))
-        reader.close()
-    tensors = unpack(buffers, readers[0].layout)
-    Path(out).write_bytes(pickle.dumps((readers[0].cpu_state, [t.clone() for t in tensors], 0)))
-
-
 def run(procs: list[mp.Process], started: bool = False) -> None:
     for p in procs:
         if not started:
@@ -125,19 +113,6 @@ def test_one_source_two_destinations_bit_equal(store: dist.TCPStore, tmp_path: P
     assert segments(shm_dir) == []  # the source unlinked its segment
 
 
-def test_a_joiner_pulls_disjoint_slices_from_two_sources(store: dist.TCPStore, tmp_path: Path) -> None:
-    shares = [share_state_shm(store, f"s{i}", *make_state(11), shm_dir=tmp_path) for i in range(2)]
-    receiver = CTX.Process(target=_receive_slices, args=(store.port, ["s0", "s1"], str(tmp_path / "r")))
-
-    run([receiver])
-    for share in shares:
-        share.wait(TIMEOUT)
-        share.close()
-
-    _, tensors, _ = pickle.loads((tmp_path / "r").read_bytes())
-    assert_bit_equal(tensors, make_state(11)[1])
-
-
 def test_grow_two_to_four_each_joiner_copies_from_its_own_stayer(store: dist.TCPStore, tmp_path: Path) -> None:
     # the planner, fed this host's real topology, pairs each joiner with a distinct stayer over shared memory
     here = detect("cpu")
@@ -147,7 +122,7 @@ def test_grow_two_to_four_each_joiner_copies_from_its_own_stayer(store: dist.TCP
 
     joiners = []
     for source in ("w0", "w1"):  # the two stayers publish at once (share_* returns without waiting)
-        for t in transfers_from(plan, source):
+        for t in (t for t in plan if t.source == source):
             joiners.append(CTX.Process(target=_receive, args=(store.port, f"g1/{source}", str(tmp_path / t.joiner))))
     shares = [share_state_shm(store, f"g1/{s}", *make_state(5), receivers=1) for s in ("w0", "w1")]
 
@@ -218,19 +193,20 @@ class FakeMapping:
 
 def test_ipc_protocol_with_a_stand_in_device(store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA IPC transport's header/ack protocol and range copies, run on CPU with the device calls replaced."""
-    from lightning_elan.replication import cuda_ext, shm
+    from lightning_elan.replication import shm
+    from lightning_elan.replication.cuda import ipc
 
-    monkeypatch.setattr(cuda_ext, "alloc_shareable", lambda n, d: torch.full((n,), 0xA5, dtype=torch.uint8))
-    monkeypatch.setattr(cuda_ext, "ipc_export", lambda a: cuda_ext.IpcHandle("fake", a, a.numel(), 0))
-    monkeypatch.setattr(cuda_ext, "ipc_open", FakeMapping)
+    monkeypatch.setattr(ipc, "alloc_shareable", lambda n, d: torch.full((n,), 0xA5, dtype=torch.uint8))
+    monkeypatch.setattr(ipc, "ipc_export", lambda a: ipc.IpcHandle("fake", a, a.numel(), 0))
+    monkeypatch.setattr(ipc, "ipc_open", FakeMapping)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     cpu_state, tensors = make_state(9)
 
     share = shm.share_state_ipc(store, "ipc", cpu_state, tensors, "cuda:0", receivers=2)
     got_state, got, received = shm.receive_state_ipc(store, "ipc", "cuda:0", lambda _: torch.device("cpu"))
-    with shm.IpcReader(store, "ipc", "cuda:0", TIMEOUT) as reader:  # a second destination, in two slices
+    with shm.IpcReader(store, "ipc", "cuda:0", TIMEOUT) as reader:  # a second destination
         buffers = empty_buffers(reader.layout, lambda _: torch.device("cpu"))
-        copied = sum(reader.copy_to(buffers, *slice_range(reader.nbytes, i, 2)) for i in range(2))
+        copied = reader.copy_to(buffers)
     share.wait(TIMEOUT)
     share.close()
 
