@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_elan.replication.packing import PackedLayout, empty_buffers, pack, state_nbytes, unpack
 from lightning_elan.replication.transports.base import (
     DEFAULT_TIMEOUT,
+    Channel,
     DeviceFor,
     Received,
     StateTransport,
@@ -48,8 +49,8 @@ class CollectiveTransport(StateTransport):
     name = "collective"
     header_format = "elan-collective/1"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, channel: Channel) -> None:
+        super().__init__(channel)
         self._readers = 0
         self._group: TransferGroup | None = None
 
