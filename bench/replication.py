@@ -68,7 +68,7 @@ def _ready_then_go(store: Any) -> float:
     return float(store.get("go").decode())
 
 
-def source_main(port: int, name: str, plan: dict, size_mb: float, tensors: int, device: str, out: Any,
+def source_main(port: int, name: str, plan: Any, size_mb: float, tensors: int, device: str, out: Any,
                 log_level: str) -> None:
     from lightning_elan.replication.exchange import send_replica
 
@@ -82,7 +82,7 @@ def source_main(port: int, name: str, plan: dict, size_mb: float, tensors: int, 
     out.put({"role": "source", "name": name, "busy": busy, "release": time.time() - start})
 
 
-def joiner_main(port: int, name: str, plan: dict, size_mb: float, device: str, expected: float, out: Any,
+def joiner_main(port: int, name: str, plan: Any, size_mb: float, device: str, expected: float, out: Any,
                 log_level: str) -> None:
     import torch
 
@@ -116,13 +116,20 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def plan_for(joiners: int, sources: int, transport: str) -> dict[str, Any]:
+def plan_for(joiners: int, sources: int, transport: str) -> Any:
+    """An ``AdjustmentPlan`` growing ``sources`` workers by ``joiners``, every copy over ``transport``."""
+    from lightning_elan.master.state import AdjustmentPlan
+    from lightning_elan.replication.planner import Transfer
+
     level = {"cuda_ipc": 0, "shm": 2, "collective": 4}[transport]
     pairs = [(f"s{i % sources}", f"j{i}") for i in range(joiners)]
-    transfers = [{"source": s, "joiner": j, "level": level, "wave": 0, "transport": transport, "slice_index": 0,
-                  "slice_count": 1} for s, j in pairs]  # fmt: skip
-    return {"generation": 1, "joiners": [j for _, j in pairs], "sources": dict((j, s) for s, j in pairs),
-            "transfers": transfers}  # fmt: skip
+    old = [f"s{i}" for i in range(sources)]
+    new = [j for _, j in pairs]
+    return AdjustmentPlan(
+        request_id="bench", action="add", generation=1, previous_generation=0, step=0, members=old + new,
+        previous_members=old, joiners=new, leavers=[], sources={j: s for s, j in pairs}, hosts={},
+        transfers=[Transfer(source=s, joiner=j, level=level, transport=transport) for s, j in pairs],
+    )  # fmt: skip
 
 
 def run_case(joiners: int, sources: int, transport: str, size_mb: float, tensors: int, device: str,

@@ -1,4 +1,9 @@
-"""State replication: packing, transports and source planning.
+"""State replication: source planning, packing, transports, carrying out a plan, cleaning the store up.
+
+Modules: ``topology`` (where a worker is), ``planner`` / ``sources`` (who sends to whom, over what), ``packing`` (flat
+per-dtype buffers, arenas), ``transports`` (``StateTransport``: collective, shared memory, CUDA IPC), ``exchange``
+(a plan carried out through the transports), ``keys`` (deleting an adjustment's store keys), ``cuda`` (the optional
+CUDA extension: build, loader, kernels, IPC).
 
 Exports are resolved lazily (PEP 562), so importing a pure-logic submodule such as
 ``lightning_elan.replication.sources`` does not import torch.
@@ -21,12 +26,24 @@ _LAZY_EXPORTS: dict[str, str] = {
     "split_tensors": "packing",
     "state_nbytes": "packing",
     "unpack": "packing",
-    # transport
-    "TransferGroup": "transport",
-    "clear_header": "transport",
-    "make_transfer_group": "transport",
-    "receive_state": "transport",
-    "send_state": "transport",
+    # exchange
+    "OutgoingReplication": "exchange",
+    "ReplicationContext": "exchange",
+    "receive_replica": "exchange",
+    "send_replica": "exchange",
+    # keys
+    "delete_keys": "keys",
+    "delete_prefix": "keys",
+    # transports
+    "TRANSPORTS": "transports",
+    "Channel": "transports",
+    "CollectiveTransport": "transports",
+    "CudaIpcTransport": "transports",
+    "Received": "transports",
+    "ShmTransport": "transports",
+    "StateTransport": "transports",
+    "TransportUnavailable": "transports",
+    "transport_for": "transports",
 }
 
 __all__ = sorted(_LAZY_EXPORTS)

@@ -8,6 +8,8 @@ Two independent steps:
 * :func:`pack` / :func:`unpack` turn that list of tensors into one contiguous 1-D buffer per
   (device type, dtype) plus a :class:`PackedLayout` describing where each tensor lives, and back
   into views of the buffers (no copy on the receiving side).
+* :func:`arena_layout` / :func:`arena_views` place all buffers of a packed state in one byte allocation (an *arena*:
+  one CUDA IPC handle, one shared-memory segment), each buffer aligned.
 
 The skeleton and the layout are small and travel as CPU data; only the buffers cross the device.
 """
@@ -24,10 +26,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
+ARENA_ALIGN = 256  # bytes: every dtype buffer of an arena starts on this boundary
+
 __all__ = [
+    "ARENA_ALIGN",
+    "ArenaLayout",
     "PackedLayout",
     "TensorRef",
     "TensorSpec",
+    "arena_layout",
+    "arena_views",
     "buffer_key",
     "dtype_from_str",
     "empty_buffers",
@@ -282,3 +290,40 @@ def empty_buffers(layout: PackedLayout, device_for: Callable[[str], torch.device
 def state_nbytes(buffers: dict[str, torch.Tensor]) -> int:
     """Total bytes held by the packed buffers."""
     return sum(b.numel() * b.element_size() for b in buffers.values())
+
+
+# --------------------------------------------------------------------------------------------
+# arenas: all buffers of a packed state in one byte allocation (one IPC handle, one shm segment)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Byte offset and size of each buffer key inside one arena of ``nbytes`` bytes."""
+
+    offsets: dict[str, int]
+    sizes: dict[str, int]
+    nbytes: int
+
+
+def arena_layout(layout: PackedLayout, align: int = ARENA_ALIGN) -> ArenaLayout:
+    """Place the buffers of ``layout`` one after another, sorted by key, each ``align``-aligned."""
+    offsets: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    cursor = 0
+    for key in sorted(layout.buffer_numels):
+        _, dtype = _key_parts(key)
+        cursor = -(-cursor // align) * align
+        offsets[key] = cursor
+        sizes[key] = layout.buffer_numels[key] * dtype.itemsize
+        cursor += sizes[key]
+    return ArenaLayout(offsets, sizes, cursor)
+
+
+def arena_views(arena: torch.Tensor, places: ArenaLayout) -> dict[str, torch.Tensor]:
+    """Typed 1-D views of ``arena`` (uint8), one per buffer key of ``places``."""
+    views = {}
+    for key, offset in places.offsets.items():
+        _, dtype = _key_parts(key)
+        views[key] = arena[offset : offset + places.sizes[key]].view(dtype)
+    return views

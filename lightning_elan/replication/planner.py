@@ -4,7 +4,7 @@ Rules (Elan §IV, ETL fig. 2, DESIGN.md §5):
 
 1. **Nearest.** Each joiner copies from a source at the lowest link level it has to any source
    (:func:`~lightning_elan.replication.topology.link_level`: L0 same GPU < L1 P2P < L2 host bridge < L3 cross-socket <
-   L4 network). Sources are the stayers, or the leavers when nobody stays (as :func:`choose_sources` does).
+   L4 network). Sources are the stayers, or the leavers when nobody stays.
 2. **Concurrent, balanced.** Among a joiner's nearest sources, joiners are spread so that no source serves more than
    it must: the assignment is a balanced semi-matching on the "nearest" edges (no source with load ``k`` has a joiner
    that could move to a nearest source with load ``<= k - 2``, even through a chain of moves), which minimises the
@@ -12,11 +12,6 @@ Rules (Elan §IV, ETL fig. 2, DESIGN.md §5):
    less used, then to the source listed first.
 3. **Serialised where links are shared.** Copies that cross the same socket-to-socket link (L3) of one machine run in
    turn: each gets its own ``wave`` (0, 1, ...). Everything else runs in wave 0, concurrently.
-4. **Slices (optional, Or et al.).** With ``slices=True`` a joiner whose nearest level is L1, L2 or L4 also pulls
-   disjoint byte ranges from nearest sources that serve nobody else (at most ``max_slices`` sources in all); the
-   ranges are given by :func:`slice_range`. Off by default: it only pays when the senders, not the receiver's link,
-   are the bottleneck.
-
 Each :class:`Transfer` also names the transport for its level (:func:`choose_transport`): ``cuda_ipc`` for GPU pairs
 at L0/L1, ``shm`` for the rest of one machine (host shared memory; GPU tensors are staged through it), ``collective``
 (NCCL/gloo send on a transfer group) across machines.
@@ -27,12 +22,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from lightning_elan.replication.topology import (
-    L0_SAME_DEVICE,
-    L1_P2P,
+        L1_P2P,
     L3_CROSS_SOCKET,
     L4_NETWORK,
     WorkerTopology,
@@ -48,9 +42,6 @@ __all__ = [
     "contention_key",
     "plan_transfers",
     "primary_sources",
-    "slice_range",
-    "transfers_from",
-    "transfers_to",
     "wave_sizes",
 ]
 
@@ -58,29 +49,33 @@ TRANSPORT_CUDA_IPC = "cuda_ipc"
 TRANSPORT_SHM = "shm"
 TRANSPORT_COLLECTIVE = "collective"
 TRANSPORTS = (TRANSPORT_CUDA_IPC, TRANSPORT_SHM, TRANSPORT_COLLECTIVE)
-SLICE_ALIGN = 256  # bytes; slice boundaries fall on this alignment
 
 LevelFn = Callable[[WorkerTopology, WorkerTopology], int]
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """One copy of the training state (or of one slice of it) from ``source`` to ``joiner``."""
+    """One copy of the training state from ``source`` to ``joiner``."""
 
     source: str
     joiner: str
     level: int
     wave: int = 0
     transport: str = TRANSPORT_COLLECTIVE
-    slice_index: int = 0
-    slice_count: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Transfer:
-        return cls(**dict(data))
+        """From :meth:`to_dict`'s form; keys this version does not know (an older plan's ``slice_*``) are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+    @classmethod
+    def coerce(cls, value: Transfer | Mapping[str, Any]) -> Transfer:
+        """``value`` itself, or the transfer its dict form describes."""
+        return value if isinstance(value, Transfer) else cls.from_dict(value)
 
 
 def plan_transfers(
@@ -88,18 +83,14 @@ def plan_transfers(
     joiners: Mapping[str, WorkerTopology | Mapping[str, Any]],
     leavers: Mapping[str, WorkerTopology | Mapping[str, Any]] | None = None,
     *,
-    slices: bool = False,
-    max_slices: int = 4,
     level_of: LevelFn = link_level,
 ) -> list[Transfer]:
     """The transfers that bring every joiner the state; see the module docstring for the rules.
 
     Mappings are ``worker id -> topology`` (a :class:`WorkerTopology` or its dict); their order is the tie-break order.
-    Returns one transfer per joiner (``slice_count`` per joiner with ``slices=True``), sorted by wave, then joiner
-    order, then slice. Raises ``ValueError`` when joiners need a source and there is none, or a joiner is also a source.
+    Returns one transfer per joiner, sorted by wave, then joiner order. Raises ``ValueError`` when joiners need a source
+    and there is none, or a joiner is also a source.
     """
-    if max_slices < 1:
-        raise ValueError(f"max_slices must be >= 1, got {max_slices}")
     joiner_topo = {worker: WorkerTopology.coerce(t) for worker, t in joiners.items()}
     if not joiner_topo:
         return []
@@ -112,8 +103,7 @@ def plan_transfers(
     levels = {j: {s: level_of(jt, st) for s, st in source_topo.items()} for j, jt in joiner_topo.items()}
     nearest = {j: _nearest(by_source) for j, by_source in levels.items()}
     assignment = _assign(list(joiner_topo), list(source_topo), nearest, _link_keys(joiner_topo, source_topo, levels))
-    extra = _slice_sources(list(joiner_topo), nearest, levels, assignment, max_slices) if slices else {}
-    transfers = _build(joiner_topo, source_topo, levels, assignment, extra)
+    transfers = _build(joiner_topo, source_topo, levels, assignment)
     log.debug("replication plan: %s", [t.to_dict() for t in transfers])
     return transfers
 
@@ -217,29 +207,8 @@ def _apply(path: list[tuple[str, str, str]], assignment: dict[str, str], load: d
 
 
 # --------------------------------------------------------------------------------------------
-# slices, waves, transports
+# waves, transports
 # --------------------------------------------------------------------------------------------
-
-
-def _slice_sources(
-    joiners: list[str],
-    nearest: Mapping[str, list[str]],
-    levels: Mapping[str, Mapping[str, int]],
-    assignment: Mapping[str, str],
-    max_slices: int,
-) -> dict[str, list[str]]:
-    """Idle nearest sources each joiner may also pull a slice from (never at L0 or L3)."""
-    busy = set(assignment.values())
-    extra: dict[str, list[str]] = {}
-    for joiner in joiners:
-        primary = assignment[joiner]
-        if levels[joiner][primary] in (L0_SAME_DEVICE, L3_CROSS_SOCKET):
-            continue
-        idle = [s for s in nearest[joiner] if s not in busy][: max_slices - 1]
-        if idle:
-            extra[joiner] = idle
-            busy.update(idle)
-    return extra
 
 
 def _build(
@@ -247,32 +216,21 @@ def _build(
     sources: Mapping[str, WorkerTopology],
     levels: Mapping[str, Mapping[str, int]],
     assignment: Mapping[str, str],
-    extra: Mapping[str, list[str]],
 ) -> list[Transfer]:
     transfers: list[Transfer] = []
     next_wave: dict[Any, int] = {}
     for joiner, topo in joiners.items():
-        chosen = [assignment[joiner], *extra.get(joiner, [])]
-        for index, source in enumerate(chosen):
-            level = levels[joiner][source]
-            key = contention_key(sources[source], topo, level)
-            wave = 0
-            if key is not None:
-                wave = next_wave.get(key, 0)
-                next_wave[key] = wave + 1
-            transfers.append(
-                Transfer(
-                    source=source,
-                    joiner=joiner,
-                    level=level,
-                    wave=wave,
-                    transport=choose_transport(level, sources[source], topo),
-                    slice_index=index,
-                    slice_count=len(chosen),
-                )
-            )
+        source = assignment[joiner]
+        level = levels[joiner][source]
+        key = contention_key(sources[source], topo, level)
+        wave = 0
+        if key is not None:
+            wave = next_wave.get(key, 0)
+            next_wave[key] = wave + 1
+        transport = choose_transport(level, sources[source], topo)
+        transfers.append(Transfer(source=source, joiner=joiner, level=level, wave=wave, transport=transport))
     position = {joiner: i for i, joiner in enumerate(joiners)}
-    return sorted(transfers, key=lambda t: (t.wave, position[t.joiner], t.slice_index))
+    return sorted(transfers, key=lambda t: (t.wave, position[t.joiner]))
 
 
 def contention_key(a: WorkerTopology, b: WorkerTopology, level: int) -> tuple | None:
@@ -308,46 +266,13 @@ def choose_transport(level: int, source: WorkerTopology, joiner: WorkerTopology)
 
 
 def primary_sources(transfers: Iterable[Transfer | Mapping[str, Any]]) -> dict[str, str]:
-    """``{joiner: source}`` of each joiner's first (or only) slice, in plan order."""
-    out: dict[str, str] = {}
-    for transfer in transfers:
-        t = transfer if isinstance(transfer, Transfer) else Transfer.from_dict(transfer)
-        if t.slice_index == 0:
-            out[t.joiner] = t.source
-    return out
-
-
-def transfers_from(transfers: Iterable[Transfer | Mapping[str, Any]], source: str) -> list[Transfer]:
-    """The transfers ``source`` sends, in plan order."""
-    return [t for t in map(_coerce, transfers) if t.source == source]
-
-
-def transfers_to(transfers: Iterable[Transfer | Mapping[str, Any]], joiner: str) -> list[Transfer]:
-    """The transfers ``joiner`` receives (one, or one per slice), in slice order."""
-    return sorted((t for t in map(_coerce, transfers) if t.joiner == joiner), key=lambda t: t.slice_index)
+    """``{joiner: source}``, in plan order."""
+    return {t.joiner: t.source for t in map(Transfer.coerce, transfers)}
 
 
 def wave_sizes(transfers: Iterable[Transfer | Mapping[str, Any]]) -> dict[int, int]:
-    """``{wave: number of transfers in it}`` (a source of wave ``w`` > 0 waits for the ``w - 1`` count)."""
+    """``{wave: number of transfers in it}`` (a joiner of wave ``w`` > 0 waits for the ``w - 1`` count)."""
     sizes: dict[int, int] = {}
-    for t in map(_coerce, transfers):
+    for t in map(Transfer.coerce, transfers):
         sizes[t.wave] = sizes.get(t.wave, 0) + 1
     return sizes
-
-
-def _coerce(transfer: Transfer | Mapping[str, Any]) -> Transfer:
-    return transfer if isinstance(transfer, Transfer) else Transfer.from_dict(transfer)
-
-
-def slice_range(nbytes: int, index: int, count: int, align: int = SLICE_ALIGN) -> tuple[int, int]:
-    """Byte range ``[start, stop)`` of slice ``index`` of ``count`` over ``nbytes``; slices tile ``[0, nbytes)``.
-
-    Boundaries are multiples of ``align`` (the last slice ends at ``nbytes``); a slice may be empty when ``nbytes`` is
-    small.
-    """
-    if not 0 <= index < count:
-        raise ValueError(f"slice {index} outside 0..{count - 1}")
-    units = -(-nbytes // align)
-    start = min(nbytes, (units * index // count) * align)
-    stop = nbytes if index == count - 1 else min(nbytes, (units * (index + 1) // count) * align)
-    return start, stop

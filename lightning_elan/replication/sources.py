@@ -15,23 +15,7 @@ from lightning_elan.replication.topology import WorkerTopology
 
 log = logging.getLogger(__name__)
 
-__all__ = ["choose_sources", "plan_replication"]
-
-
-def choose_sources(
-    stayers: list[str],
-    leavers: list[str],
-    joiners: list[str],
-    topologies: Mapping[str, WorkerTopology | Mapping[str, Any] | None] | None = None,
-) -> dict[str, str]:
-    """Map each joiner to a source worker.
-
-    Without ``topologies`` (or when one of the workers involved has none): distinct stayers round-robin in order,
-    leavers if there is no stayer. With them: each joiner's nearest source, balanced (see :func:`plan_replication`).
-    Spreading joiners over distinct sources lets their copies run concurrently. Raises ``ValueError`` when joiners
-    need a source but there are neither stayers nor leavers, or when a joiner is listed twice.
-    """
-    return plan_replication(stayers, leavers, joiners, topologies)[0]
+__all__ = ["plan_replication"]
 
 
 def plan_replication(
@@ -39,12 +23,13 @@ def plan_replication(
     leavers: list[str],
     joiners: list[str],
     topologies: Mapping[str, WorkerTopology | Mapping[str, Any] | None] | None = None,
-    *,
-    slices: bool = False,
 ) -> tuple[dict[str, str], list[dict[str, Any]] | None]:
     """``(sources, transfers)``: ``{joiner: source}`` and, when topologies are known, the planner's transfers as dicts.
 
-    ``transfers`` is None on the round-robin fallback.
+    Without ``topologies`` (or when one of the workers involved has none): distinct stayers round-robin in order,
+    leavers if there is no stayer, and ``transfers`` is None. With them: each joiner's nearest source, balanced
+    (:func:`~lightning_elan.replication.planner.plan_transfers`). Raises ``ValueError`` when joiners need a source but
+    there are neither stayers nor leavers, or when a joiner is listed twice.
     """
     if len(set(joiners)) != len(joiners):
         raise ValueError(f"joiners must be distinct, got {joiners}")
@@ -56,7 +41,7 @@ def plan_replication(
     known = _known_topologies(candidates + joiners, topologies)
     if known is None:
         return {joiner: candidates[index % len(candidates)] for index, joiner in enumerate(joiners)}, None
-    transfers = plan_transfers({s: known[s] for s in candidates}, {j: known[j] for j in joiners}, slices=slices)
+    transfers = plan_transfers({s: known[s] for s in candidates}, {j: known[j] for j in joiners})
     return primary_sources(transfers), [transfer.to_dict() for transfer in transfers]
 
 

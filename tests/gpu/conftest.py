@@ -1,7 +1,7 @@
 """GPU tests: everything here is marked ``gpu`` and skipped without a CUDA device.
 
 Run on a GPU machine with ``python -m pytest -q -m gpu tests/gpu -s`` (``-s`` shows the benchmark figures). The
-extension-backed cases build ``csrc/`` first (``LIGHTNING_ELAN_BUILD_CUDA_EXT``); they skip, with the reason, when it
+extension-backed cases build the extension first (``loader.load(build=True)``); they skip, with the reason, when it
 cannot be built, and the pure-torch cases still run.
 """
 
@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from lightning_elan.replication import cuda_ext
+from lightning_elan.replication.cuda import loader
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -27,10 +27,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def ext() -> ModuleType:
     """The built extension, or skip with the loader's reason."""
-    cuda_ext._reset_for_tests()
-    module = cuda_ext.load(build=True)
+    module = loader.load(build=True)  # looks again, building, even if an earlier look did not build
     if module is None:
-        pytest.skip(f"CUDA extension unavailable: {cuda_ext.status()}")
+        pytest.skip(f"CUDA extension unavailable: {loader.status()}")
     return module
 
 

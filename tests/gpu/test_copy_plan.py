@@ -1,4 +1,4 @@
-"""Prepared copy plans (cuda_ext.prepare_copy / prepare_pack / prepare_unpack) on CUDA, bit-exact against torch.
+"""Prepared copy plans (kernels.prepare_copy / prepare_pack / prepare_unpack) on CUDA, bit-exact against torch.
 
 Every case runs on the pure-torch plan and on the extension's (``backend``); outputs are poisoned before each run and
 the inputs refilled with fresh random bits between runs, so a plan that copied stale or neighbouring bytes shows.
@@ -10,8 +10,9 @@ import pytest
 import torch
 from state_gen import DTYPES, assert_arena_holds, assert_bits_equal, mixed_state, random_tensor
 
-from lightning_elan.replication import cuda_ext, packing
-from lightning_elan.replication.cuda_ext import arena_layout, arena_views
+from lightning_elan.replication import packing
+from lightning_elan.replication.cuda import kernels
+from lightning_elan.replication.packing import arena_layout, arena_views
 
 pytestmark = pytest.mark.gpu
 POISON = 0xA5
@@ -40,11 +41,11 @@ def test_prepared_pack_and_unpack_round_trip_bit_exact(backend: str, seed: int) 
     layout = packing.make_layout(tensors)
     places = arena_layout(layout)
     arena = torch.empty(places.nbytes + 4096, dtype=torch.uint8, device="cuda")
-    buffers = arena_views(arena, layout, places)
+    buffers = arena_views(arena, places)
     targets = [torch.empty_like(t) for t in tensors]  # empty_like keeps the permuted strides: some targets fall back
 
-    pack_plan = cuda_ext.prepare_pack(tensors, layout, buffers, use_ext=use_ext)
-    unpack_plan = cuda_ext.prepare_unpack(buffers, layout, targets, use_ext=use_ext)
+    pack_plan = kernels.prepare_pack(tensors, layout, buffers, use_ext=use_ext)
+    unpack_plan = kernels.prepare_unpack(buffers, layout, targets, use_ext=use_ext)
     if use_ext:
         assert pack_plan.devices == [0] and unpack_plan.devices == [0]
         assert 0 < pack_plan.fallback_count < len(tensors)  # the non-contiguous views only
@@ -97,7 +98,7 @@ def test_prepared_copy_at_every_relative_alignment(backend: str, dtype: torch.dt
         start = d.data_ptr() - arena.data_ptr()
         written[start : start + d.numel() * d.element_size()] = True
 
-    plan = cuda_ext.prepare_copy(srcs, dsts, use_ext=backend == "ext")
+    plan = kernels.prepare_copy(srcs, dsts, use_ext=backend == "ext")
     for _ in range(2):
         refill_(srcs, g)
         plan.run()
@@ -116,7 +117,7 @@ def test_prepared_copy_of_mixed_dtypes_odd_sizes_and_empty_tensors(backend: str)
     for d in dsts:
         poison_(d)
 
-    plan = cuda_ext.prepare_copy(srcs, dsts, use_ext=backend == "ext")
+    plan = kernels.prepare_copy(srcs, dsts, use_ext=backend == "ext")
     plan.run()
     torch.cuda.synchronize()
 
@@ -131,7 +132,7 @@ def test_a_plan_runs_on_the_given_stream(backend: str) -> None:
     dsts = [torch.empty_like(t) for t in srcs]
     for d in dsts:
         poison_(d)
-    plan = cuda_ext.prepare_copy(srcs, dsts, use_ext=backend == "ext")
+    plan = kernels.prepare_copy(srcs, dsts, use_ext=backend == "ext")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # the poison is queued on the current stream
 
@@ -144,14 +145,14 @@ def test_a_plan_runs_on_the_given_stream(backend: str) -> None:
 def test_the_prepared_plan_is_one_launch(ext: object) -> None:
     tensors = [t for t in mixed_state(1) if t.is_contiguous()]
     buffers, layout = packing.pack([torch.empty_like(t) for t in tensors])
-    plan = cuda_ext.prepare_pack(tensors, layout, buffers, use_ext=True)
+    plan = kernels.prepare_pack(tensors, layout, buffers, use_ext=True)
     assert plan.fallback_count == 0
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         plan.run()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if "multi_tensor_copy_kernel" in e.name]
-    assert len(kernels) == 1, [e.name for e in prof.events()]
+    launches = [e for e in prof.events() if "multi_tensor_copy_kernel" in e.name]
+    assert len(launches) == 1, [e.name for e in prof.events()]
     memcpys = [e for e in prof.events() if "Memcpy" in e.name or "memcpy" in e.name]
     assert not memcpys, [e.name for e in memcpys]  # the table was uploaded once, at preparation
 
@@ -159,7 +160,7 @@ def test_the_prepared_plan_is_one_launch(ext: object) -> None:
 def test_a_plan_refuses_to_run_after_a_tensor_got_new_storage(ext: object) -> None:
     params = [torch.nn.Parameter(torch.randn(1000, device="cuda")) for _ in range(3)]
     buffers, layout = packing.pack([p.detach() for p in params])
-    plan = cuda_ext.prepare_unpack(buffers, layout, params, use_ext=True)
+    plan = kernels.prepare_unpack(buffers, layout, params, use_ext=True)
     plan.run()  # into leaves that require grad: no autograd error (raw copy, like copy_ under no_grad)
     torch.cuda.synchronize()
     assert_bits_equal(params, packing.unpack(buffers, layout))
@@ -167,23 +168,23 @@ def test_a_plan_refuses_to_run_after_a_tensor_got_new_storage(ext: object) -> No
     params[1].data = torch.zeros(1000, device="cuda")
     with pytest.raises(RuntimeError, match="new storage"):
         plan.run()
-    cuda_ext.prepare_unpack(buffers, layout, params, use_ext=True).run()  # a fresh plan sees the new storage
+    kernels.prepare_unpack(buffers, layout, params, use_ext=True).run()  # a fresh plan sees the new storage
     torch.cuda.synchronize()
     assert_bits_equal(params, packing.unpack(buffers, layout))
 
 
 def test_per_call_unpack_into_bumps_versions_and_checks_targets(ext: object) -> None:
     tensors = [torch.randn(5, device="cuda"), torch.arange(7, device="cuda")]
-    buffers, layout = cuda_ext.pack(tensors, use_ext=True)
+    buffers, layout = kernels.pack(tensors, use_ext=True)
     targets = [torch.empty_like(t) for t in tensors]
     versions = [t._version for t in targets]
 
-    cuda_ext.unpack_into(buffers, layout, targets, use_ext=True)
+    kernels.unpack_into(buffers, layout, targets, use_ext=True)
     torch.cuda.synchronize()
 
     assert_bits_equal(targets, tensors)
     assert all(t._version > v for t, v in zip(targets, versions, strict=True))  # as copy_ would
     with pytest.raises(ValueError, match="does not match"):
-        cuda_ext.unpack_into(buffers, layout, [targets[0], torch.empty(7, device="cuda")], use_ext=True)
+        kernels.unpack_into(buffers, layout, [targets[0], torch.empty(7, device="cuda")], use_ext=True)
     with pytest.raises(ValueError, match="does not match"):
-        cuda_ext.prepare_unpack(buffers, layout, [targets[0], torch.empty(8, dtype=torch.int64, device="cuda")])
+        kernels.prepare_unpack(buffers, layout, [targets[0], torch.empty(8, dtype=torch.int64, device="cuda")])

@@ -13,12 +13,13 @@ import torch
 import torch.distributed as dist
 from state_gen import mixed_state
 
-from lightning_elan.replication import cuda_ext
-from lightning_elan.replication.shm import receive_state_ipc, receive_state_shm, send_state_ipc, send_state_shm
+from lightning_elan.replication.cuda import loader
+from lightning_elan.replication.transports import Channel, transport_for
 
 pytestmark = pytest.mark.gpu
 TIMEOUT = datetime.timedelta(seconds=120)
 CTX = mp.get_context("spawn")
+NAMES = {"ipc": "cuda_ipc", "shm": "shm"}
 
 
 def cpu_state() -> dict:
@@ -27,15 +28,15 @@ def cpu_state() -> dict:
 
 def _source(port: int, prefix: str, transport: str, seed: int, receivers: int, no_ext: bool, out: str) -> None:
     if no_ext:
-        os.environ[cuda_ext.ENV_DISABLE] = "1"
+        os.environ[loader.ENV_DISABLE] = "1"
     torch.cuda.set_device(0)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
     tensors = mixed_state(seed)
-    if transport == "ipc":
-        sent = send_state_ipc(store, prefix, cpu_state(), tensors, "cuda:0", receivers, timeout=TIMEOUT)
-    else:
-        sent = send_state_shm(store, prefix, cpu_state(), tensors, receivers, timeout=TIMEOUT)
-    Path(out).write_bytes(pickle.dumps({"sent": sent, "kind": cuda_ext.status()}))
+    source = transport_for(NAMES[transport], Channel(store, prefix, TIMEOUT, torch.device("cuda", 0)))
+    sent = source.send(cpu_state(), tensors, receivers)
+    source.disallow()
+    source.shutdown()
+    Path(out).write_bytes(pickle.dumps({"sent": sent, "kind": loader.status()}))
 
 
 def on_gpu(_: str) -> torch.device:
@@ -43,9 +44,9 @@ def on_gpu(_: str) -> torch.device:
 
 
 def receive(store: dist.TCPStore, prefix: str, transport: str) -> tuple[dict, list[torch.Tensor], int]:
-    if transport == "ipc":
-        return receive_state_ipc(store, prefix, "cuda:0", on_gpu, timeout=TIMEOUT)
-    return receive_state_shm(store, prefix, on_gpu, timeout=TIMEOUT)
+    channel = Channel(store, prefix, TIMEOUT, torch.device("cuda", 0))
+    got = transport_for(NAMES[transport], channel).receive(0, on_gpu)
+    return got.cpu_state, got.tensors, got.nbytes
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Multi-process tests of lightning_elan.replication.transport over a real TCPStore and Gloo.
+"""Multi-process tests of the collective transport (``CollectiveTransport``) over a real TCPStore and Gloo.
 
 The test process hosts the TCPStore (127.0.0.1, a free port chosen by the OS); the workers are
 separate Python processes running this file as a script. Each worker writes its result (full
@@ -30,8 +30,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # when run as a worker script
     sys.path.insert(0, str(REPO_ROOT))
 
-from lightning_elan.replication import packing, transport  # noqa: E402
+from lightning_elan.replication import packing  # noqa: E402
 from lightning_elan.replication.packing import join_tensors, split_tensors  # noqa: E402
+from lightning_elan.replication.transports import Channel, CollectiveTransport  # noqa: E402
+from lightning_elan.replication.transports import collective as collective_module  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -133,7 +135,7 @@ def _poison_receive_buffers() -> None:
             buf.view(torch.uint8).fill_(0xFF)
         return buffers
 
-    transport.empty_buffers = poisoned
+    collective_module.empty_buffers = poisoned
 
 
 def _run_source(store: dist.Store, args: dict[str, Any]) -> dict[str, Any]:
@@ -142,9 +144,11 @@ def _run_source(store: dist.Store, args: dict[str, Any]) -> dict[str, Any]:
     skeleton, tensors = split_tensors(state)
     _store_barrier(store, args["barrier"], args["n_procs"])
     t0 = time.time()
-    group = transport.make_transfer_group(store, args["prefix"], 0, args["size"], timeout=STORE_TIMEOUT)
-    nbytes = transport.send_state(group, store, args["prefix"], skeleton, tensors)
+    source = CollectiveTransport(Channel(store, args["prefix"], STORE_TIMEOUT))
+    nbytes = source.send(skeleton, tensors, readers=args["size"] - 1)
     t1 = time.time()
+    source.disallow()  # every destination has its copy
+    source.shutdown()  # the channel's keys are deleted
     sent = copy.deepcopy(state)  # before the next step changes the live tensors
     train_step(model, optimizer, torch.Generator().manual_seed(7))
     return {
@@ -160,12 +164,13 @@ def _run_destination(store: dist.Store, args: dict[str, Any]) -> dict[str, Any]:
     _poison_receive_buffers()
     _store_barrier(store, args["barrier"], args["n_procs"])
     t0 = time.time()
-    group = transport.make_transfer_group(store, args["prefix"], args["rank"], args["size"], timeout=STORE_TIMEOUT)
-    cpu_state, tensors, nbytes = transport.receive_state(group, store, args["prefix"], lambda _: torch.device("cpu"))
+    channel = Channel(store, args["prefix"], STORE_TIMEOUT)
+    got = CollectiveTransport(channel).receive(args["rank"] - 1, lambda _: torch.device("cpu"))
+    cpu_state, tensors, nbytes = got.cpu_state, got.tensors, got.nbytes
     t1 = time.time()
     state = join_tensors(cpu_state, tensors)
     digest = state_digest(state)
-    store.set(f"{args['prefix']}/result/{args['rank']}", digest)
+    store.set(f"results/{args['prefix']}/{args['rank']}", digest)
     result = {"state": copy.deepcopy(state), "digest": digest, "nbytes": nbytes, "seconds": t1 - t0}
     try:  # reported, not raised: the test compares digests first, which says more
         result["after"] = _next_step_from(state, args["seed"])
@@ -273,12 +278,13 @@ def _check_transfer(store: dist.TCPStore, results: dict, prefix: str, size: int)
         dest = results[(prefix, rank)]
         assert dest["nbytes"] == source["nbytes"]
         assert dest["digest"] == source["digest"]
-        assert store.get(f"{prefix}/result/{rank}").decode() == source["digest"]
+        assert store.get(f"results/{prefix}/{rank}").decode() == source["digest"]
         assert_same_state(source["state"], dest["state"])
         assert "after_error" not in dest, dest.get("after_error")
         assert_same_state(source["after"], dest["after"])  # same next step from the received state
     for result in (results[(prefix, r)] for r in range(size)):
         assert result["default_pg_initialized"] is False
+    assert [key for key in store.list_keys() if key.startswith(f"{prefix}/")] == []  # the source deleted them
 
 
 def test_one_source_two_destinations(tcp_store: dist.TCPStore, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_elan.replication import packing, transport
+from lightning_elan.replication import packing
 from lightning_elan.replication.packing import (
     PackedLayout,
     TensorRef,
@@ -25,6 +25,8 @@ from lightning_elan.replication.packing import (
     state_nbytes,
     unpack,
 )
+from lightning_elan.replication.transports import Channel, CollectiveTransport
+from lightning_elan.replication.transports import collective as collective_module
 
 Point = namedtuple("Point", ["x", "y"])
 
@@ -369,20 +371,23 @@ def test_poisoned_receive_buffers_are_fully_overwritten_by_gloo_transfer(monkeyp
             poisoned.append(buf)
         return buffers
 
-    monkeypatch.setattr(transport, "empty_buffers", poisoned_empty_buffers)
+    monkeypatch.setattr(collective_module, "empty_buffers", poisoned_empty_buffers)
     state = checkpoint_like()
     state["mixed"] = mixed_tensors()
     skeleton, tensors = split_tensors(state)
     store = dist.HashStore()
     results: dict[str, Any] = {}
 
+    channel = Channel(store, "t0", datetime.timedelta(seconds=60))
+    sender = CollectiveTransport(channel)
+
     def source() -> None:
-        group = transport.make_transfer_group(store, "t0", 0, 2, timeout=datetime.timedelta(seconds=60))
-        results["sent"] = transport.send_state(group, store, "t0", skeleton, tensors)
+        results["sent"] = sender.send(skeleton, tensors, readers=1)
+        sender.disallow()
 
     def destination() -> None:
-        group = transport.make_transfer_group(store, "t0", 1, 2, timeout=datetime.timedelta(seconds=60))
-        results["received"] = transport.receive_state(group, store, "t0", lambda _: torch.device("cpu"))
+        got = CollectiveTransport(channel).receive(0, lambda _: torch.device("cpu"))
+        results["received"] = got.cpu_state, got.tensors, got.nbytes
 
     threads = [threading.Thread(target=source), threading.Thread(target=destination)]
     for thread in threads:
@@ -397,5 +402,5 @@ def test_poisoned_receive_buffers_are_fully_overwritten_by_gloo_transfer(monkeyp
     assert all(t.untyped_storage().data_ptr() in poisoned_ptrs for t in received if t.numel())
     assert_same_state(state, join_tensors(cpu_state, received))
     assert not dist.is_initialized()
-    assert transport.clear_header(store, "t0")
-    assert not store.check([transport.header_key("t0")])
+    sender.shutdown()
+    assert store.list_keys() == []  # header, acknowledgement and the group's rendezvous keys deleted

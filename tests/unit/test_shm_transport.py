@@ -1,4 +1,5 @@
-"""Shared-memory transport between real processes on this host (CPU), bit-exact."""
+"""Same-host transports through the ``StateTransport`` interface: shared memory between real processes on this host
+(CPU), bit-exact; CUDA IPC's store protocol with a stand-in device; what each leaves in the store (nothing)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_elan.replication.packing import empty_buffers, unpack
-from lightning_elan.replication.planner import plan_transfers, slice_range, transfers_from
-from lightning_elan.replication.shm import (
-    ShmReader,
-    ShmUnavailable,
-    receive_state_shm,
-    send_state_shm,
-    share_state_shm,
-)
+from lightning_elan.replication.cuda import ipc
+from lightning_elan.replication.planner import plan_transfers
 from lightning_elan.replication.topology import WorkerTopology, detect
+from lightning_elan.replication.transports import (
+    Channel,
+    CudaIpcTransport,
+    ShmTransport,
+    TransportUnavailable,
+    transport_for,
+)
+from lightning_elan.replication.transports.shm import remove_stale_segments
 
 TIMEOUT = datetime.timedelta(seconds=60)
 CTX = mp.get_context("spawn")
+CPU = torch.device("cpu")
 
 
 def make_state(seed: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -67,20 +70,9 @@ def client(port: int) -> dist.TCPStore:
 # ------------------------------------------------------------------ child process bodies (spawned)
 
 
-def _receive(port: int, prefix: str, out: str) -> None:
-    cpu_state, tensors, received = receive_state_shm(client(port), prefix, lambda _: torch.device("cpu"))
-    Path(out).write_bytes(pickle.dumps((cpu_state, [t.clone() for t in tensors], received)))
-
-
-def _receive_slices(port: int, prefixes: list[str], out: str) -> None:
-    store = client(port)
-    readers = [ShmReader(store, prefix, TIMEOUT) for prefix in prefixes]
-    buffers = empty_buffers(readers[0].layout, lambda _: torch.device("cpu"))
-    for index, reader in enumerate(readers):
-        reader.copy_to(buffers, *slice_range(reader.nbytes, index, len(readers)))
-        reader.close()
-    tensors = unpack(buffers, readers[0].layout)
-    Path(out).write_bytes(pickle.dumps((readers[0].cpu_state, [t.clone() for t in tensors], 0)))
+def _receive(port: int, prefix: str, reader: int, out: str) -> None:
+    got = ShmTransport(Channel(client(port), prefix, TIMEOUT)).receive(reader, lambda _: CPU)
+    Path(out).write_bytes(pickle.dumps((got.cpu_state, got.tensors, got.nbytes)))
 
 
 def run(procs: list[mp.Process], started: bool = False) -> None:
@@ -102,18 +94,27 @@ def segments(shm_dir: Path) -> list[str]:
     return sorted(p.name for p in shm_dir.glob("elan-*"))
 
 
-# ------------------------------------------------------------------ tests
+def shm(store: dist.Store, prefix: str, shm_dir: Path | None = None, **kwargs: Any) -> ShmTransport:
+    return ShmTransport(Channel(store, prefix, TIMEOUT), shm_dir=shm_dir, **kwargs)
 
 
-def test_one_source_two_destinations_bit_equal(store: dist.TCPStore, tmp_path: Path) -> None:
+# ------------------------------------------------------------------ shared memory
+
+
+def test_one_source_two_readers_bit_equal_and_nothing_left(store: dist.TCPStore, tmp_path: Path) -> None:
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
-    receivers = [CTX.Process(target=_receive, args=(store.port, "t1", str(tmp_path / f"r{i}"))) for i in range(2)]
-    for p in receivers:
+    keys_before = set(store.list_keys())
+    readers = [CTX.Process(target=_receive, args=(store.port, "t1", i, str(tmp_path / f"r{i}"))) for i in range(2)]
+    for p in readers:
         p.start()  # they wait for the header
 
-    sent = send_state_shm(store, "t1", *make_state(7), receivers=2, shm_dir=shm_dir, timeout=TIMEOUT)
-    run(receivers, started=True)
+    source = shm(store, "t1", shm_dir)
+    sent = source.send(*make_state(7), readers=2)
+    run(readers, started=True)
+    source.disallow()
+    assert segments(shm_dir) == []  # unlinked once both opened it
+    source.shutdown()
 
     want_state, want = make_state(7)
     for i in range(2):
@@ -122,20 +123,7 @@ def test_one_source_two_destinations_bit_equal(store: dist.TCPStore, tmp_path: P
         assert cpu_state["step"] == 123 and cpu_state["name"] == "ü"
         assert torch.equal(cpu_state["rng"], want_state["rng"])
         assert received == sent
-    assert segments(shm_dir) == []  # the source unlinked its segment
-
-
-def test_a_joiner_pulls_disjoint_slices_from_two_sources(store: dist.TCPStore, tmp_path: Path) -> None:
-    shares = [share_state_shm(store, f"s{i}", *make_state(11), shm_dir=tmp_path) for i in range(2)]
-    receiver = CTX.Process(target=_receive_slices, args=(store.port, ["s0", "s1"], str(tmp_path / "r")))
-
-    run([receiver])
-    for share in shares:
-        share.wait(TIMEOUT)
-        share.close()
-
-    _, tensors, _ = pickle.loads((tmp_path / "r").read_bytes())
-    assert_bit_equal(tensors, make_state(11)[1])
+    assert set(store.list_keys()) == keys_before  # header and acknowledgements deleted
 
 
 def test_grow_two_to_four_each_joiner_copies_from_its_own_stayer(store: dist.TCPStore, tmp_path: Path) -> None:
@@ -145,59 +133,109 @@ def test_grow_two_to_four_each_joiner_copies_from_its_own_stayer(store: dist.TCP
     assert {t.source for t in plan} == {"w0", "w1"}
     assert {t.transport for t in plan} == {"shm"} and {t.wave for t in plan} == {0}
 
-    joiners = []
-    for source in ("w0", "w1"):  # the two stayers publish at once (share_* returns without waiting)
-        for t in transfers_from(plan, source):
-            joiners.append(CTX.Process(target=_receive, args=(store.port, f"g1/{source}", str(tmp_path / t.joiner))))
-    shares = [share_state_shm(store, f"g1/{s}", *make_state(5), receivers=1) for s in ("w0", "w1")]
+    joiners = [CTX.Process(target=_receive, args=(store.port, f"g1/{t.source}", 0, str(tmp_path / t.joiner)))
+               for t in plan]  # fmt: skip
+    sources = [transport_for("shm", Channel(store, f"g1/{s}", TIMEOUT)) for s in ("w0", "w1")]
+    for source in sources:  # the two stayers publish at once (send returns without waiting)
+        source.send(*make_state(5), readers=1)
 
     run(joiners)
-    for share in shares:
-        share.wait(TIMEOUT)
-        share.close()
+    for source in sources:
+        source.disallow()
+        source.shutdown()
 
     want = make_state(5)[1]
     for joiner in ("w2", "w3"):
         assert_bit_equal(pickle.loads((tmp_path / joiner).read_bytes())[1], want)
 
 
-def test_in_process_round_trip_and_unlink_after_wait(store: dist.TCPStore, tmp_path: Path) -> None:
+def test_in_process_round_trip_and_unlink_after_disallow(store: dist.TCPStore, tmp_path: Path) -> None:
     cpu_state, tensors = make_state(3)
-    share = share_state_shm(store, "p", cpu_state, tensors, shm_dir=tmp_path)
-    assert segments(tmp_path) == [share.path.name]
+    source = shm(store, "p", tmp_path)
+    sent = source.send(cpu_state, tensors, readers=1)
+    assert source.path is not None and segments(tmp_path) == [source.path.name]
 
-    got_state, got, received = receive_state_shm(store, "p", lambda _: torch.device("cpu"))
-    share.wait(TIMEOUT)
-    share.close()
+    got = shm(store, "p").receive(0, lambda _: CPU)
+    source.disallow()
+    source.shutdown()
 
-    assert_bit_equal(got, tensors)
-    assert received == share.nbytes and got_state["position"] == [4, 5]
+    assert_bit_equal(got.tensors, tensors)
+    assert got.nbytes == sent and got.cpu_state["position"] == [4, 5]
     assert segments(tmp_path) == []
 
 
-def test_sender_times_out_and_cleans_up_without_receivers(store: dist.TCPStore, tmp_path: Path) -> None:
+def test_disallow_times_out_without_readers_and_still_unlinks(store: dist.TCPStore, tmp_path: Path) -> None:
+    source = shm(store, "q", tmp_path)
+    source.send({}, [torch.ones(3)], readers=1)
     with pytest.raises(TimeoutError, match="0 of 1 acknowledged"):
-        send_state_shm(store, "q", {}, [torch.ones(3)], shm_dir=tmp_path, timeout=datetime.timedelta(seconds=0.2))
+        source.disallow(datetime.timedelta(seconds=0.2))
     assert segments(tmp_path) == []
+    source.shutdown()
+    assert not store.check(["q/header"])
 
 
 def test_no_shared_memory_directory_is_reported(store: dist.TCPStore, tmp_path: Path) -> None:
-    with pytest.raises(ShmUnavailable):
-        send_state_shm(store, "x", {}, [torch.ones(3)], shm_dir=tmp_path / "missing")
+    with pytest.raises(TransportUnavailable):
+        shm(store, "x", tmp_path / "missing").send({}, [torch.ones(3)], readers=1)
 
 
 def test_empty_state(store: dist.TCPStore, tmp_path: Path) -> None:
-    share = share_state_shm(store, "e", {"only": "cpu"}, [], shm_dir=tmp_path)
-    cpu_state, tensors, _ = receive_state_shm(store, "e", lambda _: torch.device("cpu"))
-    share.wait(TIMEOUT)
-    share.close()
-    assert (cpu_state, tensors) == ({"only": "cpu"}, [])
+    source = shm(store, "e", tmp_path)
+    source.send({"only": "cpu"}, [], readers=1)
+    got = shm(store, "e").receive(0, lambda _: CPU)
+    source.disallow()
+    source.shutdown()
+    assert (got.cpu_state, got.tensors) == ({"only": "cpu"}, [])
 
 
 def test_cpu_workers_of_this_host_are_l2_to_each_other() -> None:
     a, b = detect("cpu"), detect(None)
     assert isinstance(a, WorkerTopology) and a.host == os.uname().nodename
     assert plan_transfers({"a": a}, {"b": b})[0].level == 2
+
+
+def test_zero_copy_tensors_are_private_copies_on_write(store: dist.TCPStore, tmp_path: Path) -> None:
+    cpu_state, tensors = make_state(4)
+    source = shm(store, "z", tmp_path)
+    source.send(cpu_state, tensors, readers=3)
+
+    first = shm(store, "z", zero_copy=True).receive(0, lambda _: CPU).tensors
+    second = shm(store, "z", zero_copy=True).receive(1, lambda _: CPU).tensors
+    copied = shm(store, "z").receive(2, lambda _: CPU).tensors
+    source.disallow()
+    source.shutdown()
+    first[0].add_(1.0)  # a joiner trains on its tensors: only its own pages change
+
+    assert_bit_equal(second, tensors)
+    assert_bit_equal(copied, tensors)
+    assert torch.equal(first[0], tensors[0] + 1.0)
+    assert segments(tmp_path) == []
+
+
+def test_a_fallback_reaches_the_readers(store: dist.TCPStore, tmp_path: Path) -> None:
+    source = shm(store, "f", tmp_path / "missing")
+    with pytest.raises(TransportUnavailable) as raised:
+        source.send({}, [torch.ones(3)], readers=1)
+    source.publish_fallback(str(raised.value))
+
+    with pytest.raises(TransportUnavailable, match="uses the collective"):
+        shm(store, "f").receive(0, lambda _: CPU)
+    source.disallow()
+    source.shutdown()
+    assert not store.check(["f/header"])
+
+
+def test_segments_left_by_a_crashed_source_are_removed_later(tmp_path: Path) -> None:
+    stale, fresh = tmp_path / "elan-1-old", tmp_path / "elan-2-new"
+    stale.write_bytes(b"x")
+    fresh.write_bytes(b"x")
+    os.utime(stale, (1, 1))
+
+    assert remove_stale_segments(tmp_path) == [stale]
+    assert segments(tmp_path) == ["elan-2-new"]
+
+
+# ------------------------------------------------------------------ CUDA IPC with a stand-in device
 
 
 class FakeMapping:
@@ -217,78 +255,29 @@ class FakeMapping:
 
 
 def test_ipc_protocol_with_a_stand_in_device(store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA IPC transport's header/ack protocol and range copies, run on CPU with the device calls replaced."""
-    from lightning_elan.replication import cuda_ext, shm
-
-    monkeypatch.setattr(cuda_ext, "alloc_shareable", lambda n, d: torch.full((n,), 0xA5, dtype=torch.uint8))
-    monkeypatch.setattr(cuda_ext, "ipc_export", lambda a: cuda_ext.IpcHandle("fake", a, a.numel(), 0))
-    monkeypatch.setattr(cuda_ext, "ipc_open", FakeMapping)
+    """The CUDA IPC transport's header/ack protocol and copies, run on CPU with the device calls replaced."""
+    monkeypatch.setattr(ipc, "alloc_shareable", lambda n, d: torch.full((n,), 0xA5, dtype=torch.uint8))
+    monkeypatch.setattr(ipc, "ipc_export", lambda a: ipc.IpcHandle("fake", a, a.numel(), 0))
+    monkeypatch.setattr(ipc, "ipc_open", FakeMapping)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    keys_before = set(store.list_keys())
     cpu_state, tensors = make_state(9)
+    channel = Channel(store, "ipc", TIMEOUT, torch.device("cuda", 0))
 
-    share = shm.share_state_ipc(store, "ipc", cpu_state, tensors, "cuda:0", receivers=2)
-    got_state, got, received = shm.receive_state_ipc(store, "ipc", "cuda:0", lambda _: torch.device("cpu"))
-    with shm.IpcReader(store, "ipc", "cuda:0", TIMEOUT) as reader:  # a second destination, in two slices
-        buffers = empty_buffers(reader.layout, lambda _: torch.device("cpu"))
-        copied = sum(reader.copy_to(buffers, *slice_range(reader.nbytes, i, 2)) for i in range(2))
-    share.wait(TIMEOUT)
-    share.close()
+    source = CudaIpcTransport(channel)
+    sent = source.send(cpu_state, tensors, readers=2)
+    got = [CudaIpcTransport(channel).receive(i, lambda _: CPU) for i in range(2)]
+    assert store.add("ipc/acks", 0) == 2
+    source.disallow()
+    source.shutdown()
 
-    assert_bit_equal(got, tensors)
-    assert_bit_equal(unpack(buffers, reader.layout), tensors)
-    assert copied == sum(t.numel() * t.element_size() for t in tensors)
-    assert received == share.nbytes and got_state["step"] == 123
-    assert all(m.closed for m in FakeMapping.opened) and store.add("ipc/acks", 0) == 2
-
-
-def test_zero_copy_tensors_are_private_copies_on_write(store: dist.TCPStore, tmp_path: Path) -> None:
-    cpu_state, tensors = make_state(4)
-    share = share_state_shm(store, "z", cpu_state, tensors, receivers=3, shm_dir=tmp_path)
-    cpu = lambda _: torch.device("cpu")  # noqa: E731
-
-    _, first, _ = receive_state_shm(store, "z", cpu)
-    _, second, _ = receive_state_shm(store, "z", cpu)
-    _, copied, _ = receive_state_shm(store, "z", cpu, zero_copy=False)
-    share.wait(TIMEOUT)
-    share.close()
-    first[0].add_(1.0)  # a joiner trains on its tensors: only its own pages change
-
-    assert_bit_equal(second, tensors)
-    assert_bit_equal(copied, tensors)
-    assert torch.equal(first[0], tensors[0] + 1.0)
-    assert segments(tmp_path) == []
+    for received in got:
+        assert_bit_equal(received.tensors, tensors)
+        assert received.nbytes == sent and received.cpu_state["step"] == 123
+    assert len(FakeMapping.opened) == 2 and all(m.closed for m in FakeMapping.opened)
+    assert set(store.list_keys()) == keys_before
 
 
-def test_a_fallback_reaches_the_destinations(store: dist.TCPStore, tmp_path: Path) -> None:
-    from lightning_elan.replication.shm import publish_fallback
-
-    with pytest.raises(ShmUnavailable) as raised:
-        share_state_shm(store, "f", {}, [torch.ones(3)], shm_dir=tmp_path / "missing")
-    publish_fallback(store, "f", "shm", str(raised.value))
-
-    with pytest.raises(ShmUnavailable, match="fell back to the collective"):
-        receive_state_shm(store, "f", lambda _: torch.device("cpu"))
-
-
-def test_waves_release_the_next_wave_once_the_previous_was_received(store: dist.TCPStore) -> None:
-    from lightning_elan.replication.shm import mark_wave_received, wait_for_wave
-
-    short = datetime.timedelta(seconds=0.1)
-    wait_for_wave(store, "g1", 0, 5, short)  # wave 0 never waits
-    mark_wave_received(store, "g1", 0)
-    with pytest.raises(TimeoutError, match="wave 0: 1 of 2"):
-        wait_for_wave(store, "g1", 1, 2, short)
-    mark_wave_received(store, "g1", 0)
-    wait_for_wave(store, "g1", 1, 2, short)
-
-
-def test_segments_left_by_a_crashed_source_are_removed_later(store: dist.TCPStore, tmp_path: Path) -> None:
-    from lightning_elan.replication.shm import remove_stale_segments
-
-    stale, fresh = tmp_path / "elan-1-old", tmp_path / "elan-2-new"
-    stale.write_bytes(b"x")
-    fresh.write_bytes(b"x")
-    os.utime(stale, (1, 1))
-
-    assert remove_stale_segments(tmp_path) == [stale]
-    assert segments(tmp_path) == ["elan-2-new"]
+def test_ipc_on_a_cpu_device_is_unavailable(store: dist.TCPStore) -> None:
+    with pytest.raises(TransportUnavailable, match="not a GPU"):
+        CudaIpcTransport(Channel(store, "c", TIMEOUT)).send({}, [torch.ones(2)], readers=1)

@@ -1,8 +1,16 @@
+"""Source choice without topologies: distinct stayers round-robin (``plan_replication``'s fallback)."""
+
 from __future__ import annotations
 
 import pytest
 
-from lightning_elan.replication.sources import choose_sources
+from lightning_elan.replication.sources import plan_replication
+
+
+def choose_sources(stayers: list[str], leavers: list[str], joiners: list[str]) -> dict[str, str]:
+    sources, transfers = plan_replication(stayers, leavers, joiners)
+    assert transfers is None
+    return sources
 
 
 def test_joiners_get_distinct_stayers_round_robin_in_order() -> None:

@@ -1,0 +1,156 @@
+"""The one interface every way of moving a packed training state implements (after torchft's ``CheckpointTransport``).
+
+A :class:`StateTransport` is bound to one :class:`Channel`: a key prefix of the job's long-lived store where one source
+meets its readers. The source calls :meth:`~StateTransport.send` once (for ``readers`` readers), later
+:meth:`~StateTransport.disallow` (wait until every reader has its copy, then stop serving) and finally
+:meth:`~StateTransport.shutdown` (free everything, delete the channel's keys); each reader calls
+:meth:`~StateTransport.receive` on its own instance. Same-host transports (``same_host``) return from ``send`` at once:
+the source trains on while its readers copy. A source that cannot serve a transport raises
+:class:`TransportUnavailable` from ``send`` and calls :meth:`~StateTransport.publish_fallback`; its readers' ``receive``
+then raises :class:`TransportUnavailable` too, so both sides move to the collective together.
+
+This module also owns the store protocol the transports share: the pickled header at ``{prefix}/header`` (CPU state,
+layout, where the bytes are) and the acknowledgement counter at ``{prefix}/acks``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from lightning_elan.replication.keys import delete_keys, delete_prefix
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Channel",
+    "DeviceFor",
+    "Received",
+    "StateTransport",
+    "TransportUnavailable",
+    "wait_count",
+]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+_POLL_MIN_S = 1e-4
+_POLL_MAX_S = 1e-2
+
+DeviceFor = Callable[[str], torch.device]  # the source's device type -> the local device of a receive buffer
+
+
+class TransportUnavailable(RuntimeError):
+    """This transport cannot be used (no shared-memory space, CUDA IPC refused...): use the collective instead."""
+
+
+@dataclass(frozen=True)
+class Channel:
+    """Where one source meets the readers of one transport: the store, a key prefix unique to them, the settings."""
+
+    store: dist.Store
+    prefix: str
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 (immutable)
+    backend: str = "gloo"
+
+    @property
+    def header_key(self) -> str:
+        return f"{self.prefix}/header"
+
+    @property
+    def ack_key(self) -> str:
+        return f"{self.prefix}/acks"
+
+
+@dataclass(frozen=True)
+class Received:
+    """What a reader got: the CPU-side state, the tensors (in the source's order) and the bytes that came in."""
+
+    cpu_state: Any
+    tensors: list[torch.Tensor]
+    nbytes: int
+
+
+class StateTransport(ABC):
+    """Moves one packed snapshot ``(cpu_state, tensors)`` from a source to its readers over one :class:`Channel`."""
+
+    name: ClassVar[str]
+    header_format: ClassVar[str]
+    same_host: ClassVar[bool] = False  # send() publishes and returns at once; readers copy from shared memory
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    @abstractmethod
+    def send(self, cpu_state: Any, tensors: list[torch.Tensor], readers: int) -> int:
+        """Publish or send the snapshot for ``readers`` readers; returns the bytes sent (tensor bytes + header).
+
+        Raises :class:`TransportUnavailable` when this transport cannot serve them (nothing is left published).
+        """
+
+    @abstractmethod
+    def receive(self, reader: int, device_for: DeviceFor) -> Received:
+        """Reader number ``reader`` (0-based, in plan order) gets its copy, its buffers placed by ``device_for``."""
+
+    @abstractmethod
+    def disallow(self, timeout: datetime.timedelta | None = None) -> None:
+        """Wait until every reader has its copy, then stop serving (the snapshot may change after this returns)."""
+
+    def shutdown(self) -> None:
+        """Free what this side holds and delete every key of the channel (call after :meth:`disallow`)."""
+        store, prefix = self.channel.store, self.channel.prefix
+        delete_keys(store, [self.channel.header_key, self.channel.ack_key])
+        delete_prefix(store, f"{prefix}/")
+
+    def publish_fallback(self, reason: str) -> None:
+        """Tell this channel's readers that the source serves them over the collective instead."""
+        self._publish_header({"format": self.header_format, "fallback": reason or "unavailable"})
+
+    # ---------------------------------------------------------------- the store protocol
+
+    def _publish_header(self, header: dict[str, Any]) -> int:
+        data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+        self.channel.store.set(self.channel.header_key, data)
+        return len(data)
+
+    def _fetch_header(self) -> tuple[dict[str, Any], int]:
+        """The source's header once it is there; :class:`TransportUnavailable` if it published a fallback."""
+        store, key = self.channel.store, self.channel.header_key
+        store.wait([key], self.channel.timeout)
+        data = store.get(key)
+        header = pickle.loads(data)
+        if not isinstance(header, dict) or header.get("format") != self.header_format:
+            got = header.get("format") if isinstance(header, dict) else type(header).__name__
+            raise RuntimeError(f"transfer {self.channel.prefix}: expected a {self.header_format} header, got {got!r}")
+        if header.get("fallback"):
+            reason = header["fallback"]
+            raise TransportUnavailable(f"transfer {self.channel.prefix}: the source uses the collective: {reason}")
+        return header, len(data)
+
+    def _ack(self) -> None:
+        """This reader is done with the source's memory (or, for the collective, has its copy)."""
+        self.channel.store.add(self.channel.ack_key, 1)
+
+    def _wait_acks(self, readers: int, timeout: datetime.timedelta | None) -> None:
+        what = f"transfer {self.channel.prefix}: readers"
+        wait_count(self.channel.store, self.channel.ack_key, readers, timeout or self.channel.timeout, what)
+
+
+def wait_count(store: dist.Store, key: str, count: int, timeout: datetime.timedelta, what: str) -> None:
+    """Block until the counter ``key`` (``store.add``) reaches ``count``, or raise ``TimeoutError``."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    delay = _POLL_MIN_S
+    while store.add(key, 0) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: {store.add(key, 0)} of {count} acknowledged within {timeout}")
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_MAX_S)
