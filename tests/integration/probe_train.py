@@ -3,7 +3,8 @@
 It records, per worker: the dataset indices it trained on (per epoch), a bitwise digest of its parameters and optimizer
 state at every step, the LR the optimizer used and the global batch at every step, when validation ran, and, on the
 worker that ends as rank 0, the final parameters. ``--scaling POLICY`` adds ``HybridScaling`` and
-``ProgressiveLinearLR``.
+``ProgressiveLinearLR``. Its options are ``ProbeConfig`` (one flag per field); the config that ran is written to
+``OUT/config.json`` and into every worker's record.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import logging
 import os
 import time
+import typing
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -40,11 +43,11 @@ class IndexedDataset(Dataset):
 
 
 class ProbeModel(pl.LightningModule):
-    def __init__(self, out_dir: Path, step_sleep: float = 0.0) -> None:
+    def __init__(self, config: ProbeConfig) -> None:
         super().__init__()
-        self.step_sleep = step_sleep
+        self.step_sleep = config.step_sleep
+        self.wait_for_joiners = config.wait_for_joiners
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
-        self.out_dir = out_dir
         self.consumed: dict[int, list[int]] = {}
         self.digests: list[list] = []
         self.steps: list[list] = []  # [global_step, epoch, world_size, global_batch, lr used by the optimizer]
@@ -66,6 +69,8 @@ class ProbeModel(pl.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx):
         trainer = self.trainer
+        if self.wait_for_joiners and trainer.global_rank == 0:
+            wait_for_joiners_due_at(trainer.global_step + 1)
         self.digests.append([trainer.global_step, trainer.world_size, trainer.global_rank, state_digest(self)])
 
     def on_before_optimizer_step(self, optimizer):
@@ -85,6 +90,25 @@ class ProbeModel(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def wait_for_joiners_due_at(step: int, timeout_s: float = 240.0) -> None:
+    """Hold rank 0 until every queued request due at ``step`` has all its new workers ready (registered), so that it
+    applies at the first coordination at or after its scheduled step, whatever the joiners' start-up time."""
+    address = os.environ.get("ELAN_AM_ADDRESS")
+    if not address:
+        return
+    from lightning_elan.protocol.client import AMClient
+
+    deadline = time.monotonic() + timeout_s
+    with AMClient(address, os.environ["ELAN_JOB"]) as client:
+        while True:
+            due = [request for request in client.status()["pending"] if (request.get("at_step") or 0) <= step]
+            if all(state == "ready" for request in due for state in request["worker_status"].values()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"joiners of {due} not ready after {timeout_s} s")
+            time.sleep(0.1)
+
+
 def state_digest(model: ProbeModel) -> str:
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
@@ -97,65 +121,105 @@ def state_digest(model: ProbeModel) -> str:
     return digest.hexdigest()
 
 
+@dataclass
+class ProbeConfig:
+    """What one probe run does: every default is here, the CLI flags are generated from the fields."""
+
+    out: Path
+    samples: int = 100
+    batch_size: int = 6  # per worker (the DataLoader's batch_size)
+    epochs: int = 3
+    num_workers: int = 0
+    global_batch: int | None = None  # ElanStrategy(global_batch_size=...)
+    no_shuffle: bool = False
+    val: bool = False
+    strategy: str = "elan"  # 'elan', or a Lightning strategy for comparison runs
+    devices: str = "auto"
+    accelerator: str = "cpu"  # 'gpu' for the CUDA runs of tests/gpu
+    backend: str | None = None  # process group backend of the elan strategy (e.g. gloo)
+    full_lightning: bool = False  # CSV logger, ModelCheckpoint, progress bar
+    step_sleep: float = 0.0  # seconds to sleep per step (slows a job down; no effect on the numbers)
+    scaling: str | None = None  # add HybridScaling with this policy: strong, weak or hybrid
+    ramp_steps: int = 4  # ProgressiveLinearLR ramp (with scaling)
+    profile: Path | None = None  # ThroughputModel JSON for HybridScaling (not learned further)
+    # rank 0 holds each batch until the requests due at its step have their joiners ready (the step becomes exact)
+    wait_for_joiners: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scaling not in (None, "strong", "weak", "hybrid"):
+            raise ValueError(f"scaling must be strong, weak or hybrid, got {self.scaling!r}")
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None) -> ProbeConfig:
+        """``--field-name VALUE`` for every field (``--flag`` alone for the booleans)."""
+        parser = argparse.ArgumentParser(description=__doc__)
+        hints = typing.get_type_hints(cls)
+        for item in fields(cls):
+            flag = "--" + item.name.replace("_", "-")
+            kind = _flag_type(hints[item.name])
+            if kind is bool:
+                parser.add_argument(flag, action="store_true")
+            elif item.default is MISSING:
+                parser.add_argument(flag, type=kind, required=True)
+            else:
+                parser.add_argument(flag, type=kind, default=item.default)
+        return cls(**vars(parser.parse_args(argv)))
+
+    def to_dict(self) -> dict:
+        return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}
+
+
+def _flag_type(annotation: object) -> type:
+    """``int | None`` → ``int``: the type a flag's text converts to."""
+    options = [option for option in typing.get_args(annotation) if option is not type(None)]
+    return options[0] if options else annotation
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(name)s: %(message)s")
     logging.getLogger("lightning_elan").setLevel(os.environ.get("ELAN_PROBE_LOG", "INFO"))
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--samples", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=6)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--num-workers", type=int, default=0)
-    parser.add_argument("--global-batch", type=int, default=None)
-    parser.add_argument("--no-shuffle", action="store_true")
-    parser.add_argument("--val", action="store_true")
-    parser.add_argument("--strategy", default="elan", help="'elan', or a Lightning strategy for comparison runs")
-    parser.add_argument("--devices", default="auto")
-    parser.add_argument("--accelerator", default="cpu", help="'gpu' for the CUDA runs of tests/gpu")
-    parser.add_argument("--backend", default=None, help="process group backend of the elan strategy (e.g. gloo)")
-    parser.add_argument("--full-lightning", action="store_true", help="CSV logger, ModelCheckpoint, progress bar")
-    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (slows a job down)")
-    parser.add_argument("--scaling", choices=["strong", "weak", "hybrid"], help="add HybridScaling with this policy")
-    parser.add_argument("--ramp-steps", type=int, default=4, help="ProgressiveLinearLR ramp (with --scaling)")
-    parser.add_argument("--profile", type=Path, help="ThroughputModel JSON for HybridScaling (not learned further)")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    config = ProbeConfig.from_argv()
+    config.out.mkdir(parents=True, exist_ok=True)
+    (config.out / "config.json").write_text(json.dumps(config.to_dict()))  # the same for every worker
 
     pl.seed_everything(7)
-    model = ProbeModel(args.out, args.step_sleep)
-    dataset = IndexedDataset(args.samples)
-    loader_kwargs = {"num_workers": args.num_workers, "persistent_workers": args.num_workers > 0}
-    train = DataLoader(dataset, batch_size=args.batch_size, shuffle=not args.no_shuffle, **loader_kwargs)
-    val = DataLoader(IndexedDataset(30), batch_size=5) if args.val else None
-    strategy = args.strategy
-    if strategy == "elan" and (args.global_batch or args.backend):
-        strategy = lightning_elan.ElanStrategy(global_batch_size=args.global_batch, process_group_backend=args.backend)
-    full = args.full_lightning
+    model = ProbeModel(config)
+    dataset = IndexedDataset(config.samples)
+    loader_kwargs = {"num_workers": config.num_workers, "persistent_workers": config.num_workers > 0}
+    train = DataLoader(dataset, batch_size=config.batch_size, shuffle=not config.no_shuffle, **loader_kwargs)
+    val = DataLoader(IndexedDataset(30), batch_size=5) if config.val else None
+    strategy = config.strategy
+    if strategy == "elan" and (config.global_batch or config.backend):
+        strategy = lightning_elan.ElanStrategy(
+            global_batch_size=config.global_batch, process_group_backend=config.backend
+        )
+    full = config.full_lightning
     callbacks = [ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)] if full else []
-    if args.scaling:
-        profile = None if args.profile is None else str(args.profile)
-        scaling = HybridScaling(policy=args.scaling, profile=profile, learn=profile is None)
-        callbacks += [scaling, ProgressiveLinearLR(ramp_steps=args.ramp_steps)]
+    if config.scaling:
+        profile = None if config.profile is None else str(config.profile)
+        scaling = HybridScaling(policy=config.scaling, profile=profile, learn=profile is None)
+        callbacks += [scaling, ProgressiveLinearLR(ramp_steps=config.ramp_steps)]
     trainer = pl.Trainer(
         strategy=strategy,
-        accelerator=args.accelerator,
-        devices=int(args.devices) if args.devices.isdigit() else args.devices,
-        max_epochs=args.epochs,
-        default_root_dir=args.out,
-        logger=CSVLogger(args.out / "logs", flush_logs_every_n_steps=1) if full else False,
+        accelerator=config.accelerator,
+        devices=int(config.devices) if config.devices.isdigit() else config.devices,
+        max_epochs=config.epochs,
+        default_root_dir=config.out,
+        logger=CSVLogger(config.out / "logs", flush_logs_every_n_steps=1) if full else False,
         log_every_n_steps=1,
         callbacks=callbacks,
         enable_checkpointing=full,
         enable_progress_bar=full,
         enable_model_summary=False,
-        limit_val_batches=1.0 if args.val else 0,
-        num_sanity_val_steps=2 if args.val else 0,
+        limit_val_batches=1.0 if config.val else 0,
+        num_sanity_val_steps=2 if config.val else 0,
     )
     trainer.fit(model, train, val)
 
     worker = os.environ.get("ELAN_WORKER_ID", "w0")
     record = {
         "worker": worker,
+        "config": config.to_dict(),
         "left": getattr(trainer.strategy, "has_left", False),
         "global_step": trainer.global_step,
         "rank": trainer.global_rank,
@@ -165,10 +229,10 @@ def main() -> None:
         "steps": model.steps,
         "validations": model.validations,
     }
-    (args.out / f"record-{worker}.json").write_text(json.dumps(record))
+    (config.out / f"record-{worker}.json").write_text(json.dumps(record))
     if not record["left"] and trainer.global_rank == 0:
-        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out / "final.pt")
-    if args.strategy != "elan" and torch.distributed.is_initialized():
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, config.out / "final.pt")
+    if config.strategy != "elan" and torch.distributed.is_initialized():
         # a plain Lightning comparison run: rank 0 hosts the store, so no rank may exit while another still uses it
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

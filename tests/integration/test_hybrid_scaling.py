@@ -10,28 +10,34 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.integration.elastic_runs import (
-    PROBE,
+    EPOCHS,
+    SAMPLES,
+    TOLERANCE,
     RunResult,
     assert_each_sample_once,
     assert_ranks_agree,
     assert_states_close,
+    check_adjustment_steps,
+    digests_by_step,
+    elan_cli,
     elan_run,
+    read_metrics_csv,
+    wait_for_status,
 )
 
 pytestmark = pytest.mark.integration
 
-SAMPLES, EPOCHS, LR0, RAMP = 100, 3, 0.01, 4
-PROBE_ARGS = ["--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--val", "--ramp-steps", str(RAMP)]
+LR0, RAMP = 0.01, 4
+# --wait-for-joiners: rank 0 holds a batch until the joiners due at its step are ready, so a scheduled grow lands at
+# its step however slowly the joiners start (no effect on the numbers; the checks below hold wherever it lands)
+PROBE_ARGS = ["--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--val", "--ramp-steps", str(RAMP),
+              "--wait-for-joiners"]
 
 
 # ---------------------------------------------------------------------- what the job must have done, computed here
@@ -99,12 +105,17 @@ def check_validation_at_every_epoch_end(records: list[dict], expected: list[Step
     assert runs == {(epoch, step + 1) for epoch, step in last_step.items()}, runs
 
 
-def check_common(run: RunResult, expected: list[Step]) -> list[dict]:
+def check_common(run: RunResult, expected: list[Step], schedule: str) -> list[dict]:
+    """Exit 0, each sample once per epoch, bit-identical workers at every step, validation at every epoch end, and the
+    adjustments where the protocol allows them (in order, at or after their scheduled steps, not at an epoch end)."""
     assert run.returncode == 0, run.excerpt()
     records = run.records()
     assert_each_sample_once(records, SAMPLES, EPOCHS)
     assert assert_ranks_agree(records) == len(expected)
     check_validation_at_every_epoch_end(records, expected)
+    last_of_epoch = {item.epoch: item.step for item in expected}
+    ends = {step + 1 for step in last_of_epoch.values()}
+    check_adjustment_steps(run.adjustments(), schedule, coordinate_every=1, epoch_ends=ends)
     return records
 
 
@@ -114,17 +125,19 @@ def check_common(run: RunResult, expected: list[Step]) -> list[dict]:
 def test_weak_scaling_doubles_the_global_batch_and_ramps_the_lr_on_every_rank(tmp_path):
     """Under `weak` a grow 2→4 doubles the global batch (12→24) mid-epoch and the LR reaches exactly 2·lr0 at T0+T on
     every rank, the joiners included; the shrink back halves both. Metrics are logged through Lightning's logger."""
-    args = [*PROBE_ARGS, "--batch-size", "6", "--scaling", "weak", "--full-lightning", "--step-sleep", "0.1"]
-    run = elan_run(tmp_path, "weak", 2, args, schedule="3:add=2,14:remove=2")
+    args = [*PROBE_ARGS, "--batch-size", "6", "--scaling", "weak", "--full-lightning"]
+    schedule = "3:add=2,14:remove=2"
+    run = elan_run(tmp_path, "weak", 2, args, schedule=schedule)
     assert run.returncode == 0, run.excerpt()
-    grow, shrink = run.adjustments(tmp_path / "weak-state")
+    grow, shrink = run.adjustments()
     t0, t1 = grow["step"], shrink["step"]
-    assert t0 + RAMP < t1, f"the joiners must still train at T0+T: grow at {t0}, shrink at {t1}"
+    # the joiners are ready at step 3 (--wait-for-joiners) and nothing defers 3 or 14: a precondition, not timing
+    assert t0 + RAMP < t1, f"precondition: the joiners must still train at T0+T: grow at {t0}, shrink at {t1}"
     assert (grow["global_batch"], grow["scaling"]["lr_scale"]) == (24, 2.0) and "weak" in grow["scaling"]["reason"]
     assert (shrink["global_batch"], shrink["scaling"]["lr_scale"]) == (12, 1.0)
 
     expected = expected_steps(12, {t0: 24, t1: 12})
-    records = check_common(run, expected)
+    records = check_common(run, expected, schedule)
     check_steps_and_lr(records, expected, [(t0, 2.0), (t1, 1.0)])
     joiners = [record for record in records if record["worker"] in grow["joiners"]]
     assert len(joiners) == 2
@@ -138,9 +151,7 @@ def test_weak_scaling_doubles_the_global_batch_and_ramps_the_lr_on_every_rank(tm
 def check_logged_metrics(out: Path, expected: list[Step], t0: int, t1: int) -> None:
     """`elan/global_batch`, `elan/local_batch`, `elan/lr_scale`, `elan/world_size` in the CSV logger, every step."""
     (version,) = sorted((out / "logs" / "lightning_logs").iterdir())
-    lines = (version / "metrics.csv").read_text().splitlines()
-    header = lines[0].split(",")
-    rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
+    _, rows = read_metrics_csv(version / "metrics.csv")
     logged = {int(row["step"]): row for row in rows if row.get("elan/global_batch")}
     assert sorted(logged) == [item.step for item in expected]
     for item in expected:
@@ -196,89 +207,60 @@ def test_hybrid_scaling_chooses_algorithm_1s_global_batch(tmp_path):
     compute, allreduce = synthetic_profile(tmp_path / "profile.json")
     chosen = algorithm_1(1, 12, 3, compute, allreduce)
     assert chosen == 24, "the profile is meant to make hybrid differ from strong and weak scaling"
-    args = [*PROBE_ARGS, "--batch-size", "12", "--scaling", "hybrid", "--profile", str(tmp_path / "profile.json"),
-            "--step-sleep", "0.3"]  # one worker is quick: give the joiners time to start before the job ends
+    args = [*PROBE_ARGS, "--batch-size", "12", "--scaling", "hybrid", "--profile", str(tmp_path / "profile.json")]
     run = elan_run(tmp_path, "hybrid", 1, args, schedule="3:add=2")
     assert run.returncode == 0, run.excerpt()
-    (grow,) = run.adjustments(tmp_path / "hybrid-state")
+    assert run.config()["scaling"] == "hybrid" and run.config()["profile"] == str(tmp_path / "profile.json")
+    (grow,) = run.adjustments()
     assert grow["global_batch"] == chosen and grow["scaling"]["local_batch"] == 8
     assert "N_opt(24)=3 >= 3" in grow["scaling"]["reason"], grow["scaling"]
     expected = expected_steps(12, {grow["step"]: chosen})
-    records = check_common(run, expected)
+    records = check_common(run, expected, "3:add=2")
     check_steps_and_lr(records, expected, [(grow["step"], 2.0)])
 
 
 # ---------------------------------------------------------------------- strong: nothing changes
 
 
-def test_strong_scaling_changes_nothing(tmp_path):
+def test_strong_scaling_changes_nothing(static_run, tmp_path):
     """HybridScaling(policy="strong") + ProgressiveLinearLR through grow and shrink: bit-identical, step by step, to
-    the same elastic job without the callbacks, and equal to a static 2-worker run."""
-    args = [*PROBE_ARGS, "--batch-size", "6", "--step-sleep", "0.2"]
+    the same elastic job without the callbacks, and equal to the static 2-worker run (validation changes nothing)."""
+    args = [*PROBE_ARGS, "--batch-size", "6"]
     schedule = "3:add=1,6:remove=1"
     with_callbacks = elan_run(tmp_path, "strong", 2, [*args, "--scaling", "strong"], schedule=schedule)
     without = elan_run(tmp_path, "plain", 2, args, schedule=schedule)
-    static = elan_run(tmp_path, "static", 2, args)
     expected = expected_steps(12, {})
-    records = check_common(with_callbacks, expected)
+    records = check_common(with_callbacks, expected, schedule)
     check_steps_and_lr(records, expected, [])
-    adjustments = with_callbacks.adjustments(tmp_path / "strong-state")
+    adjustments = with_callbacks.adjustments()
     assert [a["global_batch"] for a in adjustments] == [12, 12]
     assert all(a["scaling"]["lr_scale"] == 1.0 and a["scaling"]["reason"].startswith("strong") for a in adjustments)
-    plain_records = check_common(without, expected)
-    assert [a["step"] for a in adjustments] == [a["step"] for a in without.adjustments(tmp_path / "plain-state")], (
-        "both jobs must resize at the same steps to be compared bit for bit"
+    plain_records = check_common(without, expected, schedule)
+    # with --wait-for-joiners each job resizes at the first coordination at or after 3 and 6, which nothing defers
+    assert [a["step"] for a in adjustments] == [a["step"] for a in without.adjustments()], (
+        "precondition: both jobs resize at the same steps, to be compared bit for bit"
     )
     assert digests_by_step(records) == digests_by_step(plain_records)
-    assert_states_close(with_callbacks.final_state(), static.final_state(), 1e-9)
-
-
-def digests_by_step(records: list[dict]) -> dict[int, set[str]]:
-    steps: dict[int, set[str]] = {}
-    for record in records:
-        for step, _world, _rank, digest in record["digests"]:
-            steps.setdefault(step, set()).add(digest)
-    return steps
+    assert_states_close(with_callbacks.final_state(), static_run.final_state(), TOLERANCE)
+    assert_states_close(without.final_state(), static_run.final_state(), TOLERANCE)
 
 
 # ---------------------------------------------------------------------- elan status while a hybrid job runs
 
 
-def test_status_shows_the_fitted_model_and_the_last_decision(tmp_path):
+def test_status_shows_the_fitted_model_and_the_last_decision(live_job):
     """A learning `hybrid` job (throughput model not ready: strong scaling, said so) grows 1→2; `elan status` shows
     the model's throughput table and the decision with its reason, `--json` the same summary."""
-    env = {**os.environ, "ELAN_HOME": str(tmp_path / "home"), "PYTHONWARNINGS": "ignore"}
-    job = subprocess.Popen(
-        [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "1", "--job", "live", "--coordinate-every", "2",
-         "--schedule", "4:add=1", "--", sys.executable, str(PROBE), "--out", str(tmp_path / "out"),
-         "--samples", "100", "--batch-size", "6", "--epochs", "60", "--step-sleep", "0.03", "--scaling", "hybrid"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        status = wait_for_status(env, lambda s: (s.get("scaling") or {}).get("last_decision") and s["generation"] == 1)
-        summary = status["scaling"]
-        assert summary["policy"] == "hybrid" and summary["world_size"] == 2 and summary["global_batch"] == 6
-        assert summary["last_decision"]["global_batch"] == 6
-        assert "not ready" in summary["last_decision"]["reason"]
-        assert [table["global_batch"] for table in summary["throughput"]] == [6, 12]
-        assert summary["throughput"][0]["samples_per_s"], "the model learned compute times on one worker"
-        human = subprocess.run([sys.executable, "-m", "lightning_elan.cli", "status", "--job", "live"], env=env,
-                               capture_output=True, text=True, check=True).stdout
-        assert "scaling: policy hybrid" in human and "samples/s by workers" in human
-        assert "last decision: global batch 6" in human
-    finally:
-        job.terminate()
-        job.communicate(timeout=60)
-
-
-def wait_for_status(env: dict, predicate, timeout: float = 120.0) -> dict:
-    deadline, status = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        proc = subprocess.run([sys.executable, "-m", "lightning_elan.cli", "status", "--job", "live", "--json"],
-                              env=env, capture_output=True, text=True)
-        if proc.returncode == 0:
-            status = json.loads(proc.stdout)
-            if predicate(status):
-                return status
-        time.sleep(0.5)
-    raise AssertionError(f"status never matched; last: {status}")
+    args = ["--samples", "100", "--batch-size", "6", "--epochs", "60", "--step-sleep", "0.03", "--scaling", "hybrid"]
+    _, env = live_job("live", 1, args, schedule="4:add=1", coordinate_every=2)
+    status = wait_for_status(env, "live", lambda s: (s.get("scaling") or {}).get("last_decision")
+                             and s["generation"] == 1)
+    summary = status["scaling"]
+    assert summary["policy"] == "hybrid" and summary["world_size"] == 2 and summary["global_batch"] == 6
+    assert summary["last_decision"]["global_batch"] == 6
+    assert "not ready" in summary["last_decision"]["reason"]
+    assert [table["global_batch"] for table in summary["throughput"]] == [6, 12]
+    assert summary["throughput"][0]["samples_per_s"], "the model learned compute times on one worker"
+    human = elan_cli(env, "status", "--job", "live")
+    assert "scaling: policy hybrid" in human and "samples/s by workers" in human
+    assert "last decision: global batch 6" in human

@@ -85,6 +85,7 @@ WORKER = textwrap.dedent(
         sys.exit(0)
     if mode in ("joiner-fails", "joiner-silent"):
         wait_for(lambda: client.status()["pending"] == [])  # the AM dropped the failed joiner's request
+        write(worker_id + ".status", client.status())
         sys.exit(0)
     sys.exit(f"unknown mode {mode}")
     """
@@ -135,7 +136,6 @@ def test_run_members_exit_zero(tmp_path: Path) -> None:
         assert abs(float(env["ELAN_SPAWN_TIME"]) - time.time()) < 120
         assert "ELAN_DEVICE_INDEX" not in env
         assert env["OMP_NUM_THREADS"] == "1", "one OpenMP thread per worker unless the user set it (as torchrun)"
-    assert "spawned w0" in result.stderr and "w2 (pid" in result.stderr
     assert not (tmp_path / "home" / "jobs" / "ok3.json").exists(), "the AM leaves its registry file behind"
 
 
@@ -166,16 +166,23 @@ def test_joiner_is_cancelled_at_shutdown(tmp_path: Path) -> None:
         assert key not in joiner
     assert joiner["ELAN_STORE_ADDRESS"] == workers["w0"]["ELAN_STORE_ADDRESS"]
     plan = json.loads((tmp_path / "out" / "w2.plan.json").read_text())
-    assert plan["status"] == "cancelled"
-    assert "w2 (pid" in result.stderr and "exited with code 0" in result.stderr
+    assert plan["status"] == "cancelled", "the joiner's wait_plan was answered 'cancelled' (it then exits 0)"
+
+
+def status_seen_by_members(tmp_path: Path) -> list[dict]:
+    """The AM status each member read once the AM had dropped the failed request (``joiner-*`` modes)."""
+    return [json.loads((tmp_path / "out" / f"{worker}.status.json").read_text()) for worker in ("w0", "w1")]
 
 
 def test_joiner_failing_before_its_plan_does_not_stop_the_job(tmp_path: Path) -> None:
     result = elan_run(tmp_path, "flaky", 2, "joiner-fails", "--schedule", "1000:add=1")
     assert result.returncode == 0, result.stderr
-    assert "w2 (pid" in result.stderr and "exited with code 3" in result.stderr
-    assert "joiner w2 failed before its plan was decided" in result.stderr
     assert sorted(worker_files(tmp_path)) == ["w0", "w1", "w2"]
+    for status in status_seen_by_members(tmp_path):
+        assert status["pending"] == [] and status["generation"] == 0 and status["in_flight"] is None
+        assert [member["worker_id"] for member in status["members"]] == ["w0", "w1"]
+    # the AM keeps no structured record of a failed request (library gap): its reason is only in the log
+    assert "w2 exited with code 3 before its plan was decided" in result.stderr
 
 
 def test_schedule_refused_by_the_am(tmp_path: Path) -> None:
@@ -211,5 +218,9 @@ def test_sigterm_to_launcher_is_forwarded(tmp_path: Path) -> None:
 def test_joiner_that_never_reports_fails_its_request_and_is_stopped(tmp_path: Path) -> None:
     result = elan_run(tmp_path, "silent", 1, "joiner-silent", "--schedule", "1:add=1", "--report-timeout", "2")
     assert result.returncode == 0, result.stderr
-    assert "did not report ready within 2 s" in result.stderr
     assert (tmp_path / "out" / "w1.terminated.json").exists(), "the silent joiner was not stopped"
+    (status,) = [json.loads((tmp_path / "out" / "w0.status.json").read_text())]
+    assert status["pending"] == [] and status["generation"] == 0
+    assert [member["worker_id"] for member in status["members"]] == ["w0"]
+    # the AM keeps no structured record of a failed request (library gap): its reason is only in the log
+    assert "did not report ready within 2 s" in result.stderr

@@ -1,0 +1,40 @@
+"""Fixtures of the integration tests; the helpers they use are in ``elastic_runs.py`` (shared with ``tests/gpu``)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.elastic_runs import PROBE_ARGS, RunResult, check_static_run, elan_command, elan_env, elan_run
+
+
+@pytest.fixture(scope="session")
+def static_run(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """The static 2-worker run of the default probe job (``PROBE_ARGS``), run once per session: the reference every
+    elastic run's final parameters must equal within ``TOLERANCE``."""
+    return check_static_run(elan_run(tmp_path_factory.mktemp("static"), "static", 2, PROBE_ARGS))
+
+
+@pytest.fixture
+def live_job(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen, dict]]]:
+    """Start ``elan run`` of the probe script in the background: ``start(name, nproc, probe_args, schedule=None,
+    coordinate_every=1)`` → ``(process, env)`` (``env`` points ``elan status/scale`` at it). A job still running at
+    the end of the test is terminated."""
+    jobs: list[subprocess.Popen] = []
+
+    def start(name: str, nproc: int, probe_args: list[str], schedule: str | None = None,
+              coordinate_every: int = 1) -> tuple[subprocess.Popen, dict]:
+        env = elan_env(tmp_path)
+        command = elan_command(tmp_path, name, nproc, probe_args, schedule, coordinate_every)
+        job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        jobs.append(job)
+        return job, env
+
+    yield start
+    for job in jobs:
+        if job.poll() is None:
+            job.terminate()
+            job.communicate(timeout=60)
