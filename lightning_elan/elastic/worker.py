@@ -43,6 +43,7 @@ from lightning_elan.protocol.contract import (
     split_host_port,
 )
 from lightning_elan.replication.exchange import OutgoingReplication, ReplicationContext, receive_replica, send_replica
+from lightning_elan.replication.keys import delete_prefix
 from lightning_elan.replication.packing import join_tensors, split_tensors
 from lightning_elan.replication.topology import detect as detect_topology
 
@@ -289,7 +290,7 @@ class ElasticWorker:
 
     def _send(self, plan: AdjustmentPlan, snapshot: tuple[dict[str, Any], list[torch.Tensor]]) -> int:
         cpu_state, tensors = snapshot
-        outgoing = send_replica(self._replication_context(plan), plan.to_dict(), self.worker_id, cpu_state, tensors)
+        outgoing = send_replica(self._replication_context(plan), plan, self.worker_id, cpu_state, tensors)
         routes = "; ".join(f"{transport}: {', '.join(names)}" for transport, names in outgoing.joiners.items())
         log.info("worker %s sent %.1f MB of state (%s)", self.worker_id, outgoing.bytes_sent / 1e6, routes)
         self._outgoing = outgoing
@@ -297,7 +298,7 @@ class ElasticWorker:
 
     def _receive(self, plan: AdjustmentPlan) -> tuple[dict[str, Any], int]:
         cpu_state, tensors, received, transport = receive_replica(
-            self._replication_context(plan), plan.to_dict(), self.worker_id, self._device_for
+            self._replication_context(plan), plan, self.worker_id, self._device_for
         )
         log.info("worker %s received %.1f MB of state from %s over %s", self.worker_id, received / 1e6,
                  plan.sources[self.worker_id], transport)
@@ -387,11 +388,3 @@ class ElasticWorker:
             raise RuntimeError("this worker has no application master (standalone run)")
         return self._link
 
-
-def delete_prefix(store: dist.Store, prefix: str) -> int:
-    """Delete every key under ``prefix``; returns how many (0 for a store that cannot list its keys)."""
-    try:
-        keys = store.list_keys()
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return 0
-    return sum(bool(store.delete_key(key)) for key in keys if key.startswith(prefix))

@@ -13,17 +13,13 @@ None where the protocol does, and ``from_body()``/``from_dict()`` ignore keys th
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
-from lightning_elan.replication.planner import TRANSPORT_COLLECTIVE, Transfer
-from lightning_elan.replication.topology import L4_NETWORK
-
-logger = logging.getLogger(__name__)
+from lightning_elan.replication.planner import Transfer
 
 PROTOCOL_VERSION = 1
 CONTRACT_VERSION = PROTOCOL_VERSION  # the wire forms below are those of protocol version ``v``
@@ -70,6 +66,10 @@ WORKER_ENV_VARS: tuple[str, ...] = (
 ENV_REPLICATION = ENV_PREFIX + "REPLICATION"  # "collective" forces collective replication (no topology registered)
 ENV_SHM_DIR = ENV_PREFIX + "SHM_DIR"  # directory of the shared-memory segments (default /dev/shm)
 ENV_HOME = ENV_PREFIX + "HOME"  # the job registry and default state dirs (default ~/.elan)
+ENV_BUILD_CUDA_EXT = ENV_PREFIX + "BUILD_CUDA_EXT"  # "1": build the optional CUDA extension on first use
+ENV_NO_CUDA_EXT = ENV_PREFIX + "NO_CUDA_EXT"  # "1": never load the CUDA extension (pure-torch path)
+ENV_CUDA_EXT_DIR = ENV_PREFIX + "CUDA_EXT_DIR"  # where the CUDA extension is built and looked for
+ENV_CUDA_ARCHS = ENV_PREFIX + "CUDA_ARCHS"  # GPU architectures the CUDA extension is built for
 
 ROLE_MEMBER = "member"
 ROLE_JOINER = "joiner"
@@ -196,18 +196,6 @@ class AdjustmentPlan:
     def joiners_served_by(self, source: str) -> list[str]:
         """The joiners whose ``sources`` entry is ``source``, in plan order."""
         return [joiner for joiner in self.joiners if self.sources.get(joiner) == source]
-
-    def primary_transfers(self) -> list[Transfer]:
-        """Each joiner's (first-slice) transfer in plan order; a plan without ``transfers`` is all collective."""
-        if self.transfers is None:
-            return [
-                Transfer(source=self.sources[joiner], joiner=joiner, level=L4_NETWORK, transport=TRANSPORT_COLLECTIVE)
-                for joiner in self.joiners
-            ]
-        if any(transfer.slice_count > 1 for transfer in self.transfers):
-            logger.warning("plan %s splits transfers into slices; each joiner copies from its first source only",
-                           self.request_id)
-        return [transfer for transfer in self.transfers if transfer.slice_index == 0]
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form (``transfers`` only when there are some)."""

@@ -24,7 +24,8 @@ import pytest
 import torch
 from state_gen import resnet50_state
 
-from lightning_elan.replication import cuda_ext, packing
+from lightning_elan.replication import packing
+from lightning_elan.replication.cuda import kernels
 from lightning_elan.replication.packing import PackedLayout, empty_buffers, make_layout
 
 pytestmark = pytest.mark.gpu
@@ -114,7 +115,7 @@ def assert_same_bits(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
 
 
-def plan_device_time(plan: cuda_ext.CopyPlan) -> float:
+def plan_device_time(plan: kernels.CopyPlan) -> float:
     return device_time(lambda: plan.run(check=False))
 
 
@@ -132,16 +133,16 @@ def test_a_kernel_device_bandwidth_vs_plain_device_to_device(ext: object) -> Non
     record("tensors", float(len(tensors)), "")
     record("plain_d2d_GBps", gb / plain, "GB/s (bytes copied; GPU time, queued back to back)")
     for chunk in (32 * KIB, 64 * KIB, 128 * KIB, 256 * KIB):
-        plan = cuda_ext.prepare_pack(tensors, layout, buffers, use_ext=True, chunk_bytes=chunk)
+        plan = kernels.prepare_pack(tensors, layout, buffers, use_ext=True, chunk_bytes=chunk)
         assert plan.fallback_count == 0 and plan.nbytes == nbytes
         record(f"plan_kernel_GBps_chunk_{chunk // KIB}K", gb / plan_device_time(plan), "GB/s (GPU time)")
 
-    pack_plan = cuda_ext.prepare_pack(tensors, layout, buffers, use_ext=True)
+    pack_plan = kernels.prepare_pack(tensors, layout, buffers, use_ext=True)
     kernel = plan_device_time(pack_plan)
     record("packed_kernel_GBps", gb / kernel, "GB/s (prepared pack plan, default chunk; GPU time)")
     record("packed_kernel_vs_plain", plain / kernel, "(GPU time ratio; target >= 0.80)")
     targets = [torch.empty_like(t) for t in tensors]
-    unpack_plan = cuda_ext.prepare_unpack(buffers, layout, targets, use_ext=True)
+    unpack_plan = kernels.prepare_unpack(buffers, layout, targets, use_ext=True)
     unpack = plan_device_time(unpack_plan)
     record("unpack_kernel_GBps", gb / unpack, "GB/s (prepared unpack plan; GPU time)")
     record("unpack_kernel_vs_plain", plain / unpack, "(GPU time ratio; target >= 0.80)")
@@ -161,7 +162,7 @@ def test_b_end_to_end_pack_including_host_work(ext: object) -> None:
     gb = state_bytes(tensors) / 1e9
 
     t0 = time.perf_counter()
-    plan = cuda_ext.prepare_pack(tensors, layout, buffers, use_ext=True)  # builds and caches the layout's index too
+    plan = kernels.prepare_pack(tensors, layout, buffers, use_ext=True)  # builds and caches the layout's index too
     torch.cuda.synchronize()
     record("prepare_pack_ms", (time.perf_counter() - t0) * 1e3, "ms (one time: layout index, checks, table upload)")
     t0 = time.perf_counter()
@@ -170,9 +171,9 @@ def test_b_end_to_end_pack_including_host_work(ext: object) -> None:
 
     cases: dict[str, Callable[[], object]] = {
         "plan_run": lambda: plan.run(),
-        "pack_into_per_call": lambda: cuda_ext.pack_into(tensors, layout, buffers, use_ext=True),
-        "multi_tensor_copy_per_call": lambda: cuda_ext.multi_tensor_copy(tensors, slices, use_ext=True),
-        "pack_allocating": lambda: cuda_ext.pack(tensors, use_ext=True),
+        "pack_into_per_call": lambda: kernels.pack_into(tensors, layout, buffers, use_ext=True),
+        "multi_tensor_copy_per_call": lambda: kernels.multi_tensor_copy(tensors, slices, use_ext=True),
+        "pack_allocating": lambda: kernels.pack(tensors, use_ext=True),
         "torch_cat_pack": lambda: packing.pack(tensors),
         "per_tensor_copy": lambda: per_tensor_copy(tensors, slices),
     }
@@ -210,8 +211,8 @@ def test_c_per_tensor_vs_packed_replication_resnet50(ext: object) -> None:
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    pack_plan = cuda_ext.prepare_pack(src, layout, local, use_ext=True)
-    unpack_plan = cuda_ext.prepare_unpack(remote, layout, dst, use_ext=True)
+    pack_plan = kernels.prepare_pack(src, layout, local, use_ext=True)
+    unpack_plan = kernels.prepare_unpack(remote, layout, dst, use_ext=True)
     torch.cuda.synchronize()
     record("replicate_prepare_ms", (time.perf_counter() - t0) * 1e3, "ms (one time: both plans, layout index)")
     assert pack_plan.fallback_count == 0 and unpack_plan.fallback_count == 0
@@ -220,8 +221,8 @@ def test_c_per_tensor_vs_packed_replication_resnet50(ext: object) -> None:
         replicate(pack_plan.run, local, remote, unpack_plan.run)
 
     def per_call() -> None:
-        replicate(lambda: cuda_ext.pack_into(src, layout, local, use_ext=True), local, remote,
-                  lambda: cuda_ext.unpack_into(remote, layout, dst, use_ext=True))  # fmt: skip
+        replicate(lambda: kernels.pack_into(src, layout, local, use_ext=True), local, remote,
+                  lambda: kernels.unpack_into(remote, layout, dst, use_ext=True))  # fmt: skip
 
     record("replicate_per_tensor_ms", end_to_end(lambda: per_tensor_copy(src, dst)) * 1e3, "ms (end to end)")
     record("replicate_packed_ms", end_to_end(planned) * 1e3, "ms (end to end, prepared plans)")

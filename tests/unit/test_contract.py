@@ -33,11 +33,9 @@ WIRE_PLAN = {
     "joiners": ["w2", "w3", "w4"], "leavers": [], "sources": {"w2": "w0", "w3": "w1", "w4": "w0"},
     "hosts": {"w0": "host", "w1": "host", "w2": "host", "w3": "host", "w4": None},
     "transfers": [
-        {"source": "w0", "joiner": "w2", "level": 2, "wave": 0, "transport": "shm", "slice_index": 0, "slice_count": 1},
-        {"source": "w1", "joiner": "w3", "level": 1, "wave": 0, "transport": "cuda_ipc", "slice_index": 0,
-         "slice_count": 1},
-        {"source": "w0", "joiner": "w4", "level": 4, "wave": 1, "transport": "collective", "slice_index": 0,
-         "slice_count": 1},
+        {"source": "w0", "joiner": "w2", "level": 2, "wave": 0, "transport": "shm"},
+        {"source": "w1", "joiner": "w3", "level": 1, "wave": 0, "transport": "cuda_ipc"},
+        {"source": "w0", "joiner": "w4", "level": 4, "wave": 1, "transport": "collective"},
     ],
 }
 
@@ -95,20 +93,6 @@ def test_joiners_served_by_lists_a_sources_joiners_in_plan_order() -> None:
     assert plan.joiners_served_by("w0") == ["w2", "w4"]
     assert plan.joiners_served_by("w1") == ["w3"]
     assert plan.joiners_served_by("w2") == []
-
-
-def test_primary_transfers_fall_back_to_collective_routes_from_the_sources() -> None:
-    assert [(t.source, t.joiner, t.transport, t.level) for t in plan_without_transfers().primary_transfers()] == [
-        ("w0", "w2", "collective", 4), ("w1", "w3", "collective", 4), ("w0", "w4", "collective", 4)
-    ]
-    sliced = {**WIRE_PLAN, "transfers": [
-        {"source": "w0", "joiner": "w2", "level": 2, "slice_index": 0, "slice_count": 2},
-        {"source": "w1", "joiner": "w2", "level": 2, "slice_index": 1, "slice_count": 2},
-    ]}
-    assert [(t.source, t.joiner) for t in AdjustmentPlan.from_dict(sliced).primary_transfers()] == [("w0", "w2")]
-
-
-# ---- replies ---------------------------------------------------------------------------------------------------------
 
 
 def test_coordinate_replies_parse_from_and_to_their_wire_form() -> None:

@@ -15,7 +15,7 @@ build at run time (into the cache directory) when asked to.
 
 Usage: ``python -m lightning_elan.replication.cuda.build [--out DIR] [--src DIR] [--arch 90] [--objects-only]
 [--quiet]`` (``python csrc/build.py`` in a source checkout runs the same). ``--out`` defaults to
-``$LIGHTNING_ELAN_CUDA_EXT_DIR``, else ``~/.cache/lightning_elan/cuda_ext`` (where the loader looks); ``--arch`` to
+``$ELAN_CUDA_EXT_DIR``, else ``~/.cache/lightning_elan/cuda_ext`` (where the loader looks); ``--arch`` to
 ``$ELAN_CUDA_ARCHS`` (``;``/``,`` separated, e.g. ``"80;90"``), else the visible GPU's compute capability, else 90.
 """
 
@@ -40,10 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_elan.protocol.contract import ENV_CUDA_ARCHS, ENV_CUDA_EXT_DIR
+
 log = logging.getLogger(__name__)
 
 MODULE_NAME = "lightning_elan_cuda"
-ENV_DIR = "LIGHTNING_ELAN_CUDA_EXT_DIR"
+ENV_DIR = ENV_CUDA_EXT_DIR
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_elan" / "cuda_ext"
 SOURCES = ("multi_tensor_copy.cu", "runtime.cpp", "bindings.cpp")
 HEADERS = ("elan_cuda.h",)
@@ -60,7 +62,7 @@ def source_dir() -> Path:
 
 
 def default_out_dir() -> Path:
-    """``$LIGHTNING_ELAN_CUDA_EXT_DIR``, else the per-user cache (never inside the package: it may be read-only)."""
+    """``$ELAN_CUDA_EXT_DIR``, else the per-user cache (never inside the package: it may be read-only)."""
     return Path(os.environ[ENV_DIR]) if os.environ.get(ENV_DIR) else CACHE_DIR
 
 
@@ -132,7 +134,7 @@ def toolchain() -> Toolchain:
 
 
 def default_archs() -> list[str]:
-    env = os.environ.get("ELAN_CUDA_ARCHS")
+    env = os.environ.get(ENV_CUDA_ARCHS)
     if env:
         return [arch.strip().replace(".", "") for arch in env.replace(",", ";").split(";") if arch.strip()]
     try:

@@ -1,10 +1,10 @@
 """Finding, building on request and importing the optional CUDA extension; owns why it is (not) used.
 
-:func:`load` returns the ``lightning_elan_cuda`` module or None: a build in ``$LIGHTNING_ELAN_CUDA_EXT_DIR`` or
+:func:`load` returns the ``lightning_elan_cuda`` module or None: a build in ``$ELAN_CUDA_EXT_DIR`` or
 ``~/.cache/lightning_elan/cuda_ext`` that matches this package's sources, this torch and this GPU's architecture, or
-an importable ``lightning_elan_cuda``; with ``LIGHTNING_ELAN_BUILD_CUDA_EXT=1`` (or ``load(build=True)``) it compiles
+an importable ``lightning_elan_cuda``; with ``ELAN_BUILD_CUDA_EXT=1`` (or ``load(build=True)``) it compiles
 one first (:mod:`lightning_elan.replication.cuda.build`, about a minute). Without a GPU, a CUDA toolkit or a build it
-logs why, once, and callers use the pure-torch path. ``LIGHTNING_ELAN_NO_CUDA_EXT=1`` disables the extension.
+logs why, once, and callers use the pure-torch path. ``ELAN_NO_CUDA_EXT=1`` disables the extension.
 
 ``python -m lightning_elan.replication.cuda.loader [--build]`` builds if asked, then logs the status.
 """
@@ -24,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from lightning_elan.protocol.contract import ENV_BUILD_CUDA_EXT, ENV_NO_CUDA_EXT
 from lightning_elan.replication.cuda import build as builder
 from lightning_elan.replication.cuda.build import ENV_DIR, MODULE_NAME
 
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ENV_BUILD", "ENV_DIR", "ENV_DISABLE", "MODULE_NAME", "available", "load", "status"]
 
-ENV_BUILD = "LIGHTNING_ELAN_BUILD_CUDA_EXT"
-ENV_DISABLE = "LIGHTNING_ELAN_NO_CUDA_EXT"
+ENV_BUILD = ENV_BUILD_CUDA_EXT
+ENV_DISABLE = ENV_NO_CUDA_EXT
 
 
 @dataclass(frozen=True)

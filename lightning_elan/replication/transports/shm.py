@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from lightning_elan.protocol.contract import ENV_SHM_DIR
 from lightning_elan.replication.cuda import kernels
 from lightning_elan.replication.packing import (
     ArenaLayout,
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SHM_DIR_ENV", "ShmTransport", "default_shm_dir", "remove_stale_segments"]
 
-SHM_DIR_ENV = "ELAN_SHM_DIR"
+SHM_DIR_ENV = ENV_SHM_DIR
 _MAX_IO = 1 << 30  # bytes per pwrite/preadv call (Linux caps one call at 2 GiB - 4 KiB)
 
 
