@@ -182,12 +182,13 @@ class ElasticWorker:
         self._enter(plan)
         install_default_group(self._group())
         phases.mark("group")
-        state, received = self._receive(plan)
+        state, received, route = self._receive(plan)
         phases.mark("receive")
         self.frontend.load_training_state(state)
         phases.mark("restore")
         log.info("worker %s joined generation %d after %s", self.worker_id, plan.generation, phases)
-        self._pending_report = AdjustmentReport(self.worker_id, plan.generation, "joiner", bytes_received=received)
+        self._pending_report = AdjustmentReport(self.worker_id, plan.generation, "joiner", bytes_received=received,
+                                                received_from=plan.sources[self.worker_id], received_over=route)
         self._timeline.adjustment_started()
 
     def take_global_batch(self, epoch_end: int) -> LocalShare:
@@ -296,7 +297,7 @@ class ElasticWorker:
         self._outgoing = outgoing
         return outgoing.bytes_sent
 
-    def _receive(self, plan: AdjustmentPlan) -> tuple[dict[str, Any], int]:
+    def _receive(self, plan: AdjustmentPlan) -> tuple[dict[str, Any], int, str]:
         cpu_state, tensors, received, transport = receive_replica(
             self._replication_context(plan), plan, self.worker_id, self._device_for
         )
@@ -304,7 +305,7 @@ class ElasticWorker:
                  plan.sources[self.worker_id], transport)
         self.data.load_state_dict(cpu_state["engine"]["data"])
         set_rng_state(cpu_state["engine"]["rng"])
-        return join_tensors(cpu_state["frontend"], tensors), received
+        return join_tensors(cpu_state["frontend"], tensors), received, transport
 
     def _finish_outgoing(self) -> None:
         """Same-host joiners copy while this source trains on; before its next adjustment (or exit) they are done."""

@@ -154,6 +154,11 @@ class Adjustment:
             "bytes_replicated": sum(report.get("bytes_received") or 0 for report in self.reports.values()),
             "pause_s": {worker: self.reports[worker].get("pause_s") for worker in plan.stayers},
             "joiner_startup_s": {worker: self.reports[worker].get("startup_s") for worker in plan.joiners},
+            "received": {
+                worker: {"source": self.reports[worker].get("received_from"),
+                         "route": self.reports[worker].get("received_over")}
+                for worker in plan.joiners
+            },
             **self._scaling_outcome(),
         }
 
@@ -706,16 +711,9 @@ def _now(now: float | None) -> float:
 
 def _stored_report(report: AdjustmentReport, reported_at: float) -> dict[str, Any]:
     """A report as the adjustment keeps it (and persists it): every field but who sent it, plus when it arrived."""
-    return {
-        "role": report.role,
-        "pause_s": report.pause_s,
-        "bytes_sent": report.bytes_sent,
-        "bytes_received": report.bytes_received,
-        "startup_s": report.startup_s,
-        "reported_at": reported_at,
-        "global_batch": report.global_batch,
-        "scaling": report.scaling,
-    }
+    stored = report.to_body()
+    del stored["worker_id"], stored["generation"]
+    return {**stored, "reported_at": reported_at}
 
 
 def _checked_topology(worker_id: str, topology: Any) -> dict[str, Any] | None:

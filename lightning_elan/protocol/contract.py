@@ -70,6 +70,10 @@ ENV_BUILD_CUDA_EXT = ENV_PREFIX + "BUILD_CUDA_EXT"  # "1": build the optional CU
 ENV_NO_CUDA_EXT = ENV_PREFIX + "NO_CUDA_EXT"  # "1": never load the CUDA extension (pure-torch path)
 ENV_CUDA_EXT_DIR = ENV_PREFIX + "CUDA_EXT_DIR"  # where the CUDA extension is built and looked for
 ENV_CUDA_ARCHS = ENV_PREFIX + "CUDA_ARCHS"  # GPU architectures the CUDA extension is built for
+USER_ENV_VARS: tuple[str, ...] = (
+    ENV_REPLICATION, ENV_SHM_DIR, ENV_HOME, ENV_BUILD_CUDA_EXT, ENV_NO_CUDA_EXT, ENV_CUDA_EXT_DIR, ENV_CUDA_ARCHS,
+)
+"""The user's settings: inherited by every worker (never stripped by the launcher)."""
 
 ROLE_MEMBER = "member"
 ROLE_JOINER = "joiner"
@@ -321,6 +325,8 @@ class AdjustmentReport:
         "startup_s": Field(_NUMBER),
         "global_batch": Field(_INT),
         "scaling": Field((dict,), schema=SCALING_DECISION),
+        "received_from": Field(_STR),
+        "received_over": Field(_STR),
     }
 
     worker_id: str
@@ -332,6 +338,8 @@ class AdjustmentReport:
     startup_s: float | None = None
     global_batch: int | None = None
     scaling: dict[str, Any] | None = None  # SCALING_DECISION
+    received_from: str | None = None  # a joiner: the source it copied its state from
+    received_over: str | None = None  # a joiner: the route it used (e.g. "shm", or "shm-fallback" after a fallback)
 
     def to_body(self) -> dict[str, Any]:
         return _wire(self)

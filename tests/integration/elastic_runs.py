@@ -4,15 +4,13 @@
 What a run is checked against never depends on timing: when a scheduled adjustment lands depends on when its joiners
 report ready, so adjustments are checked for the invariants (``check_adjustment_steps``), never for a step number.
 Facts are read from structured records: the probe's ``record-<worker>.json`` and ``config.json``, the AM's
-``adjustments.jsonl`` and ``elan status --json``; the one fact the library records only in a log line today (which
-route a joiner actually received over) is read by ``received_routes``, in one place.
+``adjustments.jsonl`` (including the route each joiner reports it received over) and ``elan status --json``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -205,14 +203,14 @@ def check_adjustment_steps(adjustments: list[dict], schedule: str | None, coordi
 # ---------------------------------------------------------------------- replication routes
 
 
-RECEIVED = re.compile(r"worker (w\d+) received [\d.]+ MB of state from (w\d+) over (\S+)")
-
-
 def received_routes(run: RunResult) -> dict[str, tuple[str, str]]:
-    """``{joiner: (source, route actually used)}``. The adjustment record's ``transfers`` is the *plan*; the route a
-    joiner actually used (e.g. ``shm-fallback``) is, today, only in the joiner's log line (library gap: see the
-    issue 9 report), so it is read here and nowhere else."""
-    return {joiner: (source, transport) for joiner, source, transport in RECEIVED.findall(run.output)}
+    """``{joiner: (source, route actually used)}`` from the adjustment records (the record's ``transfers`` is the
+    *plan*; ``received`` is what each joiner reports it used, e.g. ``shm-fallback``)."""
+    return {
+        joiner: (received["source"], received["route"])
+        for record in run.adjustments()
+        for joiner, received in record["received"].items()
+    }
 
 
 # ---------------------------------------------------------------------- a job running in the background

@@ -179,9 +179,10 @@ def test_each_dataclass_has_exactly_its_schemas_fields_and_required_ones(message
 def test_every_environment_variable_has_the_one_prefix() -> None:
     names = [value for name, value in vars(contract).items() if name.startswith("ENV_") and name != "ENV_PREFIX"]
 
-    assert len(names) == len(set(names)) == len(contract.WORKER_ENV_VARS) + 3
+    assert len(names) == len(set(names))
+    assert sorted(names) == sorted(contract.WORKER_ENV_VARS + contract.USER_ENV_VARS)
     assert all(name.startswith(contract.ENV_PREFIX) for name in names)
-    assert {contract.ENV_REPLICATION, contract.ENV_SHM_DIR, contract.ENV_HOME}.isdisjoint(contract.WORKER_ENV_VARS)
+    assert set(contract.USER_ENV_VARS).isdisjoint(contract.WORKER_ENV_VARS)
 
 
 def test_frames_carry_the_contract_version() -> None:
