@@ -301,9 +301,3 @@ def _refresh_progress_bar_total(trainer: pl.Trainer) -> None:
 
 def _finite(total: int | float) -> int | None:
     return None if total == float("inf") else int(total)
-
-
-def batches_ready_in_epoch(trainer: pl.Trainer) -> int | None:
-    """Batches the training epoch loop has started in this epoch (``_BatchProgress.current.ready``)."""
-    progress = getattr(trainer.fit_loop.epoch_loop, "batch_progress", None)
-    return None if progress is None else int(progress.current.ready)

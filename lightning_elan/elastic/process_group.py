@@ -81,10 +81,6 @@ class ElasticProcessGroup(ProcessGroup):
         if current is not None:
             self._release(current, abort=True)
 
-    @property
-    def configured(self) -> bool:
-        return self._current is not None
-
     def _create(self, store: dist.Store, rank: int, world_size: int) -> ProcessGroup:
         group = ProcessGroup(store, rank, world_size)
         gloo = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
