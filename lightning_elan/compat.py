@@ -6,6 +6,7 @@ Each function names the upstream behaviour it depends on (lightning 2.4–2.6, `
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,28 @@ def call_on_load_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> 
     from lightning.pytorch.trainer import call
 
     call._call_lightning_module_hook(trainer, "on_load_checkpoint", checkpoint)
+
+
+def call_after_each_trained_batch(trainer: pl.Trainer, hook: Callable[[], None]) -> None:
+    """Run ``hook`` once a training batch is completely over, after every hook Lightning runs for it.
+
+    ``_TrainingEpochLoop.run`` calls ``advance`` (training step, callbacks' then the LightningModule's
+    ``on_train_batch_end``, ``batch_progress.increment_completed``) and then ``on_advance_end`` (the batch's
+    validation, plateau schedulers, ``_batches_that_stepped``, logger saving) for every batch; ``hook`` runs at the
+    end of ``on_advance_end``. A checkpoint dumped there restores as Lightning's ``RESTARTED_ON_LAST`` stage, which
+    counts the batch as completed and does not count ``_batches_that_stepped`` twice.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if getattr(epoch_loop, "_elan_after_batch", None) is hook:
+        return
+    run_batch_end = type(epoch_loop).on_advance_end
+
+    def on_advance_end(data_fetcher: Any) -> None:
+        run_batch_end(epoch_loop, data_fetcher)
+        hook()
+
+    epoch_loop.on_advance_end = on_advance_end
+    epoch_loop._elan_after_batch = hook
 
 
 def train_dataloaders(trainer: pl.Trainer) -> list[Any]:

@@ -338,18 +338,22 @@ class ElanStrategy(DDPStrategy):
 
 
 class _ElanCoordinator(Callback):
-    """Gives the strategy the end of every training batch (strategies get no ``on_train_batch_end``)."""
+    """Gives the strategy every epoch start and, after the last hook of every training batch, the batch's end
+    (strategies get neither hook; callbacks' ``on_train_batch_end`` runs before the LightningModule's)."""
 
     def __init__(self, strategy: ElanStrategy) -> None:
         self._strategy = strategy
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        compat.call_after_each_trained_batch(trainer, self._batch_over)
+
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._strategy.on_epoch_start(trainer)
 
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._strategy.on_batch_end(trainer)
+    def _batch_over(self) -> None:
+        self._strategy.on_batch_end(self._strategy.lightning_module.trainer)
 
 
 def _install_coordinator(trainer: pl.Trainer, strategy: ElanStrategy) -> None:

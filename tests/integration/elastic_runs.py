@@ -149,6 +149,7 @@ def check_elastic_run(run: RunResult, static: RunResult, schedule: str, sizes: l
     assert_each_sample_once(records, SAMPLES, EPOCHS)
     assert assert_ranks_agree(records) == EPOCHS * STEPS_PER_EPOCH
     assert_states_close(run.final_state(), static.final_state(), TOLERANCE)
+    assert_every_trained_batch_ends_where_it_trained(records)
     adjustments = run.adjustments()
     assert [len(a["members"]) for a in adjustments] == sizes, adjustments
     check_adjustment_steps(adjustments, schedule, coordinate_every, epoch_ends(EPOCHS))
@@ -157,6 +158,13 @@ def check_elastic_run(run: RunResult, static: RunResult, schedule: str, sizes: l
     left = sorted(record["worker"] for record in records if record["left"])
     assert left == sorted(worker for a in adjustments for worker in a["leavers"]), "every leaver, and only they, left"
     return adjustments
+
+
+def assert_every_trained_batch_ends_where_it_trained(records: list[dict]) -> None:
+    """Lightning's promise, on every process: each trained batch's ``on_train_batch_end`` runs (a leaver's last batch
+    too), with the rank and world size the batch trained under (not the next generation's)."""
+    for record in records:
+        assert record["batch_ends"] == record["trained"], f"{record['worker']}: hooks of trained batches"
 
 
 def scheduled(schedule: str) -> list[tuple[int, str]]:

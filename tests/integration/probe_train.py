@@ -50,6 +50,10 @@ class ProbeModel(pl.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
         self.consumed: dict[int, list[int]] = {}
         self.digests: list[list] = []
+        # [epoch, batch_idx, global_rank, world_size] of every trained batch, seen by training_step and again by
+        # the LightningModule's on_train_batch_end (Lightning runs that hook for every trained batch)
+        self.trained: list[list[int]] = []
+        self.batch_ends: list[list[int]] = []
         self.steps: list[list] = []  # [global_step, epoch, world_size, global_batch, lr used by the optimizer]
         self.validations: list[list[int]] = []  # [epoch, global_step] of every validation run (not sanity checks)
 
@@ -61,7 +65,11 @@ class ProbeModel(pl.LightningModule):
             self.consumed.setdefault(self.current_epoch, []).extend(index.tolist())
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)
+        self.trained.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size])
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.batch_ends.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size])
 
     def validation_step(self, batch, batch_idx):
         _, x, y = batch
@@ -226,6 +234,8 @@ def main() -> None:
         "world_size": trainer.world_size,
         "consumed": model.consumed,
         "digests": model.digests,
+        "trained": model.trained,
+        "batch_ends": model.batch_ends,
         "steps": model.steps,
         "validations": model.validations,
     }
