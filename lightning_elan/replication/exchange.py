@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,7 +60,7 @@ class ReplicationPlan(Protocol):
 
     joiners: list[str]
     sources: dict[str, str]
-    transfers: Sequence[Transfer | Mapping[str, Any]] | None
+    transfers: Sequence[Transfer] | None
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def plan_transfers_of(plan: ReplicationPlan) -> list[Transfer]:
             Transfer(source=plan.sources[joiner], joiner=joiner, level=L4_NETWORK, transport=TRANSPORT_COLLECTIVE)
             for joiner in plan.joiners
         ]
-    return [Transfer.coerce(transfer) for transfer in plan.transfers]
+    return list(plan.transfers)
 
 
 def _routes_of(transfers: list[Transfer], source: str) -> dict[str, list[str]]:

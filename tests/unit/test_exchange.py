@@ -109,13 +109,6 @@ def test_a_plan_without_transfers_is_all_collective_from_its_sources() -> None:
     ]
 
 
-def test_transfers_may_be_dicts_as_in_the_wire_form() -> None:
-    wire = [{**transfer("w0", "w2", "shm").to_dict(), "slice_index": 0, "slice_count": 1}, transfer("w1", "w3", "shm")]
-    plan = plan_of([transfer("w0", "w2", "shm"), transfer("w1", "w3", "shm")])
-    plan.transfers = wire
-    assert plan_transfers_of(plan) == [transfer("w0", "w2", "shm"), transfer("w1", "w3", "shm")]
-
-
 def test_one_source_serves_shared_memory_and_collective_joiners_at_once() -> None:
     store = dist.HashStore()  # a store that lists its keys: the source's shutdown leaves none of its channels
     ctx = context(store)
