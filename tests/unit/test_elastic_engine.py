@@ -68,6 +68,7 @@ def _static_run() -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
+@pytest.mark.integration  # real processes: kept out of the fast `-m "not integration"` run
 def test_members_grow_and_lose_rank0_without_a_trainer(job, tmp_path):
     am, store, client = job
     client.request("start_job", {"nproc": 2, "coordinate_every": 1})
