@@ -5,8 +5,7 @@ Exports are resolved lazily (PEP 562), so importing the pure ``contract`` or ``m
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_elan._lazy import lazy_exports
 
 # name -> submodule that defines it
 _LAZY_EXPORTS: dict[str, str] = {
@@ -20,10 +19,4 @@ _LAZY_EXPORTS: dict[str, str] = {
 __all__ = sorted(_LAZY_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY_EXPORTS)

@@ -11,8 +11,7 @@ Exports are resolved lazily (PEP 562), so importing a pure-logic submodule such 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_elan._lazy import lazy_exports
 
 # name -> submodule that defines it (other modules' public names go here too)
 _LAZY_EXPORTS: dict[str, str] = {
@@ -49,14 +48,4 @@ _LAZY_EXPORTS: dict[str, str] = {
 __all__ = sorted(_LAZY_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY_EXPORTS)

@@ -10,8 +10,7 @@ Tests that replace a function do it on the submodule that defines it (``monkeypa
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_elan._lazy import lazy_exports
 
 _LOADER = ("ENV_BUILD", "ENV_DIR", "ENV_DISABLE", "MODULE_NAME", "available", "load", "status")
 _KERNELS = ("CopyPlan", "multi_tensor_copy", "pack", "pack_into", "prepare_copy", "prepare_pack", "prepare_unpack",
@@ -28,12 +27,4 @@ _LAZY_EXPORTS: dict[str, str] = {
 __all__ = sorted(_LAZY_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY_EXPORTS)

@@ -89,6 +89,7 @@ class StateTransport(ABC):
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
+        self._readers = 0  # set by send
 
     @abstractmethod
     def send(self, cpu_state: Any, tensors: list[torch.Tensor], readers: int) -> int:
@@ -101,9 +102,15 @@ class StateTransport(ABC):
     def receive(self, reader: int, device_for: DeviceFor) -> Received:
         """Reader number ``reader`` (0-based, in plan order) gets its copy, its buffers placed by ``device_for``."""
 
-    @abstractmethod
     def disallow(self, timeout: datetime.timedelta | None = None) -> None:
         """Wait until every reader has its copy, then stop serving (the snapshot may change after this returns)."""
+        try:
+            self._wait_acks(self._readers, timeout)
+        finally:
+            self._stop_serving()
+
+    def _stop_serving(self) -> None:  # noqa: B027 - optional hook: a broadcast holds nothing once it returned
+        """Free what readers no longer need."""
 
     def shutdown(self) -> None:
         """Free what this side holds and delete every key of the channel (call after :meth:`disallow`)."""

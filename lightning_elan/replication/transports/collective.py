@@ -81,10 +81,6 @@ class CollectiveTransport(StateTransport):
         tensors = unpack(buffers, layout)
         return Received(header["cpu_state"], tensors, state_nbytes(buffers) + header_len)
 
-    @override
-    def disallow(self, timeout: datetime.timedelta | None = None) -> None:
-        """Until every reader holds its copy (the broadcast is over on the source already)."""
-        self._wait_acks(self._readers, timeout)
 
     @override
     def shutdown(self) -> None:

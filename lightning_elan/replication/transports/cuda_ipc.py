@@ -10,7 +10,6 @@ GPU, or whose allocation or export fails (out of memory, containers without ``--
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from typing import Any
@@ -106,12 +105,9 @@ class CudaIpcTransport(StateTransport):
         return Received(header["cpu_state"], unpack(buffers, layout), state_nbytes(buffers) + header_len)
 
     @override
-    def disallow(self, timeout: datetime.timedelta | None = None) -> None:
-        """Until every reader has copied, then free the arena."""
-        try:
-            self._wait_acks(self._readers, timeout)
-        finally:
-            self._arena = None
+    def _stop_serving(self) -> None:
+        """Every reader has copied: free the arena."""
+        self._arena = None
 
     @override
     def shutdown(self) -> None:

@@ -119,12 +119,9 @@ class ShmTransport(StateTransport):
         return Received(header["cpu_state"], unpack(buffers, layout), state_nbytes(buffers) + header_len)
 
     @override
-    def disallow(self, timeout: datetime.timedelta | None = None) -> None:
-        """Until every reader has opened the segment, then unlink it (readers keep what they opened)."""
-        try:
-            self._wait_acks(self._readers, timeout)
-        finally:
-            self._unlink()
+    def _stop_serving(self) -> None:
+        """Every reader has opened the segment: unlink it (readers keep what they opened)."""
+        self._unlink()
 
     @override
     def shutdown(self) -> None:
