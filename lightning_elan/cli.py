@@ -460,11 +460,15 @@ def format_status(status: Mapping[str, Any]) -> str:
     state = "finished" if status.get("finished") else "running"
     lines = [f"job {status.get('job')}: generation {status.get('generation')}, {state}"]
     lines.append(f"members ({len(members)}):")
-    lines += ["  " + row for row in _table(["RANK", "WORKER", "HOST", "DEVICE", "PID"], _member_rows(members))]
+    header = ["RANK", "WORKER", "HOST", "DEVICE", "PID", "LAST_STEP", "FROM"]
+    lines += ["  " + row for row in _table(header, _member_rows(members))]
+    lines.append("  (LAST_STEP: the step of the member's last coordinate (rank 0) or adjustment report)")
     lines.append(
         f"progress: step {_value(status, 'step')}, epoch {_value(status, 'epoch')}, "
         f"position {_value(status, 'position')}, global batch {_value(status, 'global_batch')}"
     )
+    if status.get("am"):
+        lines.append(describe_am(status["am"]))
     pending = list(status.get("pending") or [])
     lines.append(f"pending requests ({len(pending)}):" if pending else "pending requests: none")
     lines += [f"  {describe_request(request)}" for request in pending]
@@ -472,14 +476,41 @@ def format_status(status: Mapping[str, Any]) -> str:
     lines.append(f"in flight: {describe_plan(AdjustmentPlan.from_dict(in_flight)) if in_flight else 'none'}")
     last = status.get("last_adjustment")
     lines.append(f"last adjustment: {describe_adjustment(last) if last else 'none'}")
+    failures = list(status.get("failures") or [])
+    lines.append(f"failed or cancelled ({len(failures)}):" if failures else "failed or cancelled: none")
+    lines += [f"  {describe_failure(failure)}" for failure in failures]
     if status.get("scaling"):
         lines += format_summary(status["scaling"])
     return "\n".join(lines)
 
 
+def describe_am(am: Mapping[str, Any]) -> str:
+    """The AM process line, e.g. ``AM: pid 4242 at tcp://127.0.0.1:5555, restarted 1 time(s)``."""
+    text = f"AM: pid {_value(am, 'pid')}"
+    if am.get("address"):
+        text += f" at {am['address']}"
+    restarts = am.get("restarts") or 0
+    return text + (f", restarted {restarts} time(s)" if restarts else ", never restarted")
+
+
+def describe_failure(failure: Mapping[str, Any]) -> str:
+    """One failed or cancelled request or adjustment with its cause, e.g.
+    ``r2: add 1 (new workers: w3): failed at step 40 (12:00:01): worker(s) w3 did not report ready within 600 s``."""
+    if failure.get("kind") == "adjustment":
+        what = f"{failure.get('request_id')} {failure.get('action') or ''} adjustment".replace("  ", " ")
+        if failure.get("generation") is not None:
+            what += f" to generation {failure['generation']}"
+    else:
+        what = describe_request(failure)
+    when = f" at step {failure['step']}" if failure.get("step") is not None else ""
+    if failure.get("at") is not None:
+        when += f" ({time.strftime('%H:%M:%S', time.localtime(float(failure['at'])))})"
+    return f"{what}: {failure.get('outcome', 'failed')}{when}: {failure.get('reason')}"
+
+
 def _member_rows(members: list[Mapping[str, Any]]) -> list[list[str]]:
     ordered = sorted(members, key=lambda m: (m.get("rank") is None, m.get("rank") or 0))
-    keys = ("rank", "worker_id", "host", "device", "pid")
+    keys = ("rank", "worker_id", "host", "device", "pid", "last_step", "last_step_from")
     return [["-" if m.get(key) is None else str(m.get(key)) for key in keys] for m in ordered]
 
 

@@ -45,36 +45,91 @@ MAX_MESSAGES_PER_TICK = 256
 MAX_WAIT_S = 3600.0
 HARD_MESSAGE_LIMIT = 64 * MAX_MESSAGE_BYTES  # larger frames make ZeroMQ drop the connection (no reply)
 ADJUSTMENTS_FILE = "adjustments.jsonl"
+REPLY_CACHE_MAX_ENTRIES = 1024
+REPLY_CACHE_MAX_AGE_S = 3600.0  # a client resending later than this may see its request applied again
+REPLY_CACHE_MAX_BYTES = 16 * MAX_MESSAGE_BYTES
+MAX_PARKED = 1024  # parked wait_plan requests (at most one per worker); the oldest is answered `wait` beyond it
+WARNING_BURST = 20  # refused messages logged at WARNING per WARNING_WINDOW_S; the rest are counted
+WARNING_WINDOW_S = 10.0
+
+
+@dataclass
+class _CachedReply:
+    msg_type: str
+    reply: dict[str, Any]
+    stored_at: float  # time.time(): the age limit holds across AM restarts
+    size: int  # bytes of the encoded reply
 
 
 class ReplyCache:
-    """The last ``max_entries`` successful replies to mutating requests, by request id (persisted with the state)."""
+    """Successful replies to mutating requests by request id, persisted with the state: at most ``max_entries``
+    entries and ``max_bytes`` of replies, none older than ``max_age_s`` (oldest dropped first)."""
 
-    def __init__(self, max_entries: int = 1024) -> None:
+    def __init__(
+        self,
+        max_entries: int = REPLY_CACHE_MAX_ENTRIES,
+        max_age_s: float = REPLY_CACHE_MAX_AGE_S,
+        max_bytes: int = REPLY_CACHE_MAX_BYTES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, tuple[str, dict[str, Any]]] = OrderedDict()
+        self.max_age_s = max_age_s
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._entries: OrderedDict[str, _CachedReply] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def size_bytes(self) -> int:
+        """The encoded size of the cached replies."""
+        return self._bytes
 
     def get(self, msg_id: str) -> tuple[str, dict[str, Any]] | None:
-        """``(request type, reply)`` for an id already answered."""
-        return self._entries.get(msg_id)
+        """``(request type, reply)`` for an id answered less than ``max_age_s`` ago."""
+        self._expire()
+        entry = self._entries.get(msg_id)
+        return None if entry is None else (entry.msg_type, entry.reply)
 
-    def put(self, msg_id: str, msg_type: str, reply: dict[str, Any]) -> None:
-        self._entries[msg_id] = (msg_type, reply)
-        self._entries.move_to_end(msg_id)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+    def put(self, msg_id: str, msg_type: str, reply: dict[str, Any], stored_at: float | None = None) -> None:
+        """Cache ``reply`` (``stored_at``: when it was first stored, for entries loaded from the store)."""
+        self.discard(msg_id)
+        size = len(json.dumps(reply, separators=(",", ":")))
+        entry = _CachedReply(msg_type, reply, self._clock() if stored_at is None else stored_at, size)
+        self._entries[msg_id] = entry
+        self._bytes += size
+        self._expire()
+        while len(self._entries) > self.max_entries or (self._bytes > self.max_bytes and len(self._entries) > 1):
+            self._pop_oldest()
 
     def discard(self, msg_id: str) -> None:
-        self._entries.pop(msg_id, None)
+        entry = self._entries.pop(msg_id, None)
+        if entry is not None:
+            self._bytes -= entry.size
+
+    def _pop_oldest(self) -> None:
+        _, entry = self._entries.popitem(last=False)
+        self._bytes -= entry.size
+
+    def _expire(self) -> None:
+        """Drop the entries older than ``max_age_s`` (entries are in insertion order, so the oldest come first)."""
+        horizon = self._clock() - self.max_age_s
+        while self._entries and next(iter(self._entries.values())).stored_at < horizon:
+            self._pop_oldest()
 
     def to_list(self) -> list[list[Any]]:
-        return [[msg_id, msg_type, reply] for msg_id, (msg_type, reply) in self._entries.items()]
+        """``[[id, type, reply, stored_at], …]``, oldest first (the persisted form)."""
+        return [[msg_id, e.msg_type, e.reply, e.stored_at] for msg_id, e in self._entries.items()]
 
     @classmethod
-    def from_list(cls, entries: list[list[Any]], max_entries: int = 1024) -> ReplyCache:
-        cache = cls(max_entries)
-        for msg_id, msg_type, reply in entries:
-            cache.put(msg_id, msg_type, reply)
+    def from_list(cls, entries: list[list[Any]], **limits: Any) -> ReplyCache:
+        """Rebuild a persisted cache; entries past the age limit are dropped (3-item entries predate ``stored_at``
+        and count as stored now)."""
+        cache = cls(**limits)
+        for msg_id, msg_type, reply, *rest in entries:
+            cache.put(msg_id, msg_type, reply, stored_at=rest[0] if rest else None)
         return cache
 
 
@@ -90,6 +145,31 @@ class _ParkedWait:
 
 class _Park:
     """Returned by the wait_plan handler: no reply now."""
+
+
+class _WarningBudget:
+    """Log refused messages at WARNING up to ``burst`` per ``window_s``; count the rest and say how many."""
+
+    def __init__(self, burst: int = WARNING_BURST, window_s: float = WARNING_WINDOW_S) -> None:
+        self.burst = burst
+        self.window_s = window_s
+        self._window_start = -float("inf")
+        self._logged = 0
+        self.suppressed = 0
+
+    def warn(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._window_start >= self.window_s:
+            if self.suppressed:
+                logger.warning("%d more refused message(s) in the last %.0f s were not logged", self.suppressed,
+                               self.window_s)
+            self._window_start, self._logged, self.suppressed = now, 0, 0
+        if self._logged < self.burst:
+            self._logged += 1
+            logger.warning(message, *args)
+        else:
+            self.suppressed += 1
+            logger.debug(message, *args)
 
 
 class ApplicationMaster:
@@ -112,6 +192,8 @@ class ApplicationMaster:
         self.bind = bind
         self.state_dir = None if state_dir is None else Path(state_dir)
         self.register = register
+        self._warnings = _WarningBudget()
+        self._started_at = time.time()
         self._state, self._replies = self._load(store)
         self._address: str | None = None
         self._stopping = threading.Event()
@@ -125,7 +207,7 @@ class ApplicationMaster:
         self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any] | _Park]] = {
             "start_job": self._on_start_job,
             "scale": self._on_scale,
-            "status": lambda body: self._state.status(),
+            "status": lambda body: self._status(),
             "launcher_poll": lambda body: self._state.launcher_poll(),
             "worker_exit": lambda body: self._state.worker_exit(body["worker_id"], body["returncode"]),
             "shutdown": lambda body: self._state.shutdown(body.get("reason")),
@@ -261,13 +343,13 @@ class ApplicationMaster:
 
     def _reply_to(self, envelope: list[bytes], payload: bytes | None) -> dict[str, Any] | None:
         if payload is None:
-            logger.warning("AM of job %r: message with %d frames refused", self.job, len(envelope) + 1)
+            self._warnings.warn("AM of job %r: message with %d frames refused", self.job, len(envelope) + 1)
             return error_reply(None, "expected exactly one frame of JSON")
         try:
             request = decode_request(payload, job=self.job)
         except ProtocolError as error:
-            logger.warning("AM of job %r refused a message: %s", self.job, error)
-            return error_reply(error.msg_id, str(error))
+            self._warnings.warn("AM of job %r refused a message: %.300s", self.job, error)
+            return error_reply(error.msg_id, _clipped(str(error)))
         try:
             return self._handle(request, envelope)
         except StateError as error:
@@ -357,10 +439,23 @@ class ApplicationMaster:
     # ---- parked wait_plan requests -------------------------------------------------------------------------------
 
     def _park(self, request: Request, envelope: list[bytes]) -> None:
-        """Park a wait_plan; a resend with the same id replaces the earlier one."""
+        """Park a wait_plan: a resend with the same id replaces the earlier one; a new one for the same worker
+        answers the earlier one ``wait`` (a worker has one poll outstanding); beyond ``MAX_PARKED`` the oldest is
+        answered ``wait`` too."""
         wait = WaitPlanRequest.from_body(request.body)
         deadline = time.monotonic() + min(float(wait.timeout_s or 0), MAX_WAIT_S)
+        self._parked.pop(request.id, None)
+        for earlier in [p for p in self._parked.values() if p.worker_id == wait.worker_id]:
+            self._answer_parked(earlier, ok_reply(earlier.msg_id, WaitPlanReply.wait().to_body()))
+        while len(self._parked) >= MAX_PARKED:
+            oldest = next(iter(self._parked.values()))
+            self._answer_parked(oldest, ok_reply(oldest.msg_id, WaitPlanReply.wait().to_body()))
         self._parked[request.id] = _ParkedWait(envelope, request.id, wait.worker_id, deadline)
+
+    @property
+    def parked_count(self) -> int:
+        """How many wait_plan requests are parked."""
+        return len(self._parked)
 
     def _wake_parked(self) -> None:
         """Answer every parked wait_plan whose worker now has a plan or a cancellation."""
@@ -394,6 +489,7 @@ class ApplicationMaster:
     # ---- persistence ---------------------------------------------------------------------------------------------
 
     def _load(self, store: StateStore) -> tuple[JobState, ReplyCache]:
+        """The saved state, or a fresh one; resuming a saved state counts (and persists) one more AM restart."""
         saved = store.load()
         if saved is None:
             return JobState(job=self.job), ReplyCache()
@@ -402,22 +498,28 @@ class ApplicationMaster:
         if saved.get("job") != self.job:
             raise ValueError(f"{store!r} holds the state of job {saved.get('job')!r}, not {self.job!r}")
         state = JobState.from_dict(saved["state"])
+        state.am_restarts += 1
+        replies = ReplyCache.from_list(saved.get("replies", []))
+        store.save(_document(self.job, state, replies))
         logger.info(
-            "AM of job %r resumes generation %s with %d pending request(s)",
+            "AM of job %r resumes generation %s with %d pending request(s) (AM restart %d)",
             self.job,
             state.generation,
             len(state.pending),
+            state.am_restarts,
         )
-        return state, ReplyCache.from_list(saved.get("replies", []))
+        return state, replies
 
     def _persist(self) -> None:
-        document = {
-            "format": STATE_FORMAT,
-            "job": self.job,
-            "state": self._state.to_dict(),
-            "replies": self._replies.to_list(),
-        }
-        self.store.save(document)
+        self.store.save(_document(self.job, self._state, self._replies))
+
+    def _status(self) -> dict[str, Any]:
+        """The ``status`` reply: the job state's, with this AM process (pid, address, start time, restarts)."""
+        status = self._state.status()
+        status["am"] = {**status.get("am", {}), "pid": os.getpid(), "address": self._address,
+                        "started_at": self._started_at, "reply_cache_entries": len(self._replies),
+                        "parked_waits": len(self._parked)}
+        return status
 
     def _write_records(self) -> None:
         """Append completed adjustment records to ``adjustments.jsonl`` (after the state that completes them)."""
@@ -433,6 +535,16 @@ class ApplicationMaster:
                     os.fsync(file.fileno())
 
 
+def _document(job: str, state: JobState, replies: ReplyCache) -> dict[str, Any]:
+    """What the store holds: the state and the reply cache."""
+    return {"format": STATE_FORMAT, "job": job, "state": state.to_dict(), "replies": replies.to_list()}
+
+
+def _clipped(message: str, limit: int = 1000) -> str:
+    """An error message short enough to echo back (a refused frame may quote much of itself)."""
+    return message if len(message) <= limit else message[:limit] + "…"
+
+
 def _split_envelope(frames: list[bytes]) -> tuple[list[bytes], bytes | None]:
     """``[identity, payload]`` from a DEALER (or ``[identity, b"", payload]`` from a REQ); payload None if neither."""
     if len(frames) == 2 or (len(frames) == 3 and frames[1] == b""):
@@ -441,10 +553,10 @@ def _split_envelope(frames: list[bytes]) -> tuple[list[bytes], bytes | None]:
 
 
 def _peek_id(payload: bytes | None) -> str | None:
-    """The request id, if the payload is a JSON object with a string id (for error replies)."""
+    """The request id, if the payload is a JSON object with a string id (for error replies); never raises."""
     try:
         message = json.loads(payload) if payload is not None and len(payload) <= MAX_MESSAGE_BYTES else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     msg_id = message.get("id") if isinstance(message, dict) else None
     return msg_id if isinstance(msg_id, str) else None

@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_elan.protocol.contract import (
     DEFAULT_REPORT_TIMEOUT_S,
+    MAX_WORLD_SIZE,
     REPORT_ROLES,
     AdjustmentPlan,
     AdjustmentReport,
@@ -31,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 ACTIONS = ("add", "remove", "migrate", "to")
 MAX_COMPLETING = 8  # committed adjustments still waiting for reports; older ones are dropped
+MAX_FAILURES = 50  # failed or cancelled requests and adjustments kept for status (oldest dropped)
+
+# where a member's last step (status) comes from
+STEP_FROM_COORDINATE = "coordinate"  # the step of its last coordinate (rank 0)
+STEP_FROM_REPORT = "report"  # the step of its last adjustment report (the report's step, else the plan's)
 
 # PendingWorker.status values
 REQUESTED = "requested"  # created by a scale request, not yet handed to the launcher
@@ -189,7 +195,10 @@ class Adjustment:
 
 @dataclass
 class Progress:
-    """Training progress as last reported by rank 0's ``coordinate``."""
+    """Training progress as last reported by rank 0's ``coordinate``, and each worker's last known step.
+
+    Informational (status only): persisted with the state but never a reason to write it.
+    """
 
     step: int | None = None
     epoch: int | None = None
@@ -197,6 +206,22 @@ class Progress:
     global_batch: int | None = None
     updated_at: float | None = None
     scaling: dict[str, Any] | None = None  # rank 0's last scaling summary (HybridScaling), for status
+    generation: int | None = None  # the generation of the coordinate that set ``step``
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # worker → {step, source, at}
+
+    def is_stale(self, generation: int, step: int) -> bool:
+        """A coordinate of ``generation`` at ``step`` is older than the one already recorded (a reordered frame)."""
+        return self.generation == generation and self.step is not None and step < self.step
+
+    def note_step(self, worker_id: str, step: int, source: str, at: float) -> None:
+        """Record ``worker_id``'s last known step (never moves it back within what was recorded)."""
+        last = self.workers.get(worker_id)
+        if last is None or source == STEP_FROM_COORDINATE or step >= last["step"]:
+            self.workers[worker_id] = {"step": step, "source": source, "at": at}
+
+    def forget(self, keep: list[str]) -> None:
+        """Drop the steps of workers that are no longer members."""
+        self.workers = {worker: last for worker, last in self.workers.items() if worker in keep}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -228,6 +253,8 @@ class JobState:
     next_worker: int = 0
     next_request: int = 1
     report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
+    failures: list[dict[str, Any]] = field(default_factory=list)  # the last MAX_FAILURES, oldest first
+    am_restarts: int = 0  # how many times an AM process resumed this state from its store
 
     # ---- serialisation -------------------------------------------------------------------------------------------
 
@@ -251,6 +278,8 @@ class JobState:
             "next_worker": self.next_worker,
             "next_request": self.next_request,
             "report_timeout_s": self.report_timeout_s,
+            "failures": [dict(failure) for failure in self.failures],
+            "am_restarts": self.am_restarts,
         }
 
     @classmethod
@@ -274,6 +303,8 @@ class JobState:
             next_worker=data["next_worker"],
             next_request=data["next_request"],
             report_timeout_s=data.get("report_timeout_s", DEFAULT_REPORT_TIMEOUT_S),
+            failures=list(data.get("failures", [])),
+            am_restarts=data.get("am_restarts", 0),
         )
 
     # ---- queries -------------------------------------------------------------------------------------------------
@@ -301,10 +332,7 @@ class JobState:
         return {
             "job": self.job,
             "generation": self.generation,
-            "members": [
-                {"worker_id": m.worker_id, "rank": rank, "host": m.host, "device": m.device, "pid": m.pid}
-                for rank, m in enumerate(self.members)
-            ],
+            "members": [self._member_summary(rank, member) for rank, member in enumerate(self.members)],
             "step": self.progress.step,
             "epoch": self.progress.epoch,
             "position": self.progress.position,
@@ -313,7 +341,25 @@ class JobState:
             "pending": [self._pending_summary(request) for request in self.pending],
             "in_flight": self.in_flight.plan.to_dict() if self.in_flight else None,
             "last_adjustment": self.last_adjustment,
+            "failures": [dict(failure) for failure in self.failures],
+            "am": {"restarts": self.am_restarts},
             "finished": self.finished,
+        }
+
+    def _member_summary(self, rank: int, member: Member) -> dict[str, Any]:
+        """One member in ``status``: where it runs and its last known step (``last_step_from`` says how it is known:
+        ``coordinate`` = its last coordinate, ``report`` = its last adjustment report; None = not heard of yet)."""
+        last = self.progress.workers.get(member.worker_id) or {}
+        return {
+            "worker_id": member.worker_id,
+            "rank": rank,
+            "host": member.host,
+            "device": member.device,
+            "pid": member.pid,
+            "joined_generation": member.joined_generation,
+            "last_step": last.get("step"),
+            "last_step_from": last.get("source"),
+            "last_seen_at": last.get("at"),
         }
 
     def _pending_summary(self, request: ScaleRequest) -> dict[str, Any]:
@@ -330,6 +376,8 @@ class JobState:
             return self._membership()
         if nproc < 1:
             raise StateError(f"nproc must be ≥ 1, got {nproc}")
+        if nproc > MAX_WORLD_SIZE:
+            raise StateError(f"nproc must be ≤ {MAX_WORLD_SIZE}, got {nproc}")
         if coordinate_every is not None and coordinate_every < 1:
             raise StateError(f"coordinate_every must be ≥ 1, got {coordinate_every}")
         worker_ids = [f"w{self.next_worker + index}" for index in range(nproc)]
@@ -423,23 +471,36 @@ class JobState:
         scaling summary when it sends one (kept until the next)."""
         worker_id, generation = request.worker_id, request.generation
         self._require_started()
+        _require_non_negative(generation=generation, step=request.step)
         self._require_known(worker_id)
         self._commit_if_new_generation(worker_id, generation, now)
         if generation != self.generation:
             raise StateError(f"generation {generation} is not current (current generation {self.generation})")
         if self.member(worker_id) is None:
             raise StateError(f"worker {worker_id} is not a member of generation {self.generation}")
-        self.progress = Progress(request.step, request.epoch, request.position, request.global_batch, _now(now),
-                                 request.scaling or self.progress.scaling)
+        if self.progress.is_stale(generation, request.step):
+            logger.debug("stale coordinate from %s at step %s (already at %s): ignored", worker_id, request.step,
+                         self.progress.step)
+            return CoordinateReply.adjust(self.in_flight.plan) if self.in_flight else CoordinateReply.none()
+        self._note_progress(request, _now(now))
         if self.in_flight is not None:
             return CoordinateReply.adjust(self.in_flight.plan)
         plan = None if self.finished else self._decide_head(request.step, now)
         return CoordinateReply.none() if plan is None else CoordinateReply.adjust(plan)
 
+    def _note_progress(self, request: CoordinateRequest, now: float) -> None:
+        """Record rank 0's progress (and scaling summary, kept until the next) and the coordinating worker's step."""
+        progress = self.progress
+        progress.step, progress.epoch, progress.position = request.step, request.epoch, request.position
+        progress.global_batch, progress.updated_at, progress.generation = request.global_batch, now, request.generation
+        progress.scaling = request.scaling or progress.scaling
+        progress.note_step(request.worker_id, request.step, STEP_FROM_COORDINATE, now)
+
     def report(self, report: AdjustmentReport, now: float | None = None) -> dict[str, Any] | None:
         """Record a worker's report after an adjustment; returns the adjustment record once all members reported.
         ``global_batch`` and ``scaling`` are the global batch and the scaling decision the worker applied."""
         worker_id, generation = report.worker_id, report.generation
+        _require_non_negative(generation=generation, step=report.step)
         self._require_known(worker_id)
         if report.role not in REPORT_ROLES:
             raise StateError(f"unknown role {report.role!r} (expected stayer, joiner or leaver)")
@@ -451,7 +512,13 @@ class JobState:
             raise StateError(f"no adjustment to generation {generation} (current generation {self.generation})")
         if not adjustment.plan.involves(worker_id):
             raise StateError(f"worker {worker_id} is not part of the adjustment to generation {generation}")
+        if worker_id in adjustment.reports:  # a duplicate (resent under a new id): the first report stands
+            logger.debug("duplicate report of %s for generation %s: ignored", worker_id, generation)
+            return None
         adjustment.reports[worker_id] = _stored_report(report, _now(now))
+        if worker_id in adjustment.plan.members and self.member(worker_id) is not None:
+            step = adjustment.plan.step if report.step is None else report.step
+            self.progress.note_step(worker_id, step, STEP_FROM_REPORT, _now(now))
         return self._complete_if_all_reported(adjustment, now)
 
     def wait_plan(self, worker_id: str) -> WaitPlanReply | None:
@@ -492,6 +559,7 @@ class JobState:
         reason = reason or "shutdown"
         for request in self.pending:
             self._cancel_workers(request, f"job shut down: {reason}")
+            self.record_failure(_request_failure(request, "cancelled", f"job shut down: {reason}"))
         self.pending = []
         self.finished = True
         self.finish_reason = reason
@@ -536,6 +604,9 @@ class JobState:
             request.add_count = request.remove_count = _migratable(_positive_count(action, count), projected)
         else:
             _resize(request, size, projected)
+        if projected + request.add_count > MAX_WORLD_SIZE:
+            raise StateError(f"the job may have at most {MAX_WORLD_SIZE} workers (members and pending joiners): "
+                             f"{projected} + {request.add_count} requested")
         return request
 
     def _checked_ranks(self, ranks: list[int], projected: int) -> list[int]:
@@ -651,7 +722,14 @@ class JobState:
         adjustment.committed_at = _now(now)
         self.in_flight = None
         self.last_plan = plan
-        self.completing = [*self.completing, adjustment][-MAX_COMPLETING:]
+        self.progress.forget(self.member_ids)
+        completing = [*self.completing, adjustment]
+        for dropped in completing[:-MAX_COMPLETING]:
+            missing = [worker for worker in dropped.plan.members if worker not in dropped.reports]
+            self._record_adjustment_failure(
+                dropped, dropped.plan.request_id, f"never completed: no report from {', '.join(missing) or 'nobody'}"
+            )
+        self.completing = completing[-MAX_COMPLETING:]
 
     def _promote(self, worker_id: str, generation: int) -> Member:
         pending = self.pending_workers.pop(worker_id)
@@ -685,6 +763,10 @@ class JobState:
                 pending.request_id,
                 returncode,
             )
+            self._record_adjustment_failure(
+                self._adjustment_of(pending.request_id), pending.request_id,
+                f"joiner {pending.worker_id} exited with code {returncode} after its plan was decided",
+            )
             return False
         reason = f"worker {pending.worker_id} exited with code {returncode} before its plan was decided"
         self._fail_request(request, reason)
@@ -692,10 +774,37 @@ class JobState:
         return False
 
     def _fail_request(self, request: ScaleRequest, reason: str) -> None:
-        """Drop a pending request and cancel its new workers."""
+        """Drop a pending request, cancel its new workers and keep the failure for status."""
         logger.warning("request %s (%s) failed: %s", request.request_id, request.action, reason)
         self.pending.remove(request)
         self._cancel_workers(request, f"request {request.request_id} failed: {reason}")
+        self.record_failure(_request_failure(request, "failed", reason))
+
+    def record_failure(self, failure: dict[str, Any], now: float | None = None) -> None:
+        """Keep a failed or cancelled request or adjustment for ``status`` (the last ``MAX_FAILURES``).
+
+        ``failure`` has at least ``kind`` (``request``/``adjustment``), ``outcome`` and ``reason``; the time and the
+        job's last known step are added.
+        """
+        entry = {**failure, "at": _now(now), "step": self.progress.step}
+        self.failures = [*self.failures, entry][-MAX_FAILURES:]
+
+    def _adjustment_of(self, request_id: str) -> Adjustment | None:
+        """The decided adjustment of ``request_id`` (in flight or still completing), if any."""
+        candidates = [self.in_flight, *self.completing]
+        return next((a for a in candidates if a is not None and a.plan.request_id == request_id), None)
+
+    def _record_adjustment_failure(self, adjustment: Adjustment | None, request_id: str, reason: str) -> None:
+        plan = None if adjustment is None else adjustment.plan
+        self.record_failure({
+            "kind": "adjustment",
+            "outcome": "failed",
+            "request_id": request_id,
+            "action": None if plan is None else plan.action,
+            "generation": None if plan is None else plan.generation,
+            "workers": [] if plan is None else list(plan.joiners),
+            "reason": reason,
+        })
 
     def _cancel_workers(self, request: ScaleRequest, reason: str) -> None:
         for worker in request.new_workers:
@@ -707,6 +816,23 @@ class JobState:
 
 def _now(now: float | None) -> float:
     return time.time() if now is None else now
+
+
+def _request_failure(request: ScaleRequest, outcome: str, reason: str) -> dict[str, Any]:
+    """A failed (``failed``) or cancelled (``cancelled``) request as ``status`` lists it."""
+    return {
+        "kind": "request",
+        "outcome": outcome,
+        "request_id": request.request_id,
+        "action": request.action,
+        "count": request.count,
+        "ranks": request.ranks,
+        "size": request.size,
+        "at_step": request.at_step,
+        "new_workers": list(request.new_workers),
+        "requested_at": request.requested_at,
+        "reason": reason,
+    }
 
 
 def _stored_report(report: AdjustmentReport, reported_at: float) -> dict[str, Any]:
@@ -735,10 +861,21 @@ def _initial_hosts(worker_ids: list[str], hosts: Any) -> dict[str, str]:
         unknown = sorted(set(hosts) - set(worker_ids))
         if unknown:
             raise StateError(f"hosts names unknown workers {unknown}")
-        return dict(hosts)
-    if len(hosts) != len(worker_ids):
+        named = dict(hosts)
+    elif len(hosts) != len(worker_ids):
         raise StateError(f"hosts must list one host per worker: got {len(hosts)} for nproc {len(worker_ids)}")
-    return dict(zip(worker_ids, hosts, strict=True))
+    else:
+        named = dict(zip(worker_ids, hosts, strict=True))
+    if not all(host is None or isinstance(host, str) for host in named.values()):
+        raise StateError("hosts must be host names (strings)")
+    return named
+
+
+def _require_non_negative(**values: int | None) -> None:
+    """Refuse a negative generation or step (never sent by a worker)."""
+    for name, value in values.items():
+        if value is not None and value < 0:
+            raise StateError(f"{name} must be ≥ 0, got {value}")
 
 
 def _check_arguments(action: str, count: int | None, ranks: list[int] | None, size: int | None) -> None:

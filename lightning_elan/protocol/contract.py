@@ -32,6 +32,9 @@ DEFAULT_REPORT_TIMEOUT_S = 600.0
 """A request fails if one of its new workers has not reported ready this long after it was started."""
 DEFAULT_JOIN_TIMEOUT_S = 1800.0
 """A joiner gives up when no plan includes it this long after it reported ready."""
+MAX_WORLD_SIZE = 4096
+"""The most workers a job may have or request (members plus pending joiners): bounds the AM's memory and keeps the
+``status`` reply under the message size limit."""
 
 # ---- environment variables -------------------------------------------------------------------------------------------
 
@@ -327,6 +330,7 @@ class AdjustmentReport:
         "scaling": Field((dict,), schema=SCALING_DECISION),
         "received_from": Field(_STR),
         "received_over": Field(_STR),
+        "step": Field(_INT),
     }
 
     worker_id: str
@@ -340,6 +344,7 @@ class AdjustmentReport:
     scaling: dict[str, Any] | None = None  # SCALING_DECISION
     received_from: str | None = None  # a joiner: the source it copied its state from
     received_over: str | None = None  # a joiner: the route it used (e.g. "shm", or "shm-fallback" after a fallback)
+    step: int | None = None  # the last step the worker completed when it reported (None: the plan's step is used)
 
     def to_body(self) -> dict[str, Any]:
         return _wire(self)
@@ -596,6 +601,7 @@ __all__ = [
     "ENV_STORE_ADDRESS",
     "ENV_WORKER_ID",
     "ENV_WORLD_SIZE",
+    "MAX_WORLD_SIZE",
     "MESSAGE_TYPES",
     "MUTATING_TYPES",
     "PROTOCOL_VERSION",

@@ -19,6 +19,7 @@ from lightning_elan.protocol.contract import BODY_SCHEMAS, MESSAGE_TYPES, PROTOC
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LENGTH = 200
+MAX_NESTING = 32  # deepest JSON nesting accepted in a frame (no body needs more than a handful of levels)
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,32 @@ def _loads(data: bytes, what: str) -> Any:
     except UnicodeDecodeError as error:
         raise ProtocolError(f"{what} is not UTF-8: {error}") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ProtocolError(f"{what} nests deeper than {MAX_NESTING} levels") from None
     except ValueError as error:
         raise ProtocolError(f"{what} is not valid JSON: {error}") from None
+    if nesting_depth(value) > MAX_NESTING:
+        raise ProtocolError(f"{what} nests deeper than {MAX_NESTING} levels")
+    return value
+
+
+def nesting_depth(value: Any) -> int:
+    """How deeply JSON containers nest in ``value`` (a scalar is 0, ``[]`` is 1); iterative, so any depth is safe."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_NESTING:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _read_id(message: dict[str, Any]) -> str | None:
@@ -198,6 +222,7 @@ def decode_reply(data: bytes) -> Reply:
 __all__ = [
     "MAX_ID_LENGTH",
     "MAX_MESSAGE_BYTES",
+    "MAX_NESTING",
     "PROTOCOL_VERSION",
     "ProtocolError",
     "Reply",
@@ -207,6 +232,7 @@ __all__ = [
     "encode_reply",
     "encode_request",
     "error_reply",
+    "nesting_depth",
     "new_message_id",
     "ok_reply",
     "validate_body",

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import socket
 import threading
 import time
@@ -12,7 +14,8 @@ import pytest
 import zmq
 
 from lightning_elan.master import registry
-from lightning_elan.master.server import ApplicationMaster
+from lightning_elan.master import server as server_module
+from lightning_elan.master.server import REPLY_CACHE_MAX_AGE_S, WARNING_BURST, ApplicationMaster, ReplyCache
 from lightning_elan.master.store import FileStore, MemoryStore
 from lightning_elan.protocol import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
@@ -340,3 +343,204 @@ def test_coordinate_without_a_decision_does_not_write_the_store_but_updates_stat
             assert client.status()["step"] == 4
             client.scale("add", count=1)
             assert CountingStore.saves == saves_after_start + 1
+
+
+# ---------------------------------------------------------------------- the reply cache is bounded
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_reply_cache_keeps_at_most_max_entries_newest_last() -> None:
+    cache = ReplyCache(max_entries=3)
+    for index in range(5):
+        cache.put(f"m{index}", "register", {"i": index})
+
+    assert len(cache) == 3
+    assert cache.get("m0") is None and cache.get("m1") is None
+    assert cache.get("m4") == ("register", {"i": 4})
+
+
+def test_reply_cache_forgets_replies_older_than_its_age_limit() -> None:
+    clock = FakeClock()
+    cache = ReplyCache(max_age_s=60.0, clock=clock)
+    cache.put("old", "scale", {"request_id": "r1"})
+    clock.now += 30
+    cache.put("new", "scale", {"request_id": "r2"})
+
+    clock.now += 31  # "old" is 61 s old, "new" 31 s
+    assert cache.get("old") is None
+    assert cache.get("new") == ("scale", {"request_id": "r2"})
+    assert len(cache) == 1
+
+
+def test_reply_cache_bounds_the_bytes_it_holds() -> None:
+    cache = ReplyCache(max_bytes=2_000)
+    for index in range(10):
+        cache.put(f"m{index}", "coordinate", {"pad": "x" * 500})
+
+    assert cache.size_bytes <= 2_000
+    assert len(cache) == 3 and cache.get("m9") is not None
+
+
+def test_persisted_entries_keep_their_age_and_expire_on_load() -> None:
+    clock = FakeClock()
+    cache = ReplyCache(clock=clock)
+    cache.put("old", "scale", {"request_id": "r1"})
+    clock.now += REPLY_CACHE_MAX_AGE_S - 10
+    cache.put("new", "scale", {"request_id": "r2"})
+    saved = json.loads(json.dumps(cache.to_list()))
+
+    clock.now += 20
+    loaded = ReplyCache.from_list(saved, clock=clock)
+    legacy = ReplyCache.from_list([["m1", "register", {}]], clock=clock)  # written before entries had a time
+
+    assert [entry[0] for entry in loaded.to_list()] == ["new"]
+    assert loaded.to_list()[0][3] == 1000.0 + REPLY_CACHE_MAX_AGE_S - 10
+    assert legacy.get("m1") == ("register", {})
+
+
+def test_a_restarted_am_drops_expired_replies_from_its_store(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "state.json")
+    with ApplicationMaster(JOB, store, register=False) as first, AMClient(first.address, JOB) as client:
+        client.request("start_job", {"nproc": 2})
+        client.scale("add", count=1)
+    document = store.load()
+    assert document is not None and len(document["replies"]) == 2
+    for entry in document["replies"]:
+        entry[3] -= REPLY_CACHE_MAX_AGE_S + 1  # both replies are now past the age limit
+    store.save(document)
+
+    restarted = ApplicationMaster(JOB, store, register=False)
+
+    assert restarted._replies.to_list() == []
+    assert store.load()["replies"] == []
+
+
+# ---------------------------------------------------------------------- bad frames: error reply, state unchanged
+
+
+def durable_state(am: ApplicationMaster) -> dict[str, Any]:
+    state = am._state.to_dict()
+    del state["progress"]
+    return state
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nests deeper than"),  # used to kill the AM's thread
+        (b'{"v": 1, "id": "d1", "job": "job", "type": "status", "body": {"x": ' + b"[" * 40 + b"]" * 40 + b"}}",
+         "nests deeper than"),
+        (b'{"v": 1, "id": "t1", "job": "job", "type": "coordinate", "body": {"worker_id": "w0", "generation": "0",'
+         b' "step": 1}}', "field 'generation' must be int, got str"),
+        (b'{"v": 1, "id": "t2", "job": "job", "type": "scale", "body": {"action": "add", "count": true}}',
+         "field 'count' must be int, got bool"),
+        (b'{"v": 1, "id": "t3", "job": "job", "type": "report", "body": {"worker_id": "w0", "generation": 1,'
+         b' "role": "stayer", "pause_s": NaN}}', "not valid JSON"),
+        (b'{"v": 1, "id": "t4", "job": "job", "type": "register", "body": {"worker_id": "w0", "pid": 1e400}}',
+         "field 'pid' must be int"),
+        (b'{"v": 1, "id": "t5", "job": "job", "type": "coordinate", "body": {"worker_id": "w0", "generation": -3,'
+         b' "step": 1}}', "generation must be ≥ 0, got -3"),
+        (b'{"v": 1, "id": "t6", "job": "job", "type": "coordinate", "body": {"worker_id": "w0", "generation": 4,'
+         b' "step": 1}}', "generation 4 is not current"),
+        (b'{"v": 1, "id": "t7", "job": "job", "type": "register", "body": {"worker_id": "w99"}}', "unknown worker"),
+        (b'{"v": 2, "id": "t8", "job": "job", "type": "status", "body": {}}', "unsupported protocol version 2"),
+        (b'{"v": 1, "id": "t9", "job": "job", "type": "status", "body": []}', "body must be an object"),
+        (b'{"v": 1, "id": "t10", "job": "' + b"x" * 5000 + b'", "type": "status", "body": {}}', "wrong job"),
+        (b'{"v": 1, "id": "t11", "job": "job", "type": "scale", "body": {"action": "add", "count": 100000}}',
+         "at most 4096 workers"),
+        (b"", "not valid JSON"),
+        (b'{"v": 1, "id": "t12", "job": "job", "type": "start_job", "body": {"nproc": 3, "hosts": [[], 1, 2]}}',
+         None),  # start_job on a started job answers the current membership, whatever it asks
+    ],
+)
+def test_malformed_and_stale_frames_are_answered_and_change_nothing(
+    am: ApplicationMaster, client: AMClient, raw: RawDealer, payload: bytes, message: str | None
+) -> None:
+    before = durable_state(am)
+
+    reply = raw.ask(payload)
+
+    if message is None:
+        assert reply["ok"] is True and reply["body"] == {"generation": 0, "members": ["w0", "w1"]}
+    else:
+        assert reply["ok"] is False and message in reply["error"], reply
+        assert len(reply["error"]) <= 1001
+    assert durable_state(am) == before
+    assert client.status()["members"][0]["worker_id"] == "w0"
+
+
+def test_a_replayed_id_is_answered_from_the_cache_whatever_its_body(client: AMClient, raw: RawDealer) -> None:
+    first = raw.ask(encode_request("s-1", JOB, "scale", {"action": "add", "count": 1}))
+    replayed = raw.ask(encode_request("s-1", JOB, "scale", {"action": "add", "count": 3}))
+    other_type = raw.ask(encode_request("s-1", JOB, "register", {"worker_id": "w0"}))
+
+    assert replayed == first and first["ok"] is True
+    assert other_type["ok"] is False and "already used for a scale request" in other_type["error"]
+    assert [request["request_id"] for request in client.status()["pending"]] == ["r1"]
+
+
+def test_a_flood_of_refused_messages_logs_a_bounded_number_of_warnings(
+    client: AMClient, raw: RawDealer, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="lightning_elan.master.server"):
+        for index in range(WARNING_BURST * 3):
+            assert raw.ask(b"not json %d" % index)["ok"] is False
+
+    refused = [record for record in caplog.records if "refused a message" in record.getMessage()]
+    assert len(refused) == WARNING_BURST
+
+
+def test_one_parked_wait_per_worker_and_a_bounded_total(
+    am: ApplicationMaster, client: AMClient, raw: RawDealer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    joiners = client.scale("add", count=3)["new_workers"]
+    raw.socket.send(encode_request("wait-a", JOB, "wait_plan", {"worker_id": joiners[0], "timeout_s": 30}))
+    displaced = raw.ask(encode_request("wait-b", JOB, "wait_plan", {"worker_id": joiners[0], "timeout_s": 30}))
+
+    assert displaced["id"] == "wait-a" and displaced["body"] == {"status": "wait"}
+    assert client.status()["am"]["parked_waits"] == 1
+
+    monkeypatch.setattr(server_module, "MAX_PARKED", 2)
+    raw.socket.send(encode_request("wait-c", JOB, "wait_plan", {"worker_id": joiners[1], "timeout_s": 30}))
+    oldest = raw.ask(encode_request("wait-d", JOB, "wait_plan", {"worker_id": joiners[2], "timeout_s": 30}))
+
+    assert oldest["id"] == "wait-b" and oldest["body"] == {"status": "wait"}
+    assert client.status()["am"]["parked_waits"] == 2
+
+
+# ---------------------------------------------------------------------- observability
+
+
+def test_status_names_the_am_process_and_counts_its_restarts(am: ApplicationMaster, tmp_path: Path) -> None:
+    with AMClient(am.address, JOB) as first_client:
+        first_client.request("start_job", {"nproc": 2})
+        first = first_client.status()["am"]
+    am.stop()
+    with make_am(tmp_path) as second, AMClient(second.address, JOB) as second_client:
+        after_one = second_client.status()["am"]
+    with make_am(tmp_path) as third, AMClient(third.address, JOB) as third_client:
+        after_two = third_client.status()["am"]
+
+    assert first["pid"] == os.getpid() and first["address"] == am.address and first["restarts"] == 0
+    assert after_one["restarts"] == 1 and after_two["restarts"] == 2
+    assert after_two["started_at"] >= first["started_at"]
+
+
+def test_status_lists_a_failed_request_with_its_reason(client: AMClient) -> None:
+    new_worker = client.scale("add", count=1)["new_workers"][0]
+    client.request("launcher_poll")
+    client.request("worker_exit", {"worker_id": new_worker, "returncode": 1})
+
+    status = client.status()
+
+    assert status["pending"] == []
+    [failure] = status["failures"]
+    assert (failure["request_id"], failure["outcome"]) == ("r1", "failed")
+    assert failure["reason"] == f"worker {new_worker} exited with code 1 before its plan was decided"

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
-from lightning_elan.master.state import JobState, StateError
+from lightning_elan.master.state import MAX_COMPLETING, MAX_FAILURES, JobState, StateError
 from lightning_elan.protocol.contract import (
+    MAX_WORLD_SIZE,
     AdjustmentPlan,
     AdjustmentReport,
     CoordinateReply,
@@ -37,7 +39,7 @@ def adjust(state: JobState, action: str, **arguments: object) -> AdjustmentPlan:
     new_workers = state.scale(action, **arguments)["new_workers"]
     ready(state, new_workers)
     plan = decide(state)
-    state.coordinate(CoordinateRequest(plan.members[0], plan.generation, 11))
+    state.coordinate(CoordinateRequest(plan.members[0], plan.generation, 10))  # the new generation commits it
     return plan
 
 
@@ -131,7 +133,10 @@ def test_remove_ranks_names_ranks_and_keeps_the_order_of_stayers() -> None:
 
     assert plan.leavers == ["w0", "w2"]
     assert plan.members == ["w1", "w3"]
-    assert state.status()["members"][0] == {"worker_id": "w1", "rank": 0, "host": None, "device": None, "pid": None}
+    first = state.status()["members"][0]
+    assert {key: first[key] for key in ("worker_id", "rank", "host", "device", "pid")} == {
+        "worker_id": "w1", "rank": 0, "host": None, "device": None, "pid": None
+    }
 
 
 def test_ranks_are_validated_against_the_projected_generation() -> None:
@@ -433,3 +438,212 @@ def test_a_request_whose_worker_never_reports_fails_and_the_queue_moves_on() -> 
     assert JobState.from_dict(json.loads(json.dumps(state.to_dict()))).report_timeout_s == 30
     with pytest.raises(StateError, match="report_timeout_s"):
         JobState(job="other").start_job(1, report_timeout_s=0)
+
+
+# ---------------------------------------------------------------------- bad, stale and duplicated inputs
+
+
+def refused_unchanged(state: JobState, call: Callable[[], object], message: str) -> None:
+    """``call`` raises a StateError matching ``message`` and leaves the whole state as it was."""
+    before = state.to_dict()
+    with pytest.raises(StateError, match=message):
+        call()
+    assert state.to_dict() == before
+
+
+def test_a_reordered_coordinate_of_an_earlier_step_is_ignored_as_stale() -> None:
+    state = started(2)
+    state.coordinate(CoordinateRequest("w0", 0, 20, epoch=1, position=240))
+    state.scale("add", count=1)
+    ready(state, ["w2"])
+    before = state.to_dict()
+
+    assert state.coordinate(CoordinateRequest("w0", 0, 15, epoch=1, position=180)) == CoordinateReply.none()
+    assert state.to_dict() == before, "a stale coordinate neither decides nor moves the progress back"
+    plan = decide(state, step=20)
+    assert state.coordinate(CoordinateRequest("w0", 0, 12)) == CoordinateReply.adjust(plan), "in flight: same plan"
+    assert state.status()["step"] == 20
+
+
+def test_a_new_generation_may_coordinate_at_an_earlier_step() -> None:
+    state = started(2)
+    state.scale("add", count=1)
+    ready(state, ["w2"])
+    plan = decide(state, step=20)
+
+    assert state.coordinate(CoordinateRequest("w0", plan.generation, 19)) == CoordinateReply.none()  # e.g. a redo
+    assert state.generation == 1 and state.status()["step"] == 19
+
+
+def test_workers_of_an_older_generation_cannot_coordinate_report_or_register() -> None:
+    state = started(3)
+    adjust(state, "remove", count=1)  # w2 leaves; generation 1 = w0, w1
+    state.report(AdjustmentReport("w2", 1, "leaver"))
+
+    refused_unchanged(state, lambda: state.coordinate(CoordinateRequest("w2", 1, 30)),
+                      r"^worker w2 is not a member of generation 1$")
+    refused_unchanged(state, lambda: state.coordinate(CoordinateRequest("w0", 0, 30)),
+                      r"^generation 0 is not current \(current generation 1\)$")
+    refused_unchanged(state, lambda: state.register(RegisterRequest("w2", host="h", pid=7)), r"^worker w2 has left")
+    adjust(state, "add", count=1)  # generation 2
+    refused_unchanged(state, lambda: state.report(AdjustmentReport("w2", 2, "stayer")),
+                      r"^worker w2 is not part of the adjustment to generation 2$")
+
+
+def test_scale_while_an_adjustment_is_in_flight_leaves_the_state_unchanged() -> None:
+    state = started(2)
+    state.scale("add", count=1)
+    ready(state, ["w2"])
+    decide(state)
+
+    refused_unchanged(state, lambda: state.scale("remove", count=1), r"adjustment in flight \(generation 0 → 1\)")
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda s: s.coordinate(CoordinateRequest("w0", -1, 5)), r"^generation must be ≥ 0, got -1$"),
+        (lambda s: s.coordinate(CoordinateRequest("w0", 0, -5)), r"^step must be ≥ 0, got -5$"),
+        (lambda s: s.report(AdjustmentReport("w0", -2, "stayer")), r"^generation must be ≥ 0, got -2$"),
+        (lambda s: s.report(AdjustmentReport("w0", 1, "stayer", step=-1)), r"^step must be ≥ 0, got -1$"),
+        (lambda s: s.report(AdjustmentReport("w0", 0, "dancer")), r"unknown role 'dancer'"),
+        (lambda s: s.scale("add", count=MAX_WORLD_SIZE), rf"at most {MAX_WORLD_SIZE} workers"),
+        (lambda s: s.scale("to", size=MAX_WORLD_SIZE + 1), rf"at most {MAX_WORLD_SIZE} workers"),
+        (lambda s: s.worker_exit("w77", 0), r"^unknown worker w77$"),
+    ],
+)
+def test_out_of_range_values_are_refused_without_side_effects(call: Callable, message: str) -> None:
+    state = started(2)
+    refused_unchanged(state, lambda: call(state), message)
+
+
+def test_start_job_refuses_absurd_sizes_and_hosts_that_are_not_names() -> None:
+    with pytest.raises(StateError, match=rf"nproc must be ≤ {MAX_WORLD_SIZE}"):
+        JobState(job="job").start_job(MAX_WORLD_SIZE + 1)
+    with pytest.raises(StateError, match="hosts must be host names"):
+        JobState(job="job").start_job(2, hosts=["a", {"deep": ["b"]}])
+    state = JobState(job="job")
+    state.start_job(2, hosts={"w1": "b"})
+    assert [m["host"] for m in state.status()["members"]] == [None, "b"]
+
+
+def test_a_duplicated_report_is_ignored_and_the_first_one_stands() -> None:
+    state = started(2)
+    plan = adjust(state, "add", count=1)
+    state.report(AdjustmentReport("w0", 1, "stayer", pause_s=0.5))
+    before = state.to_dict()
+
+    assert state.report(AdjustmentReport("w0", 1, "stayer", pause_s=99.0)) is None
+    assert state.to_dict() == before
+    state.report(AdjustmentReport("w1", 1, "stayer", pause_s=0.25))
+    record = state.report(AdjustmentReport("w2", 1, "joiner", startup_s=1.0))
+    assert record is not None and record["pause_s"] == {"w0": 0.5, "w1": 0.25}
+    assert state.report(AdjustmentReport("w2", plan.generation, "joiner")) is None, "late duplicate: recorded already"
+
+
+# ---------------------------------------------------------------------- observability
+
+
+def test_status_lists_each_members_last_step_and_where_it_comes_from() -> None:
+    state = started(2)
+    state.coordinate(CoordinateRequest("w0", 0, 7), now=50.0)
+    assert [(m["last_step"], m["last_step_from"]) for m in state.status()["members"]] == [
+        (7, "coordinate"), (None, None)
+    ]
+    adjust(state, "add", count=1)  # decided at step 10; the new generation's rank 0 coordinates at 10
+    state.report(AdjustmentReport("w1", 1, "stayer"), now=60.0)
+    state.report(AdjustmentReport("w2", 1, "joiner", step=11), now=61.0)
+
+    members = {m["worker_id"]: m for m in state.status()["members"]}
+    assert (members["w0"]["last_step"], members["w0"]["last_step_from"]) == (10, "coordinate")
+    assert (members["w1"]["last_step"], members["w1"]["last_step_from"]) == (10, "report")  # the plan's step
+    assert (members["w2"]["last_step"], members["w2"]["last_step_from"], members["w2"]["last_seen_at"]) == (
+        11, "report", 61.0
+    )
+    assert members["w2"]["joined_generation"] == 1
+
+
+def test_a_leavers_last_step_is_forgotten_with_it() -> None:
+    state = started(3)
+    state.coordinate(CoordinateRequest("w0", 0, 3))
+    adjust(state, "remove", ranks=[0])
+
+    assert [m["worker_id"] for m in state.status()["members"]] == ["w1", "w2"]
+    assert set(state.progress.workers) <= {"w1", "w2"}
+
+
+def test_a_joiner_that_never_reports_ready_is_listed_as_a_failed_request_with_its_reason() -> None:
+    state = JobState(job="job")
+    state.start_job(2, report_timeout_s=30)
+    state.scale("add", count=1, at_step=5)
+    state.launcher_poll(now=1000.0)
+    state.coordinate(CoordinateRequest("w0", 0, 4))
+
+    state.launcher_poll(now=1031.0)
+
+    assert state.status()["pending"] == []
+    [failure] = state.status()["failures"]
+    assert failure["kind"] == "request" and failure["outcome"] == "failed"
+    assert (failure["request_id"], failure["action"], failure["count"], failure["at_step"]) == ("r1", "add", 1, 5)
+    assert failure["new_workers"] == ["w2"] and failure["step"] == 4
+    assert failure["reason"] == "worker(s) w2 did not report ready within 30 s"
+    assert JobState.from_dict(json.loads(json.dumps(state.to_dict()))).failures == state.failures
+
+
+def test_a_joiner_exit_before_or_after_its_decision_is_a_failure() -> None:
+    state = started(2)
+    state.scale("add", count=1)
+    state.worker_exit("w2", 3)
+    state.scale("add", count=1)
+    ready(state, ["w3"])
+    decide(state)
+    state.worker_exit("w3", 9)
+
+    failures = state.status()["failures"]
+    assert [(f["kind"], f["outcome"], f["request_id"]) for f in failures] == [
+        ("request", "failed", "r1"), ("adjustment", "failed", "r2")
+    ]
+    assert failures[0]["reason"] == "worker w2 exited with code 3 before its plan was decided"
+    assert failures[1]["reason"] == "joiner w3 exited with code 9 after its plan was decided"
+    assert failures[1]["generation"] == 1 and failures[1]["workers"] == ["w3"]
+
+
+def test_requests_cancelled_by_shutdown_are_listed_with_the_reason() -> None:
+    state = started(2)
+    state.scale("add", count=1)
+    state.scale("remove", count=1)
+    state.shutdown("user stop")
+
+    failures = state.status()["failures"]
+    assert [(f["outcome"], f["request_id"], f["reason"]) for f in failures] == [
+        ("cancelled", "r1", "job shut down: user stop"), ("cancelled", "r2", "job shut down: user stop")
+    ]
+
+
+def test_the_failure_history_is_bounded() -> None:
+    state = started(2)
+    for index in range(MAX_FAILURES + 7):
+        state.record_failure({"kind": "request", "outcome": "failed", "request_id": f"r{index}", "reason": "x"})
+
+    assert len(state.failures) == MAX_FAILURES
+    assert state.failures[0]["request_id"] == "r7" and state.failures[-1]["request_id"] == f"r{MAX_FAILURES + 6}"
+
+
+def test_an_adjustment_dropped_before_every_report_arrived_is_a_failure() -> None:
+    state = started(2)
+    for _ in range(MAX_COMPLETING + 1):
+        adjust(state, "migrate", count=1)  # nobody reports
+
+    [failure] = state.failures
+    assert failure["kind"] == "adjustment" and failure["generation"] == 1
+    assert failure["reason"].startswith("never completed: no report from w0, ")
+
+
+def test_restart_count_round_trips_and_is_in_status() -> None:
+    state = started(2)
+    state.am_restarts = 2
+    again = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
+
+    assert again.status()["am"] == {"restarts": 2}
+    legacy = {key: value for key, value in state.to_dict().items() if key not in ("failures", "am_restarts")}
+    assert JobState.from_dict(legacy).am_restarts == 0

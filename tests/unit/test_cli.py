@@ -276,6 +276,8 @@ def test_scale_then_status(running_job: str, capsys: pytest.CaptureFixture[str])
     assert code == 0, err
     assert "job demo: generation 0, running" in out
     assert "RANK  WORKER  HOST" in out
+    assert "failed or cancelled: none" in out
+    assert f"AM: pid {os.getpid()} at tcp://127.0.0.1:" in out and "never restarted" in out
     assert "pending requests (1):" in out
     assert "add 1 at step 20" in out
     assert "in flight: none" in out
@@ -342,9 +344,9 @@ def test_format_status_full() -> None:
     lines = text.splitlines()
     assert lines[0] == "job demo: generation 2, running"
     assert lines[1] == "members (2):"
-    assert lines[2].split() == ["RANK", "WORKER", "HOST", "DEVICE", "PID"]
-    assert lines[3].split() == ["0", "w0", "box", "cuda:0", "11"]
-    assert lines[4].split() == ["1", "w3", "box", "cuda:1", "12"]
+    assert lines[2].split() == ["RANK", "WORKER", "HOST", "DEVICE", "PID", "LAST_STEP", "FROM"]
+    assert lines[3].split() == ["0", "w0", "box", "cuda:0", "11", "-", "-"]
+    assert lines[4].split() == ["1", "w3", "box", "cuda:1", "12", "-", "-"]
     assert "progress: step 40, epoch 1, position 1280, global batch 32" in text
     assert "  r4: remove rank:0 at step 60" in text
     assert "in flight: r3 add at step 40: generation 2 → 3, members w0,w3,w4, joiners w4, leavers none" in text
@@ -448,3 +450,56 @@ def test_am_command_serves_until_sigint(elan_home: Path) -> None:
     assert am.returncode == 0, stderr
     assert registry.read("solo") is None
     assert (elan_home / "jobs" / "solo").is_dir()
+
+
+def test_format_status_shows_last_steps_the_am_and_failures_with_their_cause() -> None:
+    status = {
+        "job": "demo",
+        "generation": 1,
+        "members": [
+            {"worker_id": "w0", "rank": 0, "host": "box", "device": "cpu", "pid": 11, "last_step": 40,
+             "last_step_from": "coordinate"},
+            {"worker_id": "w2", "rank": 1, "host": "box", "device": "cpu", "pid": 13, "last_step": 31,
+             "last_step_from": "report"},
+        ],
+        "am": {"pid": 4242, "address": "tcp://127.0.0.1:5555", "restarts": 2},
+        "failures": [
+            {"kind": "request", "outcome": "failed", "request_id": "r2", "action": "add", "count": 1,
+             "new_workers": ["w3"], "step": 35, "at": None,
+             "reason": "worker(s) w3 did not report ready within 600 s"},
+            {"kind": "adjustment", "outcome": "failed", "request_id": "r3", "action": "migrate", "generation": 2,
+             "step": None, "reason": "joiner w4 exited with code 9 after its plan was decided"},
+        ],
+    }
+
+    lines = format_status(status).splitlines()
+
+    assert lines[3].split() == ["0", "w0", "box", "cpu", "11", "40", "coordinate"]
+    assert lines[4].split() == ["1", "w2", "box", "cpu", "13", "31", "report"]
+    assert "AM: pid 4242 at tcp://127.0.0.1:5555, restarted 2 time(s)" in lines
+    index = lines.index("failed or cancelled (2):")
+    assert lines[index + 1] == (
+        "  r2: add 1 (new workers: w3): failed at step 35: worker(s) w3 did not report ready within 600 s"
+    )
+    assert lines[index + 2] == (
+        "  r3 migrate adjustment to generation 2: failed: joiner w4 exited with code 9 after its plan was decided"
+    )
+
+
+def test_status_of_a_job_whose_joiner_never_reported(running_job: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 10, item 6: a request whose joiner never reported ready stays visible, with the reason."""
+    from lightning_elan.protocol.client import AMClient
+
+    entry = json.loads(registry_path(running_job).read_text())
+    with AMClient(entry["address"], running_job) as client:
+        client.scale("add", count=1)
+        client.request("launcher_poll")
+        client.request("worker_exit", {"worker_id": "w2", "returncode": 1})
+
+    code, out, err = run_cli(["status", "--job", running_job], capsys)
+    assert code == 0, err
+    assert "failed or cancelled (1):" in out
+    assert "r1: add 1 (new workers: w2): failed" in out and "worker w2 exited with code 1" in out
+    code, out, err = run_cli(["status", "--job", running_job, "--json"], capsys)
+    [failure] = json.loads(out)["failures"]
+    assert failure["reason"] == "worker w2 exited with code 1 before its plan was decided"

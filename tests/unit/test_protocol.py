@@ -4,14 +4,17 @@ import json
 
 import pytest
 
+from lightning_elan.protocol.contract import AdjustmentReport
 from lightning_elan.protocol.messages import (
     MAX_MESSAGE_BYTES,
+    MAX_NESTING,
     ProtocolError,
     decode_reply,
     decode_request,
     encode_reply,
     encode_request,
     error_reply,
+    nesting_depth,
     new_message_id,
     ok_reply,
 )
@@ -105,3 +108,27 @@ def test_oversized_reply_becomes_an_error_reply() -> None:
 def test_invalid_replies_are_refused(payload: bytes) -> None:
     with pytest.raises(ProtocolError):
         decode_reply(payload)
+
+
+@pytest.mark.parametrize(("value", "depth"), [(1, 0), ([], 1), ({"a": [1, {"b": []}]}, 4), ([[[]], [[[[]]]]], 5)])
+def test_nesting_depth(value: object, depth: int) -> None:
+    assert nesting_depth(value) == depth
+
+
+@pytest.mark.parametrize("depth", [MAX_NESTING, 2_000, 200_000])
+def test_frames_nested_too_deeply_are_protocol_errors(depth: int) -> None:
+    payload = b'{"v": 1, "id": "m1", "job": "job", "type": "status", "body": {"x": ' + b"[" * depth + b"]" * depth
+    payload += b"}}"
+
+    with pytest.raises(ProtocolError, match=f"nests deeper than {MAX_NESTING} levels"):
+        decode_request(payload)
+    with pytest.raises(ProtocolError, match="nests deeper"):
+        decode_reply(b"[" * (depth + 1) + b"]" * (depth + 1))
+
+
+def test_a_report_may_carry_its_step() -> None:
+    payload = encode_request("m1", "job", "report", AdjustmentReport("w1", 2, "stayer", step=31).to_body())
+
+    assert AdjustmentReport.from_body(decode_request(payload).body).step == 31
+    with pytest.raises(ProtocolError, match="field 'step' must be int"):
+        encode_request("m2", "job", "report", {"worker_id": "w1", "generation": 2, "role": "stayer", "step": "31"})
