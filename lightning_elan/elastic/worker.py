@@ -202,7 +202,7 @@ class ElasticWorker:
         self._finish_outgoing()
         pause = self._timeline.step_ended()
         if pause is not None and self._pending_report is not None:
-            self._send_report(pause)
+            self._send_report(pause, step)
         if self._link is None or not (self._deferred or step % self.coordinate_every == 0):
             return
         code, decision = self._agree(step)
@@ -334,12 +334,12 @@ class ElasticWorker:
 
     # ------------------------------------------------------------------ reports
 
-    def _send_report(self, pause: float) -> None:
+    def _send_report(self, pause: float, step: int) -> None:
         """The first step after an adjustment is over: its pause, start-up time, global batch and scaling decision."""
         assert self._pending_report is not None
         startup = time.time() - self.environment.spawn_time if self._pending_report.role == "joiner" else None
         report = replace(self._pending_report, pause_s=pause, startup_s=startup, global_batch=self.data.global_batch,
-                         scaling=self._scaling.last_decision())
+                         scaling=self._scaling.last_decision(), step=step)
         self._require_link().report(report)
         self._pending_report = None
 
