@@ -142,6 +142,10 @@ def _add_am(sub: Any) -> argparse.ArgumentParser:
     am.add_argument("--job", type=job_name, required=True, metavar="NAME")
     am.add_argument("--bind", default=DEFAULT_BIND, metavar="ADDR", help=f"ZeroMQ address (default {DEFAULT_BIND})")
     am.add_argument("--state-dir", type=Path, default=None, metavar="D", help="default: $ELAN_HOME/jobs/NAME")
+    am.add_argument(
+        "--parent-pid", type=positive_int, default=None, metavar="PID",
+        help="stop when this process is gone (elan run passes its own pid)",
+    )
     return am
 
 
@@ -264,17 +268,19 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     refuse_if_running(args.job, parser)
     state_dir = Path(args.state_dir or registry.default_state_dir(args.job))
     state_dir.mkdir(parents=True, exist_ok=True)
-    am = ApplicationMaster(args.job, FileStore(state_dir / "state.json"), state_dir=state_dir, bind=args.bind)
+    store = FileStore(state_dir / "state.json")
+    store.discard_partial_writes()
+    am = ApplicationMaster(args.job, store, state_dir=state_dir, bind=args.bind)
     am.start()
-    log.info("AM of job %s: state in %s; Ctrl-C stops it", args.job, state_dir)
-    stopped = _wait_for_stop_signal()
-    log.info("received %s: stopping the AM of job %s", stopped, args.job)
+    log.info("AM of job %s (pid %d): state in %s; Ctrl-C stops it", args.job, os.getpid(), state_dir)
+    stopped = _wait_for_stop(args.parent_pid)
+    log.info("%s: stopping the AM of job %s", stopped, args.job)
     am.stop()
     return 0
 
 
-def _wait_for_stop_signal() -> str:
-    """Block until SIGINT or SIGTERM; return the signal's name."""
+def _wait_for_stop(parent_pid: int | None = None) -> str:
+    """Block until SIGINT or SIGTERM (or until ``parent_pid`` is no longer our parent); return why."""
     received: list[int] = []
     wake = threading.Event()
 
@@ -285,11 +291,12 @@ def _wait_for_stop_signal() -> str:
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         while not wake.wait(0.5):
-            pass
+            if parent_pid is not None and os.getppid() != parent_pid:
+                return f"parent process {parent_pid} is gone"
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    return signal.Signals(received[0]).name
+    return f"received {signal.Signals(received[0]).name}"
 
 
 # ---------------------------------------------------------------------- elan scale / status
