@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from lightning_elan.master import registry
+from lightning_elan.master import journal, registry
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore
 from lightning_elan.protocol.contract import (
@@ -402,6 +402,8 @@ class ApplicationMaster:
         if saved.get("job") != self.job:
             raise ValueError(f"{store!r} holds the state of job {saved.get('job')!r}, not {self.job!r}")
         state = JobState.from_dict(saved["state"])
+        if self.state_dir is not None:  # a record the previous AM persisted but died before writing
+            journal.repair(self.state_dir / ADJUSTMENTS_FILE, state.last_adjustment)
         logger.info(
             "AM of job %r resumes generation %s with %d pending request(s)",
             self.job,
