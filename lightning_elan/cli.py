@@ -38,6 +38,7 @@ log = logging.getLogger("lightning_elan.cli")
 
 DEFAULT_BIND = "tcp://127.0.0.1:0"
 DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_AM_MAX_RESTARTS = 20  # the launcher's default (launcher.am_process), not imported to keep the CLI light
 
 
 class CLIError(Exception):
@@ -134,6 +135,10 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
     )
     run.add_argument("--state-dir", type=Path, default=None, metavar="D", help="default: $ELAN_HOME/jobs/NAME")
     run.add_argument("--devices", choices=("cpu", "cuda"), default="cpu")
+    run.add_argument(
+        "--am-max-restarts", type=non_negative_int, default=DEFAULT_AM_MAX_RESTARTS, metavar="N",
+        help="restart a dead AM process from its store at most N times, then fail the job (default %(default)s)",
+    )
     return run
 
 
@@ -237,6 +242,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         report_timeout_s=args.report_timeout,
         schedule=list(args.schedule or []),
         devices=args.devices,
+        am_max_restarts=args.am_max_restarts,
     )
     try:
         launcher = JobLauncher(config)
