@@ -21,7 +21,9 @@ from tests.integration.elastic_runs import PROBE_ARGS, check_static_run, elan_ru
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=50, help="AM kills to deliver in all (default 50)")
-    parser.add_argument("--kills-per-job", type=int, default=5)
+    parser.add_argument("--kills-per-job", type=int, default=5, help="external SIGKILLs per job (default 5)")
+    parser.add_argument("--save-kills-per-job", type=int, default=2,
+                        help="self-SIGKILLs right before/after a state write per job (default 2)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dir", type=Path, default=None, help="keep the jobs' files here (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -33,19 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     while delivered < args.trials:
         seed = args.seed + jobs
         jobs += 1
-        ok, kills = _one_job(root, seed, args.kills_per_job, static)
+        ok, kills = _one_job(root, seed, args.kills_per_job, args.save_kills_per_job, static)
         delivered += kills
         held += kills if ok else 0
-    print(f"held: {held} of {delivered} trials ({jobs} jobs, {args.kills_per_job} kills planned per job)", flush=True)
+    planned = f"{args.kills_per_job} + {args.save_kills_per_job} kills planned per job"
+    print(f"held: {held} of {delivered} trials ({jobs} jobs, {planned})", flush=True)
     return 0 if held == delivered else 1
 
 
-def _one_job(root: Path, seed: int, kills: int, static) -> tuple[bool, int]:
+def _one_job(root: Path, seed: int, kills: int, save_kills: int, static) -> tuple[bool, int]:
     """Run and check one job; returns (every invariant held, kills delivered)."""
     directory = root / f"job{seed}"
     directory.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    job = run_killed_job(directory, f"amkill{seed}", seed, kills)
+    job = run_killed_job(directory, f"amkill{seed}", seed, kills, save_kills)
     try:
         job.check(static)
         ok, detail = True, "held"

@@ -14,6 +14,10 @@ A *trial* is one SIGKILL of the AM. Each job carries several, each aimed at a ph
 Except ``start``, each kill first waits for a seeded random training step (increasing over the job), so the kills
 spread over every generation of the schedule.
 
+Besides, the AM kills itself (a real SIGKILL, ``am_save_kill/sitecustomize.py``) right *before* or right *after* a
+seeded write of its state: the two windows that matter for exactly-once (received but not persisted; persisted but
+not answered). These count as trials ``save_before`` / ``save_after``.
+
 The kill is a real ``os.kill(pid, SIGKILL)`` of the AM process named in the job registry (checked to be an ``elan
 am`` process). A phase the job never reaches again (it finished first) is not counted as a trial.
 """
@@ -52,6 +56,8 @@ EXTRA_LATEST_STEP = 17  # sent no later than this step, so that it lands before 
 PHASES = ("start", "scale", "waiting", "in_flight", "random")
 KILL_ARGS = [*PROBE_ARGS, "--wait-for-joiners", "--step-sleep", "0.15"]
 JOB_TIMEOUT_S = 400.0
+SAVE_KILL_SITE = Path(__file__).with_name("am_save_kill")
+LAST_SAVE_KILL = 45  # a job writes its state some 60+ times
 AM_BACK_TIMEOUT_S = 30.0
 
 
@@ -97,10 +103,25 @@ class KillJob:
         assert restarts + at_end == kills, f"{restarts} restarts + {at_end} at the end logged, {kills} kills"
 
 
-def run_killed_job(tmp: Path, name: str, seed: int, kills: int) -> KillJob:
-    """Run the probe job ``name`` with ``kills`` AM SIGKILLs (phases from ``seed``); returns what happened."""
+def save_kill_plan(seed: int, count: int) -> list[list]:
+    """``count`` state writes (distinct, seeded) at which the AM kills itself, alternately before and after."""
+    rng = random.Random(seed + 2)
+    writes = sorted(rng.sample(range(1, LAST_SAVE_KILL + 1), count))
+    first = rng.choice(["before", "after"])
+    other = "after" if first == "before" else "before"
+    return [[n, first if i % 2 == 0 else other] for i, n in enumerate(writes)]
+
+
+def run_killed_job(tmp: Path, name: str, seed: int, kills: int, save_kills: int = 2) -> KillJob:
+    """Run the probe job ``name`` with ``kills`` AM SIGKILLs (phases from ``seed``) and ``save_kills`` self-kills
+    at state writes; returns what happened."""
     job = KillJob(name, seed, kill_phases(seed, kills))
     env = elan_env(tmp)
+    if save_kills:
+        plan = tmp / f"{name}-save-kills.json"
+        plan.write_text(json.dumps({"kills": save_kill_plan(seed, save_kills)}))
+        env["ELAN_TEST_AM_SAVE_KILLS"] = str(plan)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SAVE_KILL_SITE), env.get("PYTHONPATH")]))
     log_path = tmp / f"{name}.log"
     command = elan_command(tmp, name, 2, KILL_ARGS, SCHEDULE)
     with open(log_path, "w") as log_file:
@@ -115,7 +136,15 @@ def run_killed_job(tmp: Path, name: str, seed: int, kills: int) -> KillJob:
                 launcher.terminate()
                 launcher.wait(60)
     job.run = RunResult(tmp / name, tmp / f"{name}-state", launcher.returncode, log_path.read_text())
+    job.delivered += _save_kills_delivered(tmp / f"{name}-save-kills.log")
     return job
+
+
+def _save_kills_delivered(log: Path) -> list[str]:
+    """``save_before`` / ``save_after`` for each self-kill the AM logged."""
+    if not log.exists():
+        return []
+    return [f"save_{line.split()[1]}" for line in log.read_text().splitlines() if line.strip()]
 
 
 class _Killer:
