@@ -50,8 +50,8 @@ def _one_job(root: Path, seed: int, kills: int, save_kills: int, static) -> tupl
     started = time.monotonic()
     job = run_killed_job(directory, f"amkill{seed}", seed, kills, save_kills)
     try:
-        job.check(static)
-        ok, detail = True, "held"
+        applied = job.check(static)
+        ok, detail = True, f"held ({applied} of {len(job.sizes)} requests applied)"
     except Exception as error:  # report it and go on with the next job
         ok, detail = False, f"FAILED: {type(error).__name__}: {str(error)[:500]}"
         traceback.print_exc(file=sys.stderr)
