@@ -38,6 +38,7 @@ log = logging.getLogger("lightning_elan.cli")
 
 DEFAULT_BIND = "tcp://127.0.0.1:0"
 DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_AM_MAX_RESTARTS = 20  # the launcher's default (launcher.am_process), not imported to keep the CLI light
 
 
 class CLIError(Exception):
@@ -134,6 +135,10 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
     )
     run.add_argument("--state-dir", type=Path, default=None, metavar="D", help="default: $ELAN_HOME/jobs/NAME")
     run.add_argument("--devices", choices=("cpu", "cuda"), default="cpu")
+    run.add_argument(
+        "--am-max-restarts", type=non_negative_int, default=DEFAULT_AM_MAX_RESTARTS, metavar="N",
+        help="restart a dead AM process from its store at most N times, then fail the job (default %(default)s)",
+    )
     return run
 
 
@@ -142,6 +147,10 @@ def _add_am(sub: Any) -> argparse.ArgumentParser:
     am.add_argument("--job", type=job_name, required=True, metavar="NAME")
     am.add_argument("--bind", default=DEFAULT_BIND, metavar="ADDR", help=f"ZeroMQ address (default {DEFAULT_BIND})")
     am.add_argument("--state-dir", type=Path, default=None, metavar="D", help="default: $ELAN_HOME/jobs/NAME")
+    am.add_argument(
+        "--parent-pid", type=positive_int, default=None, metavar="PID",
+        help="stop when this process is gone (elan run passes its own pid)",
+    )
     return am
 
 
@@ -233,6 +242,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         report_timeout_s=args.report_timeout,
         schedule=list(args.schedule or []),
         devices=args.devices,
+        am_max_restarts=args.am_max_restarts,
     )
     try:
         launcher = JobLauncher(config)
@@ -264,17 +274,19 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     refuse_if_running(args.job, parser)
     state_dir = Path(args.state_dir or registry.default_state_dir(args.job))
     state_dir.mkdir(parents=True, exist_ok=True)
-    am = ApplicationMaster(args.job, FileStore(state_dir / "state.json"), state_dir=state_dir, bind=args.bind)
+    store = FileStore(state_dir / "state.json")
+    store.discard_partial_writes()
+    am = ApplicationMaster(args.job, store, state_dir=state_dir, bind=args.bind)
     am.start()
-    log.info("AM of job %s: state in %s; Ctrl-C stops it", args.job, state_dir)
-    stopped = _wait_for_stop_signal()
-    log.info("received %s: stopping the AM of job %s", stopped, args.job)
+    log.info("AM of job %s (pid %d): state in %s; Ctrl-C stops it", args.job, os.getpid(), state_dir)
+    stopped = _wait_for_stop(args.parent_pid)
+    log.info("%s: stopping the AM of job %s", stopped, args.job)
     am.stop()
     return 0
 
 
-def _wait_for_stop_signal() -> str:
-    """Block until SIGINT or SIGTERM; return the signal's name."""
+def _wait_for_stop(parent_pid: int | None = None) -> str:
+    """Block until SIGINT or SIGTERM (or until ``parent_pid`` is no longer our parent); return why."""
     received: list[int] = []
     wake = threading.Event()
 
@@ -285,11 +297,12 @@ def _wait_for_stop_signal() -> str:
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         while not wake.wait(0.5):
-            pass
+            if parent_pid is not None and os.getppid() != parent_pid:
+                return f"parent process {parent_pid} is gone"
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    return signal.Signals(received[0]).name
+    return f"received {signal.Signals(received[0]).name}"
 
 
 # ---------------------------------------------------------------------- elan scale / status

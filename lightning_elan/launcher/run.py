@@ -1,10 +1,14 @@
-"""``elan run``: start the AM and the long-lived TCPStore, spawn the workers, supervise them.
+"""``elan run``: start the AM process and the long-lived TCPStore, spawn the workers, supervise them.
 
 The launcher is the local *scheduler* of docs/architecture.md: it starts generation 0, submits the
 ``--schedule`` as ``scale`` requests, then polls the AM (``launcher_poll``) for joiners to start and
 reports every child's exit (``worker_exit``). The job ends when every member of the current
 generation has exited 0 and no adjustment is in flight; a worker that fails unexpectedly stops the
 whole job.
+
+The AM is a child process (``launcher.am_process``) restarted from its store whenever it dies; the TCPStore
+server stays in the launcher, so neither an AM nor a worker takes it down. Every launcher request is resent
+with the same message id until the (possibly restarted) AM answers, so none applies twice or gets lost.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from lightning_elan.launcher.am_process import DEFAULT_MAX_RESTARTS, AMFailed, AMProcess, describe_status
 from lightning_elan.launcher.schedule import ScaleAction, format_schedule_item
-from lightning_elan.master import ApplicationMaster, FileStore
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
@@ -33,6 +37,7 @@ from lightning_elan.protocol.contract import (
     WORKER_ENV_VARS,
     WorkerEnvironment,
 )
+from lightning_elan.protocol.messages import new_message_id
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,9 @@ class LaunchConfig:
     status_interval_s: float = 0.5
     shutdown_grace_s: float = 30.0
     kill_grace_s: float = 10.0
+    am_timeout_s: float = 0.5  # one attempt of a launcher request; resent (same id) until the AM answers
+    am_patience_s: float = 60.0  # give up on an AM process that is alive but does not answer for this long
+    am_max_restarts: int = DEFAULT_MAX_RESTARTS
 
 
 @dataclass
@@ -90,7 +98,7 @@ class JobLauncher:
     def __init__(self, config: LaunchConfig, *, base_env: Mapping[str, str] | None = None) -> None:
         self.config = config
         self._base_env = dict(os.environ if base_env is None else base_env)
-        self._am: Any = None
+        self._am: AMProcess | None = None
         self._store: Any = None
         self._client: AMClient | None = None
         self._workers: dict[str, Worker] = {}
@@ -106,7 +114,8 @@ class JobLauncher:
 
     @property
     def am_address(self) -> str:
-        return str(self._am.address)
+        assert self._am is not None, "services are not started"
+        return self._am.address
 
     @property
     def store_address(self) -> str:
@@ -137,6 +146,10 @@ class JobLauncher:
             log.error("job %s's AM does not answer: %s", self.config.job, exc)
             self._terminate_children()
             return 1
+        except AMFailed as exc:
+            log.error("%s: stopping job %s", exc, self.config.job)
+            self._terminate_children()
+            return 1
         except OSError as exc:
             log.error("cannot start worker command %r: %s", self.config.command[0], exc)
             self._abort(f"cannot start the worker command: {exc}")
@@ -151,10 +164,10 @@ class JobLauncher:
         state_dir = Path(self.config.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         archive_previous_run(state_dir)
-        self._am = ApplicationMaster(self.config.job, FileStore(state_dir / "state.json"), state_dir=state_dir)
+        self._am = AMProcess(self.config.job, state_dir, env=self._base_env, max_restarts=self.config.am_max_restarts)
         self._am.start()
         self._store = self._start_store()
-        self._client = AMClient(self.am_address, self.config.job)
+        self._client = AMClient(self.am_address, self.config.job, timeout_s=self.config.am_timeout_s, retries=0)
         log.info("job %s: AM at %s, store at %s", self.config.job, self.am_address, self.store_address)
 
     @staticmethod
@@ -170,7 +183,7 @@ class JobLauncher:
             self._client = None
         if self._am is not None:
             try:
-                self._am.stop()
+                self._am.stop(self.config.kill_grace_s)
             except Exception:
                 log.exception("stopping the AM of job %s failed", self.config.job)
             self._am = None
@@ -187,9 +200,19 @@ class JobLauncher:
 
     # ------------------------------------------------------------------ AM requests
 
-    def _request(self, type_: str, body: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
-        assert self._client is not None, "services are not started"
-        return self._client.request(type_, body, **kwargs)
+    def _request(self, type_: str, body: dict[str, Any] | None = None, *, patient: bool = True) -> dict[str, Any]:
+        """Send one request; resend it with the same id (restarting a dead AM) until answered, unless not patient."""
+        assert self._client is not None and self._am is not None, "services are not started"
+        msg_id = new_message_id()
+        deadline = time.monotonic() + self.config.am_patience_s
+        while True:
+            try:
+                return self._client.request(type_, body, msg_id=msg_id)
+            except AMUnavailable:
+                if not patient or time.monotonic() >= deadline:
+                    raise
+                self._check_signals()
+                self._am.check()
 
     def _start_job(self) -> list[str]:
         reply = self._request(
@@ -205,10 +228,10 @@ class JobLauncher:
         return members
 
     def _submit_schedule(self) -> None:
-        assert self._client is not None
         for item in self.config.schedule:
+            body = {name: value for name, value in item.request_kwargs().items() if value is not None}
             try:
-                reply = self._client.scale(**item.request_kwargs())
+                reply = self._request("scale", body)
             except AMError as exc:
                 raise AMError(f"schedule item {format_schedule_item(item)!r} refused: {exc}", "scale") from exc
             new_workers = ", ".join(reply.get("new_workers") or []) or "none"
@@ -303,8 +326,10 @@ class JobLauncher:
     # ------------------------------------------------------------------ supervision
 
     def _supervise(self) -> int:
+        assert self._am is not None
         while True:
             self._check_signals()
+            self._am.check()
             finished = self._spawn_requested()
             failed = self._reap()
             if failed is not None:
@@ -439,7 +464,7 @@ class JobLauncher:
         """Best-effort ``shutdown`` (so parked ``wait_plan``s end), then stop every child."""
         if self._client is not None:
             try:
-                self._request("shutdown", {"reason": reason}, retries=0)
+                self._request("shutdown", {"reason": reason}, patient=False)
             except (AMError, AMUnavailable) as exc:
                 log.debug("shutdown after failure not acknowledged: %s", exc)
         self._terminate_children()
@@ -533,14 +558,7 @@ def archive_previous_run(state_dir: Path) -> Path | None:
 
 def describe_exit(returncode: int, expected: bool) -> str:
     """``exited with code 3`` / ``was killed by SIGKILL`` (+ ``(expected)`` for leavers and cancelled joiners)."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        text = f"was killed by {name}"
-    else:
-        text = f"exited with code {returncode}"
+    text = describe_status(returncode)
     return f"{text} (expected)" if expected else text
 
 

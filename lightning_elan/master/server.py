@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from lightning_elan.master import registry
+from lightning_elan.master import journal, registry
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore
 from lightning_elan.protocol.contract import (
@@ -501,6 +501,8 @@ class ApplicationMaster:
         state.am_restarts += 1
         replies = ReplyCache.from_list(saved.get("replies", []))
         store.save(_document(self.job, state, replies))
+        if self.state_dir is not None:  # a record the previous AM persisted but died before writing
+            journal.repair(self.state_dir / ADJUSTMENTS_FILE, state.last_adjustment)
         logger.info(
             "AM of job %r resumes generation %s with %d pending request(s) (AM restart %d)",
             self.job,

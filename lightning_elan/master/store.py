@@ -58,6 +58,16 @@ class FileStore(StateStore):
             raise
         _fsync_directory(directory)
 
+    def discard_partial_writes(self) -> list[Path]:
+        """Delete temp files left by a writer killed before its ``os.replace`` (the state file itself is whole).
+
+        Call it only when no other process writes this store (before an AM starts); returns the deleted files.
+        """
+        stale = sorted(self.path.parent.glob(f".{self.path.name}.*.tmp"))
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return stale
+
     def __repr__(self) -> str:
         return f"FileStore({str(self.path)!r})"
 

@@ -83,6 +83,18 @@ WORKER = textwrap.dedent(
         wait_for(lambda: any(json.loads(p.read_text())["ELAN_ROLE"] == "joiner" for p in out.glob("w*.json")
                              if p.name.count(".") == 1))
         sys.exit(0)
+    if mode == "kill-am":  # rank 0 SIGKILLs the AM process twice, waiting for its restart in between
+        if env["ELAN_RANK"] == "0":
+            entry = out.parent / "home" / "jobs" / (env["ELAN_JOB"] + ".json")
+            killed = []
+            for _ in range(2):
+                wait_for(lambda: json.loads(entry.read_text())["pid"] not in killed and client.status())
+                killed.append(json.loads(entry.read_text())["pid"])
+                os.kill(killed[-1], signal.SIGKILL)
+            write("killed", {"pids": killed})
+        client = AMClient(env["ELAN_AM_ADDRESS"], env["ELAN_JOB"], timeout_s=0.5, retries=60)
+        write(worker_id + ".status", client.status())
+        sys.exit(0)
     if mode in ("joiner-fails", "joiner-silent"):
         wait_for(lambda: client.status()["pending"] == [])  # the AM dropped the failed joiner's request
         write(worker_id + ".status", client.status())
@@ -224,3 +236,22 @@ def test_joiner_that_never_reports_fails_its_request_and_is_stopped(tmp_path: Pa
     assert [member["worker_id"] for member in status["members"]] == ["w0"]
     # the AM keeps no structured record of a failed request (library gap): its reason is only in the log
     assert "did not report ready within 2 s" in result.stderr
+
+
+def test_am_killed_is_restarted_on_the_same_address(tmp_path: Path) -> None:
+    result = elan_run(tmp_path, "amkill", 2, "kill-am")
+    assert result.returncode == 0, result.stderr
+    killed = json.loads((tmp_path / "out" / "killed.json").read_text())["pids"]
+    assert len(set(killed)) == 2
+    assert result.stderr.count("was killed by SIGKILL; restarting it from its store") == 2
+    for worker in ("w0", "w1"):  # both reached the restarted AM at the address they were started with
+        status = json.loads((tmp_path / "out" / f"{worker}.status.json").read_text())
+        assert [member["worker_id"] for member in status["members"]] == ["w0", "w1"]
+    assert not (tmp_path / "home" / "jobs" / "amkill.json").exists(), "the last AM leaves its registry file behind"
+
+
+def test_am_dying_past_its_restart_budget_fails_the_job(tmp_path: Path) -> None:
+    result = elan_run(tmp_path, "amgone", 2, "kill-am", "--am-max-restarts", "1")
+    assert result.returncode == 1, result.stderr
+    assert "restart 1 of at most 1" in result.stderr
+    assert "it was already restarted 1 time(s), the most allowed: giving up: stopping job amgone" in result.stderr
