@@ -26,6 +26,8 @@ QUIET_AFTER_FAILURE_S = 5.0
 """After the AM failed to answer a ``coordinate``, training goes on and asks again this much later."""
 WAIT_PLAN_POLL_S = 5.0
 """A joiner's long poll: the AM answers ``wait`` after this long when nothing was decided."""
+REPORT_ATTEMPT_S, REPORT_ATTEMPTS = 1.0, 30
+"""A report is resent (same message id) for up to 30 s: long enough for ``elan run`` to restart a killed AM."""
 
 
 class AMLink:
@@ -90,7 +92,7 @@ class AMLink:
         self._client.close()
 
     def _send_reports(self) -> None:
-        client = AMClient(self.environment.am_address or "", self.environment.job, timeout_s=2.0, retries=3)
+        client = AMClient(self.environment.am_address or "", self.environment.job)
         try:
             while (report := self._reports.get()) is not None:
                 self._send_now(client, report)
@@ -100,6 +102,6 @@ class AMLink:
     @staticmethod
     def _send_now(client: AMClient, report: AdjustmentReport) -> None:
         try:
-            client.report(report)
+            client.report(report, timeout_s=REPORT_ATTEMPT_S, retries=REPORT_ATTEMPTS - 1)
         except (AMError, AMUnavailable) as error:
             log.warning("adjustment report not delivered: %s", error)
