@@ -78,6 +78,8 @@ class Worker:
     process: subprocess.Popen[bytes]
     device_index: int | None = None
     returncode: int | None = None
+    stranded: bool = False  # a joiner of a plan whose old members all finished: stopped by the launcher
+    left_as_planned: bool = False  # the AM expected this exit (a leaver of a plan, a cancelled joiner)
 
     @property
     def alive(self) -> bool:
@@ -352,9 +354,9 @@ class JobLauncher:
                 continue
             worker.returncode = returncode
             self._exit_seen = True
-            expected = self._report_exit(worker)
+            expected = worker.left_as_planned = self._report_exit(worker)
             log.info("%s (pid %d) %s", worker.worker_id, worker.process.pid, describe_exit(returncode, expected))
-            if returncode == 0 or expected or failed is not None:
+            if returncode == 0 or expected or worker.stranded or failed is not None:
                 continue
             if self._is_undecided_joiner(worker):
                 log.error("joiner %s failed before its plan was decided: the AM dropped its request", worker.worker_id)
@@ -381,7 +383,8 @@ class JobLauncher:
         return bool(reply.get("expected"))
 
     def _job_done(self) -> bool:
-        """True once every member of the current generation exited 0 and nothing is in flight."""
+        """True once every member of the current generation exited 0, having finished training (not left for the plan
+        in flight: a plan they never learned of is stranded, and its joiners are stopped)."""
         now = time.monotonic()
         if not self._exit_seen and now - self._last_status_check < self.config.status_interval_s:
             return False
@@ -390,10 +393,37 @@ class JobLauncher:
         self._exit_seen = False
         self._last_status_check = now
         status = self._last_status = self._status()
-        if status.get("in_flight") is None and self._members_exited_ok(status):
-            log.info("job %s: every member of generation %s has finished", self.config.job, status.get("generation"))
-            return True
-        return False
+        if not self._members_exited_ok(status):
+            return False
+        in_flight = status.get("in_flight")
+        if in_flight is not None and self._left_as_planned(status):
+            return False  # the members left for the plan in flight (a full migration): its joiners carry on
+        log.info("job %s: every member of generation %s has finished", self.config.job, status.get("generation"))
+        if in_flight is not None:
+            self._stop_stranded_joiners(in_flight)
+        return True
+
+    def _left_as_planned(self, status: Mapping[str, Any]) -> bool:
+        members = [self._workers.get(str(member["worker_id"])) for member in status.get("members") or []]
+        return any(worker is not None and worker.left_as_planned for worker in members)
+
+    def _stop_stranded_joiners(self, in_flight: Mapping[str, Any]) -> None:
+        """The old members finished training before the plan in flight could be carried out (rank 0's last
+        ``coordinate`` went unanswered, e.g. while the AM restarted): its joiners wait in a rendezvous for a generation
+        that will never form. They never trained, so the job's result is whole: stop them, as expected exits."""
+        joiners = [self._workers[w] for w in in_flight.get("joiners") or [] if w in self._workers]
+        stranded = [worker for worker in joiners if worker.alive]
+        if not stranded:
+            return
+        log.warning("job %s: the members finished before adjustment %s was carried out; stopping its joiner(s) %s",
+                    self.config.job, in_flight.get("request_id"), ", ".join(w.worker_id for w in stranded))
+        for worker in stranded:
+            worker.stranded = True
+            self._send_signal(worker, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.kill_grace_s
+        while time.monotonic() < deadline and any(self._poll_quietly(worker) for worker in stranded):
+            time.sleep(self.config.poll_interval_s)
+        self._kill([worker for worker in stranded if self._poll_quietly(worker)])
 
     def _members_exited_ok(self, status: Mapping[str, Any]) -> bool:
         members = [str(member["worker_id"]) for member in status.get("members") or []]
