@@ -3,8 +3,8 @@
 The launcher is the local *scheduler* of docs/architecture.md: it starts generation 0, submits the
 ``--schedule`` as ``scale`` requests, then polls the AM (``launcher_poll``) for joiners to start and
 reports every child's exit (``worker_exit``). The job ends when every member of the current
-generation has exited 0 and no adjustment is in flight; a worker that fails unexpectedly stops the
-whole job.
+generation has exited 0 having finished training; a plan still in flight then is stranded (rank 0 never learned of
+it) and its joiners are stopped as expected exits. A worker that fails unexpectedly stops the whole job.
 
 The AM is a child process (``launcher.am_process``) restarted from its store whenever it dies; the TCPStore
 server stays in the launcher, so neither an AM nor a worker takes it down. Every launcher request is resent
