@@ -24,7 +24,9 @@ def _install(plan_path: Path) -> None:
         if self.path.name != "state.json":
             return original(self, state)
         count = int(counter.read_text()) + 1 if counter.exists() else 1
-        counter.write_text(str(count))
+        scratch = counter.with_suffix(f".{os.getpid()}.tmp")  # atomic: a kill between truncate and write would
+        scratch.write_text(str(count))  # leave an empty counter that every later AM fails to parse
+        os.replace(scratch, counter)
         _maybe_kill(plan_path, kills, count, "before")
         original(self, state)
         _maybe_kill(plan_path, kills, count, "after")
