@@ -396,12 +396,21 @@ class JobLauncher:
         if not self._members_exited_ok(status):
             return False
         in_flight = status.get("in_flight")
-        if in_flight is not None and self._left_as_planned(status):
+        if in_flight is not None and not self._stranded(status, in_flight):
             return False  # the members left for the plan in flight (a full migration): its joiners carry on
         log.info("job %s: every member of generation %s has finished", self.config.job, status.get("generation"))
         if in_flight is not None:
             self._stop_stranded_joiners(in_flight)
         return True
+
+    def _stranded(self, status: Mapping[str, Any], in_flight: Mapping[str, Any]) -> bool:
+        """Every current member exited 0 with a plan in flight: stranded if one of them was to stay (it finished
+        training instead of entering the plan's generation); with no stayer, unless they left as the plan's leavers.
+        (The AM calls a leaver's exit expected whether or not it left, so a stayer is the reliable sign.)"""
+        current = {str(member["worker_id"]) for member in status.get("members") or []}
+        if any(str(worker) in current for worker in in_flight.get("members") or []):
+            return True
+        return not self._left_as_planned(status)
 
     def _left_as_planned(self, status: Mapping[str, Any]) -> bool:
         members = [self._workers.get(str(member["worker_id"])) for member in status.get("members") or []]
