@@ -31,7 +31,12 @@ from lightning_elan.launcher.schedule import (
     parse_schedule,
 )
 from lightning_elan.master import registry
-from lightning_elan.protocol.contract import DEFAULT_COORDINATE_EVERY, DEFAULT_REPORT_TIMEOUT_S, AdjustmentPlan
+from lightning_elan.protocol.contract import (
+    DEFAULT_COORDINATE_EVERY,
+    DEFAULT_JOIN_TIMEOUT_S,
+    DEFAULT_REPORT_TIMEOUT_S,
+    AdjustmentPlan,
+)
 from lightning_elan.scaling.report import format_summary
 
 log = logging.getLogger("lightning_elan.cli")
@@ -139,6 +144,19 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
         "--am-max-restarts", type=non_negative_int, default=DEFAULT_AM_MAX_RESTARTS, metavar="N",
         help="restart a dead AM process from its store at most N times, then fail the job (default %(default)s)",
     )
+    run.add_argument(
+        "--replace-failed", action="store_true",
+        help="start a replacement for each worker that dies; it joins like any joiner (default: off)",
+    )
+    run.add_argument(
+        "--min-workers", type=positive_int, default=None, metavar="N",
+        help="after a worker dies, wait for joiners while fewer than N workers are left (default 1)",
+    )
+    run.add_argument(
+        "--join-timeout", type=_positive_float, default=None, metavar="SECONDS",
+        help=f"how long the job waits for joiners below --min-workers before it fails (default "
+             f"{DEFAULT_JOIN_TIMEOUT_S:g})",
+    )
     return run
 
 
@@ -243,7 +261,12 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         schedule=list(args.schedule or []),
         devices=args.devices,
         am_max_restarts=args.am_max_restarts,
+        replace_failed=args.replace_failed,
+        min_workers=args.min_workers,
+        join_timeout_s=args.join_timeout,
     )
+    if args.min_workers is not None and args.min_workers > args.nproc:
+        parser.error(f"--min-workers {args.min_workers} is more than --nproc {args.nproc}")
     try:
         launcher = JobLauncher(config)
     except LaunchError as exc:

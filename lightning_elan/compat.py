@@ -126,11 +126,60 @@ def call_after_each_trained_batch(trainer: pl.Trainer, hook: Callable[[], None])
     run_batch_end = type(epoch_loop).on_advance_end
 
     def on_advance_end(data_fetcher: Any) -> None:
+        if getattr(epoch_loop, "_elan_discarded", False):  # see redo_interrupted_batches
+            epoch_loop._elan_discarded = False
+            return
         run_batch_end(epoch_loop, data_fetcher)
         hook()
 
     epoch_loop.on_advance_end = on_advance_end
     epoch_loop._elan_after_batch = hook
+
+
+def redo_interrupted_batches(trainer: pl.Trainer, recover: Callable[[BaseException, Callable[[], None]], bool]) -> None:
+    """Let an error escaping a training batch go to ``recover(error, rollback)`` instead of ending ``fit``.
+
+    ``recover`` re-raises what is not a member's death; it calls ``rollback`` when the batch's step was not committed
+    (the batch is then redone: its progress counters and the fetcher's count go back to where the batch began), and
+    returns whether it did. ``_TrainingEpochLoop.advance`` runs one batch: ``next(data_fetcher)`` (the prefetcher
+    fetches one ahead and counts ``fetched``), ``batch_progress.increment_ready/started``, the optimization (the
+    optimizer loop's ``optim_progress``: step ``ready`` before the optimizer step, ``completed`` after it), then
+    ``increment_processed``, the step's LR schedulers, the ``on_train_batch_end`` hooks and ``increment_completed``.
+    A discarded batch also skips its ``on_advance_end`` (validation, ``_batches_that_stepped``, logger save).
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if getattr(epoch_loop, "_elan_recover", None) is recover:
+        return
+    run_batch = type(epoch_loop).advance
+
+    def advance(data_fetcher: Any) -> None:
+        saved = _progress_state(epoch_loop, data_fetcher)
+        epoch_loop._elan_discarded = False
+        try:
+            run_batch(epoch_loop, data_fetcher)
+        except Exception as error:
+            epoch_loop._elan_discarded = recover(error, lambda: _restore_progress(epoch_loop, data_fetcher, saved))
+
+    epoch_loop.advance = advance
+    epoch_loop._elan_recover = recover
+
+
+def _progress_state(epoch_loop: Any, data_fetcher: Any) -> dict[str, Any]:
+    return {
+        "batch": epoch_loop.batch_progress.state_dict(),
+        "automatic": epoch_loop.automatic_optimization.optim_progress.state_dict(),
+        "manual": epoch_loop.manual_optimization.optim_step_progress.state_dict(),
+        "fetched": getattr(data_fetcher, "fetched", None),
+    }
+
+
+def _restore_progress(epoch_loop: Any, data_fetcher: Any, saved: dict[str, Any]) -> None:
+    epoch_loop.batch_progress.load_state_dict(saved["batch"])
+    epoch_loop.automatic_optimization.optim_progress.load_state_dict(saved["automatic"])
+    epoch_loop.manual_optimization.optim_step_progress.load_state_dict(saved["manual"])
+    if saved["fetched"] is not None:
+        data_fetcher.fetched = saved["fetched"]
+        data_fetcher.done = False
 
 
 def train_dataloaders(trainer: pl.Trainer) -> list[Any]:

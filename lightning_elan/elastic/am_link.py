@@ -15,6 +15,7 @@ from lightning_elan.protocol.contract import (
     AdjustmentReport,
     CoordinateReply,
     CoordinateRequest,
+    RecoverRequest,
     RegisterRequest,
     WaitPlanReply,
     WorkerEnvironment,
@@ -78,6 +79,19 @@ class AMLink:
             if reply.status != "wait":
                 return reply
         return WaitPlanReply.cancelled(f"no plan within {deadline_s:.0f} s")
+
+    def recover(self, generation: int, step: int | None, deadline_s: float) -> WaitPlanReply:
+        """Check in as a survivor of ``generation`` (``step`` None: no state held), then wait for the recovery plan."""
+        request = RecoverRequest(self.worker_id, generation, has_state=step is not None, step=step)
+        try:
+            body = self._client.request(request.TYPE, request.to_body(), timeout_s=REPORT_ATTEMPT_S,
+                                        retries=REPORT_ATTEMPTS - 1)
+        except AMUnavailable as error:
+            return WaitPlanReply.cancelled(f"the application master does not answer: {error}")
+        except AMError as error:
+            return WaitPlanReply.cancelled(f"the application master refused recovery: {error}")
+        reply = WaitPlanReply.from_body(body)
+        return reply if reply.status != "wait" else self.wait_plan(deadline_s)
 
     def report(self, report: AdjustmentReport, wait: bool = False) -> None:
         """Queue an adjustment report; ``wait`` sends it now (a leaver about to exit)."""

@@ -19,6 +19,8 @@ import atexit
 import logging
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -38,7 +40,180 @@ _installing: ElasticProcessGroup | None = None
 _exit_hook_registered = False
 
 
-class ElasticProcessGroup(ProcessGroup):
+class _Failed:
+    """The result a failed collective's source future carries; unwrapped into an error of the future handed out."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class AbortableWork(dist.Work):
+    """A backend's work whose ``wait()`` also returns, with the failure, when its generation is failed.
+
+    gloo's ``abort()`` does not wake a thread blocked in a collective; this work completes its own future from the
+    backend's future, or with the failure first, so DDP's reducer and every ``wait()`` are released at once. The
+    future handed out is a ``then`` of a source future: a Python ``Future.set_exception`` only marks the error for
+    Python callers (C++ waiters such as DDP's reducer would read the exception object as the result), while a ``then``
+    callback that raises completes its future with a real error.
+    """
+
+    def __init__(self, inner: dist.Work) -> None:
+        super().__init__()
+        self._source: torch.futures.Future = torch.futures.Future()
+        self._future = self._source.then(_unwrap_result)
+        self._lock = threading.Lock()
+        self._settled = False
+        inner.get_future().add_done_callback(self._inner_done)
+
+    def _inner_done(self, future: torch.futures.Future) -> None:
+        try:
+            value = future.value()
+        except Exception as error:
+            self._settle(_Failed(error))
+        else:
+            self._settle(value)
+
+    def _settle(self, value: Any) -> None:
+        with self._lock:
+            if self._settled:
+                return
+            self._settled = True
+        self._source.set_result(value)
+
+    def abort(self, error: BaseException) -> None:
+        self._settle(_Failed(error))
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+def _unwrap_result(source: torch.futures.Future) -> Any:
+    value = source.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+class _Generation:
+    """One generation's backend group and the work outstanding on it, failed as a whole."""
+
+    def __init__(self, group: ProcessGroup, prefix: str, rank: int, world_size: int) -> None:
+        self.group, self.prefix, self.rank, self.world_size = group, prefix, rank, world_size
+        self.failure: BaseException | None = None
+        self._outstanding: weakref.WeakSet[AbortableWork] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def guard(self, start: Callable[[], dist.Work]) -> dist.Work:
+        """Start a collective; its work is abortable unless the backend's work has no future (send/recv)."""
+        self._raise_if_failed()
+        inner = start()
+        try:
+            work = AbortableWork(inner)
+        except RuntimeError:  # e.g. gloo send/recv work without a future
+            return inner
+        with self._lock:
+            self._outstanding.add(work)
+            failure = self.failure
+        if failure is not None:
+            work.abort(failure)
+        return work
+
+    def fail(self, failure: BaseException) -> None:
+        """Every outstanding and later collective of this generation raises ``failure``."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = failure
+            outstanding = list(self._outstanding)
+        for work in outstanding:
+            work.abort(failure)
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+
+class _ForwardingCollectives:
+    """Every collective forwarded to :meth:`_target` through :meth:`_guarded` (abortable work)."""
+
+    def _target(self) -> ProcessGroup:
+        raise NotImplementedError
+
+    def _guarded(self, start: Any) -> Any:
+        raise NotImplementedError
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.allreduce(tensors, opts) if opts is not None else target.allreduce(tensors))
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.allreduce_coalesced(tensors, opts))
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.broadcast(tensors, opts) if opts is not None else target.broadcast(tensors))
+
+    def barrier(self, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.barrier(opts) if opts is not None else target.barrier())
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.allgather(output_tensors, input_tensors, opts))
+
+    def _allgather_base(self, output: Any, input: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target._allgather_base(output, input, opts))
+
+    def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.allgather_coalesced(output_lists, input_list, opts))
+
+    def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.allgather_into_tensor_coalesced(outputs, inputs, opts))
+
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.gather(output_tensors, input_tensors, opts))
+
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.scatter(output_tensors, input_tensors, opts))
+
+    def reduce(self, tensors: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.reduce(tensors, opts))
+
+    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.reduce_scatter(output_tensors, input_tensors, opts))
+
+    def _reduce_scatter_base(self, output: Any, input: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target._reduce_scatter_base(output, input, opts))
+
+    def alltoall_base(self, output: Any, input: Any, output_splits: Any, input_splits: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.alltoall_base(output, input, output_splits, input_splits, opts))
+
+    def send(self, tensors: Any, dst_rank: int, tag: int = 0) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.send(tensors, dst_rank, tag))
+
+    def recv(self, tensors: Any, src_rank: int, tag: int = 0) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.recv(tensors, src_rank, tag))
+
+
+class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
     """A process group whose members, rank and world size change while the object stays the same."""
 
     def __init__(self, store: dist.Store, backend: str, timeout: timedelta, device: torch.device | None) -> None:
@@ -53,6 +228,7 @@ class ElasticProcessGroup(ProcessGroup):
         self._rank = 0
         self._size = 1
         self._current: ProcessGroup | None = None
+        self._generation: _Generation | None = None
 
     # ------------------------------------------------------------------ membership
 
@@ -64,6 +240,7 @@ class ElasticProcessGroup(ProcessGroup):
         self.shutdown()
         group_store = dist.PrefixStore(prefix, self.store)
         self._current = self._create(group_store, rank, world_size)
+        self._generation = _Generation(self._current, prefix, rank, world_size)
         self.prefix, self._rank, self._size = prefix, rank, world_size
         elapsed = time.perf_counter() - started
         log.debug("process group %s: rank %d of %d in %.1f ms", prefix, rank, world_size, elapsed * 1e3)
@@ -71,15 +248,34 @@ class ElasticProcessGroup(ProcessGroup):
 
     def shutdown(self) -> None:
         """Let go of the current generation's backend (its pending work is complete: we are at a batch boundary)."""
-        current, self._current = self._current, None
+        current, self._current, self._generation = self._current, None, None
         if current is not None:
             self._release(current, abort=False)
 
     def abort(self) -> None:
         """Tear a broken generation down without waiting for its peers (NCCL: ``ncclCommAbort``)."""
-        current, self._current = self._current, None
+        current, self._current, self._generation = self._current, None, None
         if current is not None:
             self._release(current, abort=True)
+
+    def fail(self, prefix: str, failure: BaseException) -> bool:
+        """A member of the generation formed under ``prefix`` died: its outstanding and later collectives raise
+        ``failure`` (callable from any thread; the group is released by the next :meth:`configure`/:meth:`abort`).
+        Returns whether ``prefix`` was the current generation."""
+        generation = self._generation
+        if generation is None or generation.prefix != prefix:
+            return False
+        generation.fail(failure)
+        if self.backend == "nccl" and generation.failure is failure:
+            self._release(generation.group, abort=True)  # a kernel waiting on a dead peer only returns on abort
+        return True
+
+    def generation_view(self) -> ProcessGroup:
+        """The current generation as a process group of its own size (for DDP, which reads the C++ size)."""
+        generation = self._generation
+        if generation is None:
+            raise RuntimeError("the elastic process group is not part of any generation (not configured)")
+        return GenerationGroup(generation, self)
 
     def _create(self, store: dist.Store, rank: int, world_size: int) -> ProcessGroup:
         group = ProcessGroup(store, rank, world_size)
@@ -139,58 +335,53 @@ class ElasticProcessGroup(ProcessGroup):
             raise RuntimeError("the elastic process group is not part of any generation (not configured)")
         return self._current
 
-    # ------------------------------------------------------------------ collectives: forwarded to the generation
+    def _target(self) -> ProcessGroup:
+        return self.current
 
-    def allreduce(self, tensors: Any, opts: Any = None) -> Any:
-        return self.current.allreduce(tensors, opts) if opts is not None else self.current.allreduce(tensors)
-
-    def allreduce_coalesced(self, tensors: Any, opts: Any) -> Any:
-        return self.current.allreduce_coalesced(tensors, opts)
-
-    def broadcast(self, tensors: Any, opts: Any = None) -> Any:
-        return self.current.broadcast(tensors, opts) if opts is not None else self.current.broadcast(tensors)
-
-    def barrier(self, opts: Any = None) -> Any:
-        return self.current.barrier(opts) if opts is not None else self.current.barrier()
-
-    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
-        return self.current.allgather(output_tensors, input_tensors, opts)
-
-    def _allgather_base(self, output: Any, input: Any, opts: Any = None) -> Any:
-        return self.current._allgather_base(output, input, opts)
-
-    def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> Any:
-        return self.current.allgather_coalesced(output_lists, input_list, opts)
-
-    def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-        return self.current.allgather_into_tensor_coalesced(outputs, inputs, opts)
-
-    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
-        return self.current.gather(output_tensors, input_tensors, opts)
-
-    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
-        return self.current.scatter(output_tensors, input_tensors, opts)
-
-    def reduce(self, tensors: Any, opts: Any = None) -> Any:
-        return self.current.reduce(tensors, opts)
-
-    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
-        return self.current.reduce_scatter(output_tensors, input_tensors, opts)
-
-    def _reduce_scatter_base(self, output: Any, input: Any, opts: Any = None) -> Any:
-        return self.current._reduce_scatter_base(output, input, opts)
-
-    def alltoall_base(self, output: Any, input: Any, output_splits: Any, input_splits: Any, opts: Any = None) -> Any:
-        return self.current.alltoall_base(output, input, output_splits, input_splits, opts)
-
-    def send(self, tensors: Any, dst_rank: int, tag: int = 0) -> Any:
-        return self.current.send(tensors, dst_rank, tag)
-
-    def recv(self, tensors: Any, src_rank: int, tag: int = 0) -> Any:
-        return self.current.recv(tensors, src_rank, tag)
+    def _guarded(self, start: Callable[[], dist.Work]) -> dist.Work:
+        generation = self._generation
+        if generation is None:
+            raise RuntimeError("the elastic process group is not part of any generation (not configured)")
+        return generation.guard(start)
 
     def __repr__(self) -> str:
         return f"ElasticProcessGroup({self.backend}, {self.prefix!r}, rank {self._rank} of {self._size})"
+
+
+class GenerationGroup(_ForwardingCollectives, ProcessGroup):
+    """One generation seen as a process group of fixed rank and size, with abortable work (what DDP is given)."""
+
+    def __init__(self, generation: _Generation, parent: ElasticProcessGroup) -> None:
+        super().__init__(generation.rank, generation.world_size)
+        self._generation = generation
+        self._parent = parent
+        backend_type = ProcessGroup.BackendType.NCCL if parent.backend == "nccl" else ProcessGroup.BackendType.GLOO
+        self._set_default_backend(backend_type)
+        for device in ("cpu", "cuda"):
+            try:
+                backend = generation.group._get_backend(torch.device(device))
+            except RuntimeError:
+                continue
+            kind = ProcessGroup.BackendType.NCCL if backend.name() == "nccl" else ProcessGroup.BackendType.GLOO
+            self._register_backend(torch.device(device), kind, backend)
+
+    def _target(self) -> ProcessGroup:
+        return self._generation.group
+
+    def _guarded(self, start: Callable[[], dist.Work]) -> dist.Work:
+        return self._generation.guard(start)
+
+    def size(self) -> int:
+        return self._generation.world_size
+
+    def rank(self) -> int:
+        return self._generation.rank
+
+    def getBackendName(self) -> str:
+        return self._parent.backend
+
+    def name(self) -> str:
+        return self._parent.backend
 
 
 def install_default_group(group: ElasticProcessGroup) -> None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic.am_link import AMLink
+from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
 from lightning_elan.elastic.process_group import ElasticProcessGroup, install_default_group, uninstall_default_group
 from lightning_elan.elastic.rng import rng_state, set_rng_state
@@ -49,7 +50,11 @@ from lightning_elan.replication.topology import detect as detect_topology
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticWorker", "NotAMember", "generation_prefix"]
+__all__ = ["ElasticWorker", "NotAMember", "PeerFailure", "generation_prefix"]
+
+FAILURE_NOTICE_S = 10.0
+"""How long a worker whose collective raised waits for the AM to declare a member dead before it treats the error as
+its own (a bug, not a peer's death) and re-raises it."""
 
 # what rank 0 broadcasts at a coordination point
 _NO_CHANGE, _ADJUST, _DEFERRED = 0, 1, 2
@@ -109,6 +114,9 @@ class ElasticWorker:
         self._deferred = False
         self._keys_to_delete: str | None = None
         self._timeline = StepTimeline()
+        self._watch: FailureWatch | None = None
+        self._vote: CommitVote | None = None
+        self._uncommitted: dict[str, Any] | None = None  # the data position before the batch not yet committed
 
     # ------------------------------------------------------------------ wiring
 
@@ -142,8 +150,9 @@ class ElasticWorker:
 
     @property
     def generation_group(self) -> dist.ProcessGroup:
-        """The current generation's own process group (sizes fixed): for DDP, whose reducer reads the C++ size."""
-        return self._group().current
+        """The current generation as a group of fixed size with abortable work: for DDP, whose reducer reads the C++
+        size and must be released when a member dies."""
+        return self._group().generation_view()
 
     @property
     def worker_id(self) -> str:
@@ -160,12 +169,14 @@ class ElasticWorker:
         self.group = ElasticProcessGroup(self._connect_store(), self.backend, self.timeout, self.device)
         if not self.environment.standalone:
             self._link = AMLink(self.environment)
+            self._watch = FailureWatch(self.environment.store_address or "", self._on_generation_failed, timeout)
         if self.environment.joiner:
             return
         env = self.environment
         self.group.configure(generation_prefix(env.generation), env.rank, env.world_size)
         install_default_group(self.group)
         self.generation = env.generation
+        self._generation_formed()
         if self._link is not None:
             self._link.register(str(self.device), self._topology())
 
@@ -174,15 +185,24 @@ class ElasticWorker:
         link = self._require_link()
         link.register(str(self.device), self._topology())
         reply = link.wait_plan(self.join_timeout_s)
-        if reply.plan is None:
-            self.has_left = True
-            raise NotAMember(f"worker {self.worker_id} is not needed ({reply.reason})")
-        plan = reply.plan
-        phases = PhaseClock()
-        self._enter(plan)
-        install_default_group(self._group())
-        phases.mark("group")
-        state, received, route = self._receive(plan)
+        while True:
+            if reply.plan is None:
+                self.has_left = True
+                raise NotAMember(f"worker {self.worker_id} is not needed ({reply.reason})")
+            plan = reply.plan
+            phases = PhaseClock()
+            self._enter(plan)
+            install_default_group(self._group())
+            phases.mark("group")
+            try:
+                state, received, route = self._receive(plan)
+                break
+            except Exception as error:
+                self._confirm_peer_failure(error)
+                log.warning("worker %s: generation %d failed while it received its state", self.worker_id,
+                            plan.generation)
+                self._group().abort()
+                reply = link.recover(plan.generation, None, self.join_timeout_s)
         phases.mark("receive")
         self.frontend.load_training_state(state)
         phases.mark("restore")
@@ -191,19 +211,116 @@ class ElasticWorker:
                                                 received_from=plan.sources[self.worker_id], received_over=route)
         self._timeline.adjustment_started()
 
+    # ------------------------------------------------------------------ failures
+
+    @property
+    def peer_failed(self) -> bool:
+        """Whether the current generation is known to have lost a member."""
+        return self._watch is not None and self._watch.failed(self.generation)
+
+    def commit_step(self) -> None:
+        """After the step's gradients were all-reduced, before the optimizer applies them: every member commits the
+        step or none does; raises :class:`PeerFailure` when it is aborted (the step is then redone)."""
+        if self._vote is not None and not self._vote.commit():
+            raise PeerFailure(self.generation or 0, "the step was not committed")
+        self._uncommitted = None
+
+    @property
+    def step_uncommitted(self) -> bool:
+        """A global batch was taken and its step not committed: a failure now discards it (it is redone)."""
+        return self._uncommitted is not None
+
+    def confirm_peer_failure(self, error: BaseException) -> None:
+        """``error`` came out of a collective: return once a member's death is confirmed, else re-raise ``error``."""
+        self._confirm_peer_failure(error)
+
+    def recover(self, committed_step: int) -> None:
+        """A member died: discard the uncommitted step, check in with the AM, enter the recovery plan's generation,
+        serve the state to survivors without it, rewire the front-end. The front-end has rolled its loop back."""
+        failed = self.generation
+        assert failed is not None
+        started = time.perf_counter()
+        self._timeline.adjustment_started()
+        if self._uncommitted is not None:  # the global batch is redone by the next generation
+            self.data.load_state_dict(self._uncommitted)
+            self._uncommitted = None
+        self._abandon_outgoing()
+        self._group().abort()
+        log.warning("worker %s recovers from the failure of generation %d at step %d", self.worker_id, failed,
+                    committed_step)
+        reply = self._require_link().recover(failed, committed_step, self.join_timeout_s)
+        if reply.plan is None:
+            raise RuntimeError(f"worker {self.worker_id} cannot recover from the failure of generation {failed}: "
+                               f"{reply.reason}")
+        plan = reply.plan
+        self.frontend.before_resize()
+        self._enter(plan)
+        snapshot = self._snapshot() if plan.joiners_served_by(self.worker_id) else None
+        sent = self._send(plan, snapshot) if snapshot is not None else 0
+        self.frontend.after_resize()
+        log.info("worker %s recovered into generation %d (%s) in %.2f s", self.worker_id, plan.generation,
+                 ", ".join(plan.members), time.perf_counter() - started)
+        self._pending_report = AdjustmentReport(self.worker_id, plan.generation, "stayer", bytes_sent=sent)
+
+    def _confirm_peer_failure(self, error: BaseException) -> None:
+        if self._watch is None:
+            raise error
+        deadline = time.monotonic() + FAILURE_NOTICE_S
+        while not self.peer_failed:
+            if time.monotonic() > deadline:
+                raise error
+            time.sleep(0.02)
+
+    def _on_generation_failed(self, generation: int) -> None:
+        """The watch thread: release every collective of the failed generation (it raises :class:`PeerFailure`)."""
+        if self.group is not None:
+            self.group.fail(generation_prefix(generation), PeerFailure(generation))
+
+    def _generation_formed(self) -> None:
+        """A generation was entered: watch it for failures and vote on its steps."""
+        group = self._group()
+        if self._watch is not None:
+            self._watch.watch(self.generation)
+            self._vote = CommitVote(group.store, self.generation or 0, group.rank(), group.size(),
+                                    lambda: self.peer_failed)
+
+    def _abandon_outgoing(self) -> None:
+        """Transfers to joiners of a failed generation: no waiting for readers that may be dead."""
+        outgoing, self._outgoing = self._outgoing, None
+        if outgoing is not None:
+            outgoing.close()
+
     def take_global_batch(self, epoch_end: int) -> LocalShare:
         """Advance the serial position by one global batch; return this rank's share of it."""
+        if self._vote is not None:
+            self._uncommitted = self.data.state_dict()
         return self.data.advance(epoch_end, self.world_size, self.rank)
 
     # ------------------------------------------------------------------ batch boundaries
 
     def at_batch_boundary(self, step: int) -> None:
-        """After the last hook of a trained batch (``step`` optimizer steps done): report, coordinate, adjust."""
-        self._finish_outgoing()
-        pause = self._timeline.step_ended()
-        if pause is not None and self._pending_report is not None:
-            self._send_report(pause, step)
-        if self._link is None or not (self._deferred or step % self.coordinate_every == 0):
+        """After the last hook of a trained batch (``step`` optimizer steps done): report, coordinate, adjust.
+
+        A member's death noticed here (in a transfer, the agreement or the adjustment) leaves the step committed:
+        the survivors recover from it.
+        """
+        try:
+            self._finish_outgoing()
+            pause = self._timeline.step_ended()
+            if pause is not None and self._pending_report is not None:
+                self._send_report(pause, step)
+            if self.peer_failed:
+                raise PeerFailure(self.generation or 0)
+            if self._link is not None:
+                self._coordinate_if_due(step)
+        except Exception as error:
+            if self.has_left or isinstance(error, NotAMember):
+                raise  # the front-end's way out of its loop for a leaver
+            self._confirm_peer_failure(error)
+            self.recover(step)
+
+    def _coordinate_if_due(self, step: int) -> None:
+        if not (self._deferred or step % self.coordinate_every == 0):
             return
         code, decision = self._agree(step)
         self._deferred = code == _DEFERRED
@@ -271,7 +388,8 @@ class ElasticWorker:
         previous = self.rank if self.is_member else None
         self._group().configure(generation_prefix(plan.generation), plan.rank_of(self.worker_id), plan.world_size)
         self.generation = plan.generation
-        self._keys_to_delete = generation_prefix(plan.generation - 1)
+        self._keys_to_delete = generation_prefix(plan.previous_generation)
+        self._generation_formed()
         self.frontend.membership_changed(previous)
 
     def _leave(self, plan: AdjustmentPlan, sent: int, elapsed: float) -> None:
@@ -315,7 +433,9 @@ class ElasticWorker:
 
     def _replication_context(self, plan: AdjustmentPlan) -> ReplicationContext:
         prefix = f"{generation_prefix(plan.generation)}transfer"
-        return ReplicationContext(self._group().store, prefix, self.backend, self.timeout, self.device)
+        generation = plan.generation
+        return ReplicationContext(self._group().store, prefix, self.backend, self.timeout, self.device,
+                                  lambda: self._watch is not None and self._watch.failed(generation))
 
     def _device_for(self, device_type: str) -> torch.device:
         return torch.device("cpu") if device_type == "cpu" else self.device
@@ -351,6 +471,9 @@ class ElasticWorker:
         if self._link is not None:
             self._link.close()
             self._link = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
     def shutdown(self) -> None:
         """Leave the job's group for good: torch's default group is destroyed (a later ``start`` installs anew)."""

@@ -36,6 +36,7 @@ from lightning_elan.protocol.contract import (
     ROLE_MEMBER,
     WORKER_ENV_VARS,
     WorkerEnvironment,
+    failure_key,
 )
 from lightning_elan.protocol.messages import new_message_id
 
@@ -67,6 +68,9 @@ class LaunchConfig:
     am_timeout_s: float = 0.5  # one attempt of a launcher request; resent (same id) until the AM answers
     am_patience_s: float = 60.0  # give up on an AM process that is alive but does not answer for this long
     am_max_restarts: int = DEFAULT_MAX_RESTARTS
+    replace_failed: bool = False  # start a replacement for each worker that dies
+    min_workers: int | None = None  # below this many survivors the job waits for joiners
+    join_timeout_s: float | None = None  # ... for at most this long, then fails
 
 
 @dataclass
@@ -223,6 +227,9 @@ class JobLauncher:
                 "nproc": self.config.nproc,
                 "coordinate_every": self.config.coordinate_every,
                 "report_timeout_s": self.config.report_timeout_s,
+                "replace_failed": self.config.replace_failed,
+                **({"min_workers": self.config.min_workers} if self.config.min_workers else {}),
+                **({"join_timeout_s": self.config.join_timeout_s} if self.config.join_timeout_s else {}),
             },
         )
         members = [str(worker_id) for worker_id in reply["members"]]
@@ -337,8 +344,7 @@ class JobLauncher:
             if failed is not None:
                 return self._fail(failed)
             if finished:
-                log.info("job %s: the AM marked the job finished", self.config.job)
-                return self._shutdown(send=False)
+                return self._finished_by_am()
             if self._job_done():
                 return self._shutdown(send=True)
             if self._last_status is not None and not self._live_workers():
@@ -375,12 +381,33 @@ class JobLauncher:
         return worker.worker_id not in involved
 
     def _report_exit(self, worker: Worker) -> bool:
+        """Tell the AM; a member's death it recovers from is announced to the survivors and counts as expected."""
         try:
             reply = self._request("worker_exit", {"worker_id": worker.worker_id, "returncode": worker.returncode})
         except AMError as exc:
             log.warning("AM refused worker_exit for %s: %s", worker.worker_id, exc)
             return False
+        if reply.get("recovering"):
+            self._announce_failure(worker, [int(g) for g in reply.get("failed_generations") or []])
+            return True
         return bool(reply.get("expected"))
+
+    def _announce_failure(self, worker: Worker, generations: list[int]) -> None:
+        """Set the failure keys the survivors' watch threads poll: their collectives are released at once."""
+        for generation in generations:
+            self._store.set(failure_key(generation), worker.worker_id)
+        log.warning("%s died (%s): the survivors of generation(s) %s recover without it", worker.worker_id,
+                    describe_exit(worker.returncode or 0, False), ", ".join(map(str, generations)))
+
+    def _finished_by_am(self) -> int:
+        """The AM ended the job: normally (shutdown) or because it could not go on (no survivor, too few workers)."""
+        reason = self._status().get("failed_reason")
+        if reason:
+            log.error("job %s failed: %s", self.config.job, reason)
+            self._terminate_children()
+            return 1
+        log.info("job %s: the AM marked the job finished", self.config.job)
+        return self._shutdown(send=False)
 
     def _job_done(self) -> bool:
         """True once every member of the current generation exited 0, having finished training (not left for the plan

@@ -23,6 +23,7 @@ from lightning_elan.protocol.contract import (
     MUTATING_TYPES,
     AdjustmentReport,
     CoordinateRequest,
+    RecoverRequest,
     RegisterRequest,
     WaitPlanReply,
     WaitPlanRequest,
@@ -215,6 +216,7 @@ class ApplicationMaster:
             "coordinate": self._on_coordinate,
             "wait_plan": self._on_wait_plan,
             "report": self._on_report,
+            "recover": lambda body: self._state.recover(RecoverRequest.from_body(body)),
         }
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
@@ -396,7 +398,8 @@ class ApplicationMaster:
 
     def _on_start_job(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._state.start_job(
-            body["nproc"], body.get("coordinate_every"), body.get("hosts"), body.get("report_timeout_s")
+            body["nproc"], body.get("coordinate_every"), body.get("hosts"), body.get("report_timeout_s"),
+            bool(body.get("replace_failed")), body.get("min_workers"), body.get("join_timeout_s"),
         )
 
     def _on_scale(self, body: dict[str, Any]) -> dict[str, Any]:

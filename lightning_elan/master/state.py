@@ -13,7 +13,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_elan.master.recovery import CheckIn, Recovery, recovery_plan
 from lightning_elan.protocol.contract import (
+    DEFAULT_JOIN_TIMEOUT_S,
+    DEFAULT_RECOVERY_TIMEOUT_S,
     DEFAULT_REPORT_TIMEOUT_S,
     MAX_WORLD_SIZE,
     REPORT_ROLES,
@@ -21,6 +24,7 @@ from lightning_elan.protocol.contract import (
     AdjustmentReport,
     CoordinateReply,
     CoordinateRequest,
+    RecoverRequest,
     RegisterRequest,
     Transfer,
     WaitPlanReply,
@@ -135,6 +139,7 @@ class Adjustment:
     decided_at: float
     committed_at: float | None = None
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failure: dict[str, Any] | None = None  # a recovery plan's: who died, when it was detected, the step redone
 
     def all_members_reported(self) -> bool:
         return self.committed_at is not None and all(worker in self.reports for worker in self.plan.members)
@@ -166,6 +171,7 @@ class Adjustment:
                 for worker in plan.joiners
             },
             **self._scaling_outcome(),
+            **({"failure": self.failure} if self.failure else {}),
         }
 
     def _scaling_outcome(self) -> dict[str, Any]:
@@ -255,6 +261,12 @@ class JobState:
     report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
     failures: list[dict[str, Any]] = field(default_factory=list)  # the last MAX_FAILURES, oldest first
     am_restarts: int = 0  # how many times an AM process resumed this state from its store
+    recovery: Recovery | None = None  # a member died: the survivors are checking in
+    replace_failed: bool = False  # queue one joiner for each member that dies
+    min_workers: int = 1  # below this many survivors the recovery waits for joiners
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S  # how long it waits for them before the job fails
+    failed_reason: str | None = None  # why the job stopped unfinished (no survivor, too few workers)
+    next_failure: int = 1
 
     # ---- serialisation -------------------------------------------------------------------------------------------
 
@@ -280,6 +292,12 @@ class JobState:
             "report_timeout_s": self.report_timeout_s,
             "failures": [dict(failure) for failure in self.failures],
             "am_restarts": self.am_restarts,
+            "recovery": self.recovery.to_dict() if self.recovery else None,
+            "replace_failed": self.replace_failed,
+            "min_workers": self.min_workers,
+            "join_timeout_s": self.join_timeout_s,
+            "failed_reason": self.failed_reason,
+            "next_failure": self.next_failure,
         }
 
     @classmethod
@@ -305,6 +323,12 @@ class JobState:
             report_timeout_s=data.get("report_timeout_s", DEFAULT_REPORT_TIMEOUT_S),
             failures=list(data.get("failures", [])),
             am_restarts=data.get("am_restarts", 0),
+            recovery=Recovery.from_dict(data["recovery"]) if data.get("recovery") else None,
+            replace_failed=data.get("replace_failed", False),
+            min_workers=data.get("min_workers", 1),
+            join_timeout_s=data.get("join_timeout_s", DEFAULT_JOIN_TIMEOUT_S),
+            failed_reason=data.get("failed_reason"),
+            next_failure=data.get("next_failure", 1),
         )
 
     # ---- queries -------------------------------------------------------------------------------------------------
@@ -343,8 +367,18 @@ class JobState:
             "last_adjustment": self.last_adjustment,
             "failures": [dict(failure) for failure in self.failures],
             "am": {"restarts": self.am_restarts},
+            "recovery": self._recovery_summary(),
             "finished": self.finished,
+            "failed_reason": self.failed_reason,
         }
+
+    def _recovery_summary(self) -> dict[str, Any] | None:
+        recovery = self.recovery
+        if recovery is None:
+            return None
+        return {"failure_id": recovery.failure_id, "dead": list(recovery.dead),
+                "failed_generations": list(recovery.failed_generations), "survivors": list(recovery.survivors),
+                "checked_in": sorted(recovery.checked_in), "detected_at": recovery.detected_at}
 
     def _member_summary(self, rank: int, member: Member) -> dict[str, Any]:
         """One member in ``status``: where it runs and its last known step (``last_step_from`` says how it is known:
@@ -369,7 +403,8 @@ class JobState:
     # ---- transitions ---------------------------------------------------------------------------------------------
 
     def start_job(
-        self, nproc: int, coordinate_every: int | None = None, hosts: Any = None, report_timeout_s: float | None = None
+        self, nproc: int, coordinate_every: int | None = None, hosts: Any = None, report_timeout_s: float | None = None,
+        replace_failed: bool = False, min_workers: int | None = None, join_timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """Create generation 0 with members w0..w{nproc-1}; a started job just returns its current membership."""
         if self.started:
@@ -389,6 +424,7 @@ class JobState:
             if report_timeout_s <= 0:
                 raise StateError(f"report_timeout_s must be > 0, got {report_timeout_s}")
             self.report_timeout_s = float(report_timeout_s)
+        self._set_failure_policy(replace_failed, min_workers, join_timeout_s)
         self.started = True
         return self._membership()
 
@@ -407,7 +443,11 @@ class JobState:
             raise StateError(
                 f"adjustment in flight (generation {self.generation} → {self.in_flight.plan.generation}); retry"
             )
-        request = self._resolve_request(action, count, ranks, size, at_step)
+        if self.recovery is not None:
+            raise StateError(f"recovering from the death of {', '.join(self.recovery.dead)}; retry")
+        return self._queue(self._resolve_request(action, count, ranks, size, at_step), now)
+
+    def _queue(self, request: ScaleRequest, now: float | None) -> dict[str, Any]:
         request.request_id = f"r{self.next_request}"
         self.next_request += 1
         request.requested_at = _now(now)
@@ -429,7 +469,9 @@ class JobState:
                 pending.status = SPAWNED
                 pending.spawned_at = _now(now)
                 spawn.append({"worker_id": pending.worker_id, "request_id": pending.request_id})
-        return {"spawn": spawn, "stop": self._fail_unreported(_now(now)), "finished": self.finished}
+        stop = self._fail_unreported(_now(now)) + self._declare_silent_survivors_dead(_now(now))
+        self._form_recovery_plan_if_ready(_now(now))  # a joiner it waited for may be ready, or its wait over
+        return {"spawn": spawn, "stop": stop, "finished": self.finished}
 
     def _fail_unreported(self, now: float) -> list[str]:
         """Fail every request with a worker started more than ``report_timeout_s`` ago that never reported."""
@@ -485,6 +527,8 @@ class JobState:
         self._note_progress(request, _now(now))
         if self.in_flight is not None:
             return CoordinateReply.adjust(self.in_flight.plan)
+        if self.recovery is not None:  # the members are about to learn that the generation failed
+            return CoordinateReply.none()
         plan = None if self.finished else self._decide_head(request.step, now)
         return CoordinateReply.none() if plan is None else CoordinateReply.adjust(plan)
 
@@ -524,6 +568,11 @@ class JobState:
     def wait_plan(self, worker_id: str) -> WaitPlanReply | None:
         """The answer to a joiner's ``wait_plan``: a plan, a cancellation, or None to keep waiting."""
         self._require_known(worker_id)
+        recovery = self.recovery
+        if recovery is not None and worker_id in recovery.dead:
+            return WaitPlanReply.cancelled(f"worker {worker_id} was declared dead ({recovery.failure_id})")
+        if recovery is not None and worker_id in recovery.survivors:
+            return None  # the recovery plan is not formed yet
         if self.in_flight is not None and self.in_flight.plan.involves(worker_id):
             return WaitPlanReply.with_plan(self.in_flight.plan)
         last = self.last_plan
@@ -538,11 +587,161 @@ class JobState:
             return WaitPlanReply.cancelled(f"job finished: {self.finish_reason}")
         return None
 
+    # ---- worker failures (lightning_elan.master.recovery) ---------------------------------------------------------
+
+    def recover(self, request: RecoverRequest, now: float | None = None) -> dict[str, Any]:
+        """A survivor of a failed generation checks in; the reply is ``wait_plan``'s (it then long-polls that)."""
+        worker_id = request.worker_id
+        self._require_known(worker_id)
+        _require_non_negative(generation=request.generation, step=request.step)
+        recovery = self.recovery
+        if recovery is None:
+            answer = self.wait_plan(worker_id)
+            if answer is not None and (answer.plan is None or answer.plan.generation > request.generation):
+                return answer.to_body()  # asked again after the recovery plan was formed, or cancelled
+            raise StateError(f"generation {request.generation} has not failed (current generation {self.generation})")
+        if request.generation not in recovery.failed_generations:
+            raise StateError(f"generation {request.generation} is not one of the failed generations "
+                             f"{recovery.failed_generations}")
+        if worker_id in recovery.survivors:
+            step = request.step if request.has_state else None
+            recovery.checked_in[worker_id] = CheckIn(request.has_state, step, _now(now))
+            self._form_recovery_plan_if_ready(_now(now))
+        answer = self.wait_plan(worker_id)
+        return (answer or WaitPlanReply.wait()).to_body()
+
+    def _member_failed(self, worker_id: str, returncode: int, now: float) -> dict[str, Any]:
+        """A member (or a joiner of the plan in flight) died: recover without it, unless nobody is left."""
+        logger.warning("worker %s of generation %s died (exit code %s)", worker_id, self.generation, returncode)
+        recovery = self.recovery or self._begin_recovery(now)
+        recovery.mark_dead(worker_id)
+        self.record_failure({"kind": "worker", "outcome": "died", "worker_id": worker_id, "returncode": returncode,
+                             "generation": self.generation, "failure_id": recovery.failure_id}, now)
+        if self.replace_failed:
+            self._queue_replacement(now)
+        if not recovery.survivors:
+            self._fail_job(f"every worker of generation {self.generation} died", now)
+            return {"expected": False, "recovering": False}
+        self._form_recovery_plan_if_ready(now)
+        return {"expected": False, "recovering": True, "failed_generations": list(recovery.failed_generations)}
+
+    def _begin_recovery(self, now: float) -> Recovery:
+        """Fail the current generation and the plan in flight (its joiners survive without state)."""
+        failed, survivors, previous = [self.generation], list(self.member_ids), list(self.member_ids)
+        interrupted = self.in_flight
+        if interrupted is not None:
+            plan = interrupted.plan
+            failed.append(plan.generation)
+            survivors = [w for w in survivors if w not in plan.leavers] + [w for w in plan.joiners]
+            previous = list(plan.members)
+            self._record_adjustment_failure(interrupted, plan.request_id, "interrupted by a worker's death")
+            self.in_flight = None
+        self.recovery = Recovery(
+            failure_id=f"f{self.next_failure}", failed_generations=failed, previous_members=previous,
+            survivors=survivors, detected_at=now, deadline=now + DEFAULT_RECOVERY_TIMEOUT_S,
+            interrupted_request=None if interrupted is None else interrupted.plan.request_id,
+        )
+        self.next_failure += 1
+        return self.recovery
+
+    def _queue_replacement(self, now: float) -> None:
+        if self.finished:
+            return
+        request = ScaleRequest(request_id="", action="add", count=1, size=None, at_step=None)
+        request.add_count = 1
+        reply = self._queue(request, now)
+        logger.info("replacement %s requested (%s)", ", ".join(reply["new_workers"]), reply["request_id"])
+
+    def _declare_silent_survivors_dead(self, now: float) -> list[str]:
+        """Survivors that did not check in by the deadline are hung: dead to the job (the launcher stops them)."""
+        recovery = self.recovery
+        if recovery is None or now < recovery.deadline:
+            return []
+        silent = recovery.missing()
+        for worker in silent:
+            logger.warning("worker %s did not check in after the failure %s: declared dead", worker,
+                           recovery.failure_id)
+            recovery.mark_dead(worker)
+        if silent and not recovery.survivors:
+            self._fail_job(f"no survivor checked in after {recovery.failure_id}", now)
+        elif silent:
+            self._form_recovery_plan_if_ready(now)
+        return silent
+
+    def _form_recovery_plan_if_ready(self, now: float) -> None:
+        recovery = self.recovery
+        if recovery is None or recovery.missing():
+            return
+        replacements = self._replacements_for(recovery, now)
+        if replacements is None:
+            return
+        try:
+            plan = recovery_plan(recovery, self.generation, replacements,
+                                 {w: self._host_of(w) for w in [*recovery.checked_in, *replacements]},
+                                 {w: self._topology_of(w) for w in [*recovery.checked_in, *replacements]})
+        except ValueError as error:
+            self._fail_job(str(error), now)
+            return
+        self.left_workers.extend(w for w in recovery.dead if w not in self.left_workers)
+        for worker in recovery.dead:
+            self.pending_workers.pop(worker, None)
+        failure = {"failure_id": recovery.failure_id, "dead": list(recovery.dead),
+                   "failed_generations": list(recovery.failed_generations), "detected_at": recovery.detected_at,
+                   "recovered_at": now, "step_redone": plan.step + 1,
+                   "interrupted_request": recovery.interrupted_request}
+        checked = max(c.at for c in recovery.checked_in.values())
+        self.in_flight = Adjustment(plan, recovery.detected_at, checked, decided_at=now, failure=failure)
+        self.recovery = None
+        logger.info("recovery plan %s: generation %d = %s (dead: %s)", recovery.failure_id, plan.generation,
+                    plan.members, recovery.dead)
+
+    def _replacements_for(self, recovery: Recovery, now: float) -> list[str] | None:
+        """Ready joiners that bring the world up to ``min_workers`` ([] when not needed); None: keep waiting."""
+        needed = self.min_workers - len(recovery.survivors)
+        if needed <= 0:
+            return []
+        ready: list[str] = []
+        for request in list(self.pending):
+            if request.remove_count or request.ranks or not request.new_workers:
+                continue
+            if all(self.pending_workers[w].status == READY for w in request.new_workers):
+                ready += request.new_workers
+                self.pending.remove(request)
+            if len(ready) >= needed:
+                return ready
+        if now - recovery.detected_at > self.join_timeout_s:
+            self._fail_job(f"{len(recovery.survivors)} worker(s) left after {recovery.failure_id}, fewer than "
+                           f"--min-workers {self.min_workers}, and no joiner came within {self.join_timeout_s:.0f} s",
+                           now)
+            return None
+        if not recovery.checked_in or all(c.at == now for c in recovery.checked_in.values()):
+            logger.warning("job %s: %d worker(s) left, below --min-workers %d: waiting up to %.0f s for joiners",
+                           self.job, len(recovery.survivors), self.min_workers, self.join_timeout_s)
+        return None
+
+    def _fail_job(self, reason: str, now: float) -> None:
+        logger.error("job %s fails: %s", self.job, reason)
+        self.record_failure({"kind": "job", "outcome": "failed", "reason": reason}, now)
+        self.failed_reason = reason
+        self.recovery = None
+        self.shutdown(f"failed: {reason}")
+
+    def _set_failure_policy(self, replace_failed: bool, min_workers: int | None, join_timeout_s: float | None) -> None:
+        if min_workers is not None and min_workers < 1:
+            raise StateError(f"min_workers must be ≥ 1, got {min_workers}")
+        if join_timeout_s is not None and join_timeout_s <= 0:
+            raise StateError(f"join_timeout_s must be > 0, got {join_timeout_s}")
+        self.replace_failed = bool(replace_failed)
+        self.min_workers = min_workers or 1
+        self.join_timeout_s = float(join_timeout_s or DEFAULT_JOIN_TIMEOUT_S)
+
     def worker_exit(self, worker_id: str, returncode: int) -> dict[str, Any]:
         """A worker exited; ``expected``: a leaver, a cancelled joiner or (after shutdown) a member, exiting 0."""
         clean = returncode == 0
         if worker_id in self.left_workers or (self.in_flight and worker_id in self.in_flight.plan.leavers):
             return {"expected": clean}
+        if not clean and not self.finished and self._takes_part(worker_id):
+            return self._member_failed(worker_id, returncode, time.time())
         pending = self.pending_workers.get(worker_id)
         if pending is not None:
             return {"expected": self._pending_worker_exited(pending, returncode)}
@@ -551,6 +750,14 @@ class JobState:
                 logger.warning("member %s of generation %s exited with code %s", worker_id, self.generation, returncode)
             return {"expected": clean and self.finished}
         raise StateError(f"unknown worker {worker_id}")
+
+    def _takes_part(self, worker_id: str) -> bool:
+        """A member, a joiner of the plan in flight, or a survivor of the failure being recovered."""
+        if self.member(worker_id) is not None:
+            return True
+        if self.in_flight is not None and worker_id in self.in_flight.plan.members:
+            return True
+        return self.recovery is not None and worker_id in self.recovery.survivors
 
     def shutdown(self, reason: str | None = None) -> dict[str, Any]:
         """Cancel the pending requests and mark the job finished (idempotent)."""

@@ -32,6 +32,16 @@ DEFAULT_REPORT_TIMEOUT_S = 600.0
 """A request fails if one of its new workers has not reported ready this long after it was started."""
 DEFAULT_JOIN_TIMEOUT_S = 1800.0
 """A joiner gives up when no plan includes it this long after it reported ready."""
+DEFAULT_RECOVERY_TIMEOUT_S = 60.0
+"""After a member dies, a survivor that has not checked in (``recover``) this long is declared dead too."""
+ACTION_FAILURE = "failure"
+"""The ``action`` of a plan the AM forms after a member died (forced scale-in; the interrupted step is redone)."""
+
+
+def failure_key(generation: int) -> str:
+    """The rendezvous-store key whose existence tells ``generation``'s members that one of them died."""
+    return f"elan/failed/gen{generation}"
+
 MAX_WORLD_SIZE = 4096
 """The most workers a job may have or request (members plus pending joiners): bounds the AM's memory and keeps the
 ``status`` reply under the message size limit."""
@@ -310,6 +320,37 @@ class WaitPlanRequest:
         return _from_wire(cls, body, cls.TYPE)
 
 
+@dataclass(frozen=True)
+class RecoverRequest:
+    """``recover``: a survivor of a failed generation checks in and long-polls for the recovery plan.
+
+    ``step`` is the last optimizer step every member committed (None with ``has_state`` False: a joiner that had not
+    received its state when the generation failed).
+    """
+
+    TYPE: ClassVar[str] = "recover"
+    SCHEMA: ClassVar[dict[str, Field]] = {
+        "worker_id": Field(_STR, required=True),
+        "generation": Field(_INT, required=True),
+        "has_state": Field((bool,), required=True),
+        "step": Field(_INT),
+        "timeout_s": Field(_NUMBER),
+    }
+
+    worker_id: str
+    generation: int
+    has_state: bool
+    step: int | None = None
+    timeout_s: float | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        return _wire(self)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> RecoverRequest:
+        return _from_wire(cls, body, cls.TYPE)
+
+
 REPORT_ROLES = ("stayer", "joiner", "leaver")
 
 
@@ -437,7 +478,9 @@ class WaitPlanReply:
 
 # ---- the request schemas by type -------------------------------------------------------------------------------------
 
-TYPED_REQUESTS: tuple[type, ...] = (RegisterRequest, CoordinateRequest, WaitPlanRequest, AdjustmentReport)
+TYPED_REQUESTS: tuple[type, ...] = (
+    RegisterRequest, CoordinateRequest, WaitPlanRequest, AdjustmentReport, RecoverRequest,
+)
 """The requests with a dataclass: their ``SCHEMA`` is the one ``BODY_SCHEMAS`` holds for their ``TYPE``."""
 
 BODY_SCHEMAS: dict[str, dict[str, Field]] = {
@@ -446,6 +489,9 @@ BODY_SCHEMAS: dict[str, dict[str, Field]] = {
         "coordinate_every": Field(_INT),
         "hosts": Field((list, dict)),
         "report_timeout_s": Field(_NUMBER),
+        "replace_failed": Field((bool,)),
+        "min_workers": Field(_INT),
+        "join_timeout_s": Field(_NUMBER),
     },
     "scale": {
         "action": Field(_STR, required=True),
@@ -463,7 +509,7 @@ BODY_SCHEMAS: dict[str, dict[str, Field]] = {
 
 # Requests that change the AM's state: their successful replies are cached (and persisted) by request id.
 MUTATING_TYPES = frozenset(
-    {"start_job", "scale", "launcher_poll", "worker_exit", "shutdown", "register", "coordinate", "report"}
+    {"start_job", "scale", "launcher_poll", "worker_exit", "shutdown", "register", "coordinate", "report", "recover"}
 )
 READ_ONLY_TYPES = frozenset({"status", "wait_plan"})
 MESSAGE_TYPES = MUTATING_TYPES | READ_ONLY_TYPES
@@ -579,12 +625,14 @@ def split_host_port(address: str) -> tuple[str, int]:
 
 
 __all__ = [
+    "ACTION_FAILURE",
     "BODY_SCHEMAS",
     "CONTRACT_VERSION",
     "DECISION_ADJUST",
     "DECISION_NONE",
     "DEFAULT_COORDINATE_EVERY",
     "DEFAULT_JOIN_TIMEOUT_S",
+    "DEFAULT_RECOVERY_TIMEOUT_S",
     "DEFAULT_REPORT_TIMEOUT_S",
     "ENV_AM_ADDRESS",
     "ENV_COORDINATE_EVERY",
@@ -623,11 +671,13 @@ __all__ = [
     "CoordinateRequest",
     "Field",
     "ProtocolError",
+    "RecoverRequest",
     "RegisterRequest",
     "Transfer",
     "WaitPlanReply",
     "WaitPlanRequest",
     "WorkerEnvironment",
+    "failure_key",
     "required_fields",
     "split_host_port",
 ]

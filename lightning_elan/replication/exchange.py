@@ -72,10 +72,12 @@ class ReplicationContext:
     backend: str
     timeout: datetime.timedelta
     device: torch.device
+    cancelled: Callable[[], bool] | None = None  # True once the adjustment's generation failed
 
     def channel(self, source: str, route: str) -> Channel:
         """The channel of ``source``'s publication over ``route`` (a transport name, or its fallback's)."""
-        return Channel(self.store, f"{self.prefix}/{source}/{route}", self.timeout, self.device, self.backend)
+        return Channel(self.store, f"{self.prefix}/{source}/{route}", self.timeout, self.device, self.backend,
+                       self.cancelled)
 
 
 def plan_transfers_of(plan: ReplicationPlan) -> list[Transfer]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -305,6 +306,32 @@ class ElanStrategy(DDPStrategy):
     def on_batch_end(self, trainer: pl.Trainer) -> None:
         self.engine.at_batch_boundary(trainer.global_step)
 
+    # ------------------------------------------------------------------ worker failures
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """The optimizer applies a step only when every member committed it (the vote runs after the closure's
+        backward, before the update); an aborted vote raises out of the closure, so nothing is applied."""
+
+        def committed_closure() -> Any:
+            result = closure()
+            self.engine.commit_step()
+            return result
+
+        return super().optimizer_step(optimizer, committed_closure, model, **kwargs)
+
+    def recover_from(self, error: BaseException, rollback: Callable[[], None]) -> bool:
+        """An error escaped a training batch: if a member died, roll the batch back when its step was not
+        committed (it is redone) and recover; anything else is re-raised. Returns whether the batch was discarded."""
+        if self.engine.has_left or isinstance(error, compat.LeaveFit):
+            raise error
+        self.engine.confirm_peer_failure(error)
+        discarded = self.engine.step_uncommitted
+        if discarded:
+            rollback()
+        self.engine.recover(self.lightning_module.trainer.global_step)
+        return discarded
+
     # ------------------------------------------------------------------ collectives: local while a joiner starts up
 
     @override
@@ -347,6 +374,7 @@ class _ElanCoordinator(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compat.call_after_each_trained_batch(trainer, self._batch_over)
+        compat.redo_interrupted_batches(trainer, self._strategy.recover_from)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import time
 import typing
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -47,6 +48,10 @@ class ProbeModel(pl.LightningModule):
         super().__init__()
         self.step_sleep = config.step_sleep
         self.wait_for_joiners = config.wait_for_joiners
+        self.kill = KillPoint.parse(config.kill_at)
+        self.worker = os.environ.get("ELAN_WORKER_ID", "w0")
+        self.completed_log = config.out / f"completed-{self.worker}.jsonl"
+        self.current_indices: list[int] = []
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
         self.consumed: dict[int, list[int]] = {}
         self.digests: list[list] = []
@@ -63,13 +68,23 @@ class ProbeModel(pl.LightningModule):
             time.sleep(self.step_sleep)
         if getattr(self.trainer.strategy, "sample_weight", 1.0) > 0:
             self.consumed.setdefault(self.current_epoch, []).extend(index.tolist())
+        self.current_indices = index.tolist() if getattr(self.trainer.strategy, "sample_weight", 1.0) > 0 else []
         loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.kill.due(self, "backward"):  # in the backward pass: the others wait in the gradient all-reduce
+            self.net[0].weight.register_hook(lambda grad: self.kill.now())
         self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)
         self.trained.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size])
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.batch_ends.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size])
+        self.log_completed()
+
+    def log_completed(self) -> None:
+        """Append the samples of a batch whose step is applied (flushed: a worker killed later keeps them)."""
+        line = {"epoch": self.current_epoch, "step": self.trainer.global_step, "indices": self.current_indices}
+        with open(self.completed_log, "a") as file:
+            file.write(json.dumps(line) + "\n")
 
     def validation_step(self, batch, batch_idx):
         _, x, y = batch
@@ -87,6 +102,9 @@ class ProbeModel(pl.LightningModule):
         global_batch = getattr(getattr(trainer.strategy, "data_position", None), "global_batch", None)
         lr = optimizer.param_groups[0]["lr"]
         self.steps.append([trainer.global_step, trainer.current_epoch, trainer.world_size, global_batch, lr])
+        if self.kill.due(self, "optimizer"):  # every member committed this step: its samples count
+            self.log_completed()
+            self.kill.now()
 
     def on_validation_epoch_end(self):
         if not self.trainer.sanity_checking:
@@ -96,6 +114,33 @@ class ProbeModel(pl.LightningModule):
         optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@dataclass(frozen=True)
+class KillPoint:
+    """``--kill-at WORKER:STEP:PHASE``: that worker SIGKILLs itself at that global step, in that phase (``backward``:
+    while the others wait in the gradient all-reduce; ``optimizer``: after every member committed the step)."""
+
+    worker: str | None = None
+    step: int = -1
+    phase: str = ""
+
+    @classmethod
+    def parse(cls, text: str | None) -> KillPoint:
+        if not text:
+            return cls()
+        worker, step, phase = text.split(":")
+        if phase not in ("backward", "optimizer"):
+            raise ValueError(f"unknown kill phase {phase!r}")
+        return cls(worker, int(step), phase)
+
+    def due(self, model: ProbeModel, phase: str) -> bool:
+        return (self.worker == model.worker and phase == self.phase and model.trainer.global_step == self.step
+                and not model.trainer.sanity_checking)
+
+    @staticmethod
+    def now() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def wait_for_joiners_due_at(step: int, timeout_s: float = 240.0) -> None:
@@ -152,6 +197,7 @@ class ProbeConfig:
     profile: Path | None = None  # ThroughputModel JSON for HybridScaling (not learned further)
     # rank 0 holds each batch until the requests due at its step have their joiners ready (the step becomes exact)
     wait_for_joiners: bool = False
+    kill_at: str | None = None  # WORKER:STEP:PHASE (KillPoint)
 
     def __post_init__(self) -> None:
         if self.scaling not in (None, "strong", "weak", "hybrid"):

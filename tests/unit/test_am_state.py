@@ -349,10 +349,6 @@ def test_shutdown_cancels_pending_requests_and_finishes_the_job() -> None:
         state.scale("add", count=1)
 
 
-def test_a_member_crash_is_unexpected() -> None:
-    state = started(2)
-
-    assert state.worker_exit("w1", -9) == {"expected": False}
 
 
 def test_state_round_trips_through_json_mid_adjustment() -> None:

@@ -61,6 +61,7 @@ class Channel:
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     device: torch.device = torch.device("cpu")  # noqa: RUF009 (immutable)
     backend: str = "gloo"
+    cancelled: Callable[[], bool] | None = None  # True once the transfer's generation failed: waits stop
 
     @property
     def header_key(self) -> str:
@@ -132,7 +133,7 @@ class StateTransport(ABC):
     def _fetch_header(self) -> tuple[dict[str, Any], int]:
         """The source's header once it is there; :class:`TransportUnavailable` if it published a fallback."""
         store, key = self.channel.store, self.channel.header_key
-        store.wait([key], self.channel.timeout)
+        wait_key(store, key, self.channel.timeout, f"transfer {self.channel.prefix}: header", self.channel.cancelled)
         data = store.get(key)
         header = pickle.loads(data)
         if not isinstance(header, dict) or header.get("format") != self.header_format:
@@ -149,15 +150,39 @@ class StateTransport(ABC):
 
     def _wait_acks(self, readers: int, timeout: datetime.timedelta | None) -> None:
         what = f"transfer {self.channel.prefix}: readers"
-        wait_count(self.channel.store, self.channel.ack_key, readers, timeout or self.channel.timeout, what)
+        wait_count(self.channel.store, self.channel.ack_key, readers, timeout or self.channel.timeout, what,
+                   self.channel.cancelled)
 
 
-def wait_count(store: dist.Store, key: str, count: int, timeout: datetime.timedelta, what: str) -> None:
-    """Block until the counter ``key`` (``store.add``) reaches ``count``, or raise ``TimeoutError``."""
+class TransferCancelled(RuntimeError):
+    """The generation a transfer belongs to failed while this side waited for the other."""
+
+
+def wait_count(store: dist.Store, key: str, count: int, timeout: datetime.timedelta, what: str,
+               cancelled: Callable[[], bool] | None = None) -> None:
+    """Block until the counter ``key`` (``store.add``) reaches ``count``; ``TimeoutError`` after ``timeout``,
+    :class:`TransferCancelled` once ``cancelled()`` is true."""
+    _poll(lambda: store.add(key, 0) >= count, timeout, cancelled,
+          lambda: f"{what}: {store.add(key, 0)} of {count} acknowledged within {timeout}", what)
+
+
+def wait_key(store: dist.Store, key: str, timeout: datetime.timedelta, what: str,
+             cancelled: Callable[[], bool] | None = None) -> None:
+    """Block until ``key`` exists (``store.wait``, or polling when the wait can be cancelled)."""
+    if cancelled is None:
+        store.wait([key], timeout)
+        return
+    _poll(lambda: store.check([key]), timeout, cancelled, lambda: f"{what}: not there within {timeout}", what)
+
+
+def _poll(done: Callable[[], bool], timeout: datetime.timedelta, cancelled: Callable[[], bool] | None,
+          timed_out: Callable[[], str], what: str) -> None:
     deadline = time.monotonic() + timeout.total_seconds()
     delay = _POLL_MIN_S
-    while store.add(key, 0) < count:
+    while not done():
+        if cancelled is not None and cancelled():
+            raise TransferCancelled(f"{what}: the generation failed")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: {store.add(key, 0)} of {count} acknowledged within {timeout}")
+            raise TimeoutError(timed_out())
         time.sleep(delay)
         delay = min(delay * 2, _POLL_MAX_S)

@@ -1,0 +1,130 @@
+"""Worker failures, from the survivors' side: learning that a generation failed, and committing steps atomically.
+
+* :class:`FailureWatch` — a daemon thread polls the rendezvous store for the current generation's failure key
+  (:func:`~lightning_elan.protocol.contract.failure_key`, set by ``elan run`` when the AM says a member died) and
+  calls back at once, so survivors blocked in a collective are unblocked by aborting its work instead of waiting out
+  the collective timeout.
+* :class:`CommitVote` — after a step's gradients were all-reduced and before the optimizer applies them, every member
+  votes in the store; the step commits only when every member of the generation voted, and once a failure is known it
+  is aborted instead. The decision is one ``compare_set`` on a key, so it is the same for every member: no survivor
+  applies a step another discarded (a gloo all-reduce may complete on one rank and fail on another when a peer dies
+  in the middle of it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lightning_elan.protocol.contract import failure_key, split_host_port
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CommitVote", "FailureWatch", "PeerFailure"]
+
+WATCH_INTERVAL_S = 0.05
+"""How often the watch thread checks the store for the current generation's failure key."""
+VOTE_POLL_MAX_S = 0.002
+_COMMIT, _ABORT = b"commit", b"abort"
+
+
+class PeerFailure(RuntimeError):
+    """A member of ``generation`` died: the collective or step in progress is abandoned."""
+
+    def __init__(self, generation: int, detail: str = "") -> None:
+        super().__init__(f"a member of generation {generation} died{': ' + detail if detail else ''}")
+        self.generation = generation
+
+
+class FailureWatch:
+    """Polls the store for the watched generation's failure key; calls ``on_failure(generation)`` once per failure."""
+
+    def __init__(self, store_address: str, on_failure: Callable[[int], None], timeout: timedelta) -> None:
+        self._address = split_host_port(store_address)
+        self._on_failure = on_failure
+        self._timeout = timeout
+        self._generation: int | None = None
+        self._failed: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elan-failure-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, generation: int | None) -> None:
+        """Watch ``generation`` from now on (None: nothing)."""
+        with self._lock:
+            self._generation = generation
+
+    def failed(self, generation: int | None) -> bool:
+        """Whether ``generation`` is known to have failed."""
+        with self._lock:
+            return generation in self._failed
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        host, port = self._address
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=self._timeout, wait_for_workers=False)
+        except Exception as error:  # no store: failures are then only seen as collective errors
+            log.warning("failure watch cannot reach the store at %s:%s: %s", host, port, error)
+            return
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            generation = self._watched()
+            if generation is not None and store.check([failure_key(generation)]):
+                self._fire(generation)
+
+    def _watched(self) -> int | None:
+        with self._lock:
+            generation = self._generation
+            return None if generation in self._failed else generation
+
+    def _fire(self, generation: int) -> None:
+        with self._lock:
+            self._failed.add(generation)
+        log.warning("generation %d failed: a member died", generation)
+        try:
+            self._on_failure(generation)
+        except Exception:  # the watch must survive a failing callback
+            log.exception("failure callback for generation %d failed", generation)
+
+
+class CommitVote:
+    """The per-step commit decision of one generation (see the module docstring)."""
+
+    def __init__(self, store: dist.Store, generation: int, rank: int, world_size: int,
+                 failed: Callable[[], bool]) -> None:
+        self._store = store
+        self._prefix = f"elan/gen{generation}/commit"
+        self._rank, self._world_size = rank, world_size
+        self._failed = failed
+        self._count = 0
+
+    def commit(self) -> bool:
+        """Vote for the step whose gradients this member has; True if every member did before any failure."""
+        if self._world_size == 1:
+            return not self._failed()
+        self._count += 1
+        key = f"{self._prefix}{self._count}"
+        if self._rank == 0 and self._count > 1:  # every member passed the previous decision: it can go
+            self._store.delete_key(f"{self._prefix}{self._count - 1}")
+            self._store.delete_key(f"{self._prefix}{self._count - 1}/votes")
+        if self._store.add(f"{key}/votes", 1) == self._world_size:
+            return self._store.compare_set(key, "", _COMMIT) == _COMMIT
+        return self._await_decision(key)
+
+    def _await_decision(self, key: str) -> bool:
+        pause = 0.0
+        while not self._store.check([key]):
+            if self._failed():
+                return self._store.compare_set(key, "", _ABORT) == _COMMIT
+            time.sleep(pause)
+            pause = min(VOTE_POLL_MAX_S, pause * 2 or 5e-5)
+        return self._store.get(key) == _COMMIT

@@ -1,0 +1,151 @@
+"""The AM's side of a worker's death (``JobState.worker_exit`` → ``recover`` → recovery plan), in milliseconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_elan.master.state import JobState, StateError
+from lightning_elan.protocol.contract import (
+    ACTION_FAILURE,
+    AdjustmentReport,
+    CoordinateRequest,
+    RecoverRequest,
+    RegisterRequest,
+)
+
+
+def started(nproc: int = 3, **policy: object) -> JobState:
+    state = JobState(job="job")
+    state.start_job(nproc, coordinate_every=1, **policy)
+    return state
+
+
+def check_in(state: JobState, worker: str, generation: int = 0, step: int | None = 7) -> dict:
+    return state.recover(RecoverRequest(worker, generation, has_state=step is not None, step=step))
+
+
+def test_a_dead_member_starts_a_recovery_of_its_generation() -> None:
+    state = started(3)
+
+    reply = state.worker_exit("w1", -9)
+
+    assert reply == {"expected": False, "recovering": True, "failed_generations": [0]}
+    status = state.status()
+    assert status["recovery"]["dead"] == ["w1"] and status["recovery"]["survivors"] == ["w0", "w2"]
+    assert status["failures"][-1]["kind"] == "worker" and status["failures"][-1]["worker_id"] == "w1"
+    assert state.coordinate(CoordinateRequest("w0", 0, 8)).plan is None  # no planned adjustment meanwhile
+    with pytest.raises(StateError, match="recovering from the death of w1"):
+        state.scale("add", count=1)
+
+
+def test_the_recovery_plan_forms_once_every_survivor_checked_in() -> None:
+    state = started(3)
+    state.worker_exit("w1", -9)
+
+    assert check_in(state, "w2") == {"status": "wait"}
+    assert state.wait_plan("w2") is None
+    reply = check_in(state, "w0")
+
+    plan = state.wait_plan("w2").plan
+    assert reply["status"] == "plan" and plan is not None
+    assert (plan.action, plan.generation, plan.members, plan.joiners, plan.step) == (ACTION_FAILURE, 1, ["w0", "w2"],
+                                                                                     [], 7)
+    state.report(AdjustmentReport("w0", 1, "stayer", pause_s=0.1, step=8))
+    record = state.report(AdjustmentReport("w2", 1, "stayer", pause_s=0.1, step=8))
+    assert record is not None and record["action"] == "failure"
+    assert record["failure"]["dead"] == ["w1"] and record["failure"]["step_redone"] == 8
+    assert state.member_ids == ["w0", "w2"] and state.generation == 1
+    assert state.wait_plan("w1").status == "cancelled"
+
+
+def test_a_joiner_of_the_interrupted_plan_survives_without_state_and_is_served() -> None:
+    state = started(2)
+    new = state.scale("add", count=1)["new_workers"]
+    state.register(RegisterRequest(new[0], host="h", device="cpu", pid=1))
+    interrupted = state.coordinate(CoordinateRequest("w0", 0, 4)).plan
+    assert interrupted is not None and interrupted.generation == 1
+
+    reply = state.worker_exit("w1", -9)
+
+    assert reply["failed_generations"] == [0, 1]
+    check_in(state, "w0", generation=1, step=4)
+    check_in(state, "w2", generation=1, step=None)
+    plan = state.wait_plan("w0").plan
+    assert plan.generation == 2 and plan.members == ["w0", "w2"] and plan.joiners == ["w2"]
+    assert plan.sources == {"w2": "w0"}
+    assert any(f.get("request_id") == interrupted.request_id for f in state.status()["failures"])
+
+
+def test_a_survivor_that_never_checks_in_is_declared_dead() -> None:
+    state = started(3)
+    state.worker_exit("w1", -9)
+    check_in(state, "w0")
+    deadline = state.recovery.deadline
+
+    poll = state.launcher_poll(now=deadline + 1)
+
+    assert poll["stop"] == ["w2"]
+    assert state.wait_plan("w0").plan.members == ["w0"]
+
+
+def test_the_job_fails_when_every_member_died() -> None:
+    state = started(2)
+    state.worker_exit("w0", -9)
+
+    assert state.worker_exit("w1", -9) == {"expected": False, "recovering": False}
+    assert state.finished and "every worker" in state.status()["failed_reason"]
+
+
+def test_replace_failed_queues_one_joiner_per_dead_member() -> None:
+    state = started(3, replace_failed=True)
+
+    state.worker_exit("w2", -9)
+
+    assert [request["action"] for request in state.status()["pending"]] == ["add"]
+    assert state.launcher_poll()["spawn"][0]["worker_id"] == "w3"
+
+
+def test_below_min_workers_the_recovery_waits_for_a_ready_joiner() -> None:
+    state = started(2, replace_failed=True, min_workers=2, join_timeout_s=30)
+    state.worker_exit("w1", -9)
+    check_in(state, "w0")
+    assert state.wait_plan("w0") is None  # one survivor, two needed
+    state.launcher_poll()
+    state.register(RegisterRequest("w2", host="h", device="cpu", pid=2))
+
+    state.launcher_poll()  # the launcher's periodic poll notices the ready joiner
+
+    plan = state.wait_plan("w0").plan
+    assert plan.members == ["w0", "w2"] and plan.joiners == ["w2"]
+
+
+def test_below_min_workers_the_job_fails_after_the_join_timeout() -> None:
+    state = started(2, min_workers=2, join_timeout_s=5)
+    state.worker_exit("w1", -9)
+    detected = state.recovery.detected_at
+
+    check_in(state, "w0")
+    state.launcher_poll(now=detected + 6)
+
+    assert state.finished and "--min-workers 2" in state.status()["failed_reason"]
+    assert state.wait_plan("w0").status == "cancelled"
+
+
+def test_recover_refuses_a_generation_that_did_not_fail() -> None:
+    state = started(2)
+
+    with pytest.raises(StateError, match="has not failed"):
+        check_in(state, "w0")
+
+
+def test_a_recovery_in_progress_survives_a_json_round_trip() -> None:
+    state = started(3)
+    state.worker_exit("w1", -9)
+    check_in(state, "w0")
+
+    restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
+
+    check_in(restored, "w2")
+    assert restored.wait_plan("w2").plan.members == ["w0", "w2"]
