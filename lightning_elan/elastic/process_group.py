@@ -16,6 +16,7 @@ parameter check — must be given :attr:`ElasticProcessGroup.current`, the gener
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import threading
 import time
@@ -257,6 +258,7 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         current, self._current, self._generation = self._current, None, None
         if current is not None:
             self._release(current, abort=True)
+            _keep_forever(current)
 
     def fail(self, prefix: str, failure: BaseException) -> bool:
         """A member of the generation formed under ``prefix`` died: its outstanding and later collectives raise
@@ -382,6 +384,19 @@ class GenerationGroup(_ForwardingCollectives, ProcessGroup):
 
     def name(self) -> str:
         return self._parent.backend
+
+
+_abandoned: list[ProcessGroup] = []
+
+
+def _keep_forever(group: ProcessGroup) -> None:
+    """Never destroy a failed generation's group: its backend may still run a collective that waits on a dead peer,
+    and gloo's destructor (closing the pairs of that collective, then joining its worker threads) throws
+    ``gloo::IoException`` from a destructor — ``std::terminate`` — or blocks until the collective timeout. The group
+    is kept referenced for the life of the process (an extra reference the interpreter never drops, so not even
+    interpreter shutdown destroys it); its pending collective ends with an error when its peers exit."""
+    _abandoned.append(group)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def install_default_group(group: ElasticProcessGroup) -> None:

@@ -1,0 +1,69 @@
+"""A member SIGKILLed at a chosen point: the job goes on without it, redoes the interrupted step and ends exactly as
+the static run (see ``worker_faults.py`` for the harness and what each check means)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.integration.elastic_runs import RunResult
+from tests.integration.worker_faults import check_fault_run, fault_run, unblock_seconds
+
+pytestmark = pytest.mark.integration
+log = logging.getLogger(__name__)
+
+
+@pytest.mark.parametrize(
+    ("victim", "phase"),
+    [("w1", "backward"), ("w2", "optimizer"), ("w0", "backward")],
+    ids=["member-in-the-gradient-allreduce", "member-in-the-optimizer-step", "rank-0-in-the-gradient-allreduce"],
+)
+def test_a_killed_member_is_dropped_and_its_step_redone(tmp_path: Path, static_run: RunResult, victim: str,
+                                                        phase: str) -> None:
+    run = fault_run(tmp_path, "fault", 3, ["--kill-at", f"{victim}:5:{phase}"])
+
+    failures = check_fault_run(run, static_run, dead=[victim])
+
+    assert [len(record["members"]) for record in run.adjustments()] == [2]
+    redone = failures[0]["failure"]["step_redone"]
+    assert redone == (6 if phase == "backward" else 7), failures  # killed after the commit: step 6 stands
+    log.info("%s killed in %s: survivors unblocked after %s s", victim, phase, unblock_seconds(failures))
+
+
+def test_with_replace_failed_the_world_size_comes_back(tmp_path: Path, static_run: RunResult) -> None:
+    run = fault_run(tmp_path, "replace", 3, ["--kill-at", "w1:4:backward", "--wait-for-joiners"],
+                    launcher_args=("--replace-failed",))
+
+    check_fault_run(run, static_run, dead=["w1"])
+
+    adjustments = run.adjustments()
+    assert [(a["action"], len(a["members"])) for a in adjustments] == [("failure", 2), ("add", 3)], adjustments
+    assert adjustments[1]["joiners"] == ["w3"]
+
+
+def test_a_source_killed_while_it_serves_a_joiner(tmp_path: Path, static_run: RunResult) -> None:
+    run = fault_run(tmp_path, "source", 2, ["--wait-for-joiners"], schedule="3:add=1", library_kill="*:send")
+
+    source = _killed(tmp_path)
+    failures = check_fault_run(run, static_run, dead=[source])
+
+    record = failures[0]
+    assert record["joiners"] == ["w2"] and record["sources"]["w2"] != source, record  # served by the other stayer
+    assert record["received"]["w2"]["source"] == record["sources"]["w2"]
+
+
+def test_a_joiner_killed_while_it_receives(tmp_path: Path, static_run: RunResult) -> None:
+    run = fault_run(tmp_path, "joiner", 2, ["--wait-for-joiners"], schedule="3:add=1", library_kill="w2:receive")
+
+    failures = check_fault_run(run, static_run, dead=["w2"])
+
+    assert _killed(tmp_path) == "w2"
+    assert failures[0]["members"] == ["w0", "w1"] and failures[0]["joiners"] == []
+
+
+def _killed(tmp: Path) -> str:
+    lines = (tmp / "elan-home" / "fault-kills.log").read_text().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0].split()[0]
