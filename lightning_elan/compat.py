@@ -129,14 +129,23 @@ def call_after_each_trained_batch(trainer: pl.Trainer, hook: Callable[[], None])
         if getattr(epoch_loop, "_elan_discarded", False):  # see redo_interrupted_batches
             epoch_loop._elan_discarded = False
             return
-        run_batch_end(epoch_loop, data_fetcher)
+        try:
+            run_batch_end(epoch_loop, data_fetcher)
+        except Exception as error:  # the batch's step stands; a member died during its validation
+            recover = getattr(epoch_loop, "_elan_recover", None)
+            if recover is None:
+                raise
+            _abandon_validation(trainer)
+            recover(error, None)
         hook()
 
     epoch_loop.on_advance_end = on_advance_end
     epoch_loop._elan_after_batch = hook
 
 
-def redo_interrupted_batches(trainer: pl.Trainer, recover: Callable[[BaseException, Callable[[], None]], bool]) -> None:
+def redo_interrupted_batches(
+    trainer: pl.Trainer, recover: Callable[[BaseException, Callable[[], None] | None], bool]
+) -> None:
     """Let an error escaping a training batch go to ``recover(error, rollback)`` instead of ending ``fit``.
 
     ``recover`` re-raises what is not a member's death; it calls ``rollback`` when the batch's step was not committed
@@ -162,6 +171,20 @@ def redo_interrupted_batches(trainer: pl.Trainer, recover: Callable[[BaseExcepti
 
     epoch_loop.advance = advance
     epoch_loop._elan_recover = recover
+
+
+def _abandon_validation(trainer: pl.Trainer) -> None:
+    """Undo what an interrupted validation run left: ``_TrainingEpochLoop.on_advance_end`` sets
+    ``trainer.validating`` and resets ``trainer.training`` only after ``val_loop.run()`` returns; the run's
+    ``on_run_start`` put the module in eval mode (``_on_evaluation_model_eval``, undone by
+    ``_on_evaluation_model_train``) and counted its batches in ``batch_progress``."""
+    if not trainer.validating:
+        return
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    val_loop._on_evaluation_model_train()
+    val_loop.batch_progress.reset_on_run()
+    val_loop._combined_loader = None
+    trainer.training = True
 
 
 def _progress_state(epoch_loop: Any, data_fetcher: Any) -> dict[str, Any]:

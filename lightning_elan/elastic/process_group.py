@@ -10,7 +10,12 @@ and the default group is never destroyed and re-created.
 One thing does not follow a reconfiguration: the C++ ``ProcessGroup::getSize()``/``getRank()`` of this object are the
 values given to its constructor. Python callers (``torch.distributed.get_world_size``, object collectives, Lightning)
 ask :meth:`size`/:meth:`rank`, which are live; C++ callers that size buffers from the group — DDP's reducer and its
-parameter check — must be given :attr:`ElasticProcessGroup.current`, the generation's own group.
+parameter check — are given :meth:`ElasticProcessGroup.generation_view`, a :class:`GenerationGroup` of the
+generation's own sizes.
+
+When a member dies, :meth:`ElasticProcessGroup.fail` releases every collective of its generation: each collective's
+work is an :class:`AbortableWork`, completed by the backend or by the failure, whichever comes first (gloo's
+``abort()`` does not wake a blocked collective). A failed generation's group is never destroyed (``_keep_forever``).
 """
 
 from __future__ import annotations

@@ -320,13 +320,14 @@ class ElanStrategy(DDPStrategy):
 
         return super().optimizer_step(optimizer, committed_closure, model, **kwargs)
 
-    def recover_from(self, error: BaseException, rollback: Callable[[], None]) -> bool:
-        """An error escaped a training batch: if a member died, roll the batch back when its step was not
-        committed (it is redone) and recover; anything else is re-raised. Returns whether the batch was discarded."""
+    def recover_from(self, error: BaseException, rollback: Callable[[], None] | None) -> bool:
+        """An error escaped a training batch (``rollback`` given) or its validation (None): if a member died, roll
+        the batch back when its step was not committed (it is redone) and recover; anything else is re-raised.
+        Returns whether the batch was discarded."""
         if self.engine.has_left or isinstance(error, compat.LeaveFit):
             raise error
         self.engine.confirm_peer_failure(error)
-        discarded = self.engine.step_uncommitted
+        discarded = rollback is not None and self.engine.step_uncommitted
         if discarded:
             rollback()
         self.engine.recover(self.lightning_module.trainer.global_step)
