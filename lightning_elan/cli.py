@@ -494,6 +494,8 @@ def format_status(status: Mapping[str, Any]) -> str:
     """The human ``elan status`` text."""
     members = list(status.get("members") or [])
     state = "finished" if status.get("finished") else "running"
+    if status.get("failed_reason"):
+        state = f"failed: {status['failed_reason']}"
     lines = [f"job {status.get('job')}: generation {status.get('generation')}, {state}"]
     lines.append(f"members ({len(members)}):")
     header = ["RANK", "WORKER", "HOST", "DEVICE", "PID", "LAST_STEP", "FROM"]
@@ -510,6 +512,8 @@ def format_status(status: Mapping[str, Any]) -> str:
     lines += [f"  {describe_request(request)}" for request in pending]
     in_flight = status.get("in_flight")
     lines.append(f"in flight: {describe_plan(AdjustmentPlan.from_dict(in_flight)) if in_flight else 'none'}")
+    if status.get("recovery"):
+        lines.append(describe_recovery(status["recovery"]))
     last = status.get("last_adjustment")
     lines.append(f"last adjustment: {describe_adjustment(last) if last else 'none'}")
     failures = list(status.get("failures") or [])
@@ -529,10 +533,24 @@ def describe_am(am: Mapping[str, Any]) -> str:
     return text + (f", restarted {restarts} time(s)" if restarts else ", never restarted")
 
 
+def describe_recovery(recovery: Mapping[str, Any]) -> str:
+    """The recovery in progress, e.g. ``recovering (f1): w1 died; checked in: w0 of w0, w2``."""
+    dead = ", ".join(recovery.get("dead") or []) or "nobody"
+    survivors = ", ".join(recovery.get("survivors") or []) or "none"
+    checked = ", ".join(recovery.get("checked_in") or []) or "none"
+    return f"recovering ({recovery.get('failure_id')}): {dead} died; checked in: {checked} of {survivors}"
+
+
 def describe_failure(failure: Mapping[str, Any]) -> str:
     """One failed or cancelled request or adjustment with its cause, e.g.
     ``r2: add 1 (new workers: w3): failed at step 40 (12:00:01): worker(s) w3 did not report ready within 600 s``."""
-    if failure.get("kind") == "adjustment":
+    if failure.get("kind") == "worker":
+        what = f"worker {failure.get('worker_id')} (generation {failure.get('generation')}, exit code " \
+               f"{failure.get('returncode')})"
+        failure = {**failure, "reason": failure.get("reason") or f"recovered by {failure.get('failure_id')}"}
+    elif failure.get("kind") == "job":
+        what = "job"
+    elif failure.get("kind") == "adjustment":
         what = f"{failure.get('request_id')} {failure.get('action') or ''} adjustment".replace("  ", " ")
         if failure.get("generation") is not None:
             what += f" to generation {failure['generation']}"

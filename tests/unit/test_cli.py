@@ -145,6 +145,9 @@ def test_parse_ranks() -> None:
         (["run", "--nproc", "2", "--job", "j", "--", "no-such-elan-cmd"], "'no-such-elan-cmd' not found on PATH"),
         (["run", "--nproc", "2", "--job", "j", "--devices", "tpu", "--", "true"], "argument --devices"),
         (["run", "--job", "j", "--", "true"], "required: --nproc"),
+        (["run", "--nproc", "2", "--job", "j", "--min-workers", "0", "--", "true"], "argument --min-workers"),
+        (["run", "--nproc", "2", "--job", "j", "--min-workers", "3", "--", "true"], "--min-workers 3 is more than"),
+        (["run", "--nproc", "2", "--job", "j", "--join-timeout", "-1", "--", "true"], "argument --join-timeout"),
         (["run", "--nproc", "1", "--job", "../x", "--", "true"], "invalid job name"),
         (["scale", "--job", "j", "add", "0"], "count for 'add' must be an integer >= 1, got '0'"),
         (["scale", "--job", "j", "remove", "rank:1,x"], "rank in 'rank:1,x' must be a non-negative integer"),
@@ -352,6 +355,21 @@ def test_format_status_full() -> None:
     assert "in flight: r3 add at step 40: generation 2 → 3, members w0,w3,w4, joiners w4, leavers none" in text
     assert "last adjustment: r2 migrate at step 20 → generation 2, joiners w3, leavers w1" in text
     assert "pause max 0.500 s, 45.0 MB replicated, 3.50 s from request to completion" in text
+
+
+def test_format_status_shows_a_recovery_and_a_dead_worker() -> None:
+    status = {
+        "job": "j", "generation": 0, "members": [], "failed_reason": None,
+        "recovery": {"failure_id": "f1", "dead": ["w1"], "survivors": ["w0", "w2"], "checked_in": ["w0"]},
+        "failures": [{"kind": "worker", "outcome": "died", "worker_id": "w1", "returncode": -9, "generation": 0,
+                      "failure_id": "f1", "step": 5}],
+    }
+
+    text = format_status(status)
+
+    assert "recovering (f1): w1 died; checked in: w0 of w0, w2" in text
+    assert "worker w1 (generation 0, exit code -9): died at step 5: recovered by f1" in text
+    assert "job j: generation 0, failed: no survivor" in format_status({**status, "failed_reason": "no survivor"})
 
 
 def test_describe_request_variants() -> None:
