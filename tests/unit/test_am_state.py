@@ -596,12 +596,13 @@ def test_a_joiner_exit_before_or_after_its_decision_is_a_failure() -> None:
     state.worker_exit("w3", 9)
 
     failures = state.status()["failures"]
-    assert [(f["kind"], f["outcome"], f["request_id"]) for f in failures] == [
-        ("request", "failed", "r1"), ("adjustment", "failed", "r2")
+    assert [(f["kind"], f["outcome"], f.get("request_id") or f.get("worker_id")) for f in failures] == [
+        ("request", "failed", "r1"), ("adjustment", "failed", "r2"), ("worker", "died", "w3")
     ]
     assert failures[0]["reason"] == "worker w2 exited with code 3 before its plan was decided"
-    assert failures[1]["reason"] == "joiner w3 exited with code 9 after its plan was decided"
+    assert failures[1]["reason"] == "interrupted by a worker's death"  # its generation failed: a recovery follows
     assert failures[1]["generation"] == 1 and failures[1]["workers"] == ["w3"]
+    assert state.status()["recovery"]["dead"] == ["w3"]
 
 
 def test_requests_cancelled_by_shutdown_are_listed_with_the_reason() -> None:
