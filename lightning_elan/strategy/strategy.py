@@ -324,8 +324,8 @@ class ElanStrategy(DDPStrategy):
         """An error escaped a training batch (``rollback`` given) or its validation (None): if a member died, roll
         the batch back when its step was not committed (it is redone) and recover; anything else is re-raised.
         Returns whether the batch was discarded."""
-        if self.engine.has_left or isinstance(error, compat.LeaveFit):
-            raise error
+        if self.engine.has_left or isinstance(error, (compat.LeaveFit, StopIteration)):
+            raise error  # a leaver's way out, the end of the data: Lightning's own control flow
         self.engine.confirm_peer_failure(error)
         discarded = rollback is not None and self.engine.step_uncommitted
         if discarded:
