@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.analysis import ProcessSteps, StepRecord, load_steps, progress_series
+from bench.analysis import ProcessSteps, StepRecord, load_steps
 from bench.common import STALL_S, Follower, Scenario, stop_margin, write_stop_file
 from bench.procs import LOOPBACK, Children, bench_env, free_port, kill_strays
 from bench.sizes import MODEL_SIZES
@@ -168,10 +168,16 @@ def analyse_kill(processes: Sequence[ProcessSteps], event: KillEvent, new_config
 
 
 def typical_step(processes: Sequence[ProcessSteps], until: float, last_step: int) -> float | None:
-    """Median time between consecutive steps among the ``TYPICAL_WINDOW`` steps up to ``last_step``."""
-    series = progress_series(processes)
+    """Median time between consecutive steps among the ``TYPICAL_WINDOW`` steps up to ``last_step``, from the step
+    completions before ``until`` (the kill) only: an earlier kill's redone steps do not count twice."""
+    series: dict[int, float] = {}
+    for process in processes:
+        for record in process.steps:
+            if record.time <= until:
+                series[record.step] = max(series.get(record.step, record.time), record.time)
+    # a step redone after an earlier restart: its latest completion is the one next to its neighbours
     window = [series[k] - series[k - 1] for k in range(last_step - TYPICAL_WINDOW + 1, last_step + 1)
-              if k in series and k - 1 in series and series[k] <= until]
+              if k in series and k - 1 in series and series[k] > series[k - 1]]
     return statistics.median(window) if window else None
 
 

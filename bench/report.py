@@ -270,7 +270,7 @@ def markdown(results: dict[str, Any]) -> str:
         parts += [f"## {title}", "", "### Adjustment pause", "", *adjustment_table(section), "",
                   "### Targets", "", *verdicts(section), "",
                   "### Copy floor: broadcast bandwidth measured in this run", "", *bandwidth_table(section), ""]
-        faults = faults_table(section)
+        faults = faults_table(section, notes=False)
         if faults:
             parts += ["### Crash recovery: time from SIGKILL to the next step", "", *faults, ""]
         overhead = overhead_table(section)
@@ -289,11 +289,12 @@ FAULT_EVENTS = {
 }
 
 
-def faults_table(section: dict[str, Any]) -> list[str]:
-    """Crash recovery per model: kill → next completed step, kill → first new step, and elan's planned removal."""
+def faults_table(section: dict[str, Any], notes: bool = True) -> list[str]:
+    """Crash recovery per model: kill → next completed step, kill → first new step, and elan's planned removal;
+    ``notes``: list the runs that stopped early under it (bench.run lists them with every failure instead)."""
     from bench.faults import recovery_values
 
-    rows, notes = [], []
+    rows, errors = [], []
     for model, entry in section.get("models", {}).items():
         for launcher, run in entry.get("faults", {}).items():
             world = max((kill["world"] for kill in run.get("kills", [])), default=3)
@@ -311,7 +312,7 @@ def faults_table(section: dict[str, Any]) -> list[str]:
                             f"| {pause.count if pause else 0} | {fmt(gap)} (from the last step before it) | — | 0 "
                             f"| — | {fmt(pause)} |")
             if run.get("error"):
-                notes.append(f"- {model}, {launcher}: {run['error']}")
+                errors.append(f"- {model}, {launcher}: {run['error']}")
     if not rows:
         return []
     lines = [
@@ -320,8 +321,8 @@ def faults_table(section: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
         *rows,
     ]
-    if notes:
-        lines += ["", "Runs that stopped early (their measured kills are in the table):", "", *notes]
+    if notes and errors:
+        lines += ["", "Runs that stopped early (their measured kills are in the table):", "", *errors]
     return lines
 
 
