@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,11 +74,13 @@ class ElanJob:
 
 
 def elan_command(scenario: Scenario, job: str, state_dir: Path, steps_dir: Path, stop_file: Path,
-                 coordinate_every: int, max_steps: int) -> list[str]:
+                 coordinate_every: int, max_steps: int, nproc: int = 2,
+                 run_options: Sequence[str] = ()) -> list[str]:
+    """``elan run`` of bench/train.py; ``run_options`` are extra ``elan run`` options (e.g. ``--replace-failed``)."""
     devices = ["--devices", "cuda"] if scenario.accelerator == "gpu" else []
     return [
-        sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "2", "--job", job,
-        "--coordinate-every", str(coordinate_every), "--state-dir", str(state_dir), *devices, "--",
+        sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", job,
+        "--coordinate-every", str(coordinate_every), "--state-dir", str(state_dir), *devices, *run_options, "--",
         *train_command(
             "--launcher", "elan", "--model", scenario.model, "--global-batch", str(scenario.global_batch),
             "--max-steps", str(max_steps), "--steps-dir", str(steps_dir), "--label", "elan",

@@ -70,6 +70,7 @@ def figures(results: dict[str, Any]) -> dict[str, float | None]:
         for model, entry in section.get("models", {}).items():
             if "elan" not in entry:
                 out[f"{device}/{model}/elan_job"] = None
+                out.update(fault_figures(f"{device}/{model}", entry))
                 continue
             key = f"{device}/{model}"
             out[f"{key}/bandwidth_Bps"] = bandwidth_for(section, entry["state_bytes"])
@@ -84,9 +85,30 @@ def figures(results: dict[str, Any]) -> dict[str, float | None]:
                 for name in TORCHRUN:
                     if name in entry and action != "migrate":
                         out[f"{key}/{action}/{name}_pause_s"] = _median(pauses(entry[name], action))
+            out.update(fault_figures(f"{device}/{model}", entry))
         for config, spread in overhead_rates(section).items():
             out[f"{device}/overhead/{config}/steps_per_s"] = spread.median if spread else None
     return out
+
+
+def fault_figures(key: str, entry: dict[str, Any]) -> dict[str, float | None]:
+    """Medians of the crash-recovery runs of one model (``faults`` section), None where nothing was measured."""
+    from bench.faults import recovery_values
+
+    out: dict[str, float | None] = {}
+    for launcher, run in entry.get("faults", {}).items():
+        for name in ("recovery_s", "progress_s"):
+            out[f"{key}/faults/{launcher}/{name}"] = _median(recovery_values(run, name))
+        if launcher == "elan":
+            out[f"{key}/faults/elan/planned_removal_pause_s"] = _median(planned_removal(run, "pause_s"))
+    return out
+
+
+def planned_removal(run: dict[str, Any] | None, name: str) -> list[float]:
+    """``pause_s`` or ``gap_s`` of the elan fault run's planned removals."""
+    if not run:
+        return []
+    return [a["pause"][name] for a in run.get("planned_removals", []) if a.get("pause")]
 
 
 def _median(values: Iterable[float]) -> float | None:
@@ -248,6 +270,9 @@ def markdown(results: dict[str, Any]) -> str:
         parts += [f"## {title}", "", "### Adjustment pause", "", *adjustment_table(section), "",
                   "### Targets", "", *verdicts(section), "",
                   "### Copy floor: broadcast bandwidth measured in this run", "", *bandwidth_table(section), ""]
+        faults = faults_table(section, notes=False)
+        if faults:
+            parts += ["### Crash recovery: time from SIGKILL to the next step", "", *faults, ""]
         overhead = overhead_table(section)
         if overhead:
             parts += ["### Runtime overhead without adjustments", "", *overhead, ""]
@@ -255,6 +280,65 @@ def markdown(results: dict[str, Any]) -> str:
             parts += ["### Failed runs (retried or left out of the tables)", ""]
             parts += [f"- {f['model']} {f['part']}: {f['error']}" for f in section["failures"]]
             parts.append("")
+    return "\n".join(parts)
+
+
+FAULT_EVENTS = {
+    "torchrun": "torchrun elastic (c10d), SIGKILL of 1 of {world} workers: all restart from the last checkpoint",
+    "elan": "elan, SIGKILL of 1 of {world} workers: the survivors go on",
+}
+
+
+def faults_table(section: dict[str, Any], notes: bool = True) -> list[str]:
+    """Crash recovery per model: kill → next completed step, kill → first new step, and elan's planned removal;
+    ``notes``: list the runs that stopped early under it (bench.run lists them with every failure instead)."""
+    from bench.faults import recovery_values
+
+    rows, errors = [], []
+    for model, entry in section.get("models", {}).items():
+        for launcher, run in entry.get("faults", {}).items():
+            world = max((kill["world"] for kill in run.get("kills", [])), default=3)
+            recovery = Spread.of(recovery_values(run, "recovery_s"))
+            rows.append(
+                f"| {model} | {FAULT_EVENTS.get(launcher, launcher).format(world=world)} "
+                f"| {recovery.count if recovery else 0} | {fmt(recovery)} "
+                f"| {fmt(Spread.of(recovery_values(run, 'progress_s')))} "
+                f"| {fmt(Spread.of(recovery_values(run, 'redone_steps')), 0)} "
+                f"| {fmt(Spread.of(recovery_values(run, 'typical_step_s')), 3)} | — |"
+            )
+            if launcher == "elan" and run.get("planned_removals"):
+                gap, pause = Spread.of(planned_removal(run, "gap_s")), Spread.of(planned_removal(run, "pause_s"))
+                rows.append(f"| {model} | elan, planned removal {world}→{world - 1} (`remove 1`), same job "
+                            f"| {pause.count if pause else 0} | {fmt(gap)} (from the last step before it) | — | 0 "
+                            f"| — | {fmt(pause)} |")
+            if run.get("error"):
+                errors.append(f"- {model}, {launcher}: {run['error']}")
+    if not rows:
+        return []
+    lines = [
+        "| model | event | n | → next completed step (s) | → first new step (s) | steps redone | typical step "
+        "before (s) | planned-removal pause (s) |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+    if notes and errors:
+        lines += ["", "Runs that stopped early (their measured kills are in the table):", "", *errors]
+    return lines
+
+
+def faults_markdown(results: dict[str, Any]) -> str:
+    """``python -m bench.faults``'s faults.md."""
+    env = results["environment"]
+    parts = [
+        "# Crash recovery: time from SIGKILL to the next step", "",
+        f"{env['date']} · {env['cpu']}, {env['cores']} cores · python {env['python']}, torch {env['torch']}, "
+        f"lightning {env['lightning']} · load average at start {_load(env.get('loadavg_start'))}, at end "
+        f"{_load(env.get('loadavg_end'))} · whole run {env.get('wall_s', 0) / 60:.1f} min", "",
+        f"`{results.get('command', 'python -m bench.faults')}`", "",
+        "Medians with (min–max) over the kills, from the workers' step files (bench/faults.py).", "",
+    ]
+    for device, section in results["devices"].items():
+        parts += [f"## {device}", "", *faults_table(section), ""]
     return "\n".join(parts)
 
 

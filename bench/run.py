@@ -4,7 +4,10 @@ Per device (CPU with gloo always; CUDA with NCCL too when at least 3 GPUs are vi
   1. broadcast bandwidth between two processes for each model's state size (the copy floor);
   2. per model: an elan job scaled live (``cycles`` × scale out 2→3, scale in 3→2, migrate one worker), the same
      schedule replayed by stop-and-restart, then torchrun elastic with c10d and with etcd-v2 (add/remove a node);
-  3. runtime overhead without adjustments: ddp vs elan at coordinate_every 1, 10, 50, interleaved rounds.
+  3. per model, crash recovery (``faults``, bench/faults.py): ``--fault-kills`` SIGKILLs of one of 3 workers under
+     torchrun elastic and under elan, the time from each kill to the next completed step, and elan's planned-removal
+     pause in the same job;
+  4. runtime overhead without adjustments: ddp vs elan at coordinate_every 1, 10, 50, interleaved rounds.
 Writes ``results.json``, ``results.md`` (the tables) and ``timeline.png`` to ``--out``; worker logs and step files
 go to ``--work-dir``.
 """
@@ -35,7 +38,7 @@ log = logging.getLogger("bench")
 
 STATE_BYTES_PER_PARAMETER = 12  # float32 weights + Adam's exp_avg and exp_avg_sq
 ELAN_ATTEMPTS = 2
-SECTIONS = ("elan", "restart", "torchrun-c10d", "torchrun-etcd-v2")
+SECTIONS = ("elan", "restart", "torchrun-c10d", "torchrun-etcd-v2", "faults", "faults-torchrun", "faults-elan")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}")
     parser.add_argument("--actions", default="add,remove,migrate", help="one elan cycle (stop-and-restart replays "
                         "it; torchrun does add and remove)")
+    parser.add_argument("--fault-kills", type=int, default=10, help="faults: SIGKILLs per model and launcher")
+    parser.add_argument("--fault-launchers", default="torchrun,elan", help="faults: torchrun and/or elan")
+    parser.add_argument("--fault-planned-removals", type=int, default=2,
+                        help="faults: elan's (remove 1, add 1) cycles before the kills")
+    parser.add_argument("--replace-failed", action=argparse.BooleanOptionalAction, default=True,
+                        help="faults: run elan with `elan run --replace-failed` (else the harness adds a worker "
+                             "after each kill)")
     parser.add_argument("--overhead-configs", default="ddp,1,10,50", help="ddp and/or elan coordinate_every values")
     parser.add_argument("--overhead-model", default="1m")
     parser.add_argument("--overhead-rounds", type=int, default=5)
@@ -153,6 +163,8 @@ def run_device(args: argparse.Namespace, accelerator: str, work: Path, children:
                                      "state_bytes": MODEL_SIZES[model].parameters() * STATE_BYTES_PER_PARAMETER}
             section["models"][model] = entry
             run_model(args, scenario, work / accelerator / model, children, entry, section["failures"], save)
+            run_fault_runs(args, model, accelerator, work / accelerator / model / "faults", children, entry,
+                           section["failures"], save)
         if concurrent is not None:
             concurrent.result()
         else:
@@ -204,6 +216,28 @@ def run_model(args: argparse.Namespace, scenario: Scenario, base: Path, children
     else:
         for part in parts:
             run_part(*part)
+
+
+def run_fault_runs(args: argparse.Namespace, model: str, accelerator: str, base: Path, children: Children,
+                   entry: dict[str, Any], failures: list[dict[str, Any]], save: Callable[[], None]) -> None:
+    """The ``faults`` section for one model: each launcher's kills; a run that stopped early is recorded."""
+    from bench.faults import run_faults, scenario_for
+
+    skip = {item.strip() for item in args.skip.split(",") if item.strip()}
+    launchers = [name.strip() for name in args.fault_launchers.split(",")
+                 if name.strip() and f"faults-{name.strip()}" not in skip]
+    if "faults" in skip or not launchers:
+        return
+    runs = entry.setdefault("faults", {})
+    for launcher in launchers:
+        try:
+            runs.update(run_faults(scenario_for(args, model, accelerator), [launcher], base, children))
+            if runs[launcher].get("error"):
+                failures.append({"model": model, "part": f"faults-{launcher}", "error": runs[launcher]["error"],
+                                 "logs": str(base / launcher)})
+        except Exception as exc:
+            _record_failure(failures, model, f"faults-{launcher}", exc, base / launcher)
+        save()
 
 
 def _record_failure(failures: list[dict[str, Any]], model: str, part: str, exc: Exception, where: Path) -> None:

@@ -145,14 +145,20 @@ def build_strategy(args: argparse.Namespace) -> Any:
     return "ddp"
 
 
+def local_world_size() -> int:
+    """Workers of this torchrun agent (``--nproc-per-node``): 1 for the one-worker-per-node jobs."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+
+
 def build_trainer(args: argparse.Namespace, callbacks: list[Callback]) -> pl.Trainer:
     torchrun = args.launcher == "torchrun"
     world = world_size()
+    per_node = local_world_size() if torchrun else 1
     return pl.Trainer(
         strategy=build_strategy(args),
         accelerator=args.accelerator,
-        devices=1 if torchrun or args.launcher == "elan" else world,
-        num_nodes=world if torchrun else 1,
+        devices=per_node if torchrun else 1 if args.launcher == "elan" else world,
+        num_nodes=world // per_node if torchrun else 1,
         max_steps=args.max_steps,
         max_epochs=-1,
         logger=False,
