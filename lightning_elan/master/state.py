@@ -267,6 +267,7 @@ class JobState:
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S  # how long it waits for them before the job fails
     failed_reason: str | None = None  # why the job stopped unfinished (no survivor, too few workers)
     next_failure: int = 1
+    trained_out: list[str] = field(default_factory=list)  # members that exited 0 (fit returned), this generation
 
     # ---- serialisation -------------------------------------------------------------------------------------------
 
@@ -298,6 +299,7 @@ class JobState:
             "join_timeout_s": self.join_timeout_s,
             "failed_reason": self.failed_reason,
             "next_failure": self.next_failure,
+            "trained_out": list(self.trained_out),
         }
 
     @classmethod
@@ -329,6 +331,7 @@ class JobState:
             join_timeout_s=data.get("join_timeout_s", DEFAULT_JOIN_TIMEOUT_S),
             failed_reason=data.get("failed_reason"),
             next_failure=data.get("next_failure", 1),
+            trained_out=list(data.get("trained_out", [])),
         )
 
     # ---- queries -------------------------------------------------------------------------------------------------
@@ -740,7 +743,13 @@ class JobState:
         clean = returncode == 0
         if worker_id in self.left_workers or (self.in_flight and worker_id in self.in_flight.plan.leavers):
             return {"expected": clean}
+        if clean and self.member(worker_id) is not None and worker_id not in self.trained_out:
+            self.trained_out.append(worker_id)
         if not clean and not self.finished and self._takes_part(worker_id):
+            if self._training_over():
+                logger.warning("member %s exited with code %s after a member of generation %s finished training: "
+                               "the job's training is complete", worker_id, returncode, self.generation)
+                return {"expected": True}
             return self._member_failed(worker_id, returncode, time.time())
         pending = self.pending_workers.get(worker_id)
         if pending is not None:
@@ -750,6 +759,11 @@ class JobState:
                 logger.warning("member %s of generation %s exited with code %s", worker_id, self.generation, returncode)
             return {"expected": clean and self.finished}
         raise StateError(f"unknown worker {worker_id}")
+
+    def _training_over(self) -> bool:
+        """A member of the current generation exited 0 outside any adjustment: ``fit`` returned on it, and every
+        member trains the same steps (the last one needed them all), so the job's training is complete."""
+        return self.in_flight is None and any(self.member(worker) is not None for worker in self.trained_out)
 
     def _takes_part(self, worker_id: str) -> bool:
         """A member, a joiner of the plan in flight, or a survivor of the failure being recovered."""

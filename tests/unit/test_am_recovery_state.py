@@ -149,3 +149,11 @@ def test_a_recovery_in_progress_survives_a_json_round_trip() -> None:
 
     check_in(restored, "w2")
     assert restored.wait_plan("w2").plan.members == ["w0", "w2"]
+
+
+def test_a_death_after_a_member_finished_training_ends_the_job_normally() -> None:
+    state = started(3)
+    assert state.worker_exit("w0", 0) == {"expected": False}  # fit() returned on w0: training is complete
+
+    assert state.worker_exit("w2", -6) == {"expected": True}
+    assert state.recovery is None and not state.finished
