@@ -423,6 +423,8 @@ def describe_request(request: Mapping[str, Any]) -> str:
     action = str(request.get("action", "?"))
     if request.get("ranks") is not None:
         arg = "rank:" + ",".join(str(rank) for rank in request["ranks"])
+    elif request.get("workers") is not None:  # a leave (a worker that received SIGTERM)
+        arg = ", ".join(request["workers"])
     elif action == "to":
         arg = str(request.get("size"))
     else:

@@ -360,6 +360,7 @@ def test_describe_request_variants() -> None:
         describe_request({"request_id": "r2", "action": "add", "count": 2, "new_workers": ["w5", "w6"]})
         == "r2: add 2 (new workers: w5, w6)"
     )
+    assert describe_request({"request_id": "r3", "action": "leave", "workers": ["w1", "w4"]}) == "r3: leave w1, w4"
 
 
 # ---------------------------------------------------------------------- launcher helpers and lifecycle
