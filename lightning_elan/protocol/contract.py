@@ -633,7 +633,7 @@ def _term_grace(text: str | None) -> float:
     if text in (None, ""):
         return DEFAULT_TERM_GRACE_S
     grace = float(text)
-    if not grace > 0:
+    if not 0 < grace < float("inf"):
         raise ValueError(f"{ENV_TERM_GRACE} must be a number of seconds > 0, got {text!r}")
     return grace
 
