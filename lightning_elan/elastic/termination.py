@@ -30,6 +30,10 @@ first, and at once when the AM answers that the job is finished or shutting down
 workers). An AM that refuses the leave (the last member of the job) leaves the worker training until the grace
 period ends: the job may finish in time. When the engine closes (the training loop is over: left, finished or
 cancelled) the watch is disarmed and SIGTERM does again what it did before (the previous handler).
+
+Python runs a signal handler when the main thread is back in the interpreter: while it waits inside one long C++ call
+(a joiner's rendezvous, a collective stuck on a hung peer) the SIGTERM, and with it the grace period, waits too. The
+orchestrator's own SIGKILL (Kubernetes' grace period, ``elan run``'s ``kill_grace_s``) stays the backstop.
 """
 
 from __future__ import annotations
