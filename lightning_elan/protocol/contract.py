@@ -487,9 +487,7 @@ class LeaveReply:
 
 # ---- the request schemas by type -------------------------------------------------------------------------------------
 
-TYPED_REQUESTS: tuple[type, ...] = (
-    RegisterRequest, CoordinateRequest, WaitPlanRequest, AdjustmentReport, LeaveRequest,
-)
+TYPED_REQUESTS: tuple[type, ...] = (RegisterRequest, CoordinateRequest, WaitPlanRequest, AdjustmentReport, LeaveRequest)
 """The requests with a dataclass: their ``SCHEMA`` is the one ``BODY_SCHEMAS`` holds for their ``TYPE``."""
 
 BODY_SCHEMAS: dict[str, dict[str, Field]] = {
