@@ -820,7 +820,6 @@ class JobState:
                 pending.status = CANCELLED
                 pending.reason = reason
 
-
     # ---- leave: a worker asks to be removed (it received SIGTERM) ------------------------------------------------
 
     def request_leave(self, worker_id: str, now: float | None = None) -> dict[str, Any]:
