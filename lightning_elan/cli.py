@@ -35,6 +35,7 @@ from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_REPORT_TIMEOUT_S,
+    DEFAULT_TERM_GRACE_S,
     AdjustmentPlan,
 )
 from lightning_elan.scaling.report import format_summary
@@ -84,11 +85,19 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _grace_seconds(text: str) -> float:
+    value = _positive_float(text)
+    if value == float("inf"):
+        raise ValueError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
 positive_int = _arg_type(parse_positive_int)
 non_negative_int = _arg_type(parse_non_negative_int)
 job_name = _arg_type(_job_name)
 positive_float = _arg_type(_positive_float)
 schedule_type = _arg_type(parse_schedule)
+grace_seconds = _arg_type(_grace_seconds)
 
 
 # ---------------------------------------------------------------------- parser
@@ -130,6 +139,11 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
     run.add_argument(
         "--report-timeout", type=_positive_float, default=DEFAULT_REPORT_TIMEOUT_S, metavar="SECONDS",
         help="a request fails if a new worker has not reported ready after this long (default %(default)g)",
+    )
+    run.add_argument(
+        "--term-grace", type=grace_seconds, default=DEFAULT_TERM_GRACE_S, metavar="SECONDS",
+        help="a worker that gets SIGTERM leaves the job at its next batch boundary; one that has not left this long "
+        "after (or gets a second SIGTERM) kills itself, as a crashed worker (default %(default)g)",
     )
     run.add_argument(
         "--schedule",
@@ -258,6 +272,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         state_dir=args.state_dir or registry.default_state_dir(args.job),
         coordinate_every=args.coordinate_every or DEFAULT_COORDINATE_EVERY,
         report_timeout_s=args.report_timeout,
+        term_grace_s=args.term_grace,
         schedule=list(args.schedule or []),
         devices=args.devices,
         am_max_restarts=args.am_max_restarts,
@@ -446,6 +461,8 @@ def describe_request(request: Mapping[str, Any]) -> str:
     action = str(request.get("action", "?"))
     if request.get("ranks") is not None:
         arg = "rank:" + ",".join(str(rank) for rank in request["ranks"])
+    elif request.get("workers") is not None:  # a leave (a worker that received SIGTERM)
+        arg = ", ".join(request["workers"])
     elif action == "to":
         arg = str(request.get("size"))
     else:

@@ -6,6 +6,8 @@ Each function names the upstream behaviour it depends on (lightning 2.4–2.6, `
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import Callable
 from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,50 @@ check_lightning_version(_installed_version("lightning"))
 class LeaveFit(_TunerExitException):
     """Raised in a leaver: Lightning's ``_call_and_handle_interrupt`` treats ``_TunerExitException`` as a normal end —
     teardown runs, loggers finalise with "success", ``fit()`` returns, no ``on_exception`` hooks."""
+
+
+def keep_sigterm_handler(trainer: pl.Trainer, handler: Callable[[], Any]) -> None:
+    """Keep elan's SIGTERM handler (``handler()``; None: none installed) once Lightning has installed its own.
+
+    ``Trainer._run`` calls ``_SignalConnector.register_signal_handlers`` after ``strategy.setup`` and the restore of
+    the training state; it installs ``_HandlersCompose([_sigterm_notifier_fn, <the handler found>])``. The notifier
+    broadcasts on the default group from inside the signal handler (a collective the other ranks are not in: it
+    deadlocks a worker signalled mid-collective, see docs/benchmarks.md) and sets ``received_sigterm``, which the
+    training loops turn into ``SIGTERMException`` on that rank alone. In an elastic job SIGTERM means *leave at the next
+    batch boundary* (``elastic/termination.py``), so elan's handler is put back right after Lightning's registration.
+    ``_SignalConnector.teardown`` restores the handlers found at registration: elan's again, disarmed by then.
+    """
+    connector = trainer._signal_connector
+    if getattr(connector, "_elan_keeps_sigterm", False):
+        return
+    register = type(connector).register_signal_handlers
+
+    def register_signal_handlers() -> None:
+        register(connector)
+        own = handler()
+        if own is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, own)
+
+    connector.register_signal_handlers = register_signal_handlers
+    connector._elan_keeps_sigterm = True
+
+
+def drop_sigterm_broadcast(trainer: pl.Trainer) -> bool:
+    """Skip Lightning's per-batch broadcast of its SIGTERM flag; return whether there was one to skip.
+
+    ``_TrainingEpochLoop.advance`` calls ``_broadcast_sigterm_tensor`` before every batch of a distributed run: rank 0's
+    ``trainer.received_sigterm`` on the default group, ``SIGTERMException`` on every rank when it is set. Under
+    ``elan run`` that flag is never set (``keep_sigterm_handler`` keeps Lightning's notifier out; off the main thread
+    neither handler is installed), so the broadcast always carries 0; the engine's per-boundary leave all-reduce takes
+    its place, and a step keeps the collective count of Lightning's DDP. Every worker of the job drops it (the
+    decision depends only on running under ``elan run``), so the collectives stay paired. Lightning versions without
+    the broadcast have nothing to skip.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not hasattr(type(epoch_loop), "_broadcast_sigterm_tensor"):
+        return False
+    epoch_loop._broadcast_sigterm_tensor = lambda: None
+    return True
 
 
 def collective_settings(strategy: Any) -> tuple[str, Any]:

@@ -33,6 +33,7 @@ from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
 from lightning_elan.elastic.process_group import ElasticProcessGroup, install_default_group, uninstall_default_group
 from lightning_elan.elastic.rng import rng_state, set_rng_state
 from lightning_elan.elastic.scaling import ScalingLink
+from lightning_elan.elastic.termination import TerminationWatch, any_rank_leaving
 from lightning_elan.elastic.timeline import PhaseClock, StepTimeline
 from lightning_elan.protocol.contract import (
     DEFAULT_JOIN_TIMEOUT_S,
@@ -117,6 +118,7 @@ class ElasticWorker:
         self._watch: FailureWatch | None = None
         self._vote: CommitVote | None = None
         self._uncommitted: dict[str, Any] | None = None  # the data position before the batch not yet committed
+        self._termination: TerminationWatch | None = None
 
     # ------------------------------------------------------------------ wiring
 
@@ -170,6 +172,7 @@ class ElasticWorker:
         if not self.environment.standalone:
             self._link = AMLink(self.environment)
             self._watch = FailureWatch(self.environment.store_address or "", self._on_generation_failed, timeout)
+            self._termination = TerminationWatch.watch(self.environment)
         if self.environment.joiner:
             return
         env = self.environment
@@ -320,13 +323,25 @@ class ElasticWorker:
             self.recover(step)
 
     def _coordinate_if_due(self, step: int) -> None:
-        if not (self._deferred or step % self.coordinate_every == 0):
+        if not (self._deferred or step % self.coordinate_every == 0 or self._leave_requested()):
             return
         code, decision = self._agree(step)
         self._deferred = code == _DEFERRED
         self._delete_finished_keys()
         if decision is not None:
             self._adjust(decision)
+
+    def _leave_requested(self) -> bool:
+        """Whether a rank's SIGTERM leave is queued at the AM (then rank 0 coordinates now): one int32 all-reduce at
+        every boundary that is not a coordination point anyway (``elastic/termination.py``)."""
+        leaving = self._termination is not None and self._termination.leave_queued and self.is_member
+        return any_rank_leaving(self._group(), leaving, self._collective_device())
+
+    @property
+    def sigterm_handler(self) -> Any:
+        """The SIGTERM handler this worker installed when it started in an ``elan run`` job, else None."""
+        watch = self._termination
+        return watch.handle if watch is not None and watch.installed else None
 
     def _agree(self, step: int) -> tuple[int, _Adjust | None]:
         """Rank 0 asks the AM; one int32 broadcast tells every rank, the plan follows only when there is one."""
@@ -468,6 +483,8 @@ class ElasticWorker:
     def close(self) -> None:
         """The training loop is over: same-host joiners finish copying, the AM link closes (the group stays)."""
         self._finish_outgoing()
+        if self._termination is not None:
+            self._termination.disarm()
         if self._link is not None:
             self._link.close()
             self._link = None

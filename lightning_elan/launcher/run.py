@@ -32,6 +32,7 @@ from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
     DEFAULT_REPORT_TIMEOUT_S,
+    DEFAULT_TERM_GRACE_S,
     ROLE_JOINER,
     ROLE_MEMBER,
     WORKER_ENV_VARS,
@@ -59,6 +60,7 @@ class LaunchConfig:
     state_dir: Path
     coordinate_every: int = DEFAULT_COORDINATE_EVERY
     report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
+    term_grace_s: float = DEFAULT_TERM_GRACE_S  # SIGTERM → leave; not left this long after → the crash path
     schedule: list[ScaleAction] = field(default_factory=list)
     devices: str = "cpu"
     poll_interval_s: float = 0.05
@@ -289,6 +291,7 @@ class JobLauncher:
             rank=rank,
             world_size=world_size,
             device_index=device_index,
+            term_grace_s=self.config.term_grace_s,
         )
         env = self._worker_env(description)
         process = subprocess.Popen(self.config.command, env=env)

@@ -23,6 +23,7 @@ from lightning_elan.protocol.contract import (
     MUTATING_TYPES,
     AdjustmentReport,
     CoordinateRequest,
+    LeaveRequest,
     RecoverRequest,
     RegisterRequest,
     WaitPlanReply,
@@ -217,6 +218,7 @@ class ApplicationMaster:
             "wait_plan": self._on_wait_plan,
             "report": self._on_report,
             "recover": lambda body: self._state.recover(RecoverRequest.from_body(body)),
+            "leave": self._on_leave,
         }
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
@@ -429,6 +431,13 @@ class ApplicationMaster:
         if record is not None:
             self._records_to_write.append(record)
         return {}
+
+    def _on_leave(self, body: dict[str, Any]) -> dict[str, Any]:
+        worker_id = LeaveRequest.from_body(body).worker_id
+        reply = self._state.request_leave(worker_id)
+        logger.info("job %r: worker %s asks to leave: %s (request %s)", self.job, worker_id, reply["outcome"],
+                    reply["request_id"])
+        return reply
 
     def _on_wait_plan(self, body: dict[str, Any]) -> dict[str, Any] | _Park:
         request = WaitPlanRequest.from_body(body)

@@ -18,6 +18,9 @@ from lightning_elan.protocol.contract import (
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_RECOVERY_TIMEOUT_S,
     DEFAULT_REPORT_TIMEOUT_S,
+    LEAVE_CANCELLED,
+    LEAVE_FINISHED,
+    LEAVE_QUEUED,
     MAX_WORLD_SIZE,
     REPORT_ROLES,
     AdjustmentPlan,
@@ -35,6 +38,7 @@ from lightning_elan.replication.topology import WorkerTopology
 logger = logging.getLogger(__name__)
 
 ACTIONS = ("add", "remove", "migrate", "to")
+LEAVE = "leave"  # the action of the requests ``request_leave`` queues (not a ``scale`` action)
 MAX_COMPLETING = 8  # committed adjustments still waiting for reports; older ones are dropped
 MAX_FAILURES = 50  # failed or cancelled requests and adjustments kept for status (oldest dropped)
 
@@ -116,10 +120,11 @@ class ScaleRequest:
     new_workers: list[str] = field(default_factory=list)
     requested_at: float = 0.0
     all_reported_at: float | None = None  # when the last new worker registered
+    workers: list[str] | None = None  # remove exactly these workers (a ``leave`` request)
 
     @property
     def size_change(self) -> int:
-        return self.add_count - self.remove_count - len(self.ranks or [])
+        return self.add_count - self.remove_count - len(self.ranks or []) - len(self.workers or [])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -899,6 +904,8 @@ class JobState:
 
     def _leavers(self, request: ScaleRequest) -> list[str]:
         """The members a request removes, resolved against the current generation, in rank order."""
+        if request.workers is not None:
+            return self._leaving_members(request)
         members = self.member_ids
         if request.ranks is not None:
             for rank in request.ranks:
@@ -1034,6 +1041,84 @@ class JobState:
                 pending.status = CANCELLED
                 pending.reason = reason
 
+    # ---- leave: a worker asks to be removed (it received SIGTERM) ------------------------------------------------
+
+    def request_leave(self, worker_id: str, now: float | None = None) -> dict[str, Any]:
+        """``worker_id`` asks to leave the job (a preemption notice, a pod being stopped); returns ``{outcome,
+        request_id}`` (``LeaveReply``).
+
+        * A member — or a joiner of the plan in flight, a member once it commits — is queued for removal
+          (``queued``): one ``leave`` request with ``workers`` at the head of the queue, ahead of the scale requests
+          (a preempted worker must not wait for a joiner still warming up), decided at the next coordination; the
+          leaves that arrive before it is decided join it, so a whole node drained at once leaves in one adjustment.
+          Scale requests behind it resolve against the generation it leaves (a queued ``remove rank:R`` may no longer
+          name a rank, and then fails). A worker already leaving (queued, or a leaver of the plan in flight) gets the
+          same answer again.
+        * A joiner whose plan is not decided is cancelled with its request (``cancelled``): its ``wait_plan`` answers
+          ``cancelled``, its partner joiners are cancelled too, and its exit 0 is expected.
+        * A finished (or shut down) job answers ``finished``: there is nothing to leave.
+
+        Refused (``StateError``): an unknown worker, one that has left, and the last member that would stay.
+        """
+        self._require_started()
+        if self.finished:
+            return {"outcome": LEAVE_FINISHED, "request_id": None}
+        if self.member(worker_id) is None:
+            pending = self.pending_workers.get(worker_id)
+            if pending is None:
+                if worker_id in self.left_workers:
+                    raise StateError(f"worker {worker_id} has left the job")
+                raise StateError(f"unknown worker {worker_id}")
+            in_flight = self.in_flight is not None and worker_id in self.in_flight.plan.joiners
+            if not in_flight:
+                return self._cancel_joiner(pending, now)
+        if self.in_flight is not None and worker_id in self.in_flight.plan.leavers:
+            return {"outcome": LEAVE_QUEUED, "request_id": self.in_flight.plan.request_id}
+        queued = next((r for r in self.pending if r.workers is not None and worker_id in r.workers), None)
+        if queued is not None:
+            return {"outcome": LEAVE_QUEUED, "request_id": queued.request_id}
+        staying = [worker for worker in self._members_once_committed() if not self._leave_queued(worker)]
+        if staying == [worker_id]:
+            raise StateError(f"worker {worker_id} is the last member of job {self.job!r}: it cannot leave")
+        head = self.pending[0] if self.pending else None
+        if head is not None and head.action == LEAVE and head.workers is not None:
+            head.workers.append(worker_id)
+            return {"outcome": LEAVE_QUEUED, "request_id": head.request_id}
+        request = ScaleRequest(f"r{self.next_request}", LEAVE, workers=[worker_id], requested_at=_now(now))
+        request.all_reported_at = request.requested_at
+        self.next_request += 1
+        self.pending.insert(0, request)
+        return {"outcome": LEAVE_QUEUED, "request_id": request.request_id}
+
+    def _members_once_committed(self) -> list[str]:
+        """The members once the plan in flight (if any) commits."""
+        return list(self.in_flight.plan.members) if self.in_flight is not None else self.member_ids
+
+    def _leave_queued(self, worker_id: str) -> bool:
+        return any(request.workers is not None and worker_id in request.workers for request in self.pending)
+
+    def _cancel_joiner(self, pending: PendingWorker, now: float | None) -> dict[str, Any]:
+        """A joiner that is not part of a decided plan asks to leave: its request is cancelled (idempotent)."""
+        if pending.status == CANCELLED:
+            return {"outcome": LEAVE_CANCELLED, "request_id": pending.request_id}
+        request = self._pending_request(pending.request_id)
+        if request is None:  # not pending, not in flight: never happens (a decided joiner is in flight or a member)
+            raise StateError(f"joiner {pending.worker_id} of request {pending.request_id} cannot leave now")
+        reason = f"its joiner {pending.worker_id} was asked to stop (SIGTERM) before the plan was decided"
+        logger.warning("request %s (%s) cancelled: %s", request.request_id, request.action, reason)
+        self.pending.remove(request)
+        self._cancel_workers(request, f"request {request.request_id} cancelled: {reason}")
+        self.record_failure(_request_failure(request, "cancelled", reason), now)
+        return {"outcome": LEAVE_CANCELLED, "request_id": request.request_id}
+
+    def _leaving_members(self, request: ScaleRequest) -> list[str]:
+        """The members a ``leave`` request removes (those still members), in rank order."""
+        workers = request.workers or []
+        leaving = [worker for worker in self.member_ids if worker in workers]
+        if not leaving:
+            raise StateError(f"worker(s) {', '.join(workers)} asked to leave but are no longer members")
+        return leaving
+
 
 def _now(now: float | None) -> float:
     return time.time() if now is None else now
@@ -1051,6 +1136,7 @@ def _request_failure(request: ScaleRequest, outcome: str, reason: str) -> dict[s
         "size": request.size,
         "at_step": request.at_step,
         "new_workers": list(request.new_workers),
+        "workers": request.workers,
         "requested_at": request.requested_at,
         "reason": reason,
     }

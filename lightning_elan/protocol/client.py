@@ -18,6 +18,8 @@ from lightning_elan.protocol.contract import (
     AdjustmentReport,
     CoordinateReply,
     CoordinateRequest,
+    LeaveReply,
+    LeaveRequest,
     RegisterRequest,
     WaitPlanReply,
     WaitPlanRequest,
@@ -128,6 +130,11 @@ class AMClient:
     def report(self, report: AdjustmentReport, *, timeout_s: float | None = None, retries: int | None = None) -> None:
         """Send one worker's adjustment report."""
         self.request(report.TYPE, report.to_body(), timeout_s=timeout_s, retries=retries)
+
+    def leave(self, worker_id: str, *, timeout_s: float | None = None, retries: int | None = None) -> LeaveReply:
+        """Ask the AM to remove ``worker_id`` from the job (it received SIGTERM)."""
+        request = LeaveRequest(worker_id)
+        return LeaveReply.from_body(self.request(request.TYPE, request.to_body(), timeout_s=timeout_s, retries=retries))
 
     def close(self) -> None:
         """Close the socket (pending messages are dropped)."""

@@ -42,6 +42,8 @@ def failure_key(generation: int) -> str:
     """The rendezvous-store key whose existence tells ``generation``'s members that one of them died."""
     return f"elan/failed/gen{generation}"
 
+DEFAULT_TERM_GRACE_S = 30.0
+"""A worker that received SIGTERM and has not left the job this long after falls back to the crash path."""
 MAX_WORLD_SIZE = 4096
 """The most workers a job may have or request (members plus pending joiners): bounds the AM's memory and keeps the
 ``status`` reply under the message size limit."""
@@ -60,6 +62,7 @@ ENV_WORLD_SIZE = ENV_PREFIX + "WORLD_SIZE"
 ENV_COORDINATE_EVERY = ENV_PREFIX + "COORDINATE_EVERY"
 ENV_SPAWN_TIME = ENV_PREFIX + "SPAWN_TIME"
 ENV_DEVICE_INDEX = ENV_PREFIX + "DEVICE_INDEX"
+ENV_TERM_GRACE = ENV_PREFIX + "TERM_GRACE"
 WORKER_ENV_VARS: tuple[str, ...] = (
     ENV_JOB,
     ENV_AM_ADDRESS,
@@ -72,6 +75,7 @@ WORKER_ENV_VARS: tuple[str, ...] = (
     ENV_COORDINATE_EVERY,
     ENV_SPAWN_TIME,
     ENV_DEVICE_INDEX,
+    ENV_TERM_GRACE,
 )
 """What the launcher sets for each worker (and strips from the environment the workers inherit)."""
 
@@ -395,6 +399,27 @@ class AdjustmentReport:
         return _from_wire(cls, body, cls.TYPE)
 
 
+@dataclass(frozen=True)
+class LeaveRequest:
+    """``leave``: a worker asks to be removed from the job (it received SIGTERM); see :meth:`JobState.request_leave`.
+
+    A member is removed by the next adjustment (queued ahead of the scale requests), a joiner whose plan is not decided
+    yet is cancelled with its request; repeating it changes nothing.
+    """
+
+    TYPE: ClassVar[str] = "leave"
+    SCHEMA: ClassVar[dict[str, Field]] = {"worker_id": Field(_STR, required=True)}
+
+    worker_id: str
+
+    def to_body(self) -> dict[str, Any]:
+        return _wire(self)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> LeaveRequest:
+        return _from_wire(cls, body, cls.TYPE)
+
+
 # ---- AM → worker replies ---------------------------------------------------------------------------------------------
 
 DECISION_NONE = "none"
@@ -476,10 +501,35 @@ class WaitPlanReply:
         return cls(body.get("status"), None if plan is None else AdjustmentPlan.from_dict(plan), body.get("reason"))
 
 
+LEAVE_QUEUED = "queued"  # a member (or a joiner of the plan in flight): an adjustment will remove it
+LEAVE_CANCELLED = "cancelled"  # a joiner whose plan was not decided: cancelled with its request
+LEAVE_FINISHED = "finished"  # the job is finished or shutting down: there is nothing to leave
+LEAVE_OUTCOMES = (LEAVE_QUEUED, LEAVE_CANCELLED, LEAVE_FINISHED)
+
+
+@dataclass(frozen=True)
+class LeaveReply:
+    """The answer to ``leave``: its ``outcome`` (one of ``LEAVE_OUTCOMES``) and the request that carries it out."""
+
+    outcome: str
+    request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.outcome not in LEAVE_OUTCOMES:
+            raise ProtocolError(f"leave reply: unknown outcome {self.outcome!r} (expected one of {LEAVE_OUTCOMES})")
+
+    def to_body(self) -> dict[str, Any]:
+        return _wire(self)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> LeaveReply:
+        return _from_wire(cls, body, "leave reply")
+
+
 # ---- the request schemas by type -------------------------------------------------------------------------------------
 
 TYPED_REQUESTS: tuple[type, ...] = (
-    RegisterRequest, CoordinateRequest, WaitPlanRequest, AdjustmentReport, RecoverRequest,
+    RegisterRequest, CoordinateRequest, WaitPlanRequest, AdjustmentReport, RecoverRequest, LeaveRequest,
 )
 """The requests with a dataclass: their ``SCHEMA`` is the one ``BODY_SCHEMAS`` holds for their ``TYPE``."""
 
@@ -509,7 +559,8 @@ BODY_SCHEMAS: dict[str, dict[str, Field]] = {
 
 # Requests that change the AM's state: their successful replies are cached (and persisted) by request id.
 MUTATING_TYPES = frozenset(
-    {"start_job", "scale", "launcher_poll", "worker_exit", "shutdown", "register", "coordinate", "report", "recover"}
+    {"start_job", "scale", "launcher_poll", "worker_exit", "shutdown", "register", "coordinate", "report", "recover",
+     "leave"}
 )
 READ_ONLY_TYPES = frozenset({"status", "wait_plan"})
 MESSAGE_TYPES = MUTATING_TYPES | READ_ONLY_TYPES
@@ -537,6 +588,7 @@ class WorkerEnvironment:
     coordinate_every: int
     spawn_time: float
     device_index: int | None
+    term_grace_s: float = DEFAULT_TERM_GRACE_S  # SIGTERM → leave; not left this long after → the crash path
 
     @property
     def standalone(self) -> bool:
@@ -569,6 +621,7 @@ class WorkerEnvironment:
             coordinate_every=coordinate_every,
             spawn_time=float(env.get(ENV_SPAWN_TIME, time.time())),
             device_index=None if device in (None, "") else int(device),
+            term_grace_s=_term_grace(env.get(ENV_TERM_GRACE)),
         )
 
     @classmethod
@@ -590,12 +643,13 @@ class WorkerEnvironment:
         world_size: int = 0,
         spawn_time: float | None = None,
         device_index: int | None = None,
+        term_grace_s: float = DEFAULT_TERM_GRACE_S,
     ) -> WorkerEnvironment:
         """What the launcher gives a member of generation 0 (with ``rank``/``world_size``) or a joiner."""
         generation = 0 if role == ROLE_MEMBER else -1
         spawn_time = time.time() if spawn_time is None else spawn_time
         return cls(job, worker_id, role, am_address, store_address, generation, rank, world_size, coordinate_every,
-                   spawn_time, device_index)
+                   spawn_time, device_index, term_grace_s)
 
     def to_env(self) -> dict[str, str]:
         """The ``ELAN_*`` variables that make ``from_env`` return this description (joiners carry no rank)."""
@@ -609,6 +663,7 @@ class WorkerEnvironment:
             ENV_ROLE: self.role,
             ENV_COORDINATE_EVERY: str(self.coordinate_every),
             ENV_SPAWN_TIME: repr(self.spawn_time),
+            ENV_TERM_GRACE: repr(self.term_grace_s),
         }
         if self.role == ROLE_MEMBER:
             env.update({ENV_GENERATION: str(self.generation), ENV_RANK: str(self.rank),
@@ -616,6 +671,16 @@ class WorkerEnvironment:
         if self.device_index is not None:
             env[ENV_DEVICE_INDEX] = str(self.device_index)
         return env
+
+
+def _term_grace(text: str | None) -> float:
+    """``ELAN_TERM_GRACE`` in seconds (> 0; unset: ``DEFAULT_TERM_GRACE_S``)."""
+    if text in (None, ""):
+        return DEFAULT_TERM_GRACE_S
+    grace = float(text)
+    if not 0 < grace < float("inf"):
+        raise ValueError(f"{ENV_TERM_GRACE} must be a number of seconds > 0, got {text!r}")
+    return grace
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -634,6 +699,7 @@ __all__ = [
     "DEFAULT_JOIN_TIMEOUT_S",
     "DEFAULT_RECOVERY_TIMEOUT_S",
     "DEFAULT_REPORT_TIMEOUT_S",
+    "DEFAULT_TERM_GRACE_S",
     "ENV_AM_ADDRESS",
     "ENV_COORDINATE_EVERY",
     "ENV_DEVICE_INDEX",
@@ -647,8 +713,13 @@ __all__ = [
     "ENV_SHM_DIR",
     "ENV_SPAWN_TIME",
     "ENV_STORE_ADDRESS",
+    "ENV_TERM_GRACE",
     "ENV_WORKER_ID",
     "ENV_WORLD_SIZE",
+    "LEAVE_CANCELLED",
+    "LEAVE_FINISHED",
+    "LEAVE_OUTCOMES",
+    "LEAVE_QUEUED",
     "MAX_WORLD_SIZE",
     "MESSAGE_TYPES",
     "MUTATING_TYPES",
@@ -670,6 +741,8 @@ __all__ = [
     "CoordinateReply",
     "CoordinateRequest",
     "Field",
+    "LeaveReply",
+    "LeaveRequest",
     "ProtocolError",
     "RecoverRequest",
     "RegisterRequest",

@@ -143,6 +143,9 @@ class ElanStrategy(DDPStrategy):
         if trainer is not None:
             compat.disable_distributed_sampler(trainer)
             _install_coordinator(trainer, self)
+            if not self.engine.environment.standalone:  # SIGTERM = leave the job (elastic/termination.py)
+                compat.keep_sigterm_handler(trainer, lambda: self.engine.sigterm_handler)
+                compat.drop_sigterm_broadcast(trainer)
         super().setup_environment()
 
     @override

@@ -47,6 +47,8 @@ class ProbeModel(pl.LightningModule):
     def __init__(self, config: ProbeConfig) -> None:
         super().__init__()
         self.step_sleep = config.step_sleep
+        worker = os.environ.get("ELAN_WORKER_ID", "w0")
+        self.progress = config.out / f"progress-{worker}.json" if config.progress else None
         self.wait_for_joiners = config.wait_for_joiners
         self.kill = KillPoint.parse(config.kill_at)
         self.worker = os.environ.get("ELAN_WORKER_ID", "w0")
@@ -79,6 +81,10 @@ class ProbeModel(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.batch_ends.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size])
         self.log_completed()
+        if self.progress is not None:  # the last step this worker completed, readable while the job runs
+            partial = self.progress.with_suffix(".tmp")
+            partial.write_text(json.dumps({"step": self.trainer.global_step, "pid": os.getpid(), "at": time.time()}))
+            partial.replace(self.progress)
 
     def log_completed(self) -> None:
         """Append the samples of a batch whose step is applied (flushed: a worker killed later keeps them)."""
@@ -192,6 +198,7 @@ class ProbeConfig:
     backend: str | None = None  # process group backend of the elan strategy (e.g. gloo)
     full_lightning: bool = False  # CSV logger, ModelCheckpoint, progress bar
     step_sleep: float = 0.0  # seconds to sleep per step (slows a job down; no effect on the numbers)
+    progress: bool = False  # each worker keeps OUT/progress-<worker>.json: its last completed step and its pid
     scaling: str | None = None  # add HybridScaling with this policy: strong, weak or hybrid
     ramp_steps: int = 4  # ProgressiveLinearLR ramp (with scaling)
     profile: Path | None = None  # ThroughputModel JSON for HybridScaling (not learned further)

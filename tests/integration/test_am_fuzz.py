@@ -101,6 +101,7 @@ def valid_body(msg_type: str) -> dict[str, Any]:
                        "scaling": {"policy": "strong", "model_ready": False, "world_size": 2, "global_batch": 12}},
         "wait_plan": {"worker_id": "w0", "timeout_s": 0},
         "recover": {"worker_id": "w0", "generation": 0, "has_state": True, "step": 1, "timeout_s": 0},
+        "leave": {"worker_id": "w0"},  # only ever sent broken (a valid one would remove w0)
         "report": {"worker_id": "w0", "generation": 1, "role": "stayer", "pause_s": 0.1, "bytes_sent": 1,
                    "bytes_received": 1, "startup_s": 1.0, "global_batch": 12, "received_from": "w0",
                    "received_over": "shm", "step": 3},

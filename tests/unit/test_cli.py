@@ -144,6 +144,12 @@ def test_parse_ranks() -> None:
         (["run", "--nproc", "2", "--job", "j", "--"], "missing worker command after `--`"),
         (["run", "--nproc", "2", "--job", "j", "--", "no-such-elan-cmd"], "'no-such-elan-cmd' not found on PATH"),
         (["run", "--nproc", "2", "--job", "j", "--devices", "tpu", "--", "true"], "argument --devices"),
+        (["run", "--nproc", "2", "--job", "j", "--term-grace", "0", "--", "true"],
+         "argument --term-grace: must be a number > 0, got '0'"),
+        (["run", "--nproc", "2", "--job", "j", "--term-grace", "-5", "--", "true"], "must be a number > 0, got '-5'"),
+        (["run", "--nproc", "2", "--job", "j", "--term-grace", "soon", "--", "true"], "must be a number > 0"),
+        (["run", "--nproc", "2", "--job", "j", "--term-grace", "inf", "--", "true"],
+         "argument --term-grace: must be a finite number of seconds > 0, got 'inf'"),
         (["run", "--job", "j", "--", "true"], "required: --nproc"),
         (["run", "--nproc", "2", "--job", "j", "--min-workers", "0", "--", "true"], "argument --min-workers"),
         (["run", "--nproc", "2", "--job", "j", "--min-workers", "3", "--", "true"], "--min-workers 3 is more than"),
@@ -378,6 +384,7 @@ def test_describe_request_variants() -> None:
         describe_request({"request_id": "r2", "action": "add", "count": 2, "new_workers": ["w5", "w6"]})
         == "r2: add 2 (new workers: w5, w6)"
     )
+    assert describe_request({"request_id": "r3", "action": "leave", "workers": ["w1", "w4"]}) == "r3: leave w1, w4"
 
 
 # ---------------------------------------------------------------------- launcher helpers and lifecycle
@@ -521,3 +528,28 @@ def test_status_of_a_job_whose_joiner_never_reported(running_job: str, capsys: p
     code, out, err = run_cli(["status", "--job", running_job, "--json"], capsys)
     [failure] = json.loads(out)["failures"]
     assert failure["reason"] == "worker w2 exited with code 1 before its plan was decided"
+
+
+def test_run_gives_its_workers_the_term_grace(
+    elan_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--term-grace` (default 30 s) reaches every worker as ELAN_TERM_GRACE."""
+    from lightning_elan.launcher import run as launcher_run
+    from lightning_elan.protocol.contract import WorkerEnvironment
+
+    configs = []
+
+    class Recorder(launcher_run.JobLauncher):
+        def run(self) -> int:
+            configs.append(self.config)
+            description = WorkerEnvironment.launched(
+                job="j", worker_id="w0", role="member", am_address="tcp://127.0.0.1:1", store_address="127.0.0.1:2",
+                rank=0, world_size=1, term_grace_s=self.config.term_grace_s,
+            )
+            assert WorkerEnvironment.from_env(self._worker_env(description)).term_grace_s == self.config.term_grace_s
+            return 0
+
+    monkeypatch.setattr(launcher_run, "JobLauncher", Recorder)
+    assert run_cli(["run", "--nproc", "1", "--job", "g", "--term-grace", "7.5", "--", "true"], capsys)[0] == 0
+    assert run_cli(["run", "--nproc", "1", "--job", "g", "--", "true"], capsys)[0] == 0
+    assert [config.term_grace_s for config in configs] == [7.5, 30.0]

@@ -43,6 +43,14 @@ def test_member_and_joiner_read_from_the_launchers_variables() -> None:
     assert (joiner.rank, joiner.world_size, joiner.generation, joiner.device_index) == (-1, 0, -1, None)
 
 
+def test_term_grace_defaults_to_30_s_and_must_be_positive() -> None:
+    assert WorkerEnvironment.from_env({**BASE, "ELAN_ROLE": "joiner"}).term_grace_s == 30.0
+    assert WorkerEnvironment.from_env({**BASE, "ELAN_TERM_GRACE": "2.5"}).term_grace_s == 2.5
+    for bad in ("0", "-1", "inf", "nan"):
+        with pytest.raises(ValueError, match="ELAN_TERM_GRACE must be a number of seconds > 0"):
+            WorkerEnvironment.from_env({**BASE, "ELAN_TERM_GRACE": bad})
+
+
 def test_a_bad_role_is_refused() -> None:
     with pytest.raises(ValueError, match="ELAN_ROLE must be 'member' or 'joiner', got 'boss'"):
         WorkerEnvironment.from_env({**BASE, "ELAN_ROLE": "boss"})
@@ -50,8 +58,12 @@ def test_a_bad_role_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "environment",
-    [launched("member", rank=2, world_size=3, device_index=0), launched("joiner")],
-    ids=["member", "joiner"],
+    [
+        launched("member", rank=2, world_size=3, device_index=0),
+        launched("joiner"),
+        launched("joiner", term_grace_s=7.5),
+    ],
+    ids=["member", "joiner", "term-grace"],
 )
 def test_to_env_round_trips_through_from_env(environment: WorkerEnvironment) -> None:
     env = environment.to_env()

@@ -1,0 +1,208 @@
+"""Graceful leave on SIGTERM: a preemption notice, a Kubernetes pod being stopped, ``scancel``.
+
+A worker of an ``elan run`` job takes its first SIGTERM as a request to leave the job. It asks the application master
+to remove it (``leave``) and leaves at the next batch boundary through an ordinary adjustment: it finishes the step it
+is in, reports, ``fit()`` returns normally and the process exits 0; the others go on from the same step with nothing
+redone (exactly as for ``elan scale remove``). How:
+
+1. The signal handler (Python runs it on the main thread between two bytecodes) only counts the signal and wakes
+   this module's thread, started with the handler: nothing in it blocks, allocates a socket or takes a lock the
+   training thread may hold.
+2. The thread sends ``leave`` to the AM on its own connection, resent until the AM answers. The AM queues the removal
+   ahead of every scale request (``JobState.request_leave``) and answers ``queued``; a joiner whose plan is not decided
+   yet is cancelled with its request instead (``cancelled``): it then exits 0 as a cancelled joiner does, when it
+   reaches ``join`` (at once if it is already waiting there).
+3. Only rank 0 asks the AM, and every rank must take part in that agreement at the same step. So at every batch
+   boundary that is not a coordination point anyway, each rank contributes "my leave is queued" to **one int32
+   all-reduce (MAX)** on the job's group (:func:`any_rank_leaving`); when it gives 1, rank 0 coordinates at this
+   boundary, the AM hands it the plan that removes the worker, and the worker leaves. The terminated worker itself
+   raises the flag, so no store key and no extra round trip to rank 0 is needed, and the all-reduce agrees by
+   construction. The engine skips it at coordination points (``coordinate_every`` multiples, deferred ones), where
+   rank 0 asks the AM anyway.
+
+Per-step cost: that one all-reduce of 4 bytes (in ``elan run`` jobs only; a standalone run has none). The Lightning
+front-end drops Lightning's own per-batch broadcast of its SIGTERM flag in exchange, which elan's handler makes
+always 0 (``compat.drop_sigterm_broadcast``), so a step runs as many collectives as under Lightning's DDP.
+
+The crash path (the process kills itself with SIGKILL, as a preempted machine would) is the fallback: on a second
+SIGTERM, when the worker has not left ``ELAN_TERM_GRACE`` seconds (``elan run --term-grace``, default 30) after the
+first, and at once when the AM answers that the job is finished or shutting down (``elan run`` stopping its
+workers). An AM that refuses the leave (the last member of the job) leaves the worker training until the grace
+period ends: the job may finish in time. When the engine closes (the training loop is over: left, finished or
+cancelled) the watch is disarmed and SIGTERM does again what it did before (the previous handler).
+
+Python runs a signal handler when the main thread is back in the interpreter: while it waits inside one long C++ call
+(a joiner's rendezvous, a collective stuck on a hung peer) the SIGTERM, and with it the grace period, waits too. The
+orchestrator's own SIGKILL (Kubernetes' grace period, ``elan run``'s ``kill_grace_s``) stays the backstop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
+from lightning_elan.protocol.contract import LEAVE_FINISHED, LEAVE_QUEUED, WorkerEnvironment
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TerminationWatch", "any_rank_leaving"]
+
+LEAVE_ATTEMPT_S = 1.0
+"""One attempt of the ``leave`` request; it is resent until the AM answers or the grace period ends."""
+
+
+class TerminationWatch:
+    """One worker's SIGTERM handling while it is part of an elastic job (see the module docstring).
+
+    ``kill`` is ``os.kill`` (tests pass a recorder); ``leave_queued`` is read by the engine at every batch boundary.
+    """
+
+    def __init__(self, environment: WorkerEnvironment, *, kill: Callable[[int, int], None] = os.kill) -> None:
+        if environment.am_address is None:
+            raise ValueError("a standalone worker has no application master to leave")
+        self.environment = environment
+        self.grace_s = environment.term_grace_s
+        self.signals = 0
+        self.outcome: str | None = None  # the AM's answer to leave (contract.LEAVE_*), None until it answered
+        self.refusal: str | None = None  # why the AM refused, if it did
+        self.fell_back: str | None = None  # why the crash path was taken, if it was
+        self._kill = kill
+        self._pid = os.getpid()
+        self._previous: Any = None
+        self._installed = False
+        self._received_at: float | None = None
+        self._wake = threading.Event()
+        self._disarmed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elan-sigterm", daemon=True)
+
+    @classmethod
+    def watch(cls, environment: WorkerEnvironment) -> TerminationWatch:
+        """A watch installed as this process's SIGTERM handler (when called on the main thread)."""
+        watch = cls(environment)
+        watch.install()
+        return watch
+
+    @property
+    def leave_queued(self) -> bool:
+        """The AM queued this worker's removal: the job coordinates at the next batch boundary."""
+        return self.outcome == LEAVE_QUEUED
+
+    @property
+    def installed(self) -> bool:
+        return self._installed
+
+    def install(self) -> bool:
+        """Become the SIGTERM handler (Python allows it on the main thread only; elsewhere nothing changes)."""
+        if self._installed:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("the elastic engine started off the main thread: SIGTERM keeps its handler (no graceful leave)")
+            return False
+        self._previous = signal.signal(signal.SIGTERM, self.handle)
+        self._thread.start()
+        self._installed = True
+        return True
+
+    def disarm(self) -> None:
+        """The training loop is over: stop the watch and give SIGTERM back its previous handler."""
+        self._disarmed.set()
+        self._wake.set()
+        if (self._installed and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) == self.handle):
+            signal.signal(signal.SIGTERM, self._previous)
+
+    # ------------------------------------------------------------------ the signal handler (main thread)
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid or self._disarmed.is_set():
+            # a forked child (DataLoader worker) inherited the handler, or the training loop is over
+            _call_previous(self._previous, signum, frame)
+            return
+        self.signals += 1
+        if self.signals == 1:
+            self._received_at = time.monotonic()
+            self._wake.set()
+        else:
+            self._fall_back("a second SIGTERM")
+
+    # ------------------------------------------------------------------ the watch's thread
+
+    def _run(self) -> None:
+        self._wake.wait()
+        if self._disarmed.is_set():
+            return
+        assert self._received_at is not None
+        deadline = self._received_at + self.grace_s
+        log.warning("worker %s received SIGTERM: it asks to leave the job and leaves at the next batch boundary "
+                    "(the crash path if it has not left in %g s)", self.environment.worker_id, self.grace_s)
+        self._ask_to_leave(deadline)
+        if self._disarmed.is_set():
+            return
+        if self.outcome == LEAVE_FINISHED:
+            self._fall_back("the job is finished or shutting down: there is nothing to leave")
+            return
+        if not self._disarmed.wait(max(0.0, deadline - time.monotonic())):
+            self._fall_back(f"it has not left the job {self.grace_s:g} s after SIGTERM")
+
+    def _ask_to_leave(self, deadline: float) -> None:
+        worker_id = self.environment.worker_id
+        client = AMClient(self.environment.am_address or "", self.environment.job, timeout_s=LEAVE_ATTEMPT_S)
+        try:
+            while not self._disarmed.is_set() and time.monotonic() < deadline:
+                try:
+                    reply = client.leave(worker_id, retries=0)
+                except AMUnavailable:
+                    log.warning("the application master does not answer worker %s's leave; asking again", worker_id)
+                    continue
+                except AMError as error:
+                    self.refusal = str(error)
+                    log.error("the application master refused to let worker %s leave (%s): it trains on until the "
+                              "job ends or the grace period does", worker_id, error)
+                    return
+                self.outcome = reply.outcome
+                log.info("worker %s: leave %s (request %s)", worker_id, reply.outcome, reply.request_id)
+                return
+        finally:
+            client.close()
+
+    def _fall_back(self, reason: str) -> None:
+        """The crash path: SIGKILL this process, as a preempted machine would."""
+        if self._disarmed.is_set():
+            return
+        self.fell_back = reason
+        log.error("worker %s takes the crash path (%s): killing itself with SIGKILL", self.environment.worker_id,
+                  reason)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+        self._kill(os.getpid(), signal.SIGKILL)
+
+
+def _call_previous(previous: Any, signum: int, frame: FrameType | None) -> None:
+    """What SIGTERM did before the watch: a Python handler, ignored, or the default (terminate the process)."""
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    else:  # SIG_DFL, or None (a handler not installed from Python): die of the signal
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def any_rank_leaving(group: Any, leaving: bool, device: torch.device) -> bool:
+    """Whether some rank of ``group`` has its SIGTERM leave queued: one int32 all-reduce (MAX). Every rank calls it at
+    the same batch boundaries, so every rank gets the same answer."""
+    flag = torch.tensor([1 if leaving else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
