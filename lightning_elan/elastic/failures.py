@@ -8,7 +8,8 @@
   votes in the store; the step commits only when every member of the generation voted, and once a failure is known it
   is aborted instead. The decision is one ``compare_set`` on a key, so it is the same for every member: no survivor
   applies a step another discarded (a gloo all-reduce may complete on one rank and fail on another when a peer dies
-  in the middle of it).
+  in the middle of it). The vote also carries whether a member's SIGTERM leave is queued, so every member learns at
+  the same step that the job must coordinate at this batch's end, without a collective of its own.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ __all__ = ["CommitVote", "FailureWatch", "PeerFailure"]
 WATCH_INTERVAL_S = 0.05
 """How often the watch thread checks the store for the current generation's failure key."""
 VOTE_POLL_MAX_S = 0.002
-_COMMIT, _ABORT = b"commit", b"abort"
+LEAVE_VOTE = 1 << 20
+"""Added to a member's vote when its SIGTERM leave is queued (world sizes stay far below it)."""
+_COMMIT, _COMMIT_LEAVE, _ABORT = b"commit", b"commit+leave", b"abort"
 
 
 class PeerFailure(RuntimeError):
@@ -106,25 +109,32 @@ class CommitVote:
         self._rank, self._world_size = rank, world_size
         self._failed = failed
         self._count = 0
+        self.leave_signalled = False  # the last committed vote carried a member's queued leave
 
-    def commit(self) -> bool:
-        """Vote for the step whose gradients this member has; True if every member did before any failure."""
+    def commit(self, leaving: bool = False) -> bool:
+        """Vote for the step whose gradients this member has (``leaving``: its SIGTERM leave is queued); True if every
+        member did before any failure."""
         if self._world_size == 1:
+            self.leave_signalled = leaving
             return not self._failed()
         self._count += 1
         key = f"{self._prefix}{self._count}"
         if self._rank == 0 and self._count > 1:  # every member passed the previous decision: it can go
             self._store.delete_key(f"{self._prefix}{self._count - 1}")
             self._store.delete_key(f"{self._prefix}{self._count - 1}/votes")
-        if self._store.add(f"{key}/votes", 1) == self._world_size:
-            return self._store.compare_set(key, "", _COMMIT) == _COMMIT
-        return self._await_decision(key)
+        votes = self._store.add(f"{key}/votes", 1 + (LEAVE_VOTE if leaving else 0))
+        if votes % LEAVE_VOTE == self._world_size:
+            decision = self._store.compare_set(key, "", _COMMIT_LEAVE if votes >= LEAVE_VOTE else _COMMIT)
+        else:
+            decision = self._await_decision(key)
+        self.leave_signalled = decision == _COMMIT_LEAVE
+        return decision in (_COMMIT, _COMMIT_LEAVE)
 
-    def _await_decision(self, key: str) -> bool:
+    def _await_decision(self, key: str) -> bytes:
         pause = 0.0
         while not self._store.check([key]):
             if self._failed():
-                return self._store.compare_set(key, "", _ABORT) == _COMMIT
+                return self._store.compare_set(key, "", _ABORT)
             time.sleep(pause)
             pause = min(VOTE_POLL_MAX_S, pause * 2 or 5e-5)
-        return self._store.get(key) == _COMMIT
+        return self._store.get(key)

@@ -119,6 +119,7 @@ class ElasticWorker:
         self._vote: CommitVote | None = None
         self._uncommitted: dict[str, Any] | None = None  # the data position before the batch not yet committed
         self._termination: TerminationWatch | None = None
+        self._leave_in_vote: bool | None = None  # this batch's commit vote said whether a leave is queued
 
     # ------------------------------------------------------------------ wiring
 
@@ -224,8 +225,10 @@ class ElasticWorker:
     def commit_step(self) -> None:
         """After the step's gradients were all-reduced, before the optimizer applies them: every member commits the
         step or none does; raises :class:`PeerFailure` when it is aborted (the step is then redone)."""
-        if self._vote is not None and not self._vote.commit():
-            raise PeerFailure(self.generation or 0, "the step was not committed")
+        if self._vote is not None:
+            if not self._vote.commit(self._leave_queued_here()):
+                raise PeerFailure(self.generation or 0, "the step was not committed")
+            self._leave_in_vote = self._vote.leave_signalled
         self._uncommitted = None
 
     @property
@@ -295,6 +298,7 @@ class ElasticWorker:
 
     def take_global_batch(self, epoch_end: int) -> LocalShare:
         """Advance the serial position by one global batch; return this rank's share of it."""
+        self._leave_in_vote = None
         if self._vote is not None:
             self._uncommitted = self.data.state_dict()
         return self.data.advance(epoch_end, self.world_size, self.rank)
@@ -332,10 +336,15 @@ class ElasticWorker:
             self._adjust(decision)
 
     def _leave_requested(self) -> bool:
-        """Whether a rank's SIGTERM leave is queued at the AM (then rank 0 coordinates now): one int32 all-reduce at
-        every boundary that is not a coordination point anyway (``elastic/termination.py``)."""
-        leaving = self._termination is not None and self._termination.leave_queued and self.is_member
-        return any_rank_leaving(self._group(), leaving, self._collective_device())
+        """Whether a rank's SIGTERM leave is queued at the AM (then rank 0 coordinates now): carried by the step's
+        commit vote under ``elan run``; a batch without a vote (gradient accumulation, a front-end that does not vote)
+        asks with one int32 all-reduce (``elastic/termination.py``)."""
+        if self._leave_in_vote is not None:  # the step's commit vote carried it: no collective needed
+            return self._leave_in_vote
+        return any_rank_leaving(self._group(), self._leave_queued_here(), self._collective_device())
+
+    def _leave_queued_here(self) -> bool:
+        return self._termination is not None and self._termination.leave_queued and self.is_member
 
     @property
     def sigterm_handler(self) -> Any:

@@ -26,6 +26,17 @@ def test_a_step_commits_when_every_member_voted() -> None:
     assert votes(dist.HashStore(), 3, [0, 1, 2], threading.Event()) == {0: True, 1: True, 2: True}
 
 
+def test_a_queued_leave_rides_on_the_vote_to_every_member() -> None:
+    store, failed = dist.HashStore(), threading.Event()
+    members = [CommitVote(store, 0, rank, 3, failed.is_set) for rank in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        committed = list(pool.map(lambda rank: members[rank].commit(leaving=rank == 2), range(3)))
+    assert committed == [True, True, True] and [m.leave_signalled for m in members] == [True, True, True]
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda rank: members[rank].commit(), range(3)))
+    assert [m.leave_signalled for m in members] == [False, False, False]
+
+
 def test_a_step_aborts_everywhere_when_a_member_never_votes() -> None:
     failed = threading.Event()
     threading.Timer(0.2, failed.set).start()
@@ -39,8 +50,7 @@ def test_a_failure_after_every_vote_does_not_undo_the_commit() -> None:
     failed.set()
 
     late = CommitVote(store, 3, 1, 2, failed.is_set)  # a member that reads the decision after the failure
-    late._count = 0
-    assert late._await_decision("elan/gen3/commit1") is True
+    assert late._await_decision("elan/gen3/commit1") == b"commit"
 
 
 def test_consecutive_votes_use_fresh_keys_and_rank_0_deletes_the_old_ones() -> None:
