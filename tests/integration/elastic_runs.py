@@ -99,7 +99,11 @@ def consumed_per_epoch(records: list[dict]) -> dict[int, Counter]:
 
 
 def assert_each_sample_once(records: list[dict], num_samples: int, epochs: int) -> None:
-    per_epoch = consumed_per_epoch(records)
+    assert_counted_once(consumed_per_epoch(records), num_samples, epochs)
+
+
+def assert_counted_once(per_epoch: dict[int, Counter], num_samples: int, epochs: int) -> None:
+    """``{epoch: Counter(sample index)}`` holds every sample of every epoch exactly once."""
     assert sorted(per_epoch) == list(range(epochs)), f"epochs seen: {sorted(per_epoch)}"
     for epoch, counts in per_epoch.items():
         duplicated = sorted(index for index, count in counts.items() if count > 1)

@@ -26,6 +26,7 @@ from tests.integration.elastic_runs import (
     SAMPLES,
     TOLERANCE,
     RunResult,
+    assert_counted_once,
     assert_ranks_agree,
     assert_states_close,
     elan_env,
@@ -64,12 +65,7 @@ def completed_per_epoch(out: Path) -> dict[int, Counter]:
 
 
 def assert_completed_once(out: Path) -> None:
-    per_epoch = completed_per_epoch(out)
-    assert sorted(per_epoch) == list(range(EPOCHS)), f"epochs completed: {sorted(per_epoch)}"
-    for epoch, counts in per_epoch.items():
-        duplicated = sorted(index for index, count in counts.items() if count > 1)
-        missing = sorted(set(range(SAMPLES)) - set(counts))
-        assert not duplicated and not missing, f"epoch {epoch}: duplicated {duplicated}, missing {missing}"
+    assert_counted_once(completed_per_epoch(out), SAMPLES, EPOCHS)
 
 
 def failure_records(run: RunResult) -> list[dict]:
