@@ -44,6 +44,7 @@ class Recovery:
     dead: list[str] = field(default_factory=list)
     checked_in: dict[str, CheckIn] = field(default_factory=dict)
     interrupted_request: str | None = None
+    waiting_logged: bool = False  # the "waiting for joiners below --min-workers" line was logged
 
     @property
     def next_generation(self) -> int:

@@ -722,7 +722,8 @@ class JobState:
                            f"--min-workers {self.min_workers}, and no joiner came within {self.join_timeout_s:.0f} s",
                            now)
             return None
-        if not recovery.checked_in or all(c.at == now for c in recovery.checked_in.values()):
+        if not recovery.waiting_logged:
+            recovery.waiting_logged = True
             logger.warning("job %s: %d worker(s) left, below --min-workers %d: waiting up to %.0f s for joiners",
                            self.job, len(recovery.survivors), self.min_workers, self.join_timeout_s)
         return None
