@@ -678,11 +678,12 @@ class JobState:
 
     def _form_recovery_plan_if_ready(self, now: float) -> None:
         recovery = self.recovery
-        if recovery is None or recovery.missing():
+        if recovery is None:
             return
         replacements = self._replacements_for(recovery, now)
-        if replacements is None:
+        if replacements is None or recovery.missing():
             return
+        self.pending = [r for r in self.pending if not set(r.new_workers) & set(replacements)]
         try:
             plan = recovery_plan(recovery, self.generation, replacements,
                                  {w: self._host_of(w) for w in [*recovery.checked_in, *replacements]},
@@ -704,17 +705,18 @@ class JobState:
                     plan.members, recovery.dead)
 
     def _replacements_for(self, recovery: Recovery, now: float) -> list[str] | None:
-        """Ready joiners that bring the world up to ``min_workers`` ([] when not needed); None: keep waiting."""
+        """Ready joiners (of whole add requests) that bring the world up to ``min_workers`` ([] when not needed); None:
+        keep waiting — or, past ``join_timeout_s`` since the death, the job fails (whether or not every survivor
+        checked in)."""
         needed = self.min_workers - len(recovery.survivors)
         if needed <= 0:
             return []
         ready: list[str] = []
-        for request in list(self.pending):
+        for request in self.pending:
             if request.remove_count or request.ranks or not request.new_workers:
                 continue
             if all(self.pending_workers[w].status == READY for w in request.new_workers):
                 ready += request.new_workers
-                self.pending.remove(request)
             if len(ready) >= needed:
                 return ready
         if now - recovery.detected_at > self.join_timeout_s:

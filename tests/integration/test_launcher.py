@@ -151,14 +151,17 @@ def test_run_members_exit_zero(tmp_path: Path) -> None:
     assert not (tmp_path / "home" / "jobs" / "ok3.json").exists(), "the AM leaves its registry file behind"
 
 
-def test_failing_worker_stops_the_job(tmp_path: Path) -> None:
+def test_a_death_the_job_cannot_recover_from_stops_it(tmp_path: Path) -> None:
+    """A member dies and the job may not go on below 3 workers: after the join timeout the launcher exits 1 with the
+    AM's reason and stops the others. (Recovery itself is tested with real training in test_worker_faults.py.)"""
     started = time.monotonic()
-    result = elan_run(tmp_path, "fail", 3, "fail-rank-1")
+    result = elan_run(tmp_path, "fail", 3, "fail-rank-1", "--min-workers", "3", "--join-timeout", "1")
     assert result.returncode == 1, result.stderr
     assert time.monotonic() - started < 60, "the other workers were not terminated promptly"
     workers = worker_files(tmp_path)
     failed = next(worker_id for worker_id, env in workers.items() if env["ELAN_RANK"] == "1")
-    assert f"elan: error: {failed} failed (exited with code 3)" in result.stderr
+    assert f"{failed} died (exited with code 3)" in result.stderr
+    assert "fewer than --min-workers 3, and no joiner came within 1 s" in result.stderr
     others = sorted(set(workers) - {failed})
     assert len(others) == 2
     for worker_id in others:

@@ -157,3 +157,26 @@ def test_a_death_after_a_member_finished_training_ends_the_job_normally() -> Non
 
     assert state.worker_exit("w2", -6) == {"expected": True}
     assert state.recovery is None and not state.finished
+
+
+def test_a_ready_joiner_stays_queued_while_more_are_needed() -> None:
+    state = started(3, replace_failed=True, min_workers=3, join_timeout_s=30)
+    state.worker_exit("w1", -9)
+    state.worker_exit("w2", -9)
+    check_in(state, "w0")
+    state.launcher_poll()
+    state.register(RegisterRequest("w3", host="h", device="cpu", pid=3))  # one of the two replacements is ready
+
+    state.launcher_poll()
+
+    assert state.wait_plan("w0") is None
+    assert [request["new_workers"] for request in state.status()["pending"]] == [["w3"], ["w4"]]
+
+
+def test_the_join_timeout_holds_even_when_a_survivor_never_checks_in() -> None:
+    state = started(3, min_workers=3, join_timeout_s=5)
+    state.worker_exit("w1", -9)
+
+    state.launcher_poll(now=state.recovery.detected_at + 6)
+
+    assert state.finished and "--min-workers 3" in state.status()["failed_reason"]
