@@ -183,10 +183,17 @@ class TerminationWatch:
         self.fell_back = reason
         log.error("worker %s takes the crash path (%s): killing itself with SIGKILL", self.environment.worker_id,
                   reason)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        sys.stderr.flush()
+        _flush_logs()
         self._kill(os.getpid(), signal.SIGKILL)
+
+
+def _flush_logs() -> None:
+    """Flush what can be flushed before the SIGKILL; a handler whose stream is closed must not stop the kill."""
+    for stream in [*logging.getLogger().handlers, sys.stderr]:
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            continue
 
 
 def _call_previous(previous: Any, signum: int, frame: FrameType | None) -> None:
