@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,11 +13,8 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_elan.callbacks.lr_ramp import ProgressiveLinearLR
-from lightning_elan.scaling.batch import POLICIES, ScalingDecision, ScalingLimits, scale_global_batch
-from lightning_elan.scaling.lr import LR_RULES, lr_factor
-from lightning_elan.scaling.report import scaling_summary
-from lightning_elan.scaling.throughput import ThroughputModel
-from lightning_elan.scaling.timing import StepTimer
+from lightning_elan.scaling.batch import ScalingDecision
+from lightning_elan.scaling.policy import ScalingPolicy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -27,7 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class HybridScaling(Callback):
+class HybridScaling(ScalingPolicy, Callback):
     """Strong, weak or Elan's hybrid scaling of the global batch when the job changes size.
 
     Every worker times its own steps (no synchronisation: see :mod:`lightning_elan.scaling.timing` for how a step is
@@ -63,42 +58,11 @@ class HybridScaling(Callback):
         learn: bool = True,
         profile: str | None = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if lr_rule not in LR_RULES:
-            raise ValueError(f"lr_rule must be one of {LR_RULES}, got {lr_rule!r}")
-        self.policy = policy
-        self.limits = ScalingLimits(min_local_batch, max_local_batch, max_global_batch)
-        self.lr_rule = lr_rule
-        self.warmup_steps = warmup_steps
-        self.learn = learn
-        self.model = ThroughputModel(min_observations=min_observations)
-        if profile is not None:
-            self.model.load_state_dict(json.loads(Path(profile).read_text()))
-        self.timer = StepTimer(backward_ratio)
-        self.base_global_batch: int | None = None  # the batch the user's LR was tuned for
-        self.global_batch: int | None = None
-        self.world_size = 1
-        self.last_decision: ScalingDecision | None = None
-        self._skip = warmup_steps
+        ScalingPolicy.__init__(self, policy, min_local_batch, max_local_batch, max_global_batch, lr_rule,
+                               min_observations, warmup_steps, backward_ratio, learn, profile)
         self._trainer: pl.Trainer | None = None
 
     # ------------------------------------------------------------------ the integration points (see package doc)
-
-    def decide(self, n_old: int, n_new: int, global_batch: int) -> ScalingDecision:
-        """The global batch for ``n_old → n_new`` workers under the policy, with the LR multiplier to ramp to.
-
-        Called on rank 0 at an adjustment; the strategy broadcasts the result (``ScalingDecision.to_dict()``).
-        """
-        if self.base_global_batch is None:
-            self.base_global_batch = global_batch
-        decision = scale_global_batch(self.policy, n_old, n_new, global_batch, self.model, self.limits)
-        target = lr_factor(decision.global_batch / self.base_global_batch, self.lr_rule)
-        decision = ScalingDecision(decision.global_batch, decision.local_batch, decision.k, decision.reason, target)
-        log.info("scaling %d -> %d workers: global batch %d -> %d (%s)", n_old, n_new, global_batch,
-                 decision.global_batch, decision.reason)
-        self.last_decision = decision
-        return decision
 
     def apply(
         self, trainer: pl.Trainer, decision: ScalingDecision | Mapping[str, Any], step: int | None = None
@@ -107,33 +71,17 @@ class HybridScaling(Callback):
         trainer's ``global_step``, i.e. the first optimizer step taken with the new batch)."""
         if not isinstance(decision, ScalingDecision):
             decision = ScalingDecision.from_dict(dict(decision))
-        if self.base_global_batch is None and decision.k > 0:
-            self.base_global_batch = max(1, round(decision.global_batch / decision.k))
-        self.last_decision = decision
-        self.global_batch = decision.global_batch
+        self.record_decision(decision)
         start = trainer.global_step if step is None else step
         if decision.lr_scale is not None:
             for callback in _ramps(trainer.callbacks):
                 callback.start_ramp(start, decision.lr_scale)
 
-    # ------------------------------------------------------------------ the elastic engine's ScalingParticipant
-
-    def decide_resize(self, n_old: int, n_new: int, global_batch: int) -> ScalingDecision:
-        return self.decide(n_old, n_new, global_batch)
-
     def apply_resize(self, decision: ScalingDecision) -> None:
-        """The LR ramp starts at the next optimizer step of the trainer this callback was set up with."""
+        """The elastic engine's ``ScalingParticipant.apply_resize``: the LR ramp starts at the next optimizer step of
+        the trainer this callback was set up with."""
         assert self._trainer is not None, "HybridScaling.apply_resize before setup"
         self.apply(self._trainer, decision)
-
-    def summary(self) -> dict[str, Any]:
-        """JSON-able, for ``elan status``: the fitted throughput per world size at the current and next global batch,
-        and the last decision with its reason."""
-        return scaling_summary(self.model, self.policy, self.global_batch, self.world_size, self.last_decision)
-
-    def record_allreduce_time(self, seconds: float) -> None:
-        """Optional: a measured all-reduce time for the step in flight (replaces the estimate from the timings)."""
-        self.timer.allreduce(seconds)
 
     # ------------------------------------------------------------------ hooks: timing on every worker
 
@@ -155,23 +103,17 @@ class HybridScaling(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._track_world_size(trainer.world_size)
+        self.track_world_size(trainer.world_size)
         local = _batch_length(batch)
         self._track_global_batch(trainer, local)
         if local is None and self.global_batch:
             local = math.ceil(self.global_batch / self.world_size)
         self.timer.batch_start(time.perf_counter(), local or 0, self.world_size)
 
-    def _track_world_size(self, world_size: int) -> None:
-        if world_size != self.world_size:
-            self.world_size, self._skip = world_size, self.warmup_steps  # first steps in a new world: not measured
-
     def _track_global_batch(self, trainer: pl.Trainer, local_batch: int | None) -> None:
         """The elan strategy's global batch; else the last decision's; else this batch × the world size."""
         guess = None if local_batch is None else local_batch * self.world_size
-        self.global_batch = _strategy_global_batch(trainer) or self.global_batch or guess
-        if self.base_global_batch is None:
-            self.base_global_batch = self.global_batch
+        self.track_global_batch(_strategy_global_batch(trainer) or self.global_batch or guess)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -191,14 +133,8 @@ class HybridScaling(Callback):
         if sample is None:
             return
         if getattr(trainer.strategy, "sample_weight", 1.0) != 0.0:  # not a stand-in sample of an empty share
-            self._observe(sample.local_batch, sample.world_size, sample.compute_s, sample.allreduce_s)
+            self.observe(sample.local_batch, sample.world_size, sample.compute_s, sample.allreduce_s)
         self._log(pl_module, sample.local_batch)
-
-    def _observe(self, local_batch: int, world_size: int, compute_s: float, allreduce_s: float) -> None:
-        if self._skip > 0:
-            self._skip -= 1
-        elif self.learn:
-            self.model.observe_step(local_batch, world_size, compute_s, allreduce_s)
 
     def _log(self, pl_module: pl.LightningModule, local_batch: int) -> None:
         metrics = {"elan/local_batch": local_batch, "elan/world_size": self.world_size}
@@ -211,22 +147,11 @@ class HybridScaling(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "backward_ratio": [self.timer.ratio.count, self.timer.ratio.mean],
-            "base_global_batch": self.base_global_batch,
-            "global_batch": self.global_batch,
-            "last_decision": None if self.last_decision is None else self.last_decision.to_dict(),
-        }
+        return ScalingPolicy.state_dict(self)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.model.load_state_dict(state_dict["model"])
-        self.timer.ratio.count, self.timer.ratio.mean = state_dict["backward_ratio"]
-        self.base_global_batch = state_dict.get("base_global_batch")
-        self.global_batch = state_dict.get("global_batch")
-        decision = state_dict.get("last_decision")
-        self.last_decision = None if decision is None else ScalingDecision.from_dict(decision)
+        ScalingPolicy.load_state_dict(self, state_dict)
 
 
 def _ramps(callbacks: Sequence[Callback]) -> list[ProgressiveLinearLR]:

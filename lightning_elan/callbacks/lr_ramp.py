@@ -15,30 +15,13 @@ from lightning.pytorch.callbacks import Callback
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_elan.scaling.lr import LRRamp, lr_scale, next_ramp
+from lightning_elan.scaling.lr import LRRamp, ScaledParamGroups, lr_scale, next_ramp
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.utils.hooks import RemovableHandle
 
 log = logging.getLogger(__name__)
-
-
-class _ScaledGroups:
-    """The param groups of one optimizer while they hold scaled LRs: the values to put back."""
-
-    def __init__(self, optimizer: Optimizer, scale: float) -> None:
-        self.unscaled = [group["lr"] for group in optimizer.param_groups]
-        for group, lr in zip(optimizer.param_groups, self.unscaled, strict=True):
-            group["lr"] = lr * scale
-        self.scaled = [group["lr"] for group in optimizer.param_groups]
-
-    def restore(self, optimizer: Optimizer) -> None:
-        for group, unscaled, scaled in zip(optimizer.param_groups, self.unscaled, self.scaled, strict=False):
-            if group["lr"] is scaled:
-                group["lr"] = unscaled
-            else:  # someone set a new LR during the step: theirs is unscaled already
-                log.debug("param group lr changed during the optimizer step; keeping %s", group["lr"])
 
 
 class ProgressiveLinearLR(Callback):
@@ -57,7 +40,7 @@ class ProgressiveLinearLR(Callback):
             raise ValueError(f"ramp_steps must be >= 0, got {ramp_steps}")
         self.ramp_steps = ramp_steps
         self.ramp: LRRamp | None = None
-        self._scaled: dict[int, _ScaledGroups] = {}
+        self._scaled: dict[int, ScaledParamGroups] = {}
         self._hooks: dict[int, RemovableHandle] = {}
 
     # ------------------------------------------------------------------ the ramp
@@ -95,7 +78,7 @@ class ProgressiveLinearLR(Callback):
         if scale == 1.0 or id(optimizer) in self._scaled or _grad_scaler_skips(trainer, optimizer):
             return  # nothing to do, already scaled (closure evaluated again, e.g. LBFGS), or no update this step
         self._hook(optimizer)
-        self._scaled[id(optimizer)] = _ScaledGroups(optimizer, scale)
+        self._scaled[id(optimizer)] = ScaledParamGroups(optimizer, scale)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

@@ -8,9 +8,12 @@ first step, so successive adjustments compose without a jump.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 LR_RULES: tuple[str, ...] = ("linear", "sqrt")
 
@@ -68,3 +71,21 @@ def lr_factor(k: float, rule: str = "linear") -> float:
 def next_ramp(current: LRRamp | None, step: int, to_scale: float, ramp_steps: int) -> LRRamp:
     """A ramp starting at ``step`` from the multiplier ``current`` gives there, towards ``to_scale``."""
     return LRRamp(step, ramp_steps, lr_scale(step, current), to_scale)
+
+
+class ScaledParamGroups:
+    """The param groups of one optimizer (anything with ``param_groups``) while they hold scaled LRs: the values to
+    put back after the step."""
+
+    def __init__(self, optimizer: Any, scale: float) -> None:
+        self.unscaled = [group["lr"] for group in optimizer.param_groups]
+        for group, lr in zip(optimizer.param_groups, self.unscaled, strict=True):
+            group["lr"] = lr * scale
+        self.scaled = [group["lr"] for group in optimizer.param_groups]
+
+    def restore(self, optimizer: Any) -> None:
+        for group, unscaled, scaled in zip(optimizer.param_groups, self.unscaled, self.scaled, strict=False):
+            if group["lr"] is scaled:
+                group["lr"] = unscaled
+            else:  # someone set a new LR during the step: theirs is unscaled already
+                log.debug("param group lr changed during the optimizer step; keeping %s", group["lr"])

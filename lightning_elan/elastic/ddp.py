@@ -1,0 +1,105 @@
+"""One DDP wrapper for the life of a process: gradients are all-reduced on whatever generation is current.
+
+Modelled on torchft's ``DistributedDataParallel``: the wrapper is built once over a private one-process gloo group
+(its reducer then never talks to a peer, construction runs no collective, and nothing in it is sized by the job's
+world), and a communication hook sends every gradient bucket over the *current* generation's group, read at each
+bucket. A resize therefore rebuilds nothing: no bucket reallocation, no parameter-shape verification, and an object a
+user holds (``model = accelerator.prepare(model)``) keeps working after the job changed size.
+
+The hook reproduces DDP's own arithmetic (each gradient multiplied by ``1 / world_size`` into its bucket, then a sum
+all-reduce), so training equals a DDP run of the same world size. Buffers (e.g. batch-norm statistics) are broadcast
+from rank 0 of the current generation before every forward, as DDP does with ``broadcast_buffers=True``.
+
+What a one-process reducer cannot do: ``find_unused_parameters`` detects parameters unused *on this process* only
+(their gradients are then zeros in the all-reduce, which is the same sum), and a user's own communication hook would
+replace the one that reaches the job, so :func:`ElasticDistributedDataParallel.register_comm_hook` refuses a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ElasticDistributedDataParallel", "GroupSource"]
+
+GroupSource = Callable[[], "dist.ProcessGroup | None"]
+"""Returns the group gradients are all-reduced on now (None: this process trains alone)."""
+
+
+def _private_group() -> dist.ProcessGroup:
+    """A gloo group of this process alone: what the reducer is built over (its collectives return at once)."""
+    store = dist.HashStore()
+    group = dist.ProcessGroup(store, 0, 1)
+    gloo = dist.ProcessGroupGloo(store, 0, 1, timedelta(minutes=5))
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    for device in ("cpu", "cuda"):  # gloo serves CUDA tensors too; nothing ever leaves this process
+        group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, gloo)
+    return group
+
+
+class ElasticDistributedDataParallel(DistributedDataParallel):
+    """``DistributedDataParallel`` whose gradient all-reduce follows the job's current generation.
+
+    Args:
+        module: the model (already on its device).
+        current_group: returns the group of the current generation (see :data:`GroupSource`).
+        **kwargs: DDP's own options (``bucket_cap_mb``, ``gradient_as_bucket_view``, ``broadcast_buffers``, ...);
+            ``process_group`` is not one of them.
+    """
+
+    def __init__(self, module: torch.nn.Module, current_group: GroupSource, **kwargs: Any) -> None:
+        if "process_group" in kwargs:
+            raise ValueError("ElasticDistributedDataParallel chooses its own process group (the current generation)")
+        self._broadcast_live_buffers = kwargs.pop("broadcast_buffers", True)
+        with warnings.catch_warnings():  # torch 2.13 prefers forward_sync_buffers; broadcast_buffers is portable
+            warnings.simplefilter("ignore", FutureWarning)
+            super().__init__(module, process_group=_private_group(), broadcast_buffers=False, **kwargs)
+        self._current_group = current_group
+        super().register_comm_hook(self, _allreduce_on_current_group)
+        if self._broadcast_live_buffers and any(True for _ in module.buffers()):
+            self.register_forward_pre_hook(_broadcast_buffers_from_rank0)
+
+    def current_group(self) -> dist.ProcessGroup | None:
+        group = self._current_group()
+        return group if group is not None and group.size() > 1 else None
+
+    @override
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        raise RuntimeError("an elastic DDP all-reduces on the current generation with its own communication hook; "
+                           "another hook would bypass it")
+
+
+def _allreduce_on_current_group(model, bucket):  # no annotations: DDP checks them (strings fail)
+    """DDP's arithmetic on the current group: ``grad × (1/world)`` then a sum all-reduce (a lone process: as is)."""
+    buffer = bucket.buffer()
+    group = model.current_group()
+    if group is None:
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+    buffer.mul_(1.0 / group.size())
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    # the group's own method: a generation's group is not registered with torch's global group table
+    work = group.allreduce([buffer], options)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
+def _broadcast_buffers_from_rank0(model: ElasticDistributedDataParallel, inputs: Any) -> None:
+    group = model.current_group()
+    if group is None or not model.training:
+        return
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    for buffer in model.module.buffers():
+        group.broadcast([buffer], options).wait()
