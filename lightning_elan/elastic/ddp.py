@@ -65,9 +65,22 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
             warnings.simplefilter("ignore", FutureWarning)
             super().__init__(module, process_group=_private_group(), broadcast_buffers=False, **kwargs)
         self._current_group = current_group
+        self._fix_bucket_layout()
         super().register_comm_hook(self, _allreduce_on_current_group)
         if self._broadcast_live_buffers and any(True for _ in module.buffers()):
             self.register_forward_pre_hook(_broadcast_buffers_from_rank0)
+
+    def _fix_bucket_layout(self) -> None:
+        """Buckets in parameter registration order, from now on: every process of the job flattens gradients
+        alike, whatever iteration its reducer is at.
+
+        DDP rebuilds its buckets once, before the second forward, in the order gradients became ready in the first
+        backward (synchronised by rank 0 over its group, here a private one). A joiner's first iteration would then
+        all-reduce its initial layout against the stayers' rebuilt one — sums of mismatched elements. Pushing every
+        parameter as "rebuilt" and rebuilding now (what DDP's join hook does) settles the layout at construction.
+        """
+        self.reducer._push_all_rebuilt_params()
+        self.reducer._rebuild_buckets()
 
     def current_group(self) -> dist.ProcessGroup | None:
         group = self._current_group()

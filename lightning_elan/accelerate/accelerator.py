@@ -1,0 +1,462 @@
+"""ElasticAccelerator: Hugging Face Accelerate as a front-end of the elastic engine.
+
+The membership protocol (join, agree, adjust, leave, replicate, data position) is
+:class:`~lightning_elan.elastic.worker.ElasticWorker`'s. This module gives it what only the Accelerate loop knows:
+the prepared models, optimizers, schedulers, scaler and registered objects as one in-memory state, the training
+loader's batch boundaries (where an adjustment happens), and the place of this process in Accelerate's state
+singletons. Every private Accelerate touch goes through :mod:`lightning_elan.accelerate.compat`.
+
+What a resize refreshes (and why):
+
+* ``PartialState``/``AcceleratorState``: ``num_processes``, ``process_index``, ``distributed_type`` — read live by
+  ``accelerator.num_processes``, ``is_main_process``, ``gather``/``reduce``/``wait_for_everyone`` (which then use
+  torch's default group: the engine's group, reconfigured in place).
+* Nothing in the model: it is wrapped once in an :class:`~lightning_elan.elastic.ddp.ElasticDistributedDataParallel`
+  whose gradient all-reduce follows the current generation, so the object ``prepare()`` returned keeps working.
+* The training loader's iterator: rebuilt from the job's serial position (batches prefetched for the old world are
+  dropped); evaluation loaders are re-sharded when next iterated.
+* Trackers: started on the new main process when rank 0 left.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import time
+import weakref
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DDPCommunicationHookType
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_elan.accelerate import compat
+from lightning_elan.accelerate.data import ElasticTrainLoader, EvaluationLoader, LeftTheJob, refuse_unsupported
+from lightning_elan.accelerate.plugin import ElasticPlugin
+from lightning_elan.accelerate.scaling import AccelerateScaling
+from lightning_elan.accelerate.wrappers import ElasticOptimizer, ElasticScheduler
+from lightning_elan.data.loader import ElasticDataLoader
+from lightning_elan.data.positions import LocalShare
+from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
+from lightning_elan.elastic.worker import ElasticWorker, NotAMember
+from lightning_elan.protocol.contract import WorkerEnvironment
+from lightning_elan.scaling.lr import ScaledParamGroups
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ELAN_STATE_FILE", "ElasticAccelerator"]
+
+ELAN_STATE_FILE = "elan_state.json"
+"""What ``save_state`` adds to Accelerate's checkpoint folder: the job's data position and loop state (JSON)."""
+
+# a joiner warming up is no one's main process until its generation forms
+_PROVISIONAL_RANK, _PROVISIONAL_WORLD = 1, 2
+_LEFT_RANK = -1
+
+
+class ElasticAccelerator(Accelerator):
+    """An ``accelerate.Accelerator`` whose job grows, shrinks and migrates while the loop trains.
+
+    Use it like an ``Accelerator`` (every argument is passed on), prepare the training ``DataLoader`` first among the
+    loaders (later ones are evaluation loaders), iterate epochs with :meth:`epochs`, and launch with ``elan run``.
+
+    Args:
+        elastic_plugin: the elastic options (:class:`~lightning_elan.accelerate.ElasticPlugin`).
+        *args, **kwargs: ``Accelerator``'s own.
+    """
+
+    def __init__(self, *args: Any, elastic_plugin: ElasticPlugin | None = None, **kwargs: Any) -> None:
+        plugin = elastic_plugin or ElasticPlugin()
+        environment = WorkerEnvironment.from_env()
+        self.elastic_plugin = plugin
+        self.engine = ElasticWorker(environment, coordinate_every=plugin.coordinate_every,
+                                    join_timeout_s=plugin.join_timeout_s, replication=plugin.replication,
+                                    global_batch=plugin.global_batch_size)
+        self.engine.attach(self)
+        self.optimizer_steps = 0
+        self.launch_world_size = max(environment.world_size, 1)  # a joiner receives the job's with its state
+        self.elastic_scaling = AccelerateScaling(plugin, lambda: self.optimizer_steps)
+        self.engine.register_scaling(self.elastic_scaling)
+        self._train_loader: ElasticTrainLoader | None = None
+        self._elastic_objects: list[Any] = []
+        self._tracker_args: dict[str, Any] | None = None
+        self._share: LocalShare | None = None
+        self._batch_pending = False
+        self._committed = False
+        self._group_view: torch.distributed.ProcessGroup | None = None
+        with compat.single_process_initialisation():
+            super().__init__(*args, **kwargs)
+        device = self._elastic_device(environment, bool(kwargs.get("cpu", False)))
+        self.engine.start("nccl" if device.type == "cuda" else "gloo", device, timedelta(seconds=300))
+        self._refresh_membership()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    @staticmethod
+    def _elastic_device(environment: WorkerEnvironment, cpu: bool) -> torch.device:
+        if cpu or not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", environment.device_index or 0)
+
+    # ------------------------------------------------------------------ what the user reads
+
+    @property
+    def has_left(self) -> bool:
+        """This worker left the job (its loops end; it should exit 0)."""
+        return self.engine.has_left
+
+    @property
+    def generation(self) -> int | None:
+        return self.engine.generation
+
+    @property
+    def sample_weight(self) -> float:
+        """Weight of this worker's current batch in the global mean (0 for a stand-in sample of an empty share)."""
+        return 1.0 if self._share is None else self._share.loss_weight
+
+    @property
+    def data_position(self) -> Any:
+        """The job's data state ``(epoch, position, global batch)``; the engine is its only writer."""
+        return self.engine.data
+
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """The epochs still to train, from the job's current epoch (a joiner starts at the replicated one)."""
+        while not self.has_left:
+            epoch = self.engine.data.epoch + (1 if self._epoch_complete() else 0)
+            if epoch >= num_epochs:
+                break
+            yield epoch
+        self._training_over()
+
+    def register_for_elastic_state(self, *objects: Any) -> None:
+        """Objects with ``state_dict``/``load_state_dict`` (an EMA, a metric) that joiners receive with the model."""
+        for obj in objects:
+            if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+                raise ValueError(f"{type(obj).__name__} has no state_dict/load_state_dict: it cannot be replicated")
+        self._elastic_objects.extend(objects)
+
+    # ------------------------------------------------------------------ preparing
+
+    @override
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Accelerate's ``prepare``; a new worker then waits here until it is admitted and holds the job's state."""
+        result = super().prepare(*args, device_placement=device_placement)
+        if self._train_loader is not None and self.engine.environment.joiner and self.engine.generation is None:
+            self._join()
+        return result
+
+    def _join(self) -> None:
+        try:
+            self.engine.join()
+        except NotAMember as reason:
+            log.info("%s; leaving", reason)
+            self._refresh_membership()
+
+    @override
+    def prepare_data_loader(self, data_loader: Any, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        if not isinstance(data_loader, DataLoader):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if self._train_loader is None:
+            return self._prepare_train_loader(data_loader, device_placement)
+        evaluation = EvaluationLoader(data_loader, lambda loader: compat.shard_for_evaluation(self, loader),
+                                      lambda: (self.process_index, self.num_processes))
+        compat.prepared_dataloaders(self).append(evaluation)
+        return evaluation
+
+    def _prepare_train_loader(self, data_loader: DataLoader, device_placement: bool | None) -> ElasticTrainLoader:
+        refuse_unsupported(data_loader, self.dispatch_batches)
+        data = self.engine.data
+        if data.global_batch is None and self.engine.is_member:
+            data.change_global_batch(data_loader.batch_size * self.launch_world_size)
+        base = ElasticDataLoader(data_loader, data, self._world_view, self.elastic_plugin_seed())
+        placement = self.device_placement if device_placement is None else device_placement
+        self._train_loader = ElasticTrainLoader(base, self, self.device if placement else None, self.non_blocking)
+        compat.prepared_dataloaders(self).append(self._train_loader)
+        return self._train_loader
+
+    @staticmethod
+    def elastic_plugin_seed() -> int:
+        """Seed of the epoch order (the same on every worker): ``$PL_GLOBAL_SEED`` as set by ``seed_everything``,
+        else 0; ``accelerate.utils.set_seed`` keeps no such record."""
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    def _world_view(self) -> tuple[int, int]:
+        return (self.engine.rank, self.engine.world_size) if self.engine.is_member else (0, 1)
+
+    @override
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        """Accelerate's placement, mixed precision and compilation, then one elastic DDP for the process's life."""
+        prepared = super().prepare_model(model, device_placement, evaluation_mode=True)
+        if evaluation_mode or isinstance(prepared, ElasticDistributedDataParallel):
+            return prepared
+        if not any(parameter.requires_grad for parameter in prepared.parameters()):
+            return prepared
+        ddp = ElasticDistributedDataParallel(prepared, self._current_group, **self._ddp_arguments())
+        ddp._is_accelerate_prepared = True
+        compat.replace_prepared(compat.prepared_models(self), prepared, ddp)
+        return ddp
+
+    def _ddp_arguments(self) -> dict[str, Any]:
+        handler = self.ddp_handler
+        if handler is not None and handler.comm_hook != DDPCommunicationHookType.NO:
+            raise NotImplementedError("ElasticAccelerator all-reduces gradients with its own communication hook "
+                                      "(on the current generation); a DDP comm hook cannot be combined with it")
+        kwargs = handler.to_kwargs() if handler is not None else {}
+        if self.device.type == "cuda":
+            kwargs.setdefault("device_ids", [self.device.index])
+        return kwargs
+
+    def _current_group(self) -> torch.distributed.ProcessGroup | None:
+        return self._group_view if self.engine.is_member else None
+
+    @override
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        if getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement)
+        placement = self.device_placement if device_placement is None else device_placement
+        prepared = ElasticOptimizer(optimizer, self, device_placement=placement, scaler=self.scaler)
+        compat.prepared_optimizers(self).append(prepared)
+        return prepared
+
+    @override
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        if getattr(scheduler, "_is_accelerate_prepared", False):
+            return super().prepare_scheduler(scheduler)
+        optimizers = compat.prepared_optimizers(self)
+        owner = next((o for o in optimizers if getattr(scheduler, "optimizer", None) is o.optimizer), optimizers)
+        prepared = ElasticScheduler(scheduler, owner, self, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                    split_batches=self.split_batches)
+        compat.prepared_schedulers(self).append(prepared)
+        return prepared
+
+    # ------------------------------------------------------------------ the training step
+
+    @override
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Accelerate's backward of the loss weighted by this worker's share of the global batch (a last global batch
+        that does not divide by the world counts every sample once)."""
+        weight = self.sample_weight
+        if weight != 1.0:
+            loss = loss * weight
+        timer = self.elastic_scaling.policy.timer
+        timer.before_backward(time.perf_counter())
+        super().backward(loss, **kwargs)
+        timer.after_backward(time.perf_counter())
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> ScaledParamGroups | None:
+        """Every synchronised optimizer step: commit it with every member (once per batch), scale it by the LR ramp."""
+        if not self._committed:
+            self.engine.commit_step()
+            self._committed = True
+            self.elastic_scaling.policy.timer.optimizer_step()
+        scale = self.elastic_scaling.lr_scale_at(self.optimizer_steps)
+        return None if scale == 1.0 else ScaledParamGroups(optimizer, scale)
+
+    # ------------------------------------------------------------------ batch boundaries (from the training loader)
+
+    def _start_iteration(self, loader: ElasticTrainLoader) -> None:
+        """A new pass over the training loader: the last batch of a loop left early ends first; an epoch that is
+        complete gives way to the next one."""
+        self._batch_boundary()
+        if self._epoch_complete():
+            loader.set_epoch(self.engine.data.epoch + 1)
+
+    def _epoch_complete(self) -> bool:
+        data = self.engine.data
+        if self._train_loader is None or data.global_batch is None:
+            return False
+        return data.position >= self._train_loader.sampler.epoch_end()
+
+    def _take_global_batch(self, loader: ElasticTrainLoader) -> None:
+        data = self.engine.data
+        self._share = self.engine.take_global_batch(loader.sampler.epoch_end())
+        self._batch_pending = True
+        policy = self.elastic_scaling.policy
+        policy.track_world_size(self.engine.world_size)
+        policy.track_global_batch(data.global_batch)
+        policy.timer.batch_start(time.perf_counter(), self._share.size, self.engine.world_size)
+
+    def _batch_boundary(self) -> None:
+        """After the last batch's work (at the next batch or the end of the loop): report, coordinate, adjust."""
+        if self.has_left:
+            raise LeftTheJob
+        if not self._batch_pending:
+            return
+        self._batch_pending = False
+        if self._committed:
+            self.optimizer_steps += 1
+        self._committed = False
+        self._observe_step()
+        self.engine.at_batch_boundary(self.optimizer_steps)
+
+    def _observe_step(self) -> None:
+        sample = self.elastic_scaling.policy.timer.batch_end(time.perf_counter())
+        if sample is not None and self.sample_weight != 0.0:
+            self.elastic_scaling.policy.observe(sample.local_batch, sample.world_size, sample.compute_s,
+                                                sample.allreduce_s)
+
+    def _training_over(self) -> None:
+        """The loop is over: same-host joiners finish copying, the link to the AM closes (the group stays)."""
+        self.engine.close()
+
+    # ------------------------------------------------------------------ FrontEnd: what the engine asks of Accelerate
+
+    def training_state(self) -> dict[str, Any]:
+        return {
+            "models": [self.unwrap_model(model).state_dict() for model in compat.prepared_models(self)],
+            "optimizers": [optimizer.state_dict() for optimizer in compat.prepared_optimizers(self)],
+            "schedulers": [scheduler.state_dict() for scheduler in compat.prepared_schedulers(self)],
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "objects": [obj.state_dict() for obj in self._replicated_objects()],
+            "loop": {**self._loop_state(), "trackers": self._tracker_args},
+        }
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        for model, model_state in zip(compat.prepared_models(self), state["models"], strict=True):
+            self.unwrap_model(model).load_state_dict(model_state)
+        for optimizer, optimizer_state in zip(compat.prepared_optimizers(self), state["optimizers"], strict=True):
+            optimizer.load_state_dict(optimizer_state)
+        for scheduler, scheduler_state in zip(compat.prepared_schedulers(self), state["schedulers"], strict=True):
+            scheduler.load_state_dict(scheduler_state)
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        for obj, obj_state in zip(self._replicated_objects(), state["objects"], strict=True):
+            obj.load_state_dict(obj_state)
+        self._load_loop_state(state["loop"])
+        self._tracker_args = state["loop"].get("trackers")
+        if self.is_main_process:
+            self._start_trackers_here()
+
+    def _replicated_objects(self) -> list[Any]:
+        return [*compat.checkpointed_objects(self), *self._elastic_objects]
+
+    def _loop_state(self) -> dict[str, Any]:
+        return {"optimizer_steps": self.optimizer_steps, "accelerate_step": self.step,
+                "launch_world_size": self.launch_world_size, "scaling": self.elastic_scaling.state_dict()}
+
+    def _load_loop_state(self, loop: dict[str, Any]) -> None:
+        self.optimizer_steps = int(loop["optimizer_steps"])
+        self.step = int(loop["accelerate_step"])
+        self.launch_world_size = int(loop["launch_world_size"])
+        self.elastic_scaling.load_state_dict(loop["scaling"])
+
+    def shared_state(self) -> dict[str, Any]:
+        return {}
+
+    def adopt_shared_state(self, state: dict[str, Any]) -> None:
+        """Every member already holds what rank 0 would share (tracker arguments are recorded on every process)."""
+
+    def adjustment_blocker(self) -> str | None:
+        return None if self.sync_gradients else "gradients are being accumulated"
+
+    def before_resize(self) -> None:
+        """Nothing to detach: the elastic DDP follows the generation by itself."""
+
+    def membership_changed(self, previous_rank: int | None) -> None:
+        self._refresh_membership()
+        if self.is_main_process and previous_rank not in (None, 0):
+            self._start_trackers_here()
+
+    def after_resize(self) -> None:
+        if self._train_loader is not None:
+            self._train_loader.rebuild()
+
+    def leave(self) -> Any:
+        self._refresh_membership()
+        self._finish_trackers()
+        raise LeftTheJob
+
+    def _refresh_membership(self) -> None:
+        """This process's place in the job, written into Accelerate's state singletons."""
+        engine, device = self.engine, self.engine.device
+        if engine.has_left:
+            compat.set_process_state(False, device, None, 1, _LEFT_RANK)
+        elif engine.is_member:
+            self._group_view = engine.generation_group
+            compat.set_process_state(True, device, engine.backend, engine.world_size, engine.rank)
+        else:  # a joiner warming up: local collectives, not the main process
+            compat.set_process_state(False, device, None, _PROVISIONAL_WORLD, _PROVISIONAL_RANK)
+
+    # ------------------------------------------------------------------ trackers
+
+    @override
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        """Accelerate's (main process only); the arguments are kept on every process, so the trackers can start
+        again on a new main process when rank 0 leaves."""
+        self._tracker_args = {"project_name": project_name, "config": config, "init_kwargs": init_kwargs}
+        super().init_trackers(project_name, config, init_kwargs)
+
+    def _start_trackers_here(self) -> None:
+        if self._tracker_args is not None and not self.trackers:
+            log.info("worker %s is the main process now: starting the trackers", self.engine.worker_id)
+            super().init_trackers(**self._tracker_args)
+
+    def _finish_trackers(self) -> None:
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+
+    @override
+    def end_training(self) -> None:
+        """Trackers finish and the elastic link closes; the job's group stays until the process exits."""
+        self._training_over()
+        self._finish_trackers()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        """Accelerate's checkpoint plus ``elan_state.json``: the data position and loop state, so ``load_state``
+        continues at the right sample whatever the world size then."""
+        location = super().save_state(output_dir, safe_serialization, **kwargs)
+        if self.is_main_process:
+            loop = self._loop_state()
+            state = {"data": self.engine.data.state_dict(), "loop": loop}
+            Path(location, ELAN_STATE_FILE).write_text(json.dumps(state))
+        return location
+
+    @override
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        super().load_state(input_dir, load_kwargs, **kwargs)
+        folder = compat.latest_checkpoint_dir(self) if input_dir is None else os.path.expanduser(input_dir)
+        path = Path(folder, ELAN_STATE_FILE)
+        if not path.exists():
+            log.warning("%s has no %s (not saved by an ElasticAccelerator): the data position is not restored",
+                        folder, ELAN_STATE_FILE)
+            return
+        state = json.loads(path.read_text())
+        self.engine.data.load_state_dict(state["data"])
+        self._load_loop_state(state["loop"])
+        if self._train_loader is not None:
+            self._train_loader.rebuild()
+
+    @override
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """For the training loader: the epoch continues at global batch ``num_batches`` (a position, the same on
+        every worker whatever the world size); other loaders as Accelerate does."""
+        if dataloader is not self._train_loader or self._train_loader is None:
+            return super().skip_first_batches(dataloader, num_batches)
+        data = self.engine.data
+        if data.global_batch is None or num_batches < data.steps_before:
+            raise ValueError(f"cannot skip to global batch {num_batches} of epoch {data.epoch}: "
+                             f"{data.steps_before} batches were cut with an earlier global batch size")
+        state = data.state_dict()
+        position = data.position_before + (num_batches - data.steps_before) * data.global_batch
+        state["position"] = min(position, self._train_loader.sampler.epoch_end())
+        data.load_state_dict(state)
+        self._train_loader.rebuild()
+        return self._train_loader
+
+
+def _close_at_exit(reference: weakref.ref[ElasticAccelerator]) -> None:
+    accelerator = reference()
+    if accelerator is not None:
+        accelerator._training_over()

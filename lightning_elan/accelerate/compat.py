@@ -1,0 +1,142 @@
+"""Every touch of a private Accelerate API, in one place (written against Accelerate 1.15; checked at import).
+
+What the elastic accelerator depends on, upstream:
+
+* ``PartialState`` and ``AcceleratorState`` (``accelerate/state.py``) are shared-dict singletons: every instance reads
+  ``_shared_state``, and ``AcceleratorState()`` copies ``PartialState``'s keys into its own dict when constructed.
+  ``num_processes``, ``process_index``, ``local_process_index``, ``distributed_type``, ``backend`` and ``device``
+  are plain keys there, read live by ``Accelerator`` properties, ``gather``/``reduce``, ``on_main_process`` and
+  ``AcceleratedScheduler.step``. A resize writes them into both dicts.
+* ``PartialState.__init__`` decides the distributed type from the torchrun variables (``LOCAL_RANK``, ``WORLD_SIZE``)
+  and calls ``init_process_group`` when they say so; the elastic engine owns the default group, so the state is
+  initialised without them and then set.
+* ``GradientState._add_dataloader``/``_remove_dataloader`` and the ``end_of_dataloader``/``remainder`` attributes of
+  the active loader tell ``accumulate()`` to synchronise at the end of an epoch (``accelerate/data_loader.py``'s
+  ``DataLoaderShard`` does the same).
+* ``Accelerator._dataloaders``/``_models``/``_optimizers``/``_custom_objects`` are the lists ``save_state`` and
+  ``load_state`` walk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import accelerate
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import DistributedType
+from packaging.version import Version
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+log = logging.getLogger(__name__)
+
+ACCELERATE_VERSION = Version(accelerate.__version__)
+TESTED = (Version("1.0"), Version("2.0"))
+if not TESTED[0] <= ACCELERATE_VERSION < TESTED[1]:
+    log.warning("lightning_elan's Accelerate integration is written for accelerate >= %s, < %s (found %s)",
+                *TESTED, ACCELERATE_VERSION)
+
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ACCELERATE_USE_CPU")
+
+
+@contextlib.contextmanager
+def single_process_initialisation() -> Iterator[None]:
+    """While ``Accelerator.__init__`` creates the state singletons: no torchrun variables, so ``PartialState`` neither
+    initialises a process group nor picks a distributed type (the elastic accelerator sets both afterwards)."""
+    saved = {name: os.environ.pop(name) for name in _LAUNCHER_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def distributed_type_for(device: torch.device) -> DistributedType:
+    return DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU
+
+
+def set_process_state(
+    distributed: bool, device: torch.device, backend: str | None, num_processes: int, process_index: int
+) -> None:
+    """Write this process's place in the job into both state singletons (read live everywhere in Accelerate)."""
+    values = {
+        "distributed_type": distributed_type_for(device) if distributed else DistributedType.NO,
+        "backend": backend if distributed else None,
+        "device": device,
+        "num_processes": num_processes,
+        "process_index": process_index,
+        "local_process_index": process_index,  # one host per job for now: the local index is the rank
+    }
+    PartialState._shared_state.update(values)
+    if AcceleratorState._shared_state:
+        AcceleratorState._shared_state.update(values)
+
+
+@contextlib.contextmanager
+def reported_num_processes(num_processes: int) -> Iterator[None]:
+    """``AcceleratedScheduler.step`` steps its scheduler ``AcceleratorState().num_processes`` times per optimizer step:
+    report a fixed count (the launch world) so a resize does not change the LR schedule. ``AcceleratorState()``
+    copies ``PartialState``'s keys when constructed: both dicts report it."""
+    states = (PartialState._shared_state, AcceleratorState._shared_state)
+    live = [state["num_processes"] for state in states]
+    for state in states:
+        state["num_processes"] = num_processes
+    try:
+        yield
+    finally:
+        for state, value in zip(states, live, strict=True):
+            state["num_processes"] = value
+
+
+def enter_dataloader(loader: object) -> None:
+    GradientState()._add_dataloader(loader)
+
+
+def leave_dataloader(loader: object) -> None:
+    GradientState()._remove_dataloader(loader)
+
+
+def shard_for_evaluation(accelerator: Accelerator, loader: DataLoader) -> Any:
+    """Accelerate's own sharded loader for the world of now (not kept in the accelerator's list of loaders)."""
+    sharded = Accelerator.prepare_data_loader(accelerator, loader)
+    accelerator._dataloaders.remove(sharded)
+    return sharded
+
+
+def replace_prepared(items: list[Any], old: Any, new: Any) -> None:
+    """Swap ``old`` for ``new`` in one of the accelerator's lists of prepared objects."""
+    items[next(index for index, item in enumerate(items) if item is old)] = new
+
+
+def prepared_models(accelerator: Accelerator) -> list[torch.nn.Module]:
+    return accelerator._models
+
+
+def prepared_optimizers(accelerator: Accelerator) -> list[Any]:
+    return accelerator._optimizers
+
+
+def prepared_schedulers(accelerator: Accelerator) -> list[Any]:
+    return accelerator._schedulers
+
+
+def prepared_dataloaders(accelerator: Accelerator) -> list[Any]:
+    return accelerator._dataloaders
+
+
+def checkpointed_objects(accelerator: Accelerator) -> list[Any]:
+    """Objects registered with ``register_for_checkpointing``."""
+    return accelerator._custom_objects
+
+
+def latest_checkpoint_dir(accelerator: Accelerator) -> str:
+    """The folder ``load_state()`` without an argument reads (automatic checkpoint naming: the highest number)."""
+    base = os.path.join(accelerator.project_dir, "checkpoints")
+    folders = [os.path.join(base, name) for name in os.listdir(base)]
+    return max(folders, key=lambda folder: int("".join(ch for ch in os.path.basename(folder) if ch.isdigit()) or 0))
