@@ -135,7 +135,8 @@ class ElasticAccelerator(Accelerator):
         self._training_over()
 
     def register_for_elastic_state(self, *objects: Any) -> None:
-        """Objects with ``state_dict``/``load_state_dict`` (an EMA, a metric) that joiners receive with the model."""
+        """Objects with ``state_dict``/``load_state_dict`` (an EMA, a metric) that joiners receive with the model
+        (objects registered with ``register_for_checkpointing`` are received too; only those are checkpointed)."""
         for obj in objects:
             if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
                 raise ValueError(f"{type(obj).__name__} has no state_dict/load_state_dict: it cannot be replicated")
@@ -336,7 +337,12 @@ class ElasticAccelerator(Accelerator):
             self._start_trackers_here()
 
     def _replicated_objects(self) -> list[Any]:
-        return [*compat.checkpointed_objects(self), *self._elastic_objects]
+        """Objects registered for checkpointing or for the elastic state (each once)."""
+        objects: list[Any] = []
+        for obj in [*compat.checkpointed_objects(self), *self._elastic_objects]:
+            if not any(obj is seen for seen in objects):
+                objects.append(obj)
+        return objects
 
     def _loop_state(self) -> dict[str, Any]:
         return {"optimizer_steps": self.optimizer_steps, "accelerate_step": self.step,

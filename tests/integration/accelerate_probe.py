@@ -151,9 +151,12 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
     ema = EMA(model)
+    used_lr: list[float] = []  # the LR each optimizer step applied (an elastic LR ramp scales it during the step)
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: used_lr.append(opt.param_groups[0]["lr"]))
     elastic = not args.plain
+    accelerator.register_for_checkpointing(ema)  # save_state/load_state carry it
     if elastic:
-        accelerator.register_for_elastic_state(ema)
+        accelerator.register_for_elastic_state(ema)  # joiners receive it (checkpointed objects are replicated too)
     train = DataLoader(IndexedDataset(args.samples), batch_size=args.batch_size, shuffle=args.shuffle,
                        num_workers=args.num_workers, persistent_workers=args.num_workers > 0)
     model, optimizer, train, scheduler = accelerator.prepare(model, optimizer, train, scheduler)
@@ -182,10 +185,10 @@ def main() -> None:
                 if accelerator.sync_gradients:
                     digests.append([step, accelerator.num_processes, accelerator.process_index,
                                     digest(accelerator.unwrap_model(model), optimizer, ema)])
-                    steps.append([step, epoch, accelerator.num_processes,
-                                  accelerator.data_position.global_batch if elastic else None,
-                                  optimizer.param_groups[0]["lr"]])
                 optimizer.step()
+                if accelerator.sync_gradients:
+                    steps.append([step, epoch, accelerator.num_processes,
+                                  accelerator.data_position.global_batch if elastic else None, used_lr[-1]])
                 scheduler.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
