@@ -1,0 +1,59 @@
+"""The pure parts of the Accelerate integration: options, refusals, the scaling participant and its LR ramp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from lightning_elan.accelerate.data import refuse_unsupported
+from lightning_elan.accelerate.plugin import ElasticPlugin
+from lightning_elan.accelerate.scaling import AccelerateScaling
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("scaling", "elastic", "scaling must be one of"),
+    ("lr_rule", "cubic", "lr_rule must be one of"),
+    ("lr_ramp_steps", -1, "lr_ramp_steps must be >= 0"),
+    ("global_batch_size", 0, "global_batch_size must be >= 1"),
+    ("coordinate_every", 0, "coordinate_every must be >= 1"),
+])
+def test_plugin_rejects_bad_options_with_the_field_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ElasticPlugin(**{field: value})
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(4)
+
+
+def test_unsupported_training_loaders_are_refused_with_the_reason():
+    with pytest.raises(NotImplementedError, match="dispatch_batches"):
+        refuse_unsupported(DataLoader(TensorDataset(torch.zeros(4)), batch_size=2), dispatch_batches=True)
+    with pytest.raises(NotImplementedError, match="IterableDataset"):
+        refuse_unsupported(DataLoader(_Stream(), batch_size=2), dispatch_batches=None)
+    batches = DataLoader(TensorDataset(torch.zeros(4)), batch_sampler=[[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="batch_size"):
+        refuse_unsupported(batches, dispatch_batches=None)
+
+
+def test_weak_scaling_decision_starts_an_lr_ramp_at_the_next_step():
+    step = {"next": 7}
+    scaling = AccelerateScaling(ElasticPlugin(scaling="weak", lr_ramp_steps=4), lambda: step["next"])
+    decision = scaling.decide_resize(2, 4, 12)
+    assert (decision.global_batch, decision.lr_scale) == (24, 2.0)
+    scaling.apply_resize(decision)
+    assert [scaling.lr_scale_at(s) for s in (6, 7, 8, 9, 11, 20)] == [1.0, 1.0, 1.25, 1.5, 2.0, 2.0]
+    joiner = AccelerateScaling(ElasticPlugin(scaling="weak", lr_ramp_steps=4), lambda: 0)
+    joiner.load_state_dict(scaling.state_dict())  # what a joiner receives
+    assert joiner.lr_scale_at(9) == 1.5 and joiner.last_decision == decision
+    scaling.apply_resize(decision)  # the same target again: the ramp in progress is kept
+    assert scaling.ramp == joiner.ramp
+
+
+def test_strong_scaling_keeps_the_batch_and_the_lr():
+    scaling = AccelerateScaling(ElasticPlugin(), lambda: 3)
+    decision = scaling.decide_resize(2, 3, 12)
+    scaling.apply_resize(decision)
+    assert decision.global_batch == 12 and scaling.lr_scale_at(100) == 1.0
