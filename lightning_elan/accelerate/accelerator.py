@@ -90,6 +90,10 @@ class ElasticAccelerator(Accelerator):
         self._share: LocalShare | None = None
         self._batch_pending = False
         self._committed = False
+        self._aborted = False  # a member died during this batch's step: the rest of it is a no-op, then redone
+        self._step_open = False  # micro-batches were taken since the last committed optimizer step
+        self._step_counter_at_open = 0  # Accelerate's micro-step counter when the open step began
+        self.recoveries = 0  # member deaths this worker recovered from
         self._group_view: torch.distributed.ProcessGroup | None = None
         with compat.single_process_initialisation():
             super().__init__(*args, **kwargs)
@@ -119,6 +123,12 @@ class ElasticAccelerator(Accelerator):
     def sample_weight(self) -> float:
         """Weight of this worker's current batch in the global mean (0 for a stand-in sample of an empty share)."""
         return 1.0 if self._share is None else self._share.loss_weight
+
+    @property
+    def step_discarded(self) -> bool:
+        """A member died during the current batch's step: it is not applied (``optimizer.step()``,
+        ``scheduler.step()`` do nothing) and its global batch is redone by the survivors from the next batch on."""
+        return self._aborted
 
     @property
     def data_position(self) -> Any:
@@ -244,22 +254,43 @@ class ElasticAccelerator(Accelerator):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Accelerate's backward of the loss weighted by this worker's share of the global batch (a last global batch
         that does not divide by the world counts every sample once)."""
+        if self._aborted:
+            return  # the step is discarded: its gradients would not be all-reduced anyway
         weight = self.sample_weight
         if weight != 1.0:
             loss = loss * weight
         timer = self.elastic_scaling.policy.timer
         timer.before_backward(time.perf_counter())
-        super().backward(loss, **kwargs)
+        try:
+            super().backward(loss, **kwargs)
+        except Exception as error:  # a member died during the gradient all-reduce (anything else is re-raised)
+            self._absorb_failure(error)
         timer.after_backward(time.perf_counter())
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> ScaledParamGroups | None:
-        """Every synchronised optimizer step: commit it with every member (once per batch), scale it by the LR ramp."""
-        if not self._committed:
-            self.engine.commit_step()
-            self._committed = True
-            self.elastic_scaling.policy.timer.optimizer_step()
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> tuple[bool, ScaledParamGroups | None]:
+        """Every synchronised optimizer step: commit it with every member (once per batch), scale it by the LR ramp.
+        Returns whether to apply it (not when it is discarded) and the scaled param groups to restore after it."""
+        if not self._committed and not self._aborted:
+            try:
+                self.engine.commit_step()
+            except Exception as error:  # the vote was aborted: a member died before every member committed
+                self._absorb_failure(error)
+            else:
+                self._committed, self._step_open = True, False
+                self.elastic_scaling.policy.timer.optimizer_step()
+        if self._aborted:
+            return False, None
         scale = self.elastic_scaling.lr_scale_at(self.optimizer_steps)
-        return None if scale == 1.0 else ScaledParamGroups(optimizer, scale)
+        return True, None if scale == 1.0 else ScaledParamGroups(optimizer, scale)
+
+    def _absorb_failure(self, error: BaseException) -> None:
+        """``error`` came out of a collective of the current step: once a member's death is confirmed the step is
+        discarded and the loop goes on to the next batch boundary, where the survivors recover; else re-raised."""
+        self.engine.confirm_peer_failure(error)
+        if not self._aborted:
+            log.warning("worker %s: a member of generation %s died; the step is discarded and redone",
+                        self.engine.worker_id, self.engine.generation)
+        self._aborted = True
 
     # ------------------------------------------------------------------ batch boundaries (from the training loader)
 
@@ -278,25 +309,39 @@ class ElasticAccelerator(Accelerator):
 
     def _take_global_batch(self, loader: ElasticTrainLoader) -> None:
         data = self.engine.data
-        self._share = self.engine.take_global_batch(loader.sampler.epoch_end())
-        self._batch_pending = True
+        opens_step = not self._step_open
+        if opens_step:
+            self._step_counter_at_open = self.step
+        self._share = self.engine.take_global_batch(loader.sampler.epoch_end(), opens_step=opens_step)
+        self._batch_pending = self._step_open = True
         policy = self.elastic_scaling.policy
         policy.track_world_size(self.engine.world_size)
         policy.track_global_batch(data.global_batch)
         policy.timer.batch_start(time.perf_counter(), self._share.size, self.engine.world_size)
 
     def _batch_boundary(self) -> None:
-        """After the last batch's work (at the next batch or the end of the loop): report, coordinate, adjust."""
+        """After the last batch's work (at the next batch or the end of the loop): report, coordinate, adjust — or,
+        when a member died, recover (the discarded step's batches are redone next)."""
         if self.has_left:
             raise LeftTheJob
-        if not self._batch_pending:
-            return
-        self._batch_pending = False
-        if self._committed:
-            self.optimizer_steps += 1
-        self._committed = False
-        self._observe_step()
-        self.engine.at_batch_boundary(self.optimizer_steps)
+        trained, self._batch_pending = self._batch_pending, False
+        if trained:
+            if self._committed:
+                self.optimizer_steps += 1
+            self._committed = False
+            if not self._aborted:
+                self._observe_step()
+        if self._aborted:
+            self._recover()
+        elif trained:
+            self.engine.at_batch_boundary(self.optimizer_steps)
+
+    def _recover(self) -> None:
+        """Survivors of a member's death: the engine rewinds the data position to the open step's first batch,
+        re-forms the job without the dead and serves survivors without state; the open step's gradients go."""
+        self._aborted = False
+        self.recoveries += 1
+        self.engine.recover(self.optimizer_steps)
 
     def _observe_step(self) -> None:
         sample = self.elastic_scaling.policy.timer.batch_end(time.perf_counter())
@@ -364,7 +409,16 @@ class ElasticAccelerator(Accelerator):
         return None if self.sync_gradients else "gradients are being accumulated"
 
     def before_resize(self) -> None:
-        """Nothing to detach: the elastic DDP follows the generation by itself."""
+        """Nothing to detach (the elastic DDP follows the generation by itself); in a recovery, the gradients of a
+        step that was not committed are dropped (its batches are redone)."""
+        if self._step_open:
+            self._discard_open_step()
+
+    def _discard_open_step(self) -> None:
+        for optimizer in compat.prepared_optimizers(self):
+            optimizer.optimizer.zero_grad(set_to_none=True)
+        self.step = self._step_counter_at_open
+        self._step_open = False
 
     def membership_changed(self, previous_rank: int | None) -> None:
         self._refresh_membership()
@@ -390,6 +444,34 @@ class ElasticAccelerator(Accelerator):
             compat.set_process_state(True, device, engine.backend, engine.world_size, engine.rank)
         else:  # a joiner warming up: local collectives, not the main process
             compat.set_process_state(False, device, None, _PROVISIONAL_WORLD, _PROVISIONAL_RANK)
+
+    # ------------------------------------------------------------------ collectives in the loop
+
+    @override
+    def gather(self, tensor: Any) -> Any:
+        """Accelerate's ``gather``; when a member just died, this worker's own values (the step is discarded)."""
+        try:
+            return super().gather(tensor)
+        except Exception as error:
+            self._absorb_failure(error)
+            return tensor
+
+    @override
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Accelerate's ``reduce``; when a member just died, this worker's own values (the step is discarded)."""
+        try:
+            return super().reduce(tensor, reduction, scale)
+        except Exception as error:
+            self._absorb_failure(error)
+            return tensor
+
+    @override
+    def wait_for_everyone(self) -> None:
+        """Accelerate's barrier; when a member just died, it returns (the survivors recover at the next batch)."""
+        try:
+            super().wait_for_everyone()
+        except Exception as error:
+            self._absorb_failure(error)
 
     # ------------------------------------------------------------------ trackers
 

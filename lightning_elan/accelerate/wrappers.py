@@ -29,12 +29,22 @@ class ElasticOptimizer(AcceleratedOptimizer):
     def step(self, closure: Any = None) -> None:
         if not self.gradient_state.sync_gradients:
             return super().step(closure)
-        scaled = self.elastic_accelerator._before_optimizer_step(self.optimizer)
+        apply, scaled = self.elastic_accelerator._before_optimizer_step(self.optimizer)
+        if not apply:
+            return None  # the step is discarded (a member died): nothing is applied, the batch is redone
         try:
             super().step(closure)
         finally:
             if scaled is not None:
                 scaled.restore(self.optimizer)
+
+
+    @property
+    @override
+    def step_was_skipped(self) -> bool:
+        """Skipped for a gradient overflow (mixed precision) or discarded because a member died during the step
+        (so ``accelerator.optimizer_step_was_skipped`` tells a loop to leave the step's side effects out too)."""
+        return self.elastic_accelerator.step_discarded or super().step_was_skipped
 
 
 class ElasticScheduler(AcceleratedScheduler):
@@ -47,5 +57,7 @@ class ElasticScheduler(AcceleratedScheduler):
 
     @override
     def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.elastic_accelerator.step_discarded:
+            return
         with compat.reported_num_processes(self.elastic_accelerator.launch_world_size):
             super().step(*args, **kwargs)

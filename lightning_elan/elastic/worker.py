@@ -296,10 +296,14 @@ class ElasticWorker:
         if outgoing is not None:
             outgoing.close()
 
-    def take_global_batch(self, epoch_end: int) -> LocalShare:
-        """Advance the serial position by one global batch; return this rank's share of it."""
+    def take_global_batch(self, epoch_end: int, opens_step: bool = True) -> LocalShare:
+        """Advance the serial position by one global batch; return this rank's share of it.
+
+        ``opens_step``: this batch is the first of its optimizer step. A micro-batch that continues a step being
+        accumulated passes False, so a failure before the step's commit rewinds to the step's first micro-batch.
+        """
         self._leave_in_vote = None
-        if self._vote is not None:
+        if self._vote is not None and (opens_step or self._uncommitted is None):
             self._uncommitted = self.data.state_dict()
         return self.data.advance(epoch_end, self.world_size, self.rank)
 

@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -97,7 +98,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load", type=Path, default=None, help="load_state from this folder before training")
     parser.add_argument("--tracker", action="store_true")
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--kill-at", default=None,
+                        help="WORKER:STEP:PHASE — that worker SIGKILLs itself at that optimizer step: 'backward' (in "
+                             "the backward of the step's last micro-batch: the others wait in the all-reduce), "
+                             "'accumulating' (in the backward of a micro-batch that does not all-reduce) or "
+                             "'optimizer' (right after the step was applied)")
     return parser.parse_args()
+
+
+class KillPoint:
+    """``--kill-at``: a real SIGKILL of this process at a chosen step and phase."""
+
+    def __init__(self, text: str | None) -> None:
+        worker, step, phase = (text or "::").split(":")
+        self.worker, self.step, self.phase = worker, int(step or -1), phase
+
+    def due(self, worker: str, step: int, phase: str) -> bool:
+        return (worker, step, phase) == (self.worker, self.step, self.phase)
+
+    @staticmethod
+    def now(*_: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def make_accelerator(args: argparse.Namespace) -> Accelerator:
@@ -165,6 +186,8 @@ def main() -> None:
     if args.load is not None:
         accelerator.load_state(str(args.load))
 
+    kill = KillPoint(args.kill_at)
+    batches_log = open(args.out / f"batches-{worker}.jsonl", "a")  # flushed per batch: a killed worker keeps them
     consumed: dict[int, list[int]] = {}
     digests, steps = [], []
     epochs = accelerator.epochs(args.epochs) if elastic else range(args.epochs)
@@ -175,23 +198,34 @@ def main() -> None:
             weight = accelerator.sample_weight if elastic else 1.0
             if weight > 0:
                 consumed.setdefault(epoch, []).extend(index.tolist())
+            if elastic:  # every batch trained, with where it was cut from: a redone batch shows up again
+                position = accelerator.data_position
+                line = {"epoch": position.epoch, "position": position.position, "generation": accelerator.generation,
+                        "indices": index.tolist() if weight > 0 else []}
+                batches_log.write(json.dumps(line) + "\n")
+                batches_log.flush()
             if args.wait_for_joiners and elastic and accelerator.is_main_process:
                 wait_for_joiners_due_at(step + 1)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), y)
+                phase = "backward" if accelerator.sync_gradients else "accumulating"
+                if kill.due(worker, step, phase):
+                    model.module[0].weight.register_hook(kill.now)  # dies in the middle of the backward pass
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     digests.append([step, accelerator.num_processes, accelerator.process_index,
                                     digest(accelerator.unwrap_model(model), optimizer, ema)])
                 optimizer.step()
+                if accelerator.sync_gradients and kill.due(worker, step, "optimizer"):
+                    kill.now()
                 if accelerator.sync_gradients:
                     steps.append([step, epoch, accelerator.num_processes,
                                   accelerator.data_position.global_batch if elastic else None, used_lr[-1]])
                 scheduler.step()
                 optimizer.zero_grad()
-            if accelerator.sync_gradients:
+            if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:  # discarded: redone later
                 ema.update(accelerator.unwrap_model(model))
                 step += 0 if elastic else 1
                 accelerator.log({"loss": loss.item(), "world": accelerator.num_processes}, step=step)

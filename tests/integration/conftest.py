@@ -8,7 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.elastic_runs import PROBE_ARGS, RunResult, check_static_run, elan_command, elan_env, elan_run
+from tests.integration.accelerate_runs import EPOCHS as ACCELERATE_EPOCHS
+from tests.integration.accelerate_runs import SAMPLES as ACCELERATE_SAMPLES
+from tests.integration.accelerate_runs import plain_accelerate_run
+from tests.integration.elastic_runs import (
+    PROBE_ARGS,
+    RunResult,
+    assert_counted_once,
+    check_static_run,
+    consumed_per_epoch,
+    elan_command,
+    elan_env,
+    elan_run,
+)
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +28,19 @@ def static_run(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """The static 2-worker run of the default probe job (``PROBE_ARGS``), run once per session: the reference every
     elastic run's final parameters must equal within ``TOLERANCE``."""
     return check_static_run(elan_run(tmp_path_factory.mktemp("static"), "static", 2, PROBE_ARGS))
+
+
+@pytest.fixture(scope="session")
+def plain_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, RunResult]:
+    """The static references of the Accelerate tests: a plain 2-process ``Accelerator`` run of
+    ``accelerate_probe.py`` with gradient accumulation 1 and 2 (run once per session)."""
+    tmp = tmp_path_factory.mktemp("plain-accelerate")
+    runs = {accumulation: plain_accelerate_run(tmp, f"plain{accumulation}", 2, ["--accumulation", str(accumulation)])
+            for accumulation in (1, 2)}
+    for run in runs.values():
+        assert run.returncode == 0, run.excerpt()
+        assert_counted_once(consumed_per_epoch(run.records()), ACCELERATE_SAMPLES, ACCELERATE_EPOCHS)
+    return runs
 
 
 @pytest.fixture

@@ -12,86 +12,29 @@ import json
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.integration.accelerate_runs import (
+    EPOCHS,
+    PROBE,
+    SAMPLES,
+    accelerate_run,
+    check_accelerate_run,
+    total_steps,
+)
 from tests.integration.elastic_runs import (
     TOLERANCE,
-    RunResult,
     assert_counted_once,
     assert_ranks_agree,
     assert_states_close,
     consumed_per_epoch,
     digests_by_step,
     elan_env,
-    free_port,
 )
 
 pytestmark = pytest.mark.integration
-
-PROBE = Path(__file__).with_name("accelerate_probe.py")
-SAMPLES, BATCH, EPOCHS = 96, 6, 3  # global batch 12 at 2 workers: 8 global batches per epoch
-
-
-def accelerate_run(tmp: Path, name: str, nproc: int, args: list[str], schedule: str | None = None,
-                   timeout: float = 300) -> RunResult:
-    """The probe as job ``name`` through `elan run` (output in ``tmp/name``, the AM's state in ``name-state``)."""
-    command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
-               "--coordinate-every", "1", "--state-dir", str(tmp / f"{name}-state")]
-    if schedule:
-        command += ["--schedule", schedule]
-    command += ["--", sys.executable, str(PROBE), "--out", str(tmp / name), *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=elan_env(tmp))
-    output = proc.stdout + proc.stderr
-    (tmp / f"{name}.log").write_text(output)
-    return RunResult(tmp / name, tmp / f"{name}-state", proc.returncode, output)
-
-
-def plain_accelerate_run(tmp: Path, name: str, nproc: int, args: list[str]) -> RunResult:
-    """The probe with a plain ``Accelerator``, its processes started the way torchrun starts them."""
-    out, port = tmp / name, free_port()
-    base = {**elan_env(tmp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
-    procs = [
-        subprocess.Popen([sys.executable, str(PROBE), "--out", str(out), "--plain", *args],
-                         env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(nproc)
-    ]
-    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
-    failed = max(proc.returncode for proc in procs)
-    return RunResult(out, tmp / f"{name}-state", failed, "\n".join(outputs))
-
-
-@pytest.fixture(scope="module")
-def plain_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, RunResult]:
-    """The static references: a plain 2-process Accelerate run with gradient accumulation 1 and 2."""
-    tmp = tmp_path_factory.mktemp("plain-accelerate")
-    runs = {accumulation: plain_accelerate_run(tmp, f"plain{accumulation}", 2, ["--accumulation", str(accumulation)])
-            for accumulation in (1, 2)}
-    for run in runs.values():
-        assert run.returncode == 0, run.excerpt()
-        assert_counted_once(consumed_per_epoch(run.records()), SAMPLES, EPOCHS)
-    return runs
-
-
-def check_accelerate_run(run: RunResult, reference: RunResult, sizes: list[int], accumulation: int = 1) -> list[dict]:
-    """Exit 0, each sample once per epoch, every member bit-identical at every step, final state equal to the
-    reference within 1e-9, the adjustments' world sizes; every leaver (and only they) left with rank -1."""
-    assert run.returncode == 0, run.excerpt()
-    records = run.records()
-    assert_counted_once(consumed_per_epoch(records), SAMPLES, EPOCHS)
-    assert assert_ranks_agree(records) == EPOCHS * SAMPLES // (BATCH * 2 * accumulation)
-    assert_states_close(run.final_state(), reference.final_state(), TOLERANCE)
-    adjustments = run.adjustments()
-    assert [len(a["members"]) for a in adjustments] == sizes, adjustments
-    left = sorted(record["worker"] for record in records if record["left"])
-    assert left == sorted(worker for a in adjustments for worker in a["leavers"])
-    assert all(record["rank"] == -1 for record in records if record["left"])
-    return adjustments
-
 
 def test_static_elastic_accelerator_equals_plain_accelerator_step_for_step(plain_runs, tmp_path):
     """Two workers, no adjustment: the same digests as plain Accelerate DDP at every step (bit for bit)."""
@@ -115,7 +58,7 @@ def test_grow_remove_rank0_migrate_to5_across_epochs(plain_runs, tmp_path, accum
     assert len(migrate["joiners"]) == 1 and len(to5["joiners"]) == 3
     logged = [json.loads(line) for line in (run.out / "tracker.jsonl").read_text().splitlines()]
     steps = [line["step"] for line in logged if "step" in line]
-    assert sorted(steps) == list(range(EPOCHS * SAMPLES // (BATCH * 2 * accumulation))), "each step logged once"
+    assert sorted(steps) == list(range(total_steps(accumulation))), "each step logged once"
     writers = [line["worker"] for line in logged if "step" in line]
     assert writers[0] == remove["leavers"][0] and writers[-1] == remove["members"][0], "the tracker moved"
     assert sum("config" in line for line in logged) == 2, "started on the first main process and on the next"

@@ -1,0 +1,37 @@
+"""A member of an Accelerate job killed with SIGKILL mid-step: the survivors discard the step (nothing applied, the
+user's loop sees ``optimizer_step_was_skipped``), re-form without it and redo the step's global batches — the result
+equals a static plain-Accelerate run within 1e-9, and every sample counts once per epoch."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.accelerate_runs import (
+    EPOCHS,
+    SAMPLES,
+    accelerate_run,
+    committed_batches,
+    total_steps,
+)
+from tests.integration.elastic_runs import TOLERANCE, assert_counted_once, assert_ranks_agree, assert_states_close
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize(("accumulation", "schedule", "kill"), [
+    (1, "2:add=1", "w0:5:backward"),  # rank 0 dies inside the gradient all-reduce
+    (2, "1:add=1", "w1:3:accumulating"),  # dies in a micro-batch without all-reduce: the whole step is redone
+])
+def test_sigkill_mid_step_is_redone_by_the_survivors(plain_runs, tmp_path, accumulation, schedule, kill):
+    args = ["--accumulation", str(accumulation), "--wait-for-joiners", "--kill-at", kill]
+    run = accelerate_run(tmp_path, f"kill{accumulation}", 2, args, schedule=schedule)
+    assert run.returncode == 0, run.excerpt()
+    assert_counted_once(committed_batches(run), SAMPLES, EPOCHS)
+    assert assert_ranks_agree(run.records()) == total_steps(accumulation)  # the redone step's attempts agree too
+    assert_states_close(run.final_state(), plain_runs[accumulation].final_state(), TOLERANCE)
+    _grow, failure = run.adjustments()
+    dead = kill.split(":")[0]
+    assert failure["action"] == "failure" and failure["failure"]["dead"] == [dead]
+    assert failure["failure"]["step_redone"] == int(kill.split(":")[1]) + 1
+    assert len(failure["members"]) == 2 and dead not in failure["members"]
+    assert {record["worker"] for record in run.records()} == set(failure["members"]), "the dead left no record"
