@@ -103,6 +103,8 @@ def parse_args() -> argparse.Namespace:
                              "the backward of the step's last micro-batch: the others wait in the all-reduce), "
                              "'accumulating' (in the backward of a micro-batch that does not all-reduce) or "
                              "'optimizer' (right after the step was applied)")
+    parser.add_argument("--sigterm-at", default=None, help="WORKER:STEP — that worker gets SIGTERM after that step's "
+                        "backward (a preemption notice: it should leave the job at the next batch boundary)")
     return parser.parse_args()
 
 
@@ -187,6 +189,7 @@ def main() -> None:
         accelerator.load_state(str(args.load))
 
     kill = KillPoint(args.kill_at)
+    term = KillPoint(f"{args.sigterm_at}:term" if args.sigterm_at else None)
     batches_log = open(args.out / f"batches-{worker}.jsonl", "a")  # flushed per batch: a killed worker keeps them
     consumed: dict[int, list[int]] = {}
     digests, steps = [], []
@@ -214,6 +217,8 @@ def main() -> None:
                 if kill.due(worker, step, phase):
                     model.module[0].weight.register_hook(kill.now)  # dies in the middle of the backward pass
                 accelerator.backward(loss)
+                if term.due(worker, step, "term") and accelerator.sync_gradients:
+                    os.kill(os.getpid(), signal.SIGTERM)
                 if accelerator.sync_gradients:
                     digests.append([step, accelerator.num_processes, accelerator.process_index,
                                     digest(accelerator.unwrap_model(model), optimizer, ema)])

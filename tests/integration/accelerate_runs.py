@@ -30,10 +30,10 @@ def total_steps(accumulation: int) -> int:
 
 
 def accelerate_run(tmp: Path, name: str, nproc: int, args: list[str], schedule: str | None = None,
-                   timeout: float = 300) -> RunResult:
+                   timeout: float = 300, coordinate_every: int = 1) -> RunResult:
     """The probe as job ``name`` through `elan run` (output in ``tmp/name``, the AM's state in ``name-state``)."""
     command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
-               "--coordinate-every", "1", "--state-dir", str(tmp / f"{name}-state")]
+               "--coordinate-every", str(coordinate_every), "--state-dir", str(tmp / f"{name}-state")]
     if schedule:
         command += ["--schedule", schedule]
     command += ["--", sys.executable, str(PROBE), "--out", str(tmp / name), *args]

@@ -13,7 +13,13 @@ from tests.integration.accelerate_runs import (
     committed_batches,
     total_steps,
 )
-from tests.integration.elastic_runs import TOLERANCE, assert_counted_once, assert_ranks_agree, assert_states_close
+from tests.integration.elastic_runs import (
+    TOLERANCE,
+    assert_counted_once,
+    assert_ranks_agree,
+    assert_states_close,
+    consumed_per_epoch,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -35,3 +41,21 @@ def test_sigkill_mid_step_is_redone_by_the_survivors(plain_runs, tmp_path, accum
     assert failure["failure"]["step_redone"] == int(kill.split(":")[1]) + 1
     assert len(failure["members"]) == 2 and dead not in failure["members"]
     assert {record["worker"] for record in run.records()} == set(failure["members"]), "the dead left no record"
+
+
+def test_sigterm_makes_a_worker_leave_at_the_next_batch_boundary(plain_runs, tmp_path):
+    """SIGTERM (a preemption notice) to a member mid-step: it finishes the step, leaves at the next batch boundary
+    and exits 0 although coordination is due only every 5 steps; nothing is redone."""
+    args = ["--wait-for-joiners", "--sigterm-at", "w2:6"]  # after the join at step 5
+    run = accelerate_run(tmp_path, "sigterm", 2, args, schedule="1:add=1", coordinate_every=5)
+    assert run.returncode == 0, run.excerpt()
+    records = run.records()
+    assert_counted_once(consumed_per_epoch(records), SAMPLES, EPOCHS)
+    assert_ranks_agree(records)
+    assert_states_close(run.final_state(), plain_runs[1].final_state(), TOLERANCE)
+    grow, leave = run.adjustments()
+    assert grow["step"] == 5 and grow["joiners"] == ["w2"]
+    # the leave request reaches the AM asynchronously: the step of the SIGTERM or the next one, not a coordination
+    assert leave["leavers"] == ["w2"] and leave["step"] in (7, 8) and "failure" not in leave
+    (leaver,) = [record for record in records if record["worker"] == "w2"]
+    assert leaver["left"] and leaver["optimizer_steps"] == leave["step"]
