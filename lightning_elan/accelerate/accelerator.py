@@ -73,6 +73,7 @@ class ElasticAccelerator(Accelerator):
     """
 
     def __init__(self, *args: Any, elastic_plugin: ElasticPlugin | None = None, **kwargs: Any) -> None:
+        _refuse_sharded_training(kwargs)
         plugin = elastic_plugin or ElasticPlugin()
         environment = WorkerEnvironment.from_env()
         self.elastic_plugin = plugin
@@ -186,17 +187,18 @@ class ElasticAccelerator(Accelerator):
         data = self.engine.data
         if data.global_batch is None and self.engine.is_member:
             data.change_global_batch(data_loader.batch_size * self.launch_world_size)
-        base = ElasticDataLoader(data_loader, data, self._world_view, self.elastic_plugin_seed())
+        base = ElasticDataLoader(data_loader, data, self._world_view, self._epoch_order_seed())
         placement = self.device_placement if device_placement is None else device_placement
         self._train_loader = ElasticTrainLoader(base, self, self.device if placement else None, self.non_blocking)
         compat.prepared_dataloaders(self).append(self._train_loader)
         return self._train_loader
 
-    @staticmethod
-    def elastic_plugin_seed() -> int:
-        """Seed of the epoch order (the same on every worker): ``$PL_GLOBAL_SEED`` as set by ``seed_everything``,
-        else 0; ``accelerate.utils.set_seed`` keeps no such record."""
-        return int(os.environ.get("PL_GLOBAL_SEED", 0))
+    def _epoch_order_seed(self) -> int:
+        """Seed of a shuffled epoch order (the same on every worker): ``DataLoaderConfiguration(data_seed=…)`` —
+        with ``use_seedable_sampler=True`` plain Accelerate then visits the same order (``randperm`` seeded with
+        ``data_seed + epoch``) —, else ``$PL_GLOBAL_SEED`` as ``seed_everything`` sets it, else 0."""
+        data_seed = getattr(self.dataloader_config, "data_seed", None)
+        return int(data_seed) if data_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def _world_view(self) -> tuple[int, int]:
         return (self.engine.rank, self.engine.world_size) if self.engine.is_member else (0, 1)
@@ -542,6 +544,21 @@ class ElasticAccelerator(Accelerator):
         data.load_state_dict(state)
         self._train_loader.rebuild()
         return self._train_loader
+
+
+_SHARDED_PLUGINS = ("fsdp_plugin", "deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin", "torch_tp_plugin",
+                    "parallelism_config")
+_SHARDED_ENVIRONMENT = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM")
+
+
+def _refuse_sharded_training(kwargs: dict[str, Any]) -> None:
+    """Elastic training here is data parallel (every worker holds the whole model): sharded engines are refused."""
+    given = [name for name in _SHARDED_PLUGINS if kwargs.get(name) is not None]
+    given += [name for name in _SHARDED_ENVIRONMENT if os.environ.get(name, "false").lower() == "true"]
+    if given:
+        raise NotImplementedError(f"ElasticAccelerator supports data-parallel training (DDP) only, not "
+                                  f"{', '.join(given)} (FSDP, DeepSpeed, Megatron-LM and tensor parallelism are not "
+                                  "elastic yet)")
 
 
 def _close_at_exit(reference: weakref.ref[ElasticAccelerator]) -> None:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.tracking import GeneralTracker
 from torch.utils.data import DataLoader, Dataset
 
@@ -125,8 +125,11 @@ class KillPoint:
 
 def make_accelerator(args: argparse.Namespace) -> Accelerator:
     tracker = [JsonLinesTracker(args.out / "tracker.jsonl")] if args.tracker else None
+    # with shuffle=True, plain Accelerate visits a reproducible order with a seedable sampler: the same as the elastic
+    # loader's for the same data_seed
+    loading = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=11) if args.shuffle else None
     common = {"gradient_accumulation_steps": args.accumulation, "mixed_precision": "no", "cpu": True,
-              "log_with": tracker}
+              "log_with": tracker, "dataloader_config": loading}
     if args.plain:
         return Accelerator(**common)
     from lightning_elan.accelerate import ElasticAccelerator, ElasticPlugin
@@ -226,8 +229,10 @@ def main() -> None:
                 if accelerator.sync_gradients and kill.due(worker, step, "optimizer"):
                     kill.now()
                 if accelerator.sync_gradients:
+                    gathered = accelerator.gather(loss.detach()[None])  # one value per process of the live world
                     steps.append([step, epoch, accelerator.num_processes,
-                                  accelerator.data_position.global_batch if elastic else None, used_lr[-1]])
+                                  accelerator.data_position.global_batch if elastic else None, used_lr[-1],
+                                  gathered.numel()])
                 scheduler.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:  # discarded: redone later

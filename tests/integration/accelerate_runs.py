@@ -24,6 +24,14 @@ PROBE = Path(__file__).with_name("accelerate_probe.py")
 SAMPLES, BATCH, EPOCHS = 96, 6, 3  # global batch 12 at 2 workers: 8 global batches per epoch
 
 
+JOB_ARGS = {
+    1: ["--accumulation", "1"],
+    # the second variant also shuffles (a seedable sampler in the plain run) and loads with worker processes
+    2: ["--accumulation", "2", "--shuffle", "--num-workers", "2"],
+}
+"""The probe's options for the two reference jobs, by gradient accumulation steps."""
+
+
 def total_steps(accumulation: int) -> int:
     """Optimizer steps of the default job (launched with 2 workers)."""
     return EPOCHS * SAMPLES // (BATCH * 2 * accumulation)
@@ -67,6 +75,8 @@ def check_accelerate_run(run: RunResult, reference: RunResult, sizes: list[int],
     assert_counted_once(consumed_per_epoch(records), SAMPLES, EPOCHS)
     assert assert_ranks_agree(records) == total_steps(accumulation)
     assert_states_close(run.final_state(), reference.final_state(), TOLERANCE)
+    for record in records:  # gather() returned one value per process of the world the step trained in
+        assert all(world == gathered for _s, _e, world, _g, _lr, gathered in record["steps"]), record["worker"]
     adjustments = run.adjustments()
     assert [len(a["members"]) for a in adjustments] == sizes, adjustments
     left = sorted(record["worker"] for record in records if record["left"])

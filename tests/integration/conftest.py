@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.accelerate_runs import EPOCHS as ACCELERATE_EPOCHS
+from tests.integration.accelerate_runs import JOB_ARGS, plain_accelerate_run
 from tests.integration.accelerate_runs import SAMPLES as ACCELERATE_SAMPLES
-from tests.integration.accelerate_runs import plain_accelerate_run
 from tests.integration.elastic_runs import (
     PROBE_ARGS,
     RunResult,
@@ -33,10 +33,11 @@ def static_run(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
 @pytest.fixture(scope="session")
 def plain_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, RunResult]:
     """The static references of the Accelerate tests: a plain 2-process ``Accelerator`` run of
-    ``accelerate_probe.py`` with gradient accumulation 1 and 2 (run once per session)."""
+    ``accelerate_probe.py`` for each of ``JOB_ARGS`` (gradient accumulation 1; 2 with shuffling and loader workers),
+    run once per session."""
     tmp = tmp_path_factory.mktemp("plain-accelerate")
-    runs = {accumulation: plain_accelerate_run(tmp, f"plain{accumulation}", 2, ["--accumulation", str(accumulation)])
-            for accumulation in (1, 2)}
+    runs = {accumulation: plain_accelerate_run(tmp, f"plain{accumulation}", 2, args)
+            for accumulation, args in JOB_ARGS.items()}
     for run in runs.values():
         assert run.returncode == 0, run.excerpt()
         assert_counted_once(consumed_per_epoch(run.records()), ACCELERATE_SAMPLES, ACCELERATE_EPOCHS)

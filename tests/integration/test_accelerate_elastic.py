@@ -18,6 +18,7 @@ import torch
 
 from tests.integration.accelerate_runs import (
     EPOCHS,
+    JOB_ARGS,
     PROBE,
     SAMPLES,
     accelerate_run,
@@ -50,7 +51,7 @@ def test_static_elastic_accelerator_equals_plain_accelerator_step_for_step(plain
 def test_grow_remove_rank0_migrate_to5_across_epochs(plain_runs, tmp_path, accumulation, schedule):
     """2→3→2 (rank 0 leaves)→migrate→5 (a world the global batch does not divide) across an epoch boundary, with
     and without gradient accumulation; the tracker moves to the new main process with rank 0."""
-    args = ["--accumulation", str(accumulation), "--wait-for-joiners", "--tracker"]
+    args = [*JOB_ARGS[accumulation], "--wait-for-joiners", "--tracker"]
     run = accelerate_run(tmp_path, f"elastic{accumulation}", 2, args, schedule=schedule)
     grow, remove, migrate, to5 = check_accelerate_run(run, plain_runs[accumulation], [3, 2, 2, 5], accumulation)
     assert [a["action"] for a in (grow, remove, migrate, to5)] == ["add", "remove", "migrate", "to"]
@@ -76,7 +77,7 @@ def test_weak_scaling_doubles_the_global_batch_and_ramps_the_lr_on_every_rank(tm
     (adjustment,) = run.adjustments()
     start = adjustment["step"]
     for record in records:
-        for step, _epoch, world, global_batch, lr in record["steps"]:
+        for step, _epoch, world, global_batch, lr, _gathered in record["steps"]:
             scheduled = 0.01 * 0.5 ** ((2 * step) // 7)
             scale = 1.0 if step <= start else min(2.0, 1.0 + (step - start) / 4)
             assert lr == pytest.approx(scheduled * scale, rel=1e-12), (record["worker"], step)

@@ -8,6 +8,7 @@ import pytest
 
 from tests.integration.accelerate_runs import (
     EPOCHS,
+    JOB_ARGS,
     SAMPLES,
     accelerate_run,
     committed_batches,
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.integration
     (2, "1:add=1", "w1:3:accumulating"),  # dies in a micro-batch without all-reduce: the whole step is redone
 ])
 def test_sigkill_mid_step_is_redone_by_the_survivors(plain_runs, tmp_path, accumulation, schedule, kill):
-    args = ["--accumulation", str(accumulation), "--wait-for-joiners", "--kill-at", kill]
+    args = [*JOB_ARGS[accumulation], "--wait-for-joiners", "--kill-at", kill]
     run = accelerate_run(tmp_path, f"kill{accumulation}", 2, args, schedule=schedule)
     assert run.returncode == 0, run.excerpt()
     assert_counted_once(committed_batches(run), SAMPLES, EPOCHS)

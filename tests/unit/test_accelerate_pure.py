@@ -57,3 +57,11 @@ def test_strong_scaling_keeps_the_batch_and_the_lr():
     decision = scaling.decide_resize(2, 3, 12)
     scaling.apply_resize(decision)
     assert decision.global_batch == 12 and scaling.lr_scale_at(100) == 1.0
+
+
+@pytest.mark.parametrize("plugin", ["fsdp_plugin", "deepspeed_plugin", "parallelism_config"])
+def test_sharded_training_is_refused_before_anything_starts(plugin):
+    from lightning_elan.accelerate import ElasticAccelerator
+
+    with pytest.raises(NotImplementedError, match="data-parallel training"):
+        ElasticAccelerator(**{plugin: object()})
