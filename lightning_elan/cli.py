@@ -120,6 +120,11 @@ def build_parser() -> Parsers:
         "scale": _add_scale(sub),
         "status": _add_status(sub),
     }
+    for command in commands.values():
+        command.add_argument(
+            "--secret-file", type=Path, default=None, metavar="F",
+            help="shared secret authenticating every message to and from the AM (default: $ELAN_SECRET_FILE)",
+        )
     return Parsers(parser, commands)
 
 
@@ -228,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging()
     handler = {"run": cmd_run, "am": cmd_am, "scale": cmd_scale, "status": cmd_status}[args.command]
     try:
+        use_secret_file(args.secret_file)
         return handler(args, parsers.commands[args.command])
     except CLIError as exc:
         print(f"elan: error: {exc}", file=sys.stderr)
@@ -236,6 +242,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+
+
+def use_secret_file(path: Path | None) -> None:
+    """``--secret-file``: checked now, then found through ``$ELAN_SECRET_FILE`` by every client, the AM and the
+    workers this command starts (the secret itself never travels on a command line)."""
+    from lightning_elan.protocol.auth import ENV_SECRET_FILE, AuthError, load_secret
+
+    if path is not None:
+        os.environ[ENV_SECRET_FILE] = str(path.expanduser().resolve())
+    if os.environ.get(ENV_SECRET_FILE):
+        try:
+            load_secret(os.environ[ENV_SECRET_FILE])
+        except AuthError as error:
+            raise CLIError(str(error), code=2) from None
 
 
 def configure_logging(level: int = logging.INFO) -> None:
@@ -314,7 +334,12 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     store = FileStore(state_dir / "state.json")
     store.discard_partial_writes()
-    am = ApplicationMaster(args.job, store, state_dir=state_dir, bind=args.bind)
+    from lightning_elan.protocol.auth import AuthError, secret_from_env
+
+    try:
+        am = ApplicationMaster(args.job, store, state_dir=state_dir, bind=args.bind, secret=secret_from_env())
+    except AuthError as error:
+        raise CLIError(str(error), code=2) from None
     am.start()
     log.info("AM of job %s (pid %d): state in %s; Ctrl-C stops it", args.job, os.getpid(), state_dir)
     stopped = _wait_for_stop(args.parent_pid)

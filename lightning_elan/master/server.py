@@ -19,6 +19,7 @@ import zmq
 from lightning_elan.master import journal, registry
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore
+from lightning_elan.protocol.auth import AuthError, FrameSigner, is_signed, refuse_open_bind
 from lightning_elan.protocol.contract import (
     MUTATING_TYPES,
     AdjustmentReport,
@@ -188,10 +189,13 @@ class ApplicationMaster:
         bind: str = "tcp://127.0.0.1:0",
         state_dir: str | Path | None = None,
         register: bool = True,
+        secret: bytes | None = None,
     ) -> None:
         self.job = registry.check_job_name(job)
         self.store = store
         self.bind = bind
+        refuse_open_bind(bind, secret)
+        self._signer = None if secret is None else FrameSigner(secret)
         self.state_dir = None if state_dir is None else Path(state_dir)
         self.register = register
         self._warnings = _WarningBudget()
@@ -350,6 +354,11 @@ class ApplicationMaster:
             self._warnings.warn("AM of job %r: message with %d frames refused", self.job, len(envelope) + 1)
             return error_reply(None, "expected exactly one frame of JSON")
         try:
+            payload = self._authenticated(payload)
+        except AuthError as error:
+            self._warnings.warn("AM of job %r refused a frame: %s", self.job, error)
+            return error_reply(None, f"authentication failed: {error}")
+        try:
             request = decode_request(payload, job=self.job)
         except ProtocolError as error:
             self._warnings.warn("AM of job %r refused a message: %.300s", self.job, error)
@@ -359,6 +368,14 @@ class ApplicationMaster:
         except StateError as error:
             logger.debug("AM of job %r refused %s %s: %s", self.job, request.type, request.id, error)
             return error_reply(request.id, str(error))
+
+    def _authenticated(self, payload: bytes) -> bytes:
+        """The request's JSON once its frame authenticates (with a secret), or as it came (without one)."""
+        if self._signer is not None:
+            return self._signer.verify(payload)
+        if is_signed(payload):
+            raise AuthError("this AM has no secret: start it with --secret-file (or send unsigned frames)")
+        return payload
 
     def _handle(self, request: Request, envelope: list[bytes]) -> dict[str, Any] | None:
         if request.type not in MUTATING_TYPES:
@@ -494,7 +511,10 @@ class ApplicationMaster:
         if self._socket is None:
             return
         try:
-            self._socket.send_multipart([*envelope, encode_reply(reply)], zmq.NOBLOCK)
+            frame = encode_reply(reply)
+            if self._signer is not None:
+                frame = self._signer.sign(frame)
+            self._socket.send_multipart([*envelope, frame], zmq.NOBLOCK)
         except zmq.ZMQError as error:  # peer gone or its queue full: it will resend
             logger.debug("AM of job %r could not send a reply: %s", self.job, error)
 

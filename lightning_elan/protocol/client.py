@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from lightning_elan.protocol.auth import ENV_SECRET_FILE, AuthError, FrameSigner, is_signed, secret_from_env
 from lightning_elan.protocol.contract import (
     AdjustmentReport,
     CoordinateReply,
@@ -38,6 +39,13 @@ class AMError(RuntimeError):
         self.msg_id = msg_id
 
 
+class _FromEnvironment:
+    """The default secret of a client: the file named by ``$ELAN_SECRET_FILE``, if set."""
+
+
+FROM_ENVIRONMENT = _FromEnvironment()
+
+
 class AMUnavailable(ConnectionError):
     """The AM did not answer a request, even after every resend."""
 
@@ -50,7 +58,8 @@ class AMClient:
     the AM applies it at most once; replies carrying another id (late answers to earlier requests) are discarded.
     """
 
-    def __init__(self, address: str, job: str, timeout_s: float = 2.0, retries: int = 3) -> None:
+    def __init__(self, address: str, job: str, timeout_s: float = 2.0, retries: int = 3,
+                 secret: bytes | _FromEnvironment | None = FROM_ENVIRONMENT) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if retries < 0:
@@ -59,6 +68,9 @@ class AMClient:
         self.job = job
         self.timeout_s = timeout_s
         self.retries = retries
+        if isinstance(secret, _FromEnvironment):
+            secret = secret_from_env()
+        self._signer = None if secret is None else FrameSigner(secret)
         self._lock = threading.Lock()
         self._socket: zmq.Socket | None = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -82,7 +94,8 @@ class AMClient:
         with self._lock:
             socket = self._open_socket()
             for attempt in range(1, attempts + 1):
-                self._send(socket, payload)
+                # each attempt signed anew (a fresh nonce); the same id lets the AM answer a resend from its cache
+                self._send(socket, payload if self._signer is None else self._signer.sign(payload))
                 reply = self._await_reply(socket, msg_id, timeout_s)
                 if reply is not None:
                     return self._unwrap(reply, type)
@@ -169,8 +182,14 @@ class AMClient:
             if not socket.poll(max(1, round(remaining * 1000)), zmq.POLLIN):
                 continue
             try:
-                reply = decode_reply(socket.recv(zmq.NOBLOCK))
+                reply = decode_reply(self._authenticated(socket.recv(zmq.NOBLOCK)))
             except zmq.Again:
+                continue
+            except AuthError as error:
+                if "bad signature" in str(error):  # nobody but a holder of the secret could have answered at all
+                    raise AMError(f"the reply of the AM of job {self.job!r} at {self.address} does not verify: "
+                                  "is the secret file the AM's?", msg_type=None, msg_id=msg_id) from None
+                logger.warning("discarding a reply from %s: %s", self.address, error)
                 continue
             except ProtocolError as error:
                 logger.warning("discarding an invalid reply from %s: %s", self.address, error)
@@ -179,6 +198,18 @@ class AMClient:
                 return reply
             logger.debug("discarding a reply for id %s while waiting for %s", reply.id, msg_id)
         return None
+
+    def _authenticated(self, frame: bytes) -> bytes:
+        if self._signer is not None and not is_signed(frame):
+            refusal = decode_reply(frame)  # an AM without our secret answers unsigned: only its refusal is heard
+            reason = refusal.error if not refusal.ok else "it answered without a signature"
+            raise AMError(f"the AM of job {self.job!r} at {self.address} refused the request: {reason}")
+        if self._signer is not None:
+            return self._signer.verify(frame)
+        if is_signed(frame):
+            raise AMError(f"the AM of job {self.job!r} at {self.address} requires a shared secret: pass "
+                          f"--secret-file or set ${ENV_SECRET_FILE}")
+        return frame
 
     def _unwrap(self, reply: Reply, msg_type: str) -> dict[str, Any]:
         if not reply.ok:
