@@ -15,6 +15,7 @@ sequence. A front-end (:class:`~lightning_elan.elastic.frontend.FrontEnd`) calls
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -78,6 +79,26 @@ class _Adjust:
     plan: AdjustmentPlan
     shared: dict[str, Any]
     scaling: dict[str, Any] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_dict(), "shared": self.shared, "scaling": self.scaling}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> _Adjust:
+        return cls(AdjustmentPlan.from_dict(data["plan"]), data["shared"], data["scaling"])
+
+
+def broadcast_json(value: Any, group: dist.ProcessGroup, device: torch.device) -> Any:
+    """Rank 0's JSON-able ``value`` on every rank: a length, then UTF-8 bytes (JSON, not pickle: nothing that arrives
+    over the network is unpickled)."""
+    data = json.dumps(value).encode() if group.rank() == 0 else b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0, group=group)
+    payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+    if group.rank() == 0:
+        payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(payload, src=0, group=group)
+    return json.loads(bytes(payload.cpu().tolist()))
 
 
 class ElasticWorker:
@@ -365,9 +386,8 @@ class ElasticWorker:
         code = int(flag.item())
         if code != _ADJUST:
             return code, None
-        box = [decision]
-        dist.broadcast_object_list(box, src=0, group=group, device=self._collective_device())
-        return code, box[0]
+        return code, _Adjust.from_dict(broadcast_json(None if decision is None else decision.to_dict(), group,
+                                                       self._collective_device()))
 
     def _ask_master(self, step: int) -> tuple[int, _Adjust | None]:
         blocker = self.frontend.adjustment_blocker()

@@ -38,12 +38,14 @@ def total_steps(accumulation: int) -> int:
 
 
 def accelerate_run(tmp: Path, name: str, nproc: int, args: list[str], schedule: str | None = None,
-                   timeout: float = 300, coordinate_every: int = 1) -> RunResult:
+                   timeout: float = 300, coordinate_every: int = 1, secret_file: Path | None = None) -> RunResult:
     """The probe as job ``name`` through `elan run` (output in ``tmp/name``, the AM's state in ``name-state``)."""
     command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
                "--coordinate-every", str(coordinate_every), "--state-dir", str(tmp / f"{name}-state")]
     if schedule:
         command += ["--schedule", schedule]
+    if secret_file is not None:
+        command += ["--secret-file", str(secret_file)]
     command += ["--", sys.executable, str(PROBE), "--out", str(tmp / name), *args]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=elan_env(tmp))
     output = proc.stdout + proc.stderr

@@ -56,3 +56,14 @@ def test_an_open_bind_without_a_secret_and_a_bad_secret_file_are_refused(tmp_pat
     short = secret_file(tmp_path / "short", "tiny")
     refused = elan(env, "status", "--job", "any", "--secret-file", str(short))
     assert refused.returncode == 2 and "use at least 16" in refused.stderr
+
+
+def test_a_job_with_a_secret_grows_and_migrates_exactly(plain_runs, tmp_path):
+    """`elan run --secret-file`: the AM, the launcher and every worker sign their messages, and each joiner's state
+    header is checked before it is unpickled; the job still equals the plain static run."""
+    from tests.integration.accelerate_runs import accelerate_run, check_accelerate_run
+
+    key = secret_file(tmp_path / "key", "a-secret-for-this-job-only-0123456789")
+    run = accelerate_run(tmp_path, "guarded", 2, ["--wait-for-joiners"], schedule="3:add=1,6:migrate=1",
+                         secret_file=key)
+    check_accelerate_run(run, plain_runs[1], sizes=[3, 3])

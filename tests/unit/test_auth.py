@@ -99,3 +99,26 @@ def test_binding_beyond_loopback_without_a_secret_is_refused(bind):
 @pytest.mark.parametrize("bind", ["tcp://127.0.0.1:0", "tcp://localhost:5555", "tcp://[::1]:5555"])
 def test_loopback_needs_no_secret(bind):
     refuse_open_bind(bind, None)
+
+
+def test_replication_headers_are_signed_with_the_jobs_secret_and_checked_before_unpickling(tmp_path, monkeypatch):
+    from lightning_elan.replication.transports import base
+
+    key = tmp_path / "key"
+    key.write_bytes(SECRET)
+    monkeypatch.setenv("ELAN_SECRET_FILE", str(key))
+    base._signer.cache_clear()
+    try:
+        sealed = base.seal(b"pickled header")
+        assert sealed.startswith(MAGIC) and base.unseal(sealed, "k") == b"pickled header"
+        with pytest.raises(RuntimeError, match="does not authenticate"):
+            base.unseal(sealed[:-1] + b"!", "k")
+        with pytest.raises(RuntimeError, match="does not authenticate"):
+            base.unseal(b"an unsigned pickle", "k")
+        monkeypatch.delenv("ELAN_SECRET_FILE")
+        base._signer.cache_clear()
+        with pytest.raises(RuntimeError, match="has no secret"):
+            base.unseal(sealed, "k")
+        assert base.seal(b"plain") == b"plain"
+    finally:
+        base._signer.cache_clear()

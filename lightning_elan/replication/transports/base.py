@@ -16,6 +16,7 @@ layout, where the bytes are) and the acknowledgement counter at ``{prefix}/acks`
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import pickle
 import time
@@ -27,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from lightning_elan.protocol.auth import AuthError, FrameSigner, is_signed, secret_from_env
 from lightning_elan.replication.keys import delete_keys, delete_prefix
 
 log = logging.getLogger(__name__)
@@ -126,7 +128,7 @@ class StateTransport(ABC):
     # ---------------------------------------------------------------- the store protocol
 
     def _publish_header(self, header: dict[str, Any]) -> int:
-        data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+        data = seal(pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL))
         self.channel.store.set(self.channel.header_key, data)
         return len(data)
 
@@ -135,7 +137,7 @@ class StateTransport(ABC):
         store, key = self.channel.store, self.channel.header_key
         wait_key(store, key, self.channel.timeout, f"transfer {self.channel.prefix}: header", self.channel.cancelled)
         data = store.get(key)
-        header = pickle.loads(data)
+        header = pickle.loads(unseal(data, key))
         if not isinstance(header, dict) or header.get("format") != self.header_format:
             got = header.get("format") if isinstance(header, dict) else type(header).__name__
             raise RuntimeError(f"transfer {self.channel.prefix}: expected a {self.header_format} header, got {got!r}")
@@ -152,6 +154,33 @@ class StateTransport(ABC):
         what = f"transfer {self.channel.prefix}: readers"
         wait_count(self.channel.store, self.channel.ack_key, readers, timeout or self.channel.timeout, what,
                    self.channel.cancelled)
+
+
+@functools.cache
+def _signer() -> FrameSigner | None:
+    """The job's shared secret (``$ELAN_SECRET_FILE``) as a signer, read once per process; None without one."""
+    secret = secret_from_env()
+    return None if secret is None else FrameSigner(secret)
+
+
+def seal(data: bytes) -> bytes:
+    """A header for the store: signed with the job's secret when there is one (the store itself authenticates
+    nobody, and the header is unpickled by the reader)."""
+    signer = _signer()
+    return data if signer is None else signer.sign(data)
+
+
+def unseal(data: bytes, key: str) -> bytes:
+    """A header's bytes once they authenticate (with a secret): nothing from the store is unpickled before that."""
+    signer = _signer()
+    if signer is None:
+        if is_signed(data):
+            raise RuntimeError(f"{key}: the source signed its header but this worker has no secret ($ELAN_SECRET_FILE)")
+        return data
+    try:
+        return signer.verify(data)
+    except AuthError as error:
+        raise RuntimeError(f"{key}: the header does not authenticate ({error}); it is not read") from None
 
 
 class TransferCancelled(RuntimeError):
