@@ -119,19 +119,6 @@ def with_sampler(dataloader: Any, sampler: Any, stage: Any) -> Any:
     return _update_dataloader(dataloader, sampler, mode=stage)
 
 
-def set_ddp_arguments(strategy: Any, process_group: Any, init_sync: bool) -> None:
-    """The group DDP communicates on and whether its constructor broadcasts rank 0's weights:
-    ``DDPStrategy._setup_model`` passes ``DDPStrategy._ddp_kwargs`` to ``DistributedDataParallel``."""
-    strategy._ddp_kwargs["process_group"] = process_group
-    strategy._ddp_kwargs["init_sync"] = init_sync
-
-
-def detach_ddp(model: Any) -> None:
-    """Stop a retired DDP wrapper from reducing gradients: torch's ``DistributedDataParallel._remove_autograd_hooks``
-    removes the reducer's hooks from the parameters it shares with the next wrapper (torch 2.3–2.13)."""
-    model._remove_autograd_hooks()
-
-
 def dump_training_state(trainer: pl.Trainer) -> dict[str, Any]:
     """Lightning's full checkpoint dict, in memory (``_CheckpointConnector.dump_checkpoint``)."""
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)

@@ -82,6 +82,13 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
         self.reducer._push_all_rebuilt_params()
         self.reducer._rebuild_buckets()
 
+    def broadcast_module_state(self) -> None:
+        """Rank 0's parameters and buffers on every process of the current generation (what DDP's constructor does
+        with ``init_sync``; a generation formed by a replication needs none)."""
+        group = self.current_group()
+        if group is not None:
+            _broadcast_from_rank0(group, [*self.module.parameters(), *self.module.buffers()])
+
     def current_group(self) -> dist.ProcessGroup | None:
         group = self._current_group()
         return group if group is not None and group.size() > 1 else None
@@ -110,9 +117,14 @@ def _allreduce_on_current_group(model, bucket):  # no annotations: DDP checks th
 
 def _broadcast_buffers_from_rank0(model: ElasticDistributedDataParallel, inputs: Any) -> None:
     group = model.current_group()
-    if group is None or not model.training:
-        return
+    if group is not None and model.training:
+        _broadcast_from_rank0(group, list(model.module.buffers()))
+
+
+def _broadcast_from_rank0(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    """Each tensor overwritten in place by rank 0's (the group's own method: see the all-reduce hook)."""
     options = dist.BroadcastOptions()
     options.rootRank, options.rootTensor = 0, 0
-    for buffer in model.module.buffers():
-        group.broadcast([buffer], options).wait()
+    with torch.no_grad():
+        for tensor in tensors:
+            group.broadcast([tensor.data], options).wait()

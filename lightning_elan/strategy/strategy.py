@@ -30,6 +30,7 @@ from lightning_elan import compat
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
+from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember
 from lightning_elan.protocol.contract import DEFAULT_JOIN_TIMEOUT_S, WorkerEnvironment
@@ -81,6 +82,8 @@ class ElanStrategy(DDPStrategy):
         self.engine.attach(self)
         self._collectives_local = False
         self._current_share: LocalShare | None = None
+        self._ddp: ElasticDistributedDataParallel | None = None
+        self._group_view: torch.distributed.ProcessGroup | None = None
         self._sync_environment()
 
     # ------------------------------------------------------------------ registration and environment
@@ -156,6 +159,7 @@ class ElanStrategy(DDPStrategy):
         backend, timeout = compat.collective_settings(self)
         self.engine.start(backend, self.root_device, timeout)
         self._collectives_local = not self.engine.is_member  # a joiner warming up
+        self._group_view = self.engine.generation_group if self.engine.is_member else None
         self._sync_environment()
 
     def _sync_environment(self) -> None:
@@ -177,11 +181,27 @@ class ElanStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         if not self.engine.is_member:
             self._join()
-        # DDP talks to this generation's group itself (its reducer divides by the C++ size given at construction);
-        # generation 0 starts like DDP (rank 0's weights broadcast); every later generation was formed by a
-        # replication, so all members already hold the same weights and DDP's construction has no collective
-        compat.set_ddp_arguments(self, self.engine.generation_group, init_sync=self.engine.generation == 0)
         super().configure_ddp()
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        """One elastic DDP for the life of the process: its gradient all-reduce follows the current generation, so a
+        resize rebuilds nothing (no bucket reallocation, no shape verification). Generation 0 starts like DDP (rank 0's
+        weights broadcast); every later generation was formed by a replication, so all members hold the same weights."""
+        if self._ddp is None or self._ddp.module is not model:
+            kwargs = dict(self._ddp_kwargs)
+            for unsupported in ("process_group", "static_graph"):
+                if kwargs.pop(unsupported, None):
+                    raise ValueError(f"ElanStrategy does not support DDP's {unsupported!r}: the elastic DDP chooses "
+                                     "its group at every generation and settles its buckets at construction")
+            self._ddp = ElasticDistributedDataParallel(model, self._current_group,
+                                                       device_ids=self.determine_ddp_device_ids(), **kwargs)
+            if self.engine.generation == 0:
+                self._ddp.broadcast_module_state()
+        return self._ddp
+
+    def _current_group(self) -> torch.distributed.ProcessGroup | None:
+        return self._group_view if self.engine.is_member else None
 
     def _join(self) -> None:
         """A joiner, warmed up (model on its device): wait for the adjustment and take the state from the source."""
@@ -216,11 +236,11 @@ class ElanStrategy(DDPStrategy):
         return compat.adjustment_blocker(self.lightning_module.trainer)
 
     def before_resize(self) -> None:
-        if isinstance(self.model, DistributedDataParallel):
-            compat.detach_ddp(self.model)
+        """The elastic DDP stays (it follows the generation); Lightning's ``configure_ddp`` expects the bare module."""
         self.model = self.lightning_module
 
     def membership_changed(self, previous_rank: int | None) -> None:
+        self._group_view = self.engine.generation_group if self.engine.is_member else None
         self._sync_environment()
         if self.global_rank == 0 and previous_rank != 0:
             compat.adopt_loggers(self.lightning_module.trainer)
