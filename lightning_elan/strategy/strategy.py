@@ -179,9 +179,10 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
+        """A joiner builds its elastic DDP while it warms up (it needs no group), then waits for its adjustment."""
+        super().configure_ddp()
         if not self.engine.is_member:
             self._join()
-        super().configure_ddp()
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
