@@ -61,7 +61,7 @@ class BenchModel(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
 
 
-class StepTimes(Callback):
+class StepFile:
     """Appends one JSON line per optimizer step (``time.time()`` after the step) to this process's own file.
 
     The first line describes the process: its pid, worker id, spawn time (the launcher's ``ELAN_SPAWN_TIME``, or
@@ -73,24 +73,34 @@ class StepTimes(Callback):
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"{label}-{os.getpid()}.jsonl"
         self._file: TextIO = self.path.open("a", buffering=1)
-        self._write(
-            {
-                "event": "start",
-                "pid": os.getpid(),
-                "worker": os.environ.get("ELAN_WORKER_ID") or os.environ.get("RANK") or "w0",
-                "spawn": spawn_time(),
-                "t": time.time(),
-            }
-        )
+        worker = os.environ.get("ELAN_WORKER_ID") or os.environ.get("RANK") or "w0"
+        self._write({"event": "start", "pid": os.getpid(), "worker": worker, "spawn": spawn_time(), "t": time.time()})
+
+    def step(self, step: int, world_size: int, rank: int) -> None:
+        self._write({"s": step, "t": time.time(), "w": world_size, "r": rank})
+
+    def flush(self) -> None:
+        self._file.flush()
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
+
+class StepTimes(Callback):
+    """A :class:`StepFile` fed by Lightning: one line per trained batch."""
+
+    def __init__(self, directory: Path, label: str) -> None:
+        self.file = StepFile(directory, label)
+
+    @property
+    def path(self) -> Path:
+        return self.file.path
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._write({"s": trainer.global_step, "t": time.time(), "w": trainer.world_size, "r": trainer.global_rank})
+        self.file.step(trainer.global_step, trainer.world_size, trainer.global_rank)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._file.flush()
+        self.file.flush()
 
 
 def spawn_time() -> float:

@@ -137,13 +137,28 @@ class ElasticAccelerator(Accelerator):
         return self.engine.data
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
-        """The epochs still to train, from the job's current epoch (a joiner starts at the replicated one)."""
+        """The epochs still to train, like ``range(num_epochs)`` but from the job's current epoch (a joiner starts at
+        the replicated one, mid-epoch at the job's position). Each later epoch starts at its beginning, also when the
+        loop over the previous one was left early (``break``). Ends on a worker that left the job."""
+        epoch: int | None = None
         while not self.has_left:
-            epoch = self.engine.data.epoch + (1 if self._epoch_complete() else 0)
+            try:
+                self._batch_boundary()  # a loop left early: its last batch ends first
+            except LeftTheJob:
+                break
+            epoch = self._next_epoch(epoch)
             if epoch >= num_epochs:
                 break
             yield epoch
         self._training_over()
+
+    def _next_epoch(self, previous: int | None) -> int:
+        data = self.engine.data
+        if previous is None:
+            return data.epoch + (1 if self._epoch_complete() else 0)
+        if self._train_loader is not None and data.epoch <= previous:
+            self._train_loader.set_epoch(previous + 1)
+        return previous + 1
 
     def register_for_elastic_state(self, *objects: Any) -> None:
         """Objects with ``state_dict``/``load_state_dict`` (an EMA, a metric) that joiners receive with the model
