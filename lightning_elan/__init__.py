@@ -1,7 +1,9 @@
 """lightning_elan: elastic data-parallel training for PyTorch Lightning.
 
-``import lightning_elan`` registers ``Trainer(strategy="elan")``. Lightning is imported lazily: the registration runs
-as soon as ``lightning.pytorch`` is (or already was) imported, so the ``elan`` command line stays fast.
+``import lightning_elan`` registers ``Trainer(strategy="elan")`` with ``lightning.pytorch`` and with the classic
+``pytorch_lightning``, whichever are installed (the classic tree's classes: :mod:`lightning_elan.pytorch_lightning`).
+Lightning is imported lazily: each registration runs as soon as its package is (or already was) imported, so the
+``elan`` command line stays fast.
 """
 
 from __future__ import annotations
@@ -15,22 +17,30 @@ from typing import Any
 __version__ = "0.1.0"
 __all__ = ["ElanEnvironment", "ElanStrategy", "__version__"]
 
-_LIGHTNING = "lightning.pytorch"
+# each Lightning package "elan" is registered with, and the module whose import registers it there (the end of
+# strategy/strategy.py; the classic tree's copy is made by lightning_elan._classic)
+_TREES = {
+    "lightning.pytorch": "lightning_elan.strategy.strategy",
+    "pytorch_lightning": "lightning_elan.pytorch_lightning.strategy.strategy",
+}
 
 
-def _register_strategy() -> None:
+def _register_strategy(strategy_module: str) -> None:
     """Importing the strategy module registers it (see the end of ``strategy/strategy.py``)."""
-    module = sys.modules.get("lightning_elan.strategy.strategy")
+    module = sys.modules.get(strategy_module)
     if module is not None and not hasattr(module, "register_elan_strategy"):
         return  # that module is importing Lightning right now and registers itself when it finishes
-    importlib.import_module("lightning_elan.strategy.strategy").register_elan_strategy()
+    importlib.import_module(strategy_module).register_elan_strategy()
 
 
 class _RegisterAfterLightningImport(importlib.abc.MetaPathFinder):
-    """Runs the registration right after ``lightning.pytorch`` finishes importing."""
+    """Runs the registration right after the Lightning package ``package`` finishes importing."""
+
+    def __init__(self, package: str) -> None:
+        self.package = package
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _LIGHTNING:
+        if fullname != self.package:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
@@ -40,16 +50,27 @@ class _RegisterAfterLightningImport(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module: Any) -> None:
             exec_module(module)
-            _register_strategy()
+            _register_strategy(_TREES[fullname])
 
         spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
         return spec
 
 
-if _LIGHTNING in sys.modules:
-    _register_strategy()
-elif not any(isinstance(finder, _RegisterAfterLightningImport) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterAfterLightningImport())
+def _register_when_imported(package: str) -> None:
+    """Register now if ``package`` is imported already, else right after its import (it may never be installed)."""
+    if package in sys.modules:
+        _register_strategy(_TREES[package])
+    elif not any(isinstance(finder, _RegisterAfterLightningImport) and finder.package == package
+                 for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterLightningImport(package))
+
+
+def _register_everywhere() -> None:
+    for package in _TREES:
+        _register_when_imported(package)
+
+
+_register_everywhere()
 
 
 def __getattr__(name: str) -> Any:
