@@ -1,15 +1,19 @@
-"""The benchmark's Accelerate workload: the same MLP and data as ``bench.train``, in an ordinary Accelerate loop.
+"""The benchmark's Accelerate workload: the same MLP, data and optimizer as ``bench.train``, in an ordinary
+Accelerate loop, with the same command line (the subset an Accelerate loop needs), so the harness's runners start it
+in place of ``bench.train`` (``bench/accelerate.py``).
 
-``--launcher plain`` is a plain ``accelerate.Accelerator`` (processes started like torchrun: RANK, WORLD_SIZE,
-MASTER_ADDR/PORT); ``--launcher elan`` an ``ElasticAccelerator`` under ``elan run``. Every worker appends its step
-completion times to ``--steps-dir`` (``bench.workload.StepFile``); ``--step-sleep`` slows each step to leave room for
-scheduled adjustments.
+``--launcher ddp`` is a plain ``accelerate.Accelerator`` (processes started like torchrun: RANK, WORLD_SIZE,
+MASTER_ADDR/PORT); ``--launcher elan`` an ``ElasticAccelerator`` under ``elan run`` with a fixed global batch
+(strong scaling). Every worker appends its step completion times to ``--steps-dir`` (``bench.workload.StepFile``).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -20,54 +24,99 @@ from torch.utils.data import DataLoader
 from bench.sizes import MODEL_SIZES
 from bench.workload import RepeatedDataset, StepFile, build_mlp
 
+LAUNCH_WORLD = 2  # elan jobs of the benchmark start with 2 workers; the per-worker batch is set for them
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--launcher", choices=("elan", "ddp"), required=True)
     parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SIZES))
-    parser.add_argument("--launcher", choices=("plain", "elan"), required=True)
+    parser.add_argument("--global-batch", type=int, default=48, help="samples per step over all workers")
     parser.add_argument("--max-steps", type=int, required=True)
-    parser.add_argument("--batch-size", type=int, default=32, help="per worker at launch")
     parser.add_argument("--steps-dir", type=Path, required=True)
-    parser.add_argument("--label", default=None)
-    parser.add_argument("--step-sleep", type=float, default=0.0)
-    return parser.parse_args()
+    parser.add_argument("--label", default="worker", help="prefix of this process's step file")
+    parser.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu"))
+    parser.add_argument("--epoch-steps", type=int, default=1000, help="global batches per epoch")
+    parser.add_argument("--stop-file", type=Path, default=None, help="stop at the step this file names, once it exists")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep added to every step")
+    return parser.parse_args(argv)
 
 
-def make_accelerator(launcher: str) -> Accelerator:
-    if launcher == "plain":
-        return Accelerator(cpu=True)
-    from lightning_elan.accelerate import ElasticAccelerator
+def make_accelerator(args: argparse.Namespace) -> Accelerator:
+    cpu = args.accelerator == "cpu"
+    if args.launcher == "ddp":
+        return Accelerator(cpu=cpu)
+    from lightning_elan.accelerate import ElasticAccelerator, ElasticPlugin
 
-    return ElasticAccelerator(cpu=True)
+    return ElasticAccelerator(cpu=cpu, elastic_plugin=ElasticPlugin(global_batch_size=args.global_batch))
 
 
-def main() -> None:
-    args = parse_args()
+class StopFile:
+    """The step written in ``path`` (the harness writes one a few steps ahead of every worker), once it exists."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._stop_at: int | None = None
+
+    def reached(self, step: int) -> bool:
+        if self._stop_at is None and self.path is not None and self.path.exists():
+            text = self.path.read_text().strip()
+            self._stop_at = int(text) if text else None
+        return self._stop_at is not None and step >= self._stop_at
+
+
+def epochs(accelerator: Accelerator, launcher: str) -> Iterable[int]:
+    """Epochs enough for any run; an elastic joiner starts at the job's epoch."""
+    return accelerator.epochs(10**6) if launcher == "elan" else range(10**6)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(name)s: %(message)s")
+    logging.getLogger("lightning_elan").setLevel(os.environ.get("BENCH_ELAN_LOG", "WARNING"))
+    args = parse_args(argv)
     torch.manual_seed(0)
-    accelerator = make_accelerator(args.launcher)
+    accelerator = make_accelerator(args)
+    launch_world = LAUNCH_WORLD if args.launcher == "elan" else accelerator.num_processes
+    dataset = RepeatedDataset(args.global_batch * args.epoch_steps)
+    loader = DataLoader(dataset, batch_size=max(1, args.global_batch // launch_world), shuffle=True)
     model = build_mlp(MODEL_SIZES[args.model])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    dataset = RepeatedDataset(args.batch_size * 2 * (args.max_steps + 1))  # one epoch longer than the run
-    loader = DataLoader(dataset, batch_size=args.batch_size)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    steps = StepFile(args.steps_dir, args.label or args.launcher)
-    epochs = accelerator.epochs(1) if args.launcher == "elan" else range(1)
+    train(args, accelerator, model, optimizer, loader)
+    if args.accelerator == "gpu":
+        torch.cuda.synchronize()
+    accelerator.end_training()
+    if args.launcher == "ddp":
+        skip_teardown()
+
+
+def skip_teardown() -> None:
+    """Leave without running destructors. torch 2.13: freeing plain DDP's Reducer drops the last reference to its
+    gloo group, whose destructor joins the group's worker thread while holding the GIL; a worker thread still
+    freeing a finished all-reduce needs the GIL — the process hangs (seen with py-spy, one run in a few). The step
+    file is flushed, so nothing is lost."""
+    logging.shutdown()
+    os._exit(0)
+
+
+def train(args: argparse.Namespace, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,
+          loader: DataLoader) -> None:
+    steps, stop = StepFile(args.steps_dir, args.label), StopFile(args.stop_file)
+    elastic = args.launcher == "elan"
     done = 0
-    for _ in epochs:
+    for _ in epochs(accelerator, args.launcher):
         for x, y in loader:
-            done = accelerator.optimizer_steps if args.launcher == "elan" else done
-            if done >= args.max_steps:
-                break
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             accelerator.backward(nn.functional.cross_entropy(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
-            done += 1
+            done = accelerator.optimizer_steps + 1 if elastic else done + 1  # counted at the next batch boundary
             steps.step(done, accelerator.num_processes, accelerator.process_index)
+            if done >= args.max_steps or stop.reached(done):
+                steps.flush()
+                return
     steps.flush()
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ class Scenario:
     timeout_s: float = 600.0
     torchrun_ckpt_every: int = 10
     stop_margin_steps: int = 5
+    workload: str = "bench.train"  # the training script's module: bench.train (Lightning), bench.accelerate_train
 
 
 class Follower:

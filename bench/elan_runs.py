@@ -84,7 +84,7 @@ def elan_command(scenario: Scenario, job: str, state_dir: Path, steps_dir: Path,
         *train_command(
             "--launcher", "elan", "--model", scenario.model, "--global-batch", str(scenario.global_batch),
             "--max-steps", str(max_steps), "--steps-dir", str(steps_dir), "--label", "elan",
-            "--accelerator", scenario.accelerator, "--stop-file", str(stop_file),
+            "--accelerator", scenario.accelerator, "--stop-file", str(stop_file), module=scenario.workload,
         ),
     ]
 

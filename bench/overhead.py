@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.analysis import load_steps, steps_per_second
-from bench.procs import Children, bench_env, train_command, wait_all
+from bench.procs import TRAIN_MODULE, Children, bench_env, train_command, wait_all
 from bench.restart_runs import launch_ddp_set
 
 log = logging.getLogger(__name__)
@@ -47,30 +47,32 @@ def parse_configs(text: str) -> tuple[tuple[str, int | None], ...]:
 
 
 def run_overhead(model: str, rounds: int, steps: int, out: Path, children: Children, accelerator: str = "cpu",
-                 timeout_s: float = 600.0, configs: tuple[tuple[str, int | None], ...] = CONFIGS) -> list[OverheadRun]:
+                 timeout_s: float = 600.0, configs: tuple[tuple[str, int | None], ...] = CONFIGS,
+                 module: str = TRAIN_MODULE) -> list[OverheadRun]:
+    """``rounds`` × every config (ddp = the workload's plain DDP launcher), in an order that rotates per round."""
     runs = []
     for round_index in range(rounds):
         for strategy, every in rotated(configs, round_index):
             name = "ddp" if every is None else f"elan{every}"
             run_dir = out / f"r{round_index}-{name}"
-            rate = _one_run(strategy, every, model, steps, run_dir, children, accelerator, timeout_s)
+            rate = _one_run(strategy, every, model, steps, run_dir, children, accelerator, timeout_s, module)
             log.info("overhead round %d %s: %.2f steps/s", round_index, name, rate)
             runs.append(OverheadRun(strategy, every, round_index, rate))
     return runs
 
 
 def _one_run(strategy: str, every: int | None, model: str, steps: int, run_dir: Path, children: Children,
-             accelerator: str, timeout_s: float) -> float:
+             accelerator: str, timeout_s: float, module: str = TRAIN_MODULE) -> float:
     steps_dir = run_dir / "steps"
     args = ["--model", model, "--max-steps", str(steps), "--steps-dir", str(steps_dir)]
     if strategy == "ddp":
-        procs = launch_ddp_set(children, 2, args, "ddp", run_dir, accelerator)
+        procs = launch_ddp_set(children, 2, args, "ddp", run_dir, accelerator, module)
     else:
         devices = ["--devices", "cuda"] if accelerator == "gpu" else []
         command = [
             sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "2", "--job", f"overhead-{int(time.time())}",
             "--coordinate-every", str(every), "--state-dir", str(run_dir / "state"), *devices, "--",
-            *train_command(*args, "--launcher", "elan", "--label", "elan", "--accelerator", accelerator),
+            *train_command(*args, "--launcher", "elan", "--label", "elan", "--accelerator", accelerator, module=module),
         ]
         procs = [children.start(command, bench_env({"ELAN_HOME": str(run_dir / "home")}), run_dir / "elan-run.log")]
     try:

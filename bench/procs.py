@@ -42,8 +42,12 @@ def bench_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def train_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "bench.train", *args]
+TRAIN_MODULE = "bench.train"
+
+
+def train_command(*args: str, module: str = TRAIN_MODULE) -> list[str]:
+    """The workload's command line: Lightning's ``bench.train`` or Accelerate's ``bench.accelerate_train``."""
+    return [sys.executable, "-m", module, *args]
 
 
 class Children:

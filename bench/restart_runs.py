@@ -18,7 +18,7 @@ from typing import Any
 
 from bench.analysis import Pause, ProcessSteps, load_steps, pause_around
 from bench.common import Scenario
-from bench.procs import LOOPBACK, Children, bench_env, free_port, train_command, wait_all
+from bench.procs import LOOPBACK, TRAIN_MODULE, Children, bench_env, free_port, train_command, wait_all
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,11 @@ class RestartJob:
 
 
 def launch_ddp_set(
-    children: Children, world: int, args: list[str], label: str, out: Path, accelerator: str
+    children: Children, world: int, args: list[str], label: str, out: Path, accelerator: str,
+    module: str = TRAIN_MODULE,
 ) -> list[subprocess.Popen]:
-    """Start ``world`` plain Lightning DDP processes that rendezvous on a fresh loopback port."""
+    """Start ``world`` plain DDP processes (Lightning's, or a plain Accelerator) that rendezvous on a fresh loopback
+    port."""
     port = str(free_port())
     procs = []
     for rank in range(world):
@@ -60,7 +62,8 @@ def launch_ddp_set(
             "LOCAL_RANK": str(rank), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(world),
             "BENCH_SPAWN_TIME": repr(time.time()),
         })
-        command = train_command(*args, "--launcher", "ddp", "--label", f"{label}-r{rank}", "--accelerator", accelerator)
+        command = train_command(*args, "--launcher", "ddp", "--label", f"{label}-r{rank}", "--accelerator", accelerator,
+                                module=module)
         procs.append(children.start(command, env, out / "logs" / f"{label}-r{rank}.log"))
     return procs
 
