@@ -318,8 +318,9 @@ class EtcdStore(StateStore):
         if self.fence is not None:
             leader = found[1] if len(found) > 1 else None
             if leader is None or leader.lease != self.fence.lease_id:
-                raise LeadershipLost(f"{self!r}: the leader key {self.fence.key} is no longer this AM's "
-                                     f"(lease {self.fence.lease_id}): another AM leads; this one stops writing")
+                raise LeadershipLost(f"{self!r}: the leader key {self.fence.key} is no longer on this AM's lease "
+                                     f"{self.fence.lease_id:x} (it expired, or another AM leads): this AM stops "
+                                     "writing")
         if state is not None and hashlib.sha256(state.value).digest() in self._unconfirmed:
             logger.info("%r: a write whose answer was lost had landed (revision %d)", self, state.mod_revision)
             self._revision = state.mod_revision
