@@ -157,14 +157,16 @@ def test_a_request_resent_to_the_new_leader_is_answered_from_the_persisted_reply
     assert again == reply and len(status["pending"]) == 1 and status["am"]["pid"] == second.proc.pid
 
 
-@pytest.mark.parametrize(("outage_s", "ttl_s"), [(5.0, 10), (2 * TTL_S + 2.0, TTL_S)])
-def test_an_etcd_outage_pauses_the_am_and_it_resumes_with_nothing_lost(etcd, ams, outage_s, ttl_s):
-    store = etcd.url(f"outage{int(outage_s)}")
+@pytest.mark.parametrize(("outage_s", "ttl_s", "how"),
+                         [(5.0, 10, "sigstop"), (2 * TTL_S + 2.0, TTL_S, "sigstop"), (5.0, 10, "restart")])
+def test_an_etcd_outage_pauses_the_am_and_it_resumes_with_nothing_lost(etcd, ams, outage_s, ttl_s, how):
+    """SIGSTOP etcd (or stop it and start it again on the same data dir) while a scale request waits for its write."""
+    store = etcd.url(f"outage{int(outage_s)}{how}")
     am = ams("only", store, ttl_s=ttl_s)
     wait_for_leader(store, am.address)
     with AMClient(am.address, JOB, timeout_s=1.0, retries=60) as client:
         before = start_and_grow(client)
-        etcd.pause()
+        etcd.pause() if how == "sigstop" else etcd.stop()
         answers: dict[str, dict] = {}
 
         def scale_during_the_outage() -> None:
@@ -174,12 +176,12 @@ def test_an_etcd_outage_pauses_the_am_and_it_resumes_with_nothing_lost(etcd, ams
         during = threading.Thread(target=scale_during_the_outage)
         during.start()
         time.sleep(outage_s)
-        etcd.resume()
+        etcd.resume() if how == "sigstop" else etcd.start()
         resumed_at = time.monotonic()
         during.join(90)
         answered_after = time.monotonic() - resumed_at
         after = client.status()
-    print(f"\netcd paused {outage_s:.0f} s (TTL {ttl_s} s): the scale sent meanwhile was answered "
+    print(f"\netcd {how} {outage_s:.0f} s (TTL {ttl_s} s): the scale sent meanwhile was answered "
           f"{answered_after:.2f} s after etcd resumed")
     assert answers["scale"]["new_workers"] == ["w3"], am.log()
     assert essentials(after)["members"] == essentials(before)["members"]
