@@ -73,8 +73,11 @@ class ElectedAM:
 
     def _start_serving(self) -> ApplicationMaster | None:
         """The AM of this term, serving with the leader's fence; None when the store cannot be read now."""
-        store = EtcdStore(self.locator, self.job, fence=self.leadership.fence(),
-                          retry_s=max(2.0, float(self.leadership.ttl_s)))
+        try:
+            fence = self.leadership.fence()
+        except RuntimeError:  # lost between the campaign and here
+            return None
+        store = EtcdStore(self.locator, self.job, fence=fence, retry_s=max(2.0, float(self.leadership.ttl_s)))
         try:
             am = ApplicationMaster(self.job, store, bind=self.bind, state_dir=self.state_dir,
                                    register=self.register, secret=self.secret)
@@ -87,6 +90,9 @@ class ElectedAM:
             logger.warning("job %r: could not serve on %s: %s", self.job, self.bind, error)
             return None
         self.bind = am.address  # a later term binds the same port: clients keep one address list
-        self.leadership.announce(am.address)
+        try:
+            self.leadership.announce(am.address)
+        except StoreUnavailable as error:  # the keep-alive decides whether this AM still leads
+            logger.warning("job %r: could not write the leader's address %s: %s", self.job, am.address, error)
         logger.info("job %r: AM (leader, term %d) serving on %s", self.job, self.terms + 1, am.address)
         return am
