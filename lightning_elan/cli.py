@@ -185,6 +185,15 @@ def _add_am(sub: Any) -> argparse.ArgumentParser:
     am.add_argument("--bind", default=DEFAULT_BIND, metavar="ADDR", help=f"ZeroMQ address (default {DEFAULT_BIND})")
     am.add_argument("--state-dir", type=Path, default=None, metavar="D", help="default: $ELAN_HOME/jobs/NAME")
     am.add_argument(
+        "--store", default=None, metavar="URL",
+        help="where the state lives: a file path (default D/state.json) or etcd://HOST:PORT[,HOST:PORT…]/PREFIX; with "
+        "etcd, several `elan am` of one job may run: one leads, the others stand by and take over",
+    )
+    am.add_argument(
+        "--lease-ttl", type=_positive_float, default=None, metavar="SECONDS",
+        help="etcd store: the leader's lease; a standby takes over this long after the leader died (default 5)",
+    )
+    am.add_argument(
         "--parent-pid", type=positive_int, default=None, metavar="PID",
         help="stop when this process is gone (elan run passes its own pid)",
     )
@@ -329,13 +338,18 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning_elan.master import ApplicationMaster, FileStore
 
     _reject_command(args, parser)
-    refuse_if_running(args.job, parser)
-    state_dir = Path(args.state_dir or registry.default_state_dir(args.job))
-    state_dir.mkdir(parents=True, exist_ok=True)
-    store = FileStore(state_dir / "state.json")
-    store.discard_partial_writes()
+    from lightning_elan.master.etcd_store import is_etcd_url
     from lightning_elan.protocol.auth import AuthError, secret_from_env
 
+    state_dir = Path(args.state_dir or registry.default_state_dir(args.job))
+    if args.store is not None and is_etcd_url(args.store):
+        return _am_in_etcd(args, parser, state_dir)
+    if args.lease_ttl is not None:
+        parser.error("--lease-ttl needs --store etcd://…")
+    refuse_if_running(args.job, parser)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    store = FileStore(args.store or state_dir / "state.json")
+    store.discard_partial_writes()
     try:
         am = ApplicationMaster(args.job, store, state_dir=state_dir, bind=args.bind, secret=secret_from_env())
     except AuthError as error:
@@ -346,6 +360,44 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     log.info("%s: stopping the AM of job %s", stopped, args.job)
     am.stop()
     return 0
+
+
+def _am_in_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser, state_dir: Path) -> int:
+    """``elan am --store etcd://…``: lead or stand by until SIGINT/SIGTERM (or the parent is gone)."""
+    from lightning_elan.master.elected import ElectedAM
+    from lightning_elan.master.etcd_store import parse_etcd_url
+    from lightning_elan.master.leadership import DEFAULT_LEASE_TTL_S
+    from lightning_elan.master.store import StoreError
+    from lightning_elan.protocol.auth import AuthError, refuse_open_bind, secret_from_env
+
+    try:
+        locator = parse_etcd_url(args.store)
+        secret = secret_from_env()
+        refuse_open_bind(args.bind, secret)
+        elected = ElectedAM(args.job, locator, args.bind, state_dir=state_dir, secret=secret,
+                            ttl_s=args.lease_ttl or DEFAULT_LEASE_TTL_S)
+    except ValueError as error:
+        parser.error(str(error))
+    except (AuthError, StoreError) as error:
+        raise CLIError(str(error), code=2) from None
+    stop, failed = threading.Event(), threading.Event()
+
+    def run() -> None:
+        try:
+            elected.run(stop)
+        except BaseException:
+            log.exception("the AM of job %s failed", args.job)
+            failed.set()
+            signal.raise_signal(signal.SIGTERM)  # wakes _wait_for_stop on the main thread
+
+    runner = threading.Thread(target=run, name="elan-elected-am", daemon=True)
+    runner.start()
+    log.info("AM of job %s (pid %d): state in %s; Ctrl-C stops it", args.job, os.getpid(), locator.url())
+    stopped = _wait_for_stop(args.parent_pid)
+    log.info("%s: stopping the AM of job %s", stopped, args.job)
+    stop.set()
+    runner.join(30)
+    return 1 if failed.is_set() else 0
 
 
 def _wait_for_stop(parent_pid: int | None = None) -> str:

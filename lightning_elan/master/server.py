@@ -18,7 +18,7 @@ import zmq
 
 from lightning_elan.master import journal, registry
 from lightning_elan.master.state import JobState, StateError
-from lightning_elan.master.store import StateStore
+from lightning_elan.master.store import StateStore, StoreConflict, StoreUnavailable
 from lightning_elan.protocol.auth import AuthError, FrameSigner, is_signed, refuse_open_bind
 from lightning_elan.protocol.contract import (
     MUTATING_TYPES,
@@ -207,6 +207,7 @@ class ApplicationMaster:
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None
         self._serving = False
+        self.fenced_reason: str | None = None  # set when a state write was refused (StoreConflict): stopped for good
         self._socket: zmq.Socket | None = None  # only touched by the serving thread
         self._parked: dict[str, _ParkedWait] = {}
         self._records_to_write: list[dict[str, Any]] = []
@@ -233,6 +234,11 @@ class ApplicationMaster:
         if self._address is None:
             raise RuntimeError("the AM is not bound yet: call start() or serve_forever() first")
         return self._address
+
+    @property
+    def serving(self) -> bool:
+        """True while the serving loop runs (false once stopped, or fenced by a refused state write)."""
+        return self._serving
 
     def start(self, timeout_s: float = 10.0) -> ApplicationMaster:
         """Bind and serve on a daemon thread; returns once the address is known."""
@@ -330,6 +336,8 @@ class ApplicationMaster:
 
     def _drain(self, socket: zmq.Socket) -> None:
         for _ in range(MAX_MESSAGES_PER_TICK):
+            if self._stopping.is_set():  # fenced while draining: answer nothing more
+                return
             try:
                 frames = socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -343,11 +351,23 @@ class ApplicationMaster:
         envelope, payload = _split_envelope(frames)
         try:
             reply = self._reply_to(envelope, payload)
+        except StoreUnavailable as error:  # nothing applied (rolled back); the client resends the same id
+            self._warnings.warn("AM of job %r: the store is unavailable, request not answered: %s", self.job, error)
+            reply = None
+        except StoreConflict as error:
+            self._fence(str(error))
+            reply = None
         except Exception as error:  # a bug in a handler: answer and keep serving
             logger.exception("AM of job %r failed on a request", self.job)
             reply = error_reply(_peek_id(payload), f"internal error in the AM: {type(error).__name__}: {error}")
         if reply is not None:
             self._send(envelope, reply)
+
+    def _fence(self, reason: str) -> None:
+        """Another writer owns the state (or this AM lost its leadership): stop serving and writing at once."""
+        logger.error("AM of job %r stops: its state write was refused: %s", self.job, reason)
+        self.fenced_reason = reason
+        self._stopping.set()
 
     def _reply_to(self, envelope: list[bytes], payload: bytes | None) -> dict[str, Any] | None:
         if payload is None:

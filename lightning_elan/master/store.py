@@ -10,6 +10,20 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 
+class StoreError(RuntimeError):
+    """The store could not save or load the AM's state."""
+
+
+class StoreUnavailable(StoreError):
+    """The store did not answer within its retry budget; nothing is known to be written. The AM does not reply to the
+    request that needed the write (its client resends the same id) and tries again later."""
+
+
+class StoreConflict(StoreError):
+    """Another writer changed the state since this store read it, or this AM is no longer the leader: the AM must
+    stop writing and stop serving (it has been fenced)."""
+
+
 @runtime_checkable
 class StateStore(Protocol):
     """Persists the AM's state document; ``save`` must be atomic (a reader sees the old or the new state)."""
@@ -84,6 +98,19 @@ class MemoryStore(StateStore):
     def save(self, state: dict[str, Any]) -> None:
         json.dumps(state, allow_nan=False)  # same contract as FileStore: JSON-serialisable
         self._state = copy.deepcopy(state)
+
+
+def store_from_url(url_or_path: str | Path, job: str, **options: Any) -> StateStore:
+    """The store named by ``url_or_path``: ``etcd://HOST:PORT[,HOST:PORT…]/PREFIX`` → ``EtcdStore`` of ``job``
+    (``options`` go to it), a plain path → ``FileStore`` of that file."""
+    text = str(url_or_path)
+    if "://" in text:
+        from lightning_elan.master.etcd_store import EtcdStore, is_etcd_url
+
+        if not is_etcd_url(text):
+            raise ValueError(f"unsupported store URL {text!r}: expected etcd://HOST:PORT[,HOST:PORT…]/PREFIX or a path")
+        return EtcdStore.from_url(text, job, **options)
+    return FileStore(text)
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -50,12 +50,25 @@ class AMUnavailable(ConnectionError):
     """The AM did not answer a request, even after every resend."""
 
 
+def split_addresses(address: str) -> list[str]:
+    """``"tcp://a:1,tcp://b:2"`` → ``["tcp://a:1", "tcp://b:2"]``; refuses an empty list or an empty entry."""
+    addresses = [part.strip() for part in address.split(",")]
+    if not address.strip() or not all(addresses):
+        raise ValueError(f"bad AM address list {address!r}: expected tcp://HOST:PORT[,tcp://HOST:PORT…]")
+    return addresses
+
+
 class AMClient:
     """Talks to one job's AM. Use one client per thread: a ZeroMQ socket must not be shared between threads.
 
     (A lock serialises accidental sharing, but a parked ``wait_plan`` then blocks every other caller.)
     Each request waits ``timeout_s`` for its reply, then is resent with the **same id** up to ``retries`` times, so
     the AM applies it at most once; replies carrying another id (late answers to earlier requests) are discarded.
+
+    ``address`` may list the addresses of several AMs of the job, comma-separated (``tcp://a:1,tcp://b:2``: a leader
+    and its standbys, ``elan am --store etcd://…``). The socket connects to all of them, and each attempt goes to one
+    that is connected (only the leader binds its address; a standby binds once it leads); an attempt waits up to
+    ``timeout_s`` for a connected AM, then up to ``timeout_s`` for the reply.
     """
 
     def __init__(self, address: str, job: str, timeout_s: float = 2.0, retries: int = 3,
@@ -65,6 +78,7 @@ class AMClient:
         if retries < 0:
             raise ValueError(f"retries must be ≥ 0, got {retries}")
         self.address = address
+        self.addresses = split_addresses(address)
         self.job = job
         self.timeout_s = timeout_s
         self.retries = retries
@@ -74,7 +88,10 @@ class AMClient:
         self._lock = threading.Lock()
         self._socket: zmq.Socket | None = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(address)
+        if len(self.addresses) > 1:  # queue nothing for an AM that is not there (a standby, a dead leader)
+            self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        for each in self.addresses:
+            self._socket.connect(each)
 
     def request(
         self,
@@ -95,7 +112,7 @@ class AMClient:
             socket = self._open_socket()
             for attempt in range(1, attempts + 1):
                 # each attempt signed anew (a fresh nonce); the same id lets the AM answer a resend from its cache
-                self._send(socket, payload if self._signer is None else self._signer.sign(payload))
+                self._send(socket, payload if self._signer is None else self._signer.sign(payload), timeout_s)
                 reply = self._await_reply(socket, msg_id, timeout_s)
                 if reply is not None:
                     return self._unwrap(reply, type)
@@ -169,7 +186,10 @@ class AMClient:
             raise RuntimeError("AMClient is closed")
         return self._socket
 
-    def _send(self, socket: zmq.Socket, payload: bytes) -> None:
+    def _send(self, socket: zmq.Socket, payload: bytes, timeout_s: float) -> None:
+        if len(self.addresses) > 1 and not socket.poll(max(1, round(timeout_s * 1000)), zmq.POLLOUT):
+            logger.debug("no AM of %s is connected; the attempt is lost", self.address)
+            return
         try:
             socket.send(payload, zmq.NOBLOCK)
         except zmq.Again:  # send queue full; count it as a lost attempt

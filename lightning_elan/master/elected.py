@@ -1,0 +1,98 @@
+"""An AM process among several for one job, its state in etcd: it leads or stands by (``elan am --store etcd://…``).
+
+``ElectedAM.run()`` campaigns for the leader key (``leadership.py``); the winner loads the state from etcd (which
+counts an AM restart when a state exists, as any resume does), binds its ZeroMQ address, writes that address into the
+leader key and serves. Its state writes carry its lease (``etcd_store.Fence``). When it loses the leadership (its
+lease expired or etcd was unreachable for a whole TTL) or a write is refused, it stops serving at once and campaigns
+again as a standby: it leads again (reloading the state from etcd) when the key is free, e.g. after etcd came back
+with nobody else running. A supervisor therefore never has to restart it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from lightning_elan.master.etcd_store import EtcdLocator, EtcdStore
+from lightning_elan.master.leadership import DEFAULT_LEASE_TTL_S, Leadership
+from lightning_elan.master.server import ApplicationMaster
+from lightning_elan.master.store import StoreConflict, StoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.1
+RETRY_PAUSE_S = 0.5
+
+
+class ElectedAM:
+    """Lead or stand by for ``job``; serve while leading."""
+
+    def __init__(self, job: str, locator: EtcdLocator, bind: str, state_dir: Path | None = None,
+                 secret: bytes | None = None, ttl_s: float = DEFAULT_LEASE_TTL_S, register: bool = True) -> None:
+        self.job = job
+        self.locator = locator
+        self.bind = bind
+        self.state_dir = state_dir
+        self.secret = secret
+        self.register = register
+        self.leadership = Leadership(locator, job, bind, ttl_s=ttl_s)
+        self.terms = 0  # how many times this process has led
+
+    def run(self, stop: threading.Event) -> None:
+        """Campaign, serve while leading, campaign again after a loss; return once ``stop`` is set."""
+        try:
+            while not stop.is_set():
+                logger.info("job %r: AM campaigning for the leadership (etcd %s)", self.job, self.locator.url())
+                if not self.leadership.campaign(stop):
+                    break
+                self._lead(stop)
+        finally:
+            self.leadership.resign()
+
+    def _lead(self, stop: threading.Event) -> None:
+        am = self._start_serving()
+        if am is None:
+            time.sleep(RETRY_PAUSE_S)
+            return
+        self.terms += 1
+        try:
+            while not stop.is_set() and am.serving and not self.leadership.lost.is_set():
+                time.sleep(WATCH_INTERVAL_S)
+        finally:
+            am.stop()
+        if stop.is_set():
+            return
+        reason = am.fenced_reason or self.leadership.lost_reason or "the AM stopped"
+        logger.error("job %r: AM at %s stopped serving (%s); standing by", self.job, am.address, reason)
+        if am.fenced_reason and not self.leadership.lost.is_set():
+            self.leadership.resign()  # another writer changed the state: let any AM lead and reload it
+
+    def _start_serving(self) -> ApplicationMaster | None:
+        """The AM of this term, serving with the leader's fence; None when the store cannot be read now."""
+        try:
+            fence = self.leadership.fence()
+        except RuntimeError:  # lost between the campaign and here
+            return None
+        store = EtcdStore(self.locator, self.job, fence=fence, retry_s=max(2.0, float(self.leadership.ttl_s)))
+        try:
+            am = ApplicationMaster(self.job, store, bind=self.bind, state_dir=self.state_dir,
+                                   register=self.register, secret=self.secret)
+        except (StoreUnavailable, StoreConflict) as error:
+            logger.warning("job %r: could not load the state as the new leader: %s", self.job, error)
+            return None
+        try:
+            am.start()
+        except (OSError, RuntimeError, zmq.ZMQError) as error:  # e.g. the previous term's socket not closed yet
+            logger.warning("job %r: could not serve on %s: %s", self.job, self.bind, error)
+            return None
+        self.bind = am.address  # a later term binds the same port: clients keep one address list
+        try:
+            self.leadership.announce(am.address)
+        except StoreUnavailable as error:  # the keep-alive decides whether this AM still leads
+            logger.warning("job %r: could not write the leader's address %s: %s", self.job, am.address, error)
+        logger.info("job %r: AM (leader, term %d) serving on %s", self.job, self.terms + 1, am.address)
+        return am
