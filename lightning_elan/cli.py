@@ -1,4 +1,4 @@
-"""The ``elan`` console script: ``elan run``, ``elan am``, ``elan scale``, ``elan status``.
+"""The ``elan`` console script: ``elan run``, ``elan am``, ``elan worker``, ``elan scale``, ``elan status``.
 
 Argument problems exit with code 2 and one ``elan <command>: error: …`` line (argparse style); so do
 an unknown job and an AM that does not answer. An error reply from the AM exits with code 1 as
@@ -85,6 +85,22 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"must be a number ≥ 0, got {text!r}")
+    return value
+
+
+def _am_address_list(text: str) -> str:
+    from lightning_elan.launcher.enrolled import am_addresses
+
+    return am_addresses(text)
+
+
 def _grace_seconds(text: str) -> float:
     value = _positive_float(text)
     if value == float("inf"):
@@ -98,6 +114,8 @@ job_name = _arg_type(_job_name)
 positive_float = _arg_type(_positive_float)
 schedule_type = _arg_type(parse_schedule)
 grace_seconds = _arg_type(_grace_seconds)
+am_address_list = _arg_type(_am_address_list)
+non_negative_float = _arg_type(_non_negative_float)
 
 
 # ---------------------------------------------------------------------- parser
@@ -117,6 +135,7 @@ def build_parser() -> Parsers:
     commands = {
         "run": _add_run(sub),
         "am": _add_am(sub),
+        "worker": _add_worker(sub),
         "scale": _add_scale(sub),
         "status": _add_status(sub),
     }
@@ -197,7 +216,56 @@ def _add_am(sub: Any) -> argparse.ArgumentParser:
         "--parent-pid", type=positive_int, default=None, metavar="PID",
         help="stop when this process is gone (elan run passes its own pid)",
     )
+    _add_enrolment_options(am)
     return am
+
+
+def _add_enrolment_options(am: argparse.ArgumentParser) -> None:
+    """``elan am --min-workers N``: a job of workers started by a scheduler (``elan worker``)."""
+    group = am.add_argument_group("workers started by a scheduler (`elan worker`)")
+    group.add_argument(
+        "--min-workers", type=positive_int, default=None, metavar="N",
+        help="take `elan worker`s: the job starts once N have enrolled (and, after a worker dies, waits for joiners "
+             "while fewer than N are left)",
+    )
+    group.add_argument("--max-workers", type=positive_int, default=None, metavar="M",
+                       help="at most M workers (default: --min-workers); more are refused")
+    group.add_argument("--start-grace", type=non_negative_float, default=None, metavar="SECONDS",
+                       help="once N have enrolled, wait this long for more (up to M) before the start (default 5)")
+    group.add_argument("--coordinate-every", type=positive_int, default=None, metavar="K",
+                       help=f"coordination interval in steps (default {DEFAULT_COORDINATE_EVERY})")
+    group.add_argument("--join-timeout", type=positive_float, default=None, metavar="SECONDS",
+                       help=f"how long the job waits for joiners below --min-workers before it fails (default "
+                            f"{DEFAULT_JOIN_TIMEOUT_S:g})")
+    group.add_argument("--rdzv-port", type=non_negative_int, default=0, metavar="P",
+                       help="port of the job's rendezvous store (a TCPStore this AM serves; default: a free one)")
+
+
+def _add_worker(sub: Any) -> argparse.ArgumentParser:
+    worker = sub.add_parser(
+        "worker",
+        help="run one worker of a job whose AM takes enrolments (started by any scheduler)",
+        usage="elan worker [--am HOST:PORT] [--job NAME] [options] -- CMD...",
+        description="Enrol with the job's AM (`elan am --min-workers N`), then run CMD as a member of the first "
+                    "generation or, once the job runs, as a joiner. SIGTERM makes CMD leave the job gracefully.",
+    )
+    worker.add_argument("--am", type=am_address_list, default=os.environ.get("ELAN_AM"), metavar="HOST:PORT",
+                        help="the AM's address, or a comma list of a leader and its standbys (default: $ELAN_AM)")
+    worker.add_argument("--job", type=job_name, default=os.environ.get("ELAN_JOB"), metavar="NAME",
+                        help="default: $ELAN_JOB")
+    worker.add_argument("--device-index", type=non_negative_int, default=_local_rank(), metavar="I",
+                        help="the GPU of this worker (default: $LOCAL_RANK or $SLURM_LOCALID when set)")
+    worker.add_argument("--term-grace", type=grace_seconds, default=DEFAULT_TERM_GRACE_S, metavar="SECONDS",
+                        help="after SIGTERM, how long the worker may take to leave (default %(default)g)")
+    worker.add_argument("--enrol-timeout", type=positive_float, default=600.0, metavar="SECONDS",
+                        help="give up when no AM answers, or the job does not start, within this long "
+                             "(default %(default)g)")
+    return worker
+
+
+def _local_rank() -> int | None:
+    text = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
+    return int(text) if text and text.isdigit() else None
 
 
 def _add_scale(sub: Any) -> argparse.ArgumentParser:
@@ -207,6 +275,7 @@ def _add_scale(sub: Any) -> argparse.ArgumentParser:
         usage="elan scale --job NAME [--at-step S] {add K | remove K | remove rank:R[,R…] | migrate K | to N}",
     )
     scale.add_argument("--job", type=job_name, required=True, metavar="NAME")
+    _add_am_option(scale)
     scale.add_argument("--at-step", type=non_negative_int, default=None, metavar="S", help="not before step S")
     scale.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS")
     scale.add_argument("action", metavar="ACTION", help="add, remove, migrate or to")
@@ -217,9 +286,16 @@ def _add_scale(sub: Any) -> argparse.ArgumentParser:
 def _add_status(sub: Any) -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show a running job")
     status.add_argument("--job", type=job_name, required=True, metavar="NAME")
+    _add_am_option(status)
     status.add_argument("--json", action="store_true", help="print the AM's status reply as JSON")
     status.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS")
     return status
+
+
+def _add_am_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--am", type=am_address_list, default=None, metavar="HOST:PORT",
+                         help="the AM's address (comma list: leader and standbys); default: found through this "
+                              "machine's job registry")
 
 
 def split_command(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
@@ -240,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parsers.main.parse_args(own)
     args.worker_command = command
     configure_logging()
-    handler = {"run": cmd_run, "am": cmd_am, "scale": cmd_scale, "status": cmd_status}[args.command]
+    handler = {"run": cmd_run, "am": cmd_am, "worker": cmd_worker, "scale": cmd_scale,
+               "status": cmd_status}[args.command]
     try:
         use_secret_file(args.secret_file)
         return handler(args, parsers.commands[args.command])
@@ -342,7 +419,10 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning_elan.protocol.auth import AuthError, secret_from_env
 
     state_dir = Path(args.state_dir or registry.default_state_dir(args.job))
+    enrolment = _enrolment(args, parser)
     if args.store is not None and is_etcd_url(args.store):
+        if enrolment is not None:
+            parser.error("--min-workers (`elan worker`s) with --store etcd://… is not supported yet")
         return _am_in_etcd(args, parser, state_dir)
     if args.lease_ttl is not None:
         parser.error("--lease-ttl needs --store etcd://…")
@@ -350,16 +430,77 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     store = FileStore(args.store or state_dir / "state.json")
     store.discard_partial_writes()
+    rendezvous = None if enrolment is None else _serve_rendezvous_store(args)
     try:
-        am = ApplicationMaster(args.job, store, state_dir=state_dir, bind=args.bind, secret=secret_from_env())
+        am = ApplicationMaster(args.job, store, state_dir=state_dir, bind=args.bind, secret=secret_from_env(),
+                               rendezvous=None if rendezvous is None else (_advertised_host(args.bind),
+                                                                           rendezvous.port))
     except AuthError as error:
         raise CLIError(str(error), code=2) from None
+    if enrolment is not None:
+        am.accept_enrolments(enrolment, coordinate_every=args.coordinate_every, join_timeout_s=args.join_timeout)
     am.start()
-    log.info("AM of job %s (pid %d): state in %s; Ctrl-C stops it", args.job, os.getpid(), state_dir)
-    stopped = _wait_for_stop(args.parent_pid)
+    log.info("AM of job %s (pid %d) at %s: state in %s; Ctrl-C stops it", args.job, os.getpid(), am.address,
+             state_dir)
+    stopped = _wait_for_stop(args.parent_pid, done=lambda: am.finished if enrolment is not None else False)
     log.info("%s: stopping the AM of job %s", stopped, args.job)
     am.stop()
     return 0
+
+
+def _enrolment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """The enrolment rule of ``--min-workers``/``--max-workers``, or None (the job's workers come from elan run)."""
+    from lightning_elan.master.enrolment import DEFAULT_START_GRACE_S, Enrolment
+
+    enrolment_only = ("max_workers", "start_grace", "coordinate_every", "join_timeout")
+    if args.min_workers is None:
+        given = [f"--{name.replace('_', '-')}" for name in enrolment_only if getattr(args, name) is not None]
+        if given:
+            parser.error(f"{', '.join(given)} need(s) --min-workers")
+        return None
+    maximum = args.max_workers or args.min_workers
+    try:
+        return Enrolment(args.min_workers, maximum, DEFAULT_START_GRACE_S if args.start_grace is None
+                         else args.start_grace)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def _serve_rendezvous_store(args: argparse.Namespace) -> Any:
+    """The job's TCPStore (joiners' rendezvous, failure keys), served by this AM process for enrolled workers."""
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore("0.0.0.0", args.rdzv_port, is_master=True, wait_for_workers=False)
+    except RuntimeError as error:
+        raise CLIError(f"cannot serve the rendezvous store on port {args.rdzv_port}: {error}", code=2) from None
+
+
+def _advertised_host(bind: str) -> str | None:
+    """The host enrolled workers reach the store at: the AM's bind host, unless it is a wildcard (then the host each
+    worker reaches the AM at)."""
+    host = bind.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return None if host in ("*", "0.0.0.0", "::", "") else host
+
+
+# ---------------------------------------------------------------------- elan worker
+
+
+def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning_elan.launcher.enrolled import EXIT_NOT_ENROLLED, EnrolledWorker, NotEnrolled, WorkerConfig
+
+    command = _worker_command(args, parser)
+    if args.am is None:
+        parser.error("the AM's address is needed: --am HOST:PORT (or $ELAN_AM)")
+    if args.job is None:
+        parser.error("the job's name is needed: --job NAME (or $ELAN_JOB)")
+    config = WorkerConfig(args.am, args.job, command, device_index=args.device_index, term_grace_s=args.term_grace,
+                          enrol_timeout_s=args.enrol_timeout)
+    try:
+        return EnrolledWorker(config).run()
+    except NotEnrolled as error:
+        log.error("%s", error)
+        return EXIT_NOT_ENROLLED
 
 
 def _am_in_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser, state_dir: Path) -> int:
@@ -400,8 +541,8 @@ def _am_in_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser, state
     return 1 if failed.is_set() else 0
 
 
-def _wait_for_stop(parent_pid: int | None = None) -> str:
-    """Block until SIGINT or SIGTERM (or until ``parent_pid`` is no longer our parent); return why."""
+def _wait_for_stop(parent_pid: int | None = None, done: Callable[[], bool] = lambda: False) -> str:
+    """Block until SIGINT or SIGTERM (or until ``parent_pid`` is no longer our parent, or ``done()``); return why."""
     received: list[int] = []
     wake = threading.Event()
 
@@ -414,6 +555,8 @@ def _wait_for_stop(parent_pid: int | None = None) -> str:
         while not wake.wait(0.5):
             if parent_pid is not None and os.getppid() != parent_pid:
                 return f"parent process {parent_pid} is gone"
+            if done():
+                return "the job is over"
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -429,7 +572,7 @@ def cmd_scale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         action = parse_action(args.action, args.arg, at_step=args.at_step)
     except ScheduleError as exc:
         parser.error(str(exc))
-    client = connect(args.job, timeout_s=args.timeout)
+    client = connect(args.job, timeout_s=args.timeout, am=args.am)
     reply = _call(client, args.job, lambda: client.scale(**action.request_kwargs()))
     print(describe_scale_reply(action, reply))
     return 0
@@ -437,7 +580,7 @@ def cmd_scale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _reject_command(args, parser)
-    client = connect(args.job, timeout_s=args.timeout)
+    client = connect(args.job, timeout_s=args.timeout, am=args.am)
     status = _call(client, args.job, client.status)
     print(json.dumps(status, indent=2, sort_keys=True) if args.json else format_status(status))
     return 0
@@ -445,7 +588,7 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 def _reject_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.worker_command is not None:
-        parser.error("unexpected `--`: only `elan run` takes a worker command")
+        parser.error("unexpected `--`: only `elan run` and `elan worker` take a worker command")
 
 
 def read_registry(job: str) -> dict[str, Any]:
@@ -462,10 +605,14 @@ def read_registry(job: str) -> dict[str, Any]:
     return entry
 
 
-def connect(job: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retries: int | None = None) -> Any:
-    """An ``AMClient`` for the running job ``job`` (its address read from the registry)."""
-    entry = read_registry(job)
+def connect(job: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retries: int | None = None,
+            am: str | None = None) -> Any:
+    """An ``AMClient`` for the running job ``job``: at ``am`` if given, else at the address in the registry."""
     from lightning_elan.protocol.client import AMClient
+
+    if am is not None:
+        return AMClient(am, job, timeout_s=timeout_s, **({} if retries is None else {"retries": retries}))
+    entry = read_registry(job)
 
     address = str(entry["address"])
     gone = dead_local_pid(address, entry.get("pid"))

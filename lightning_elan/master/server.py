@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,11 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
 from lightning_elan.master import journal, registry
+from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore, StoreConflict, StoreUnavailable
 from lightning_elan.protocol.auth import AuthError, FrameSigner, is_signed, refuse_open_bind
@@ -24,6 +26,7 @@ from lightning_elan.protocol.contract import (
     MUTATING_TYPES,
     AdjustmentReport,
     CoordinateRequest,
+    EnrolRequest,
     LeaveRequest,
     RecoverRequest,
     RegisterRequest,
@@ -44,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 POLL_INTERVAL_MS = 10
+_T = TypeVar("_T")
+HOUSEKEEPING_INTERVAL_S = 0.25  # the AM's own clock for a job of enrolled workers (no launcher polls it)
 MAX_MESSAGES_PER_TICK = 256
 MAX_WAIT_S = 3600.0
 HARD_MESSAGE_LIMIT = 64 * MAX_MESSAGE_BYTES  # larger frames make ZeroMQ drop the connection (no reply)
@@ -190,6 +195,7 @@ class ApplicationMaster:
         state_dir: str | Path | None = None,
         register: bool = True,
         secret: bytes | None = None,
+        rendezvous: tuple[str | None, int] | None = None,
     ) -> None:
         self.job = registry.check_job_name(job)
         self.store = store
@@ -211,6 +217,8 @@ class ApplicationMaster:
         self._socket: zmq.Socket | None = None  # only touched by the serving thread
         self._parked: dict[str, _ParkedWait] = {}
         self._records_to_write: list[dict[str, Any]] = []
+        self._rendezvous = rendezvous  # (host or None, port) of the rendezvous store, told to enrolled workers
+        self._next_housekeeping = 0.0
         self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any] | _Park]] = {
             "start_job": self._on_start_job,
             "scale": self._on_scale,
@@ -224,6 +232,7 @@ class ApplicationMaster:
             "report": self._on_report,
             "recover": lambda body: self._state.recover(RecoverRequest.from_body(body)),
             "leave": self._on_leave,
+            "enrol": self._on_enrol,
         }
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
@@ -234,6 +243,15 @@ class ApplicationMaster:
         if self._address is None:
             raise RuntimeError("the AM is not bound yet: call start() or serve_forever() first")
         return self._address
+
+    def accept_enrolments(self, enrolment: Enrolment, **options: Any) -> None:
+        """Let ``elan worker``s enrol (before ``start``): see :meth:`JobState.accept_enrolments`."""
+        self._state.accept_enrolments(enrolment, **options)
+        self._persist()
+
+    @property
+    def finished(self) -> bool:
+        return self._state.finished
 
     @property
     def serving(self) -> bool:
@@ -333,6 +351,21 @@ class ApplicationMaster:
             if poller.poll(POLL_INTERVAL_MS):
                 self._drain(socket)
             self._expire_parked()
+            self._keep_house()
+
+    def _keep_house(self) -> None:
+        """For a job of enrolled workers: start it, fail silent joiners, recover, finish (as a transaction)."""
+        if self._state.enrolment is None or time.monotonic() < self._next_housekeeping:
+            return
+        self._next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
+        try:
+            self._transaction(self._state.housekeeping)
+        except StoreUnavailable as error:
+            self._warnings.warn("AM of job %r: the store is unavailable, housekeeping deferred: %s", self.job, error)
+        except StoreConflict as error:
+            self._fence(str(error))
+            return
+        self._wake_parked()
 
     def _drain(self, socket: zmq.Socket) -> None:
         for _ in range(MAX_MESSAGES_PER_TICK):
@@ -419,19 +452,35 @@ class ApplicationMaster:
 
     def _apply(self, request: Request) -> dict[str, Any]:
         """Run a mutating handler as a transaction: persist on change, roll back on any error."""
+
+        def handle() -> dict[str, Any]:
+            return ok_reply(request.id, self._handlers[request.type](request.body))
+
+        def remember(reply: dict[str, Any]) -> None:  # a reply that changed the state is answered again from here
+            self._replies.put(request.id, request.type, reply)
+
+        try:
+            return self._transaction(handle, remember)
+        except BaseException:
+            self._replies.discard(request.id)
+            raise
+
+    def _transaction(self, change: Callable[[], _T], on_change: Callable[[_T], None] | None = None) -> _T:
+        """Run ``change``; if the durable state changed, call ``on_change`` with its result and persist; roll back
+        on any error."""
         before = self._state.to_dict()
         try:
-            reply = ok_reply(request.id, self._handlers[request.type](request.body))
+            result = change()
             if _durable(self._state.to_dict()) != _durable(before):
-                self._replies.put(request.id, request.type, reply)
+                if on_change is not None:
+                    on_change(result)
                 self._persist()
         except BaseException:
             self._state = JobState.from_dict(before)
-            self._replies.discard(request.id)
             self._records_to_write.clear()
             raise
         self._write_records()
-        return reply
+        return result
 
     # ---- handlers ------------------------------------------------------------------------------------------------
 
@@ -452,6 +501,12 @@ class ApplicationMaster:
             reply["new_workers"],
         )
         return reply
+
+    def _on_enrol(self, body: dict[str, Any]) -> dict[str, Any]:
+        reply = self._state.enrol(EnrolRequest.from_body(body))
+        if self._rendezvous is not None:
+            reply = dataclasses.replace(reply, store_host=self._rendezvous[0], store_port=self._rendezvous[1])
+        return reply.to_body()
 
     def _on_register(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._state.register(RegisterRequest.from_body(body))

@@ -13,8 +13,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_elan.master.enrolment import Enrollee, Enrolment
 from lightning_elan.master.recovery import CheckIn, Recovery, recovery_plan
 from lightning_elan.protocol.contract import (
+    DEFAULT_COORDINATE_EVERY,
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_RECOVERY_TIMEOUT_S,
     DEFAULT_REPORT_TIMEOUT_S,
@@ -23,10 +25,13 @@ from lightning_elan.protocol.contract import (
     LEAVE_QUEUED,
     MAX_WORLD_SIZE,
     REPORT_ROLES,
+    ROLE_WAITING,
     AdjustmentPlan,
     AdjustmentReport,
     CoordinateReply,
     CoordinateRequest,
+    EnrolReply,
+    EnrolRequest,
     RecoverRequest,
     RegisterRequest,
     Transfer,
@@ -273,6 +278,7 @@ class JobState:
     failed_reason: str | None = None  # why the job stopped unfinished (no survivor, too few workers)
     next_failure: int = 1
     trained_out: list[str] = field(default_factory=list)  # members that exited 0 (fit returned), this generation
+    enrolment: Enrolment | None = None  # workers come from a scheduler (`elan worker`), not from `elan run`
 
     # ---- serialisation -------------------------------------------------------------------------------------------
 
@@ -305,6 +311,7 @@ class JobState:
             "failed_reason": self.failed_reason,
             "next_failure": self.next_failure,
             "trained_out": list(self.trained_out),
+            "enrolment": self.enrolment.to_dict() if self.enrolment else None,
         }
 
     @classmethod
@@ -337,6 +344,7 @@ class JobState:
             failed_reason=data.get("failed_reason"),
             next_failure=data.get("next_failure", 1),
             trained_out=list(data.get("trained_out", [])),
+            enrolment=Enrolment.from_dict(data["enrolment"]) if data.get("enrolment") else None,
         )
 
     # ---- queries -------------------------------------------------------------------------------------------------
@@ -453,7 +461,105 @@ class JobState:
             )
         if self.recovery is not None:
             raise StateError(f"recovering from the death of {', '.join(self.recovery.dead)}; retry")
-        return self._queue(self._resolve_request(action, count, ranks, size, at_step), now)
+        request = self._resolve_request(action, count, ranks, size, at_step)
+        if request.add_count and self.enrolment is not None:
+            raise StateError(f"the workers of job {self.job} are started by their scheduler: to add one, start another "
+                             f"`elan worker --job {self.job}` (it joins by itself); `{action}` cannot start it")
+        return self._queue(request, now)
+
+    # ---- workers started by a scheduler (`elan worker`) ----------------------------------------------------------
+
+    def accept_enrolments(self, enrolment: Enrolment, coordinate_every: int | None = None,
+                          report_timeout_s: float | None = None, join_timeout_s: float | None = None) -> None:
+        """Let workers enrol (``elan am --min-workers``); the job starts from the first ``enrolment.max_workers``."""
+        if self.started or self.enrolment is not None:
+            return  # a resumed AM keeps what its state says
+        self.enrolment = enrolment
+        self.coordinate_every = coordinate_every
+        if report_timeout_s is not None:
+            self.report_timeout_s = float(report_timeout_s)
+        self._set_failure_policy(False, enrolment.min_workers, join_timeout_s)
+
+    def enrol(self, request: EnrolRequest, now: float | None = None) -> EnrolReply:
+        """A new worker gets an id (a place in generation 0, or a joiner's add request); a known one polls."""
+        if self.enrolment is None:
+            raise StateError(f"job {self.job} does not take `elan worker`s: its workers are started by `elan run` "
+                             "(start its AM with `elan am --min-workers N` for workers started by a scheduler)")
+        if self.finished:
+            raise StateError(f"job {self.job} has finished ({self.finish_reason})")
+        if request.worker_id is not None:
+            return self._enrolment_of(request.worker_id, _now(now))
+        if self.started:
+            return self._enrol_joiner(request, _now(now))
+        if self.enrolment.is_full():
+            raise StateError(f"job {self.job} has its {self.enrolment.max_workers} workers (--max-workers)")
+        worker_id = self._new_worker_ids(1)[0]
+        self.enrolment.enrol(worker_id, request.host, request.pid, _now(now))
+        logger.info("job %s: %s enrolled from %s (%d waiting, the job starts at %d)", self.job, worker_id,
+                    request.host, len(self.enrolment.waiting), self.enrolment.min_workers)
+        self.housekeeping(_now(now))
+        return self._enrolment_of(worker_id, _now(now))
+
+    def _enrol_joiner(self, request: EnrolRequest, now: float) -> EnrolReply:
+        assert self.enrolment is not None
+        if self.projected_size() >= self.enrolment.max_workers:
+            raise StateError(f"job {self.job} has its {self.enrolment.max_workers} workers (--max-workers): this "
+                             "worker is not needed")
+        queued = ScaleRequest(request_id="", action="add", count=1, size=None, at_step=None)
+        queued.add_count = 1
+        worker_id = self._queue(queued, now)["new_workers"][0]
+        pending = self.pending_workers[worker_id]
+        pending.status, pending.spawned_at, pending.host, pending.pid = SPAWNED, now, request.host, request.pid
+        logger.info("job %s: %s enrolled from %s as a joiner (request %s)", self.job, worker_id, request.host,
+                    queued.request_id)
+        return self._enrolment_of(worker_id, now)
+
+    def _enrolment_of(self, worker_id: str, now: float) -> EnrolReply:
+        member = self.member(worker_id)
+        if member is not None:
+            return EnrolReply(worker_id, "member", self.generation, self.member_ids.index(worker_id), self.world_size,
+                              self.coordinate_every or DEFAULT_COORDINATE_EVERY)
+        if worker_id in self.pending_workers:
+            return EnrolReply(worker_id, "joiner", coordinate_every=self.coordinate_every or DEFAULT_COORDINATE_EVERY)
+        if self.enrolment is not None and self.enrolment.seen(worker_id, now):
+            return EnrolReply(worker_id, ROLE_WAITING)
+        if worker_id in self.left_workers:
+            raise StateError(f"worker {worker_id} has left job {self.job}")
+        raise StateError(f"worker {worker_id} is not enrolled in job {self.job} (dropped after "
+                         f"{self.enrolment.silence_s if self.enrolment else 0:.0f} s without a poll?): enrol again")
+
+    def housekeeping(self, now: float | None = None) -> list[str]:
+        """The AM's own clock for a job of enrolled workers (``elan run``'s launcher drives it otherwise): start the
+        job, fail joiners that never report, declare silent survivors dead, finish once every member trained out.
+        Returns the workers declared dead."""
+        now = _now(now)
+        if self.enrolment is None or self.finished:
+            return []
+        if not self.started:
+            self._start_if_enrolled(now)
+            return []
+        dead = self._fail_unreported(now) + self._declare_silent_survivors_dead(now)
+        self._form_recovery_plan_if_ready(now)
+        if self.in_flight is None and self.members and all(w in self.trained_out for w in self.member_ids):
+            self.shutdown("training complete: every member finished")
+        return dead
+
+    def _start_if_enrolled(self, now: float) -> None:
+        assert self.enrolment is not None
+        for worker in self.enrolment.drop_silent(now):
+            logger.warning("job %s: %s stopped polling before the start: dropped", self.job, worker)
+        enrollees = self.enrolment.starting_members(now)
+        if enrollees is None:
+            return
+        self.members = [_member_of(enrollee) for enrollee in enrollees]
+        self.enrolment.waiting = []
+        self.started = True
+        logger.info("job %s starts with %d enrolled worker(s): %s", self.job, len(self.members), self.member_ids)
+
+    def _new_worker_ids(self, count: int) -> list[str]:
+        ids = [f"w{self.next_worker + index}" for index in range(count)]
+        self.next_worker += count
+        return ids
 
     def _queue(self, request: ScaleRequest, now: float | None) -> dict[str, Any]:
         request.request_id = f"r{self.next_request}"
@@ -1161,6 +1267,10 @@ def _checked_topology(worker_id: str, topology: Any) -> dict[str, Any] | None:
     except (TypeError, ValueError, AttributeError) as error:
         logger.warning("worker %s registered an unreadable topology (%s): ignored", worker_id, error)
         return None
+
+
+def _member_of(enrollee: Enrollee) -> Member:
+    return Member(enrollee.worker_id, 0, host=enrollee.host, pid=enrollee.pid)
 
 
 def _initial_hosts(worker_ids: list[str], hosts: Any) -> dict[str, str]:

@@ -95,6 +95,7 @@ USER_ENV_VARS: tuple[str, ...] = (
 ROLE_MEMBER = "member"
 ROLE_JOINER = "joiner"
 ROLE_STANDALONE = "standalone"
+ROLE_WAITING = "waiting"  # enrolled with the AM (``elan worker``), the job has not started yet
 LAUNCHED_ROLES = (ROLE_MEMBER, ROLE_JOINER)
 
 
@@ -273,6 +274,57 @@ class RegisterRequest:
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> RegisterRequest:
         return _from_wire(cls, body, cls.TYPE)
+
+
+@dataclass(frozen=True)
+class EnrolRequest:
+    """``enrol``: a worker started by a scheduler (``elan worker``) asks for a place in the job; with the
+    ``worker_id`` it was given, it polls until the job starts (see :mod:`lightning_elan.master.enrolment`)."""
+
+    TYPE: ClassVar[str] = "enrol"
+    SCHEMA: ClassVar[dict[str, Field]] = {
+        "host": Field(_STR, required=True),
+        "pid": Field(_INT, required=True),
+        "worker_id": Field(_STR),
+    }
+
+    host: str
+    pid: int
+    worker_id: str | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        return _wire(self)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> EnrolRequest:
+        return _from_wire(cls, body, cls.TYPE)
+
+
+@dataclass(frozen=True)
+class EnrolReply:
+    """The reply to ``enrol``: ``role`` is ``waiting`` (poll again), ``member`` (of generation 0: ``rank`` of
+    ``world_size``) or ``joiner``; ``store_port`` (and ``store_host`` when the AM knows it) locate the job's
+    rendezvous store."""
+
+    worker_id: str
+    role: str
+    generation: int = -1
+    rank: int = -1
+    world_size: int = 0
+    coordinate_every: int = DEFAULT_COORDINATE_EVERY
+    store_port: int | None = None
+    store_host: str | None = None
+
+    @property
+    def waiting(self) -> bool:
+        return self.role == ROLE_WAITING
+
+    def to_body(self) -> dict[str, Any]:
+        return _wire(self)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> EnrolReply:
+        return _from_wire(cls, body, "enrol reply")
 
 
 @dataclass(frozen=True)
@@ -529,7 +581,7 @@ class LeaveReply:
 # ---- the request schemas by type -------------------------------------------------------------------------------------
 
 TYPED_REQUESTS: tuple[type, ...] = (
-    RegisterRequest, CoordinateRequest, WaitPlanRequest, AdjustmentReport, RecoverRequest, LeaveRequest,
+    RegisterRequest, CoordinateRequest, WaitPlanRequest, AdjustmentReport, RecoverRequest, LeaveRequest, EnrolRequest,
 )
 """The requests with a dataclass: their ``SCHEMA`` is the one ``BODY_SCHEMAS`` holds for their ``TYPE``."""
 
@@ -560,7 +612,7 @@ BODY_SCHEMAS: dict[str, dict[str, Field]] = {
 # Requests that change the AM's state: their successful replies are cached (and persisted) by request id.
 MUTATING_TYPES = frozenset(
     {"start_job", "scale", "launcher_poll", "worker_exit", "shutdown", "register", "coordinate", "report", "recover",
-     "leave"}
+     "leave", "enrol"}
 )
 READ_ONLY_TYPES = frozenset({"status", "wait_plan"})
 MESSAGE_TYPES = MUTATING_TYPES | READ_ONLY_TYPES
@@ -729,6 +781,7 @@ __all__ = [
     "ROLE_JOINER",
     "ROLE_MEMBER",
     "ROLE_STANDALONE",
+    "ROLE_WAITING",
     "SCALING_DECISION",
     "SCALING_SUMMARY",
     "STATUS_CANCELLED",
@@ -740,6 +793,8 @@ __all__ = [
     "AdjustmentReport",
     "CoordinateReply",
     "CoordinateRequest",
+    "EnrolReply",
+    "EnrolRequest",
     "Field",
     "LeaveReply",
     "LeaveRequest",

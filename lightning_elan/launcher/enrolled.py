@@ -1,0 +1,188 @@
+"""``elan worker``: one worker started by any scheduler (Kubernetes, Slurm, ssh, a shell) that enrols with a job.
+
+The worker asks the job's AM (``elan am --min-workers N``) for a place, waits while the job has not started, then
+runs the training command with the ``ELAN_*`` environment of a member of generation 0 or of a joiner — exactly what
+``elan run`` gives its children. It forwards SIGTERM to the command (the graceful leave a scheduler asks for when it
+deletes a pod or ends a step), tells the AM how the command exited and exits with the same code. A command that died
+is announced to the survivors through the rendezvous store, as ``elan run`` does, so their collectives are released.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
+from lightning_elan.protocol.contract import (
+    DEFAULT_TERM_GRACE_S,
+    ROLE_MEMBER,
+    WORKER_ENV_VARS,
+    EnrolReply,
+    EnrolRequest,
+    WorkerEnvironment,
+    failure_key,
+    split_host_port,
+)
+
+log = logging.getLogger(__name__)
+
+ENV_AM = "ELAN_AM"
+"""``elan worker``'s ``--am`` from the environment (a pod spec or an ``srun`` line sets it)."""
+ENV_WORKER_JOB = "ELAN_JOB"
+"""``elan worker``'s ``--job`` from the environment."""
+ENROL_ATTEMPT_S = 1.0
+EXIT_NOT_ENROLLED = 3
+"""``elan worker``'s exit code when the AM refused it (job finished, full, not taking workers) or never answered."""
+
+
+class NotEnrolled(RuntimeError):
+    """The AM refused this worker, or no AM answered in time."""
+
+
+def am_addresses(text: str) -> str:
+    """``HOST:PORT[,HOST:PORT…]`` (each with or without ``tcp://``) → the ZeroMQ address list ``AMClient`` takes."""
+    parts = [part.strip() for part in text.split(",")]
+    if not text.strip() or not all(parts):
+        raise ValueError(f"bad AM address {text!r}: expected HOST:PORT[,HOST:PORT…]")
+    addresses = []
+    for part in parts:
+        bare = part.removeprefix("tcp://")
+        host, _, port = bare.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"bad AM address {part!r}: expected HOST:PORT (e.g. 10.0.0.5:29400)")
+        addresses.append(f"tcp://{bare}")
+    return ",".join(addresses)
+
+
+@dataclass
+class WorkerConfig:
+    """What ``elan worker`` was told."""
+
+    am: str  # ZeroMQ address list (am_addresses)
+    job: str
+    command: list[str]
+    device_index: int | None = None
+    term_grace_s: float = DEFAULT_TERM_GRACE_S
+    enrol_timeout_s: float = 600.0  # for an AM to answer and, before the start, for the job to start
+    poll_s: float = 0.5
+
+    @property
+    def am_host(self) -> str:
+        """The host of the first AM address: where the rendezvous store is, unless the AM names another."""
+        return split_host_port(self.am.split(",")[0].removeprefix("tcp://"))[0]
+
+
+class EnrolledWorker:
+    """Enrol, run the command as a member or a joiner, report its exit; :meth:`run` returns the exit code."""
+
+    def __init__(self, config: WorkerConfig, base_env: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._client = AMClient(config.am, config.job, timeout_s=ENROL_ATTEMPT_S, retries=0)
+        self._child: subprocess.Popen[bytes] | None = None
+
+    def run(self) -> int:
+        try:
+            enrolment = self._enrol()
+            returncode = self._run_command(enrolment)
+            self._report_exit(enrolment, returncode)
+            return returncode
+        finally:
+            self._client.close()
+
+    # ------------------------------------------------------------------ enrolment
+
+    def _enrol(self) -> EnrolReply:
+        """A place in the job: first the AM's answer, then (before the start) polls until the job starts."""
+        request = EnrolRequest(socket.gethostname(), os.getpid())
+        deadline = time.monotonic() + self.config.enrol_timeout_s
+        log.info("enrolling with the AM of job %s at %s", self.config.job, self.config.am)
+        reply = self._ask(request, deadline)
+        log.info("enrolled in job %s as %s (%s)", self.config.job, reply.worker_id, reply.role)
+        while reply.waiting:
+            time.sleep(self.config.poll_s)
+            reply = self._ask(EnrolRequest(request.host, request.pid, reply.worker_id), deadline)
+        return reply
+
+    def _ask(self, request: EnrolRequest, deadline: float) -> EnrolReply:
+        while True:
+            try:
+                return EnrolReply.from_body(self._client.request(request.TYPE, request.to_body()))
+            except AMUnavailable:
+                if time.monotonic() > deadline:
+                    raise NotEnrolled(f"no AM of job {self.config.job} answered at {self.config.am} within "
+                                      f"{self.config.enrol_timeout_s:.0f} s") from None
+            except AMError as error:
+                raise NotEnrolled(f"the AM of job {self.config.job} refused this worker: {error}") from None
+            if time.monotonic() > deadline:
+                raise NotEnrolled(f"job {self.config.job} did not start within {self.config.enrol_timeout_s:.0f} s")
+
+    # ------------------------------------------------------------------ the command
+
+    def _run_command(self, enrolment: EnrolReply) -> int:
+        env = self._command_env(enrolment)
+        self._child = subprocess.Popen(self.config.command, env=env)
+        where = f"rank {enrolment.rank} of {enrolment.world_size}" if enrolment.role == ROLE_MEMBER else "joiner"
+        log.info("%s (%s) started: pid %d", enrolment.worker_id, where, self._child.pid)
+        previous = signal.signal(signal.SIGTERM, self._forward)
+        try:
+            return self._child.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM from the scheduler: the command leaves the job gracefully (it exits 0 once it has left)."""
+        if self._child is not None and self._child.poll() is None:
+            log.info("received %s: passing it on to the worker (pid %d)", signal.Signals(signum).name,
+                     self._child.pid)
+            self._child.send_signal(signum)
+
+    def _command_env(self, enrolment: EnrolReply) -> dict[str, str]:
+        description = WorkerEnvironment.launched(
+            job=self.config.job, worker_id=enrolment.worker_id, role=enrolment.role,
+            am_address=self.config.am, store_address=self.store_address(enrolment),
+            coordinate_every=enrolment.coordinate_every, rank=enrolment.rank, world_size=enrolment.world_size,
+            device_index=self.config.device_index, term_grace_s=self.config.term_grace_s,
+        )
+        env = {key: value for key, value in self._base_env.items() if key not in WORKER_ENV_VARS}
+        env.pop(ENV_AM, None)
+        env.update(description.to_env())
+        return env
+
+    def store_address(self, enrolment: EnrolReply) -> str:
+        if enrolment.store_port is None:
+            raise NotEnrolled(f"the AM of job {self.config.job} runs no rendezvous store (is it an `elan run` AM?)")
+        host = enrolment.store_host or self.config.am_host
+        return f"{host}:{enrolment.store_port}"
+
+    # ------------------------------------------------------------------ the exit
+
+    def _report_exit(self, enrolment: EnrolReply, returncode: int) -> None:
+        """Tell the AM (resent until it answers); a death it recovers from is announced to the survivors."""
+        body = {"worker_id": enrolment.worker_id, "returncode": returncode}
+        try:
+            reply = self._client.request("worker_exit", body, timeout_s=1.0, retries=30)
+        except (AMError, AMUnavailable) as error:
+            log.warning("could not report the exit of %s (code %d) to the AM: %s", enrolment.worker_id, returncode,
+                        error)
+            return
+        if reply.get("recovering"):
+            self._announce_failure(enrolment, [int(g) for g in reply.get("failed_generations") or []])
+
+    def _announce_failure(self, enrolment: EnrolReply, generations: list[int]) -> None:
+        from torch.distributed import TCPStore
+
+        host, port = split_host_port(self.store_address(enrolment))
+        store: Any = TCPStore(host, port, is_master=False, wait_for_workers=False)
+        for generation in generations:
+            store.set(failure_key(generation), enrolment.worker_id)
+        log.warning("%s died: the survivors of generation(s) %s recover without it", enrolment.worker_id,
+                    ", ".join(map(str, generations)))
