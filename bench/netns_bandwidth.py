@@ -231,14 +231,14 @@ def _phase_lines(nbytes: int, by_key: dict, meta: dict[str, Any]) -> list[str]:
     lines = []
     if any(pack):
         cells = [f"{x['median'] * 1e3:.0f} ms" if x else "" for x in pack]
-        lines.append(f"| {nbytes / 1e6:.0f} MB | replication: packing on the source | " + " | ".join(cells) + " |")
+        lines.append(f"| {nbytes / 1e6:g} MB | replication: packing on the source | " + " | ".join(cells) + " |")
     if any(broadcast):
         cells = [f"{nbytes / x['median'] / 1e9:.2f} GB/s, {x['median'] * 1e3:.0f} ms" if x else "" for x in broadcast]
-        lines.append(f"| {nbytes / 1e6:.0f} MB | replication: its broadcast phase | " + " | ".join(cells) + " |")
+        lines.append(f"| {nbytes / 1e6:g} MB | replication: its broadcast phase | " + " | ".join(cells) + " |")
     if any(group):
         cells = [f"{x['median'] * 1e3:.1f} ms ({x['min'] * 1e3:.1f}–{x['max'] * 1e3:.1f})" if x else "" for x in group]
         label = "replication: building its transfer group"
-        lines.append(f"| {nbytes / 1e6:.0f} MB | {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {nbytes / 1e6:g} MB | {label} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -253,7 +253,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for nbytes in sorted({r["bytes"] for r in rows}):
         for mode in MODES:
             cells = [_cell(by_key[nbytes, mode, p]) if (nbytes, mode, p) in by_key else "" for p in meta["interfaces"]]
-            lines.append(f"| {nbytes / 1e6:.0f} MB | {mode} | " + " | ".join(cells) + " |")
+            lines.append(f"| {nbytes / 1e6:g} MB | {mode} | " + " | ".join(cells) + " |")
         lines.extend(_phase_lines(nbytes, by_key, meta))
     return "\n".join(lines) + "\n"
 

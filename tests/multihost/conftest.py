@@ -27,14 +27,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.multihost)
 
 
-@pytest.fixture
-def two_hosts() -> Iterator[FakeHosts]:
-    """Two fake hosts on a bridge; removed (with everything started in them) after the test."""
+@pytest.fixture(scope="session")
+def fake_hosts_available() -> None:
+    """Skip (with the reason) where fake hosts cannot be made: tried once per session with one host."""
     try:
-        hosts = FakeHosts(2)
+        FakeHosts(1).close()
     except FakeHostsUnavailable as error:
         pytest.skip(f"no fake hosts here: {error}")
-    with hosts:
+
+
+@pytest.fixture
+def two_hosts(fake_hosts_available: None) -> Iterator[FakeHosts]:
+    """Two fake hosts on a bridge; removed (with everything started in them) after the test."""
+    with FakeHosts(2) as hosts:
         yield hosts
 
 

@@ -3,7 +3,9 @@ identity and the planner's network level, and a state replicated across hosts bi
 
 from __future__ import annotations
 
+import os
 import subprocess
+import time
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ from lightning_elan.protocol.contract import ENV_AM_ADDRESS, AdjustmentPlan
 from lightning_elan.replication.planner import TRANSPORT_COLLECTIVE, TRANSPORT_SHM, plan_transfers
 from lightning_elan.replication.topology import L2_HOST_BRIDGE, L4_NETWORK, WorkerTopology, link_level
 from tests.multihost.conftest import Spawn, result_of, worker_env
-from tests.multihost.hosts import FakeHosts
+from tests.multihost.hosts import FakeHosts, FakeHostsUnavailable
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration]
 
@@ -95,3 +97,45 @@ def test_replication_across_hosts_is_bit_exact(two_hosts: FakeHosts, spawn: Spaw
     assert joiner["bytes_received"] == source["bytes_sent"] > 300_000 * 8
     assert source["gloo_ifname"] == joiner["gloo_ifname"] == "eth0"  # chosen by bind_transfer_interface
     assert (source["hostname"], joiner["hostname"]) == ("host0", "host1")
+
+
+def _gone(pid: int, wait_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _left_behind(hosts: FakeHosts) -> list[str]:
+    names = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    names += subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line for line in names.splitlines() if hosts.prefix in line]
+
+
+def test_close_kills_what_ran_in_the_hosts_and_removes_them(fake_hosts_available: None) -> None:
+    hosts = FakeHosts(2)
+    sleeper = hosts[1].popen(["sleep", "60"])
+    escaped = int(hosts[0].run(["sh", "-c", "setsid sleep 60 >/dev/null 2>&1 & echo $!"]).stdout)  # own session
+    assert _left_behind(hosts)
+    hosts.close()
+    assert sleeper.poll() is not None
+    assert _gone(escaped)  # found in the namespace by `ip netns pids` and killed by its PID
+    assert _left_behind(hosts) == []
+    hosts.close()  # idempotent
+
+
+def test_a_failed_setup_removes_what_it_made(fake_hosts_available: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[FakeHosts] = []
+
+    def refuse(self: FakeHosts, host: Any) -> None:
+        made.append(self)
+        raise FakeHostsUnavailable("refused for the test")
+
+    monkeypatch.setattr(FakeHosts, "_start_holder", refuse)
+    with pytest.raises(FakeHostsUnavailable, match="refused for the test"):
+        FakeHosts(2)
+    assert made and _left_behind(made[0]) == []
