@@ -46,6 +46,7 @@ from lightning_elan.protocol.contract import (
     split_host_port,
 )
 from lightning_elan.replication.exchange import OutgoingReplication, ReplicationContext, receive_replica, send_replica
+from lightning_elan.replication.iface import bind_transfer_interface
 from lightning_elan.replication.keys import delete_prefix
 from lightning_elan.replication.packing import join_tensors, split_tensors
 from lightning_elan.replication.topology import detect as detect_topology
@@ -190,6 +191,7 @@ class ElasticWorker:
         if self.group is not None:
             return
         self.backend, self.device, self.timeout = backend, device, timeout
+        bind_transfer_interface()  # before the first gloo/NCCL group: bind the interface that reaches the other hosts
         self.group = ElasticProcessGroup(self._connect_store(), self.backend, self.timeout, self.device)
         if not self.environment.standalone:
             self._link = AMLink(self.environment)

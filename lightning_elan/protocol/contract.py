@@ -87,8 +87,10 @@ ENV_BUILD_CUDA_EXT = ENV_PREFIX + "BUILD_CUDA_EXT"  # "1": build the optional CU
 ENV_NO_CUDA_EXT = ENV_PREFIX + "NO_CUDA_EXT"  # "1": never load the CUDA extension (pure-torch path)
 ENV_CUDA_EXT_DIR = ENV_PREFIX + "CUDA_EXT_DIR"  # where the CUDA extension is built and looked for
 ENV_CUDA_ARCHS = ENV_PREFIX + "CUDA_ARCHS"  # GPU architectures the CUDA extension is built for
+ENV_IFACE = ENV_PREFIX + "IFACE"  # the network interface collectives bind (default: the one towards the AM)
 USER_ENV_VARS: tuple[str, ...] = (
     ENV_REPLICATION, ENV_SHM_DIR, ENV_HOME, ENV_BUILD_CUDA_EXT, ENV_NO_CUDA_EXT, ENV_CUDA_EXT_DIR, ENV_CUDA_ARCHS,
+    ENV_IFACE,
 )
 """The user's settings: inherited by every worker (never stripped by the launcher)."""
 
@@ -757,6 +759,7 @@ __all__ = [
     "ENV_DEVICE_INDEX",
     "ENV_GENERATION",
     "ENV_HOME",
+    "ENV_IFACE",
     "ENV_JOB",
     "ENV_PREFIX",
     "ENV_RANK",
