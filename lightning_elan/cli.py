@@ -255,6 +255,9 @@ def _add_worker(sub: Any) -> argparse.ArgumentParser:
                         help="default: $ELAN_JOB")
     worker.add_argument("--device-index", type=non_negative_int, default=_local_rank(), metavar="I",
                         help="the GPU of this worker (default: $LOCAL_RANK or $SLURM_LOCALID when set)")
+    worker.add_argument("--iface", default=None, metavar="NAME",
+                        help="the network interface the worker's collectives and state transfers use (sets "
+                             "$ELAN_IFACE; default: the interface of the route to the AM)")
     worker.add_argument("--term-grace", type=grace_seconds, default=DEFAULT_TERM_GRACE_S, metavar="SECONDS",
                         help="after SIGTERM, how long the worker may take to leave (default %(default)g)")
     worker.add_argument("--enrol-timeout", type=positive_float, default=600.0, metavar="SECONDS",
@@ -486,6 +489,14 @@ def _advertised_host(bind: str) -> str | None:
 # ---------------------------------------------------------------------- elan worker
 
 
+def _check_interface(name: str, parser: argparse.ArgumentParser) -> None:
+    import socket
+
+    known = sorted(interface for _index, interface in socket.if_nameindex())
+    if name not in known:
+        parser.error(f"--iface {name!r}: no such network interface here (have: {', '.join(known)})")
+
+
 def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning_elan.launcher.enrolled import EXIT_NOT_ENROLLED, EnrolledWorker, NotEnrolled, WorkerConfig
 
@@ -494,6 +505,9 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("the AM's address is needed: --am HOST:PORT (or $ELAN_AM)")
     if args.job is None:
         parser.error("the job's name is needed: --job NAME (or $ELAN_JOB)")
+    if args.iface is not None:
+        _check_interface(args.iface, parser)
+        os.environ["ELAN_IFACE"] = args.iface  # inherited by the training command
     config = WorkerConfig(args.am, args.job, command, device_index=args.device_index, term_grace_s=args.term_grace,
                           enrol_timeout_s=args.enrol_timeout)
     try:
