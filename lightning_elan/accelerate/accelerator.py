@@ -86,6 +86,7 @@ class ElasticAccelerator(Accelerator):
         self.elastic_scaling = AccelerateScaling(plugin, lambda: self.optimizer_steps)
         self.engine.register_scaling(self.elastic_scaling)
         self._train_loader: ElasticTrainLoader | None = None
+        self._joined_running_job = False  # admitted in prepare(): holds the job's current state
         self._elastic_objects: list[Any] = []
         self._tracker_args: dict[str, Any] | None = None
         self._share: LocalShare | None = None
@@ -181,6 +182,7 @@ class ElasticAccelerator(Accelerator):
     def _join(self) -> None:
         try:
             self.engine.join()
+            self._joined_running_job = True
         except NotAMember as reason:
             log.info("%s; leaving", reason)
             self._refresh_membership()
@@ -530,6 +532,13 @@ class ElasticAccelerator(Accelerator):
 
     @override
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """Accelerate's ``load_state`` plus the data position. Skipped on a worker that joined the running job: it
+        already holds the job's current state, and the usual ``if checkpoint exists: load_state(...)`` at the top of
+        a script would put it back at an older step than its peers."""
+        if self._joined_running_job:
+            log.info("worker %s joined the running job with its current state: load_state(%s) skipped",
+                     self.engine.worker_id, input_dir or "latest")
+            return
         super().load_state(input_dir, load_kwargs, **kwargs)
         folder = compat.latest_checkpoint_dir(self) if input_dir is None else os.path.expanduser(input_dir)
         path = Path(folder, ELAN_STATE_FILE)

@@ -87,13 +87,15 @@ def test_weak_scaling_doubles_the_global_batch_and_ramps_the_lr_on_every_rank(tm
 
 
 def test_save_state_at_3_workers_load_state_at_2_continues_at_the_right_sample(tmp_path):
-    """``save_state`` after 5 steps of a 3-worker job, ``load_state`` in a 2-worker job: epoch 0 is completed with
-    no sample twice or missing, and the result equals an uninterrupted 3-worker run (same global batch 18)."""
+    """``save_state`` after 5 steps of a 3-worker job, ``load_state`` in a 2-worker job that grows to 3 at step 8:
+    epoch 0 is completed with no sample twice or missing, and the result equals an uninterrupted 3-worker run (same
+    global batch 18). The joiner runs the same ``load_state`` line and skips it: it holds the job's newer state."""
     first = accelerate_run(tmp_path, "first", 3, ["--save-at", "5", "--stop-after-save"])
     assert first.returncode == 0, first.excerpt()
     checkpoint = first.out / "checkpoint"
     assert json.loads((checkpoint / "elan_state.json").read_text())["data"]["position"] == 5 * 18
-    resumed = accelerate_run(tmp_path, "resumed", 2, ["--load", str(checkpoint)])
+    resumed = accelerate_run(tmp_path, "resumed", 2, ["--load", str(checkpoint), "--wait-for-joiners"],
+                             schedule="8:add=1")
     reference = accelerate_run(tmp_path, "reference", 3, [])
     for run in (resumed, reference):
         assert run.returncode == 0, run.excerpt()
@@ -101,7 +103,7 @@ def test_save_state_at_3_workers_load_state_at_2_continues_at_the_right_sample(t
     for epoch, counts in consumed_per_epoch(resumed.records()).items():
         per_epoch.setdefault(epoch, Counter()).update(counts)
     assert_counted_once(per_epoch, SAMPLES, EPOCHS)
-    assert {record["world_size"] for record in resumed.records()} == {2}
+    assert [len(a["members"]) for a in resumed.adjustments()] == [3]
     assert_states_close(resumed.final_state(), reference.final_state(), TOLERANCE)
 
 

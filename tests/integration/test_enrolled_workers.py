@@ -117,8 +117,9 @@ def test_workers_enrol_join_get_refused_and_leave_like_a_static_run(static_run, 
         assert surplus.wait(60) == 3, cluster.logs()
         assert "has its 3 workers (--max-workers)" in (tmp_path / "w-d.log").read_text()
 
-        rank0 = started["members"][0]
-        wrapper = parent_of(rank0["pid"])
+        rank0 = cluster.status()["members"][0]
+        assert rank0["worker_id"] == started["members"][0]["worker_id"]
+        wrapper = parent_of(rank0["pid"])  # the training process registered: its parent is its `elan worker`
         assert wrapper in {proc.pid for proc in first}
         next(proc for proc in first if proc.pid == wrapper).send_signal(signal.SIGTERM)  # the scheduler's stop
 
