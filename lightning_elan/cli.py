@@ -424,9 +424,7 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     state_dir = Path(args.state_dir or registry.default_state_dir(args.job))
     enrolment = _enrolment(args, parser)
     if args.store is not None and is_etcd_url(args.store):
-        if enrolment is not None:
-            parser.error("--min-workers (`elan worker`s) with --store etcd://… is not supported yet")
-        return _am_in_etcd(args, parser, state_dir)
+        return _am_in_etcd(args, parser, state_dir, enrolment)
     if args.lease_ttl is not None:
         parser.error("--lease-ttl needs --store etcd://…")
     refuse_if_running(args.job, parser)
@@ -517,8 +515,11 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         return EXIT_NOT_ENROLLED
 
 
-def _am_in_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser, state_dir: Path) -> int:
-    """``elan am --store etcd://…``: lead or stand by until SIGINT/SIGTERM (or the parent is gone)."""
+def _am_in_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser, state_dir: Path, enrolment: Any) -> int:
+    """``elan am --store etcd://…``: lead or stand by until SIGINT/SIGTERM (or the parent is gone, or, for a job of
+    ``elan worker``s, the job is over). The rendezvous store of such a job is in etcd too (no TCPStore): it outlives
+    every AM process, so the workers' next rendezvous survives a fail-over."""
+    from lightning_elan.elastic.etcd_rendezvous import rendezvous_url
     from lightning_elan.master.elected import ElectedAM
     from lightning_elan.master.etcd_store import parse_etcd_url
     from lightning_elan.master.leadership import DEFAULT_LEASE_TTL_S
@@ -530,7 +531,10 @@ def _am_in_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser, state
         secret = secret_from_env()
         refuse_open_bind(args.bind, secret)
         elected = ElectedAM(args.job, locator, args.bind, state_dir=state_dir, secret=secret,
-                            ttl_s=args.lease_ttl or DEFAULT_LEASE_TTL_S)
+                            ttl_s=args.lease_ttl or DEFAULT_LEASE_TTL_S, enrolment=enrolment,
+                            enrolment_options={"coordinate_every": args.coordinate_every,
+                                               "join_timeout_s": args.join_timeout},
+                            rendezvous=None if enrolment is None else rendezvous_url(locator, args.job))
     except ValueError as error:
         parser.error(str(error))
     except (AuthError, StoreError) as error:
@@ -548,7 +552,7 @@ def _am_in_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser, state
     runner = threading.Thread(target=run, name="elan-elected-am", daemon=True)
     runner.start()
     log.info("AM of job %s (pid %d): state in %s; Ctrl-C stops it", args.job, os.getpid(), locator.url())
-    stopped = _wait_for_stop(args.parent_pid)
+    stopped = _wait_for_stop(args.parent_pid, done=elected.job_over if enrolment is not None else lambda: False)
     log.info("%s: stopping the AM of job %s", stopped, args.job)
     stop.set()
     runner.join(30)

@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_elan.protocol.contract import failure_key, split_host_port
+from lightning_elan.protocol.contract import failure_key
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class FailureWatch:
     """Polls the store for the watched generation's failure key; calls ``on_failure(generation)`` once per failure."""
 
     def __init__(self, store_address: str, on_failure: Callable[[int], None], timeout: timedelta) -> None:
-        self._address = split_host_port(store_address)
+        self._address = store_address
         self._on_failure = on_failure
         self._timeout = timeout
         self._generation: int | None = None
@@ -73,16 +73,24 @@ class FailureWatch:
         self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
-        host, port = self._address
+        from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
+
         try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=self._timeout, wait_for_workers=False)
+            store = open_rendezvous_store(self._address, self._timeout)
         except Exception as error:  # no store: failures are then only seen as collective errors
-            log.warning("failure watch cannot reach the store at %s:%s: %s", host, port, error)
+            log.warning("failure watch cannot reach the store at %s: %s", self._address, error)
             return
         while not self._stop.wait(WATCH_INTERVAL_S):
             generation = self._watched()
-            if generation is not None and store.check([failure_key(generation)]):
+            if generation is not None and self._failed_in(store, generation):
                 self._fire(generation)
+
+    def _failed_in(self, store: dist.Store, generation: int) -> bool:
+        try:
+            return store.check([failure_key(generation)])
+        except dist.DistStoreError as error:  # the store was unreachable for its whole timeout: look again later
+            log.warning("failure watch: %s", error)
+            return False
 
     def _watched(self) -> int | None:
         with self._lock:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic.am_link import AMLink
+from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
 from lightning_elan.elastic.process_group import ElasticProcessGroup, install_default_group, uninstall_default_group
@@ -43,7 +44,6 @@ from lightning_elan.protocol.contract import (
     AdjustmentReport,
     CoordinateRequest,
     WorkerEnvironment,
-    split_host_port,
 )
 from lightning_elan.replication.exchange import OutgoingReplication, ReplicationContext, receive_replica, send_replica
 from lightning_elan.replication.iface import bind_transfer_interface
@@ -535,11 +535,11 @@ class ElasticWorker:
         self.group, self.generation = None, None
 
     def _connect_store(self) -> dist.Store:
-        """Client of the launcher's long-lived TCPStore, or an in-process store for a standalone run."""
+        """Client of the job's long-lived rendezvous store (a TCPStore, or etcd with standby AMs), or an in-process
+        store for a standalone run."""
         if self.environment.standalone:
             return dist.HashStore()
-        host, port = split_host_port(self.environment.store_address or "")
-        return dist.TCPStore(host, port, is_master=False, timeout=self.timeout, wait_for_workers=False)
+        return open_rendezvous_store(self.environment.store_address or "", self.timeout)
 
     def _topology(self) -> dict[str, Any] | None:
         """Where this worker lives, for the AM's replication planner (None: every transfer over the collective)."""

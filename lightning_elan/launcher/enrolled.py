@@ -17,8 +17,8 @@ import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from types import FrameType
-from typing import Any
 
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
@@ -39,6 +39,8 @@ ENV_AM = "ELAN_AM"
 ENV_WORKER_JOB = "ELAN_JOB"
 """``elan worker``'s ``--job`` from the environment."""
 ENROL_ATTEMPT_S = 1.0
+ANNOUNCE_TIMEOUT_S = 60.0
+"""How long announcing a death may wait for the rendezvous store (e.g. an etcd outage)."""
 EXIT_NOT_ENROLLED = 3
 """``elan worker``'s exit code when the AM refused it (job finished, full, not taking workers) or never answered."""
 
@@ -158,6 +160,9 @@ class EnrolledWorker:
         return env
 
     def store_address(self, enrolment: EnrolReply) -> str:
+        """``HOST:PORT`` of the AM's TCPStore, or the URL of a store the AM names (etcd)."""
+        if enrolment.store_url is not None:
+            return enrolment.store_url
         if enrolment.store_port is None:
             raise NotEnrolled(f"the AM of job {self.config.job} runs no rendezvous store (is it an `elan run` AM?)")
         host = enrolment.store_host or self.config.am_host
@@ -178,10 +183,9 @@ class EnrolledWorker:
             self._announce_failure(enrolment, [int(g) for g in reply.get("failed_generations") or []])
 
     def _announce_failure(self, enrolment: EnrolReply, generations: list[int]) -> None:
-        from torch.distributed import TCPStore
+        from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 
-        host, port = split_host_port(self.store_address(enrolment))
-        store: Any = TCPStore(host, port, is_master=False, wait_for_workers=False)
+        store = open_rendezvous_store(self.store_address(enrolment), timedelta(seconds=ANNOUNCE_TIMEOUT_S))
         for generation in generations:
             store.set(failure_key(generation), enrolment.worker_id)
         log.warning("%s died: the survivors of generation(s) %s recover without it", enrolment.worker_id,

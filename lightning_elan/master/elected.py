@@ -6,17 +6,26 @@ leader key and serves. Its state writes carry its lease (``etcd_store.Fence``). 
 lease expired or etcd was unreachable for a whole TTL) or a write is refused, it stops serving at once and campaigns
 again as a standby: it leads again (reloading the state from etcd) when the key is free, e.g. after etcd came back
 with nobody else running. A supervisor therefore never has to restart it.
+
+A job of ``elan worker``s (``enrolment``): each term passes the enrolment rule to its AM, which keeps the stored one
+when the state has it (a standby taking over keeps the rule and the waiting workers of the state), and tells enrolled
+workers ``rendezvous``, the URL of the job's rendezvous store in etcd, which outlives every AM process.
+:meth:`ElectedAM.job_over` says when the job has finished — from the leading AM, or from the stored state for a
+standby — so that every ``elan am`` of the job exits when it is over.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import zmq
 
+from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.etcd_store import EtcdLocator, EtcdStore
 from lightning_elan.master.leadership import DEFAULT_LEASE_TTL_S, Leadership
 from lightning_elan.master.server import ApplicationMaster
@@ -26,13 +35,17 @@ logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.1
 RETRY_PAUSE_S = 0.5
+FINISHED_POLL_S = 1.0
+"""How often a standby reads the stored state to learn that the job is over."""
 
 
 class ElectedAM:
     """Lead or stand by for ``job``; serve while leading."""
 
     def __init__(self, job: str, locator: EtcdLocator, bind: str, state_dir: Path | None = None,
-                 secret: bytes | None = None, ttl_s: float = DEFAULT_LEASE_TTL_S, register: bool = True) -> None:
+                 secret: bytes | None = None, ttl_s: float = DEFAULT_LEASE_TTL_S, register: bool = True,
+                 enrolment: Enrolment | None = None, enrolment_options: dict[str, Any] | None = None,
+                 rendezvous: str | None = None) -> None:
         self.job = job
         self.locator = locator
         self.bind = bind
@@ -41,6 +54,34 @@ class ElectedAM:
         self.register = register
         self.leadership = Leadership(locator, job, bind, ttl_s=ttl_s)
         self.terms = 0  # how many times this process has led
+        self.enrolment = enrolment
+        self.enrolment_options = dict(enrolment_options or {})
+        self.rendezvous = rendezvous
+        self._am: ApplicationMaster | None = None  # the AM of the current term, while leading
+        self._finished = False
+        self._next_finished_poll = 0.0
+        self._reader: EtcdStore | None = None  # reads the stored state for job_over (the caller's thread)
+
+    def job_over(self) -> bool:
+        """Whether the job has finished: the leading AM says so, or (standing by) the stored state does."""
+        if not self._finished:
+            am = self._am
+            self._finished = am.finished if am is not None else self._stored_finished()
+        return self._finished
+
+    def _stored_finished(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_finished_poll:
+            return False
+        self._next_finished_poll = now + FINISHED_POLL_S
+        if self._reader is None:
+            self._reader = EtcdStore(self.locator, self.job, retry_s=0.5)
+        try:
+            document = self._reader.load()
+        except (StoreUnavailable, ValueError) as error:
+            logger.debug("job %r: cannot read the stored state: %s", self.job, error)
+            return False
+        return bool(document and document.get("state", {}).get("finished"))
 
     def run(self, stop: threading.Event) -> None:
         """Campaign, serve while leading, campaign again after a loss; return once ``stop`` is set."""
@@ -59,10 +100,13 @@ class ElectedAM:
             time.sleep(RETRY_PAUSE_S)
             return
         self.terms += 1
+        self._am = am
         try:
             while not stop.is_set() and am.serving and not self.leadership.lost.is_set():
                 time.sleep(WATCH_INTERVAL_S)
         finally:
+            self._finished = self._finished or am.finished
+            self._am = None
             am.stop()
         if stop.is_set():
             return
@@ -80,7 +124,9 @@ class ElectedAM:
         store = EtcdStore(self.locator, self.job, fence=fence, retry_s=max(2.0, float(self.leadership.ttl_s)))
         try:
             am = ApplicationMaster(self.job, store, bind=self.bind, state_dir=self.state_dir,
-                                   register=self.register, secret=self.secret)
+                                   register=self.register, secret=self.secret, rendezvous=self.rendezvous)
+            if self.enrolment is not None:  # kept from the state when it has one (a standby taking over)
+                am.accept_enrolments(copy.deepcopy(self.enrolment), **self.enrolment_options)
         except (StoreUnavailable, StoreConflict) as error:
             logger.warning("job %r: could not load the state as the new leader: %s", self.job, error)
             return None

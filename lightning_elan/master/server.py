@@ -195,7 +195,7 @@ class ApplicationMaster:
         state_dir: str | Path | None = None,
         register: bool = True,
         secret: bytes | None = None,
-        rendezvous: tuple[str | None, int] | None = None,
+        rendezvous: tuple[str | None, int] | str | None = None,
     ) -> None:
         self.job = registry.check_job_name(job)
         self.store = store
@@ -217,7 +217,7 @@ class ApplicationMaster:
         self._socket: zmq.Socket | None = None  # only touched by the serving thread
         self._parked: dict[str, _ParkedWait] = {}
         self._records_to_write: list[dict[str, Any]] = []
-        self._rendezvous = rendezvous  # (host or None, port) of the rendezvous store, told to enrolled workers
+        self._rendezvous = rendezvous  # told to enrolled workers: (host or None, port) of a TCPStore, or a store URL
         self._next_housekeeping = 0.0
         self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any] | _Park]] = {
             "start_job": self._on_start_job,
@@ -504,7 +504,9 @@ class ApplicationMaster:
 
     def _on_enrol(self, body: dict[str, Any]) -> dict[str, Any]:
         reply = self._state.enrol(EnrolRequest.from_body(body))
-        if self._rendezvous is not None:
+        if isinstance(self._rendezvous, str):
+            reply = dataclasses.replace(reply, store_url=self._rendezvous)
+        elif self._rendezvous is not None:
             reply = dataclasses.replace(reply, store_host=self._rendezvous[0], store_port=self._rendezvous[1])
         return reply.to_body()
 

@@ -306,7 +306,8 @@ class EnrolRequest:
 class EnrolReply:
     """The reply to ``enrol``: ``role`` is ``waiting`` (poll again), ``member`` (of generation 0: ``rank`` of
     ``world_size``) or ``joiner``; ``store_port`` (and ``store_host`` when the AM knows it) locate the job's
-    rendezvous store."""
+    rendezvous store when it is a TCPStore; ``store_url`` names it otherwise (``etcd://HOST:PORT/PREFIX?job=JOB``, the
+    store of a job whose AMs keep their state in etcd)."""
 
     worker_id: str
     role: str
@@ -316,6 +317,7 @@ class EnrolReply:
     coordinate_every: int = DEFAULT_COORDINATE_EVERY
     store_port: int | None = None
     store_host: str | None = None
+    store_url: str | None = None
 
     @property
     def waiting(self) -> bool:
