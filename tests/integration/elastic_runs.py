@@ -142,6 +142,16 @@ def check_static_run(run: RunResult) -> RunResult:
     return run
 
 
+def assert_exact(run: RunResult, static: RunResult) -> list[dict]:
+    """The invariants of any job of the default probe, however its membership changed: every sample once per epoch,
+    bit-identical workers at every step, final parameters equal to ``static`` within ``TOLERANCE``."""
+    records = run.records()
+    assert_each_sample_once(records, SAMPLES, EPOCHS)
+    assert assert_ranks_agree(records) == EPOCHS * STEPS_PER_EPOCH
+    assert_states_close(run.final_state(), static.final_state(), TOLERANCE)
+    return records
+
+
 def check_elastic_run(run: RunResult, static: RunResult, schedule: str, sizes: list[int],
                       coordinate_every: int = 1) -> list[dict]:
     """A job of the default probe (``PROBE_ARGS``) that ran ``schedule``: exit 0, each sample once per epoch,

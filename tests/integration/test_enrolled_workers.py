@@ -18,16 +18,10 @@ from pathlib import Path
 import pytest
 
 from tests.integration.elastic_runs import (
-    EPOCHS,
     PROBE,
     PROBE_ARGS,
-    SAMPLES,
-    STEPS_PER_EPOCH,
-    TOLERANCE,
     RunResult,
-    assert_each_sample_once,
-    assert_ranks_agree,
-    assert_states_close,
+    assert_exact,
     elan_env,
     free_port,
 )
@@ -130,10 +124,7 @@ def test_workers_enrol_join_get_refused_and_leave_like_a_static_run(static_run, 
         cluster.stop()
 
     run = RunResult(tmp_path / "out", cluster.state_dir, 0, cluster.logs())
-    records = run.records()
-    assert_each_sample_once(records, SAMPLES, EPOCHS)
-    assert assert_ranks_agree(records) == EPOCHS * STEPS_PER_EPOCH
-    assert_states_close(run.final_state(), static_run.final_state(), TOLERANCE)
+    records = assert_exact(run, static_run)
     adjustments = run.adjustments()
     assert [len(a["members"]) for a in adjustments] == [3, 2], adjustments
     assert adjustments[1]["leavers"] == [rank0["worker_id"]]

@@ -14,16 +14,10 @@ from pathlib import Path
 import pytest
 
 from tests.integration.elastic_runs import (
-    EPOCHS,
     PROBE,
     PROBE_ARGS,
-    SAMPLES,
-    STEPS_PER_EPOCH,
-    TOLERANCE,
     RunResult,
-    assert_each_sample_once,
-    assert_ranks_agree,
-    assert_states_close,
+    assert_exact,
     elan_env,
     free_port,
 )
@@ -64,6 +58,4 @@ def test_ssh_recipe_starts_a_job_that_a_later_worker_joins(static_run, tmp_path)
     adjustments = [json.loads(line) for line in (state_dir / "adjustments.jsonl").read_text().splitlines()]
     assert [(a["action"], len(a["members"])) for a in adjustments] == [("add", 3)]
     run = RunResult(out, state_dir, 0, "")
-    assert_each_sample_once(run.records(), SAMPLES, EPOCHS)
-    assert assert_ranks_agree(run.records()) == EPOCHS * STEPS_PER_EPOCH
-    assert_states_close(run.final_state(), static_run.final_state(), TOLERANCE)
+    assert_exact(run, static_run)

@@ -22,16 +22,10 @@ import pytest
 
 from tests.integration.conftest import static_run  # noqa: F401  (the session's static reference run)
 from tests.integration.elastic_runs import (
-    EPOCHS,
     PROBE,
     PROBE_ARGS,
-    SAMPLES,
-    STEPS_PER_EPOCH,
-    TOLERANCE,
     RunResult,
-    assert_each_sample_once,
-    assert_ranks_agree,
-    assert_states_close,
+    assert_exact,
 )
 from tests.multihost.conftest import REPO_ROOT, worker_env
 from tests.multihost.hosts import FakeHost, FakeHosts
@@ -94,10 +88,7 @@ def test_job_across_hosts_grows_over_the_network_and_loses_a_host_by_sigterm(
     assert (transfer["level"], transfer["transport"]) == (4, "collective"), transfer  # the network level
     assert grown["received"][transfer["joiner"]]["route"] == "collective"
     run = RunResult(out, state_dir, 0, "")
-    records = run.records()
-    assert_each_sample_once(records, SAMPLES, EPOCHS)
-    assert assert_ranks_agree(records) == EPOCHS * STEPS_PER_EPOCH
-    assert_states_close(run.final_state(), static_run.final_state(), TOLERANCE)
+    records = assert_exact(run, static_run)
     shrunk = adjustments(state_dir)[1]
     assert len(shrunk["members"]) == 2 and len(shrunk["leavers"]) == 1
     assert sorted(r["worker"] for r in records if r["left"]) == shrunk["leavers"]
