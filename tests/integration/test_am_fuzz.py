@@ -101,6 +101,7 @@ def valid_body(msg_type: str) -> dict[str, Any]:
                        "scaling": {"policy": "strong", "model_ready": False, "world_size": 2, "global_batch": 12}},
         "wait_plan": {"worker_id": "w0", "timeout_s": 0},
         "recover": {"worker_id": "w0", "generation": 0, "has_state": True, "step": 1, "timeout_s": 0},
+        "enrol": {"host": "h", "pid": 1, "worker_id": "w9"},  # only ever sent broken (this job takes no enrolments)
         "leave": {"worker_id": "w0"},  # only ever sent broken (a valid one would remove w0)
         "report": {"worker_id": "w0", "generation": 1, "role": "stayer", "pause_s": 0.1, "bytes_sent": 1,
                    "bytes_received": 1, "startup_s": 1.0, "global_batch": 12, "received_from": "w0",
@@ -341,6 +342,14 @@ def wait_for_job(home: Path, job: subprocess.Popen) -> tuple[AMClient, dict]:
                 client.close()
         time.sleep(0.2)
     raise AssertionError(f"the job never started (exit {job.poll()})")
+
+
+def test_the_fuzzer_has_a_valid_body_for_every_message_type() -> None:
+    """A message type added to the protocol must be fuzzed too: each has a body that passes validation."""
+    for msg_type, schema in BODY_SCHEMAS.items():
+        body = valid_body(msg_type)
+        assert {name for name, spec in schema.items() if spec.required} <= set(body), msg_type
+        assert set(body) <= set(schema), msg_type
 
 
 def test_a_flood_of_bad_frames_leaves_a_training_job_and_its_am_unaffected(static_run: RunResult,
