@@ -1,9 +1,10 @@
 """The Accelerate benchmark: ``python -m bench.accelerate`` (see docs/benchmarks.md, *Accelerate*).
 
 1. Adjustment pause, per model: an ``elan run`` job of ``bench.accelerate_train`` (an ``ElasticAccelerator`` loop)
-   scaled live by the harness — ``cycles`` × (scale out 2→3, scale in 3→2, migrate one worker) — and, with
-   ``--with-lightning``, the same schedule on the Lightning workload (``bench.train``) in the same run, so the two
-   front-ends are compared under the same load. Pauses come from the survivors' own step timestamps.
+   scaled live by the harness — ``cycles`` × (scale out 2→3, scale in 3→2, migrate one worker); the same schedule
+   replayed by stop-and-restart of a plain ``Accelerator`` (``save_state`` at the step, relaunch at the new size,
+   ``load_state``: what a plain Accelerate job does to change its size); and, with ``--with-lightning``, the schedule
+   on the Lightning workload (``bench.train``) in the same run. Pauses come from the workers' own step timestamps.
 2. Runtime overhead without adjustments: a plain ``accelerate.Accelerator`` (DDP, 2 processes) against
    ``ElasticAccelerator`` at each ``coordinate_every``, interleaved rounds whose order rotates.
 Writes ``results.json`` and ``results.md`` to ``--out``; step files and logs go to ``--work-dir``.
@@ -24,7 +25,7 @@ from typing import Any
 from bench.analysis import Spread
 from bench.common import Scenario
 from bench.procs import Children
-from bench.report import ACTIONS, fmt, overhead_table, pauses
+from bench.report import ACTIONS, fmt, overhead_table, pauses, ratio
 
 log = logging.getLogger("bench.accelerate")
 
@@ -41,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--actions", default="add,remove,migrate", help="one cycle, in order")
     parser.add_argument("--settle-steps", type=int, default=10)
     parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
+                        help="replay each schedule by stop-and-restart of a plain Accelerator")
     parser.add_argument("--with-lightning", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the Lightning workload's job on the same schedule")
     parser.add_argument("--overhead-configs", default="ddp,1,10", help="ddp and/or elan coordinate_every values")
@@ -66,20 +69,44 @@ def run_adjustments(args: argparse.Namespace, work: Path, children: Children, re
     for model in _names(args.models):
         entry = results["models"].setdefault(model, {})
         for workload in workloads:
-            scenario = Scenario(model, cycles=args.cycles, settle_steps=args.settle_steps,
-                                warmup_steps=args.warmup_steps, workload=WORKLOADS[workload],
-                                actions=tuple(_names(args.actions)))
+            scenario = _scenario(args, model, workload)
             for attempt in range(1, ELAN_ATTEMPTS + 1):
                 where = work / model / f"{workload}-{attempt}"
                 log.info("%s: %s job (attempt %d)", model, workload, attempt)
                 try:
-                    entry[workload] = run_elan_job(scenario, where, children).as_dict()
+                    job = run_elan_job(scenario, where, children)
+                    entry[workload] = job.as_dict()
                     break
                 except Exception as exc:
-                    log.error("%s %s failed: %s (logs in %s)", model, workload, exc, where)
-                    results["failures"].append({"model": model, "part": f"{workload} attempt {attempt}",
-                                                "error": f"{type(exc).__name__}: {exc}", "logs": str(where)})
+                    _failed(results, model, f"{workload} attempt {attempt}", exc, where)
             save()
+            if workload == "accelerate" and args.restart and workload in entry:
+                run_restart(scenario, job, work / model / "restart", children, results)
+                save()
+
+
+def run_restart(scenario: Scenario, job: Any, where: Path, children: Children, results: dict[str, Any]) -> None:
+    """The elastic job's schedule replayed by stop-and-restart of a plain Accelerator."""
+    from bench.restart_runs import run_restart_job
+
+    schedule = [(a.action, step, world) for a, (step, world) in zip(job.adjustments, job.schedule(), strict=True)]
+    log.info("%s: stop-and-restart of a plain Accelerator on the same schedule", scenario.model)
+    try:
+        restart = run_restart_job(scenario, schedule, job.final_step(), where, children)
+        results["models"][scenario.model]["restart"] = restart.as_dict()
+    except Exception as exc:
+        _failed(results, scenario.model, "restart", exc, where)
+
+
+def _scenario(args: argparse.Namespace, model: str, workload: str) -> Scenario:
+    return Scenario(model, cycles=args.cycles, settle_steps=args.settle_steps, warmup_steps=args.warmup_steps,
+                    workload=WORKLOADS[workload], actions=tuple(_names(args.actions)))
+
+
+def _failed(results: dict[str, Any], model: str, part: str, exc: Exception, where: Path) -> None:
+    log.error("%s %s failed: %s (logs in %s)", model, part, exc, where)
+    results["failures"].append({"model": model, "part": part, "error": f"{type(exc).__name__}: {exc}",
+                                "logs": str(where)})
 
 
 def run_overhead_rounds(args: argparse.Namespace, work: Path, children: Children, results: dict[str, Any]) -> None:
@@ -97,17 +124,20 @@ def run_overhead_rounds(args: argparse.Namespace, work: Path, children: Children
 
 
 def pause_table(results: dict[str, Any]) -> list[str]:
-    lines = ["| model | adjustment | ElasticAccelerator pause (s) | Lightning `elan` pause (s), same run "
-             "| joiner start-up, hidden (Accelerate) (s) |", "|---|---|---|---|---|"]
+    lines = ["| model | adjustment | ElasticAccelerator pause (s) | plain Accelerator stop-and-restart (s) "
+             "| restart ÷ elastic | Lightning `elan` pause (s), same run | joiner start-up, hidden (Accelerate) (s) |",
+             "|---|---|---|---|---|---|---|"]
     for model, entry in results["models"].items():
         if "accelerate" not in entry:
             continue
         for action in dict.fromkeys(a["action"] for a in entry["accelerate"]["adjustments"]):
             accelerate = Spread.of(pauses(entry["accelerate"], action))
+            restart = Spread.of(pauses(entry.get("restart"), action))
             lightning = Spread.of(pauses(entry.get("lightning"), action))
             startup = Spread.of(s for a in entry["accelerate"]["adjustments"] if a["action"] == action
                                 for s in a["joiner_startup_s"])
-            lines.append(f"| {model} | {ACTIONS.get(action, action)} | {fmt(accelerate)} | {fmt(lightning)} "
+            lines.append(f"| {model} | {ACTIONS.get(action, action)} | {fmt(accelerate)} | {fmt(restart, 1)} "
+                         f"| {ratio(restart, accelerate)} | {fmt(lightning)} "
                          f"| {fmt(startup, 1) if action != 'remove' else '—'} |")
     return lines
 

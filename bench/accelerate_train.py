@@ -22,8 +22,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from bench.sizes import MODEL_SIZES
-from bench.workload import RepeatedDataset, StepFile, build_mlp
+from bench.workload import RepeatedDataset, StepFile, build_mlp, skip_teardown
 
+STEP_FILE = "bench_step.txt"
 LAUNCH_WORLD = 2  # elan jobs of the benchmark start with 2 workers; the per-worker batch is set for them
 
 
@@ -39,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epoch-steps", type=int, default=1000, help="global batches per epoch")
     parser.add_argument("--stop-file", type=Path, default=None, help="stop at the step this file names, once it exists")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep added to every step")
+    parser.add_argument("--stop-at-step", type=int, default=None, help="ddp: save_state to --checkpoint here, stop")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="ddp: the folder --stop-at-step saves to")
+    parser.add_argument("--resume", type=Path, default=None, help="ddp: load_state from this folder first")
     return parser.parse_args(argv)
 
 
@@ -82,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     model = build_mlp(MODEL_SIZES[args.model])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    train(args, accelerator, model, optimizer, loader)
+    first = resume(accelerator, args.resume) if args.resume else 0
+    train(args, accelerator, model, optimizer, loader, first)
     if args.accelerator == "gpu":
         torch.cuda.synchronize()
     accelerator.end_training()
@@ -90,20 +95,31 @@ def main(argv: list[str] | None = None) -> None:
         skip_teardown()
 
 
-def skip_teardown() -> None:
-    """Leave without running destructors. torch 2.13: freeing plain DDP's Reducer drops the last reference to its
-    gloo group, whose destructor joins the group's worker thread while holding the GIL; a worker thread still
-    freeing a finished all-reduce needs the GIL — the process hangs (seen with py-spy, one run in a few). The step
-    file is flushed, so nothing is lost."""
-    logging.shutdown()
-    os._exit(0)
+def resume(accelerator: Accelerator, folder: Path) -> int:
+    """Stop-and-restart with a plain Accelerator: its own ``load_state``; returns the step the checkpoint is at."""
+    accelerator.load_state(str(folder))
+    return int((folder / STEP_FILE).read_text())
+
+
+def save_and_stop(accelerator: Accelerator, folder: Path, step: int) -> None:
+    """A durable checkpoint at ``step``: Accelerate's ``save_state`` (model, optimizer, RNG), then the step, fsynced."""
+    started = time.perf_counter()
+    accelerator.save_state(str(folder))
+    if accelerator.is_main_process:
+        with (folder / STEP_FILE).open("w") as file:
+            file.write(str(step))
+            file.flush()
+            os.fsync(file.fileno())
+    accelerator.wait_for_everyone()
+    logging.getLogger(__name__).info("step %d: save_state %s in %.3f s; stopping", step, folder,
+                                     time.perf_counter() - started)
 
 
 def train(args: argparse.Namespace, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,
-          loader: DataLoader) -> None:
+          loader: DataLoader, first: int = 0) -> None:
     steps, stop = StepFile(args.steps_dir, args.label), StopFile(args.stop_file)
     elastic = args.launcher == "elan"
-    done = 0
+    done = first
     for _ in epochs(accelerator, args.launcher):
         for x, y in loader:
             if args.step_sleep:
@@ -113,6 +129,10 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: nn.Module, 
             optimizer.zero_grad()
             done = accelerator.optimizer_steps + 1 if elastic else done + 1  # counted at the next batch boundary
             steps.step(done, accelerator.num_processes, accelerator.process_index)
+            if args.stop_at_step is not None and done == args.stop_at_step:
+                steps.flush()
+                save_and_stop(accelerator, args.checkpoint, done)
+                return
             if done >= args.max_steps or stop.reached(done):
                 steps.flush()
                 return

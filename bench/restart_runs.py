@@ -87,7 +87,8 @@ def run_restart_job(
         if index > 0:
             args += ["--resume", str(checkpoint)]
         relaunched.append(time.time())
-        procs = launch_ddp_set(children, world, args, f"seg{index:02d}", out, scenario.accelerator)
+        procs = launch_ddp_set(children, world, args, f"seg{index:02d}", out, scenario.accelerator,
+                               scenario.workload)
         try:
             codes = wait_all(procs, scenario.timeout_s)
         finally:

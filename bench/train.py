@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 import lightning_elan
-from bench.workload import BenchModel, RepeatedDataset, StepTimes
+from bench.workload import BenchModel, RepeatedDataset, StepTimes, skip_teardown
 
 log = logging.getLogger("bench.train")
 CHECKPOINT_NAME = "last.ckpt"
@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(model, loader, ckpt_path=str(resume) if resume else None)
     if args.accelerator == "gpu":
         torch.cuda.synchronize()
+    if args.launcher != "elan":  # plain DDP under `ddp` and torchrun
+        skip_teardown()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Smoke test of the Accelerate benchmark (`python -m bench.accelerate`): tiny model, one cycle of scale out, scale
-in and migrate of an ``ElasticAccelerator`` job, one overhead round against a plain ``Accelerator``; checks that
+in and migrate of an ``ElasticAccelerator`` job, its stop-and-restart replay by a plain ``Accelerator``, one overhead
+round against a plain ``Accelerator``; checks that
 every adjustment was measured, that the step files show the world sizes the schedule asked for, and the report."""
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def test_bench_accelerate_smoke(tmp_path):
 
     worlds = _world_after_each(tmp_path / "work" / "tiny" / "accelerate-1" / "steps", [a["step"] for a in adjustments])
     assert worlds == [3, 2, 2], worlds
+    restart = results["models"]["tiny"]["restart"]["adjustments"]
+    assert [a["action"] for a in restart] == ["add", "remove", "migrate"]
+    assert all(a["pause"]["pause_s"] > 0 for a in restart), restart  # a plain Accelerator relaunched and resumed
     rates = {run["config"]: run["steps_per_s"] for run in results["overhead"]["runs"]}
     assert set(rates) == {"ddp", "elan/10"} and min(rates.values()) > 0, rates
 
