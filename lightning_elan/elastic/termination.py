@@ -25,11 +25,12 @@ front-end drops Lightning's own per-batch broadcast of its SIGTERM flag in excha
 always 0 (``compat.drop_sigterm_broadcast``), so a step runs as many collectives as under Lightning's DDP.
 
 The crash path (the process kills itself with SIGKILL, as a preempted machine would) is the fallback: on a second
-SIGTERM, when the worker has not left ``ELAN_TERM_GRACE`` seconds (``elan run --term-grace``, default 30) after the
-first, and at once when the AM answers that the job is finished or shutting down (``elan run`` stopping its
-workers). An AM that refuses the leave (the last member of the job) leaves the worker training until the grace
-period ends: the job may finish in time. When the engine closes (the training loop is over: left, finished or
-cancelled) the watch is disarmed and SIGTERM does again what it did before (the previous handler).
+SIGTERM (one within :data:`REPEAT_WINDOW_S` of the first is the same notice delivered twice), when the worker has not
+left ``ELAN_TERM_GRACE`` seconds (``elan run --term-grace``, default 30) after the first, and at once when the AM
+answers that the job is finished or shutting down (``elan run`` stopping its workers). An AM that refuses the leave (the
+last member of the job) leaves the worker training until the grace period ends: the job may finish in time. When the
+engine closes (the training loop is over: left, finished or cancelled) the watch is disarmed and SIGTERM does again what
+it did before (the previous handler).
 
 Python runs a signal handler when the main thread is back in the interpreter: while it waits inside one long C++ call
 (a joiner's rendezvous, a collective stuck on a hung peer) the SIGTERM, and with it the grace period, waits too. The
@@ -61,6 +62,11 @@ __all__ = ["TerminationWatch", "any_rank_leaving"]
 LEAVE_ATTEMPT_S = 1.0
 """One attempt of the ``leave`` request; it is resent until the AM answers or the grace period ends."""
 
+REPEAT_WINDOW_S = 1.0
+"""A SIGTERM this soon after the first is the same notice, not the second that takes the crash path: Slurm's
+``scancel``/``srun`` signal every process of a job step, so the training process gets the signal directly and again
+from the ``elan worker`` that forwards it (as under an init process that forwards to its process group)."""
+
 
 class TerminationWatch:
     """One worker's SIGTERM handling while it is part of an elastic job (see the module docstring).
@@ -68,12 +74,14 @@ class TerminationWatch:
     ``kill`` is ``os.kill`` (tests pass a recorder); ``leave_queued`` is read by the engine at every batch boundary.
     """
 
-    def __init__(self, environment: WorkerEnvironment, *, kill: Callable[[int, int], None] = os.kill) -> None:
+    def __init__(self, environment: WorkerEnvironment, *, kill: Callable[[int, int], None] = os.kill,
+                 repeat_window_s: float = REPEAT_WINDOW_S) -> None:
         if environment.am_address is None:
             raise ValueError("a standalone worker has no application master to leave")
         self.environment = environment
         self.grace_s = environment.term_grace_s
         self.signals = 0
+        self.repeat_window_s = repeat_window_s
         self.outcome: str | None = None  # the AM's answer to leave (contract.LEAVE_*), None until it answered
         self.refusal: str | None = None  # why the AM refused, if it did
         self.fell_back: str | None = None  # why the crash path was taken, if it was
@@ -130,10 +138,11 @@ class TerminationWatch:
             _call_previous(self._previous, signum, frame)
             return
         self.signals += 1
-        if self.signals == 1:
-            self._received_at = time.monotonic()
+        now = time.monotonic()
+        if self._received_at is None:
+            self._received_at = now
             self._wake.set()
-        else:
+        elif now - self._received_at >= self.repeat_window_s:
             self._fall_back("a second SIGTERM")
 
     # ------------------------------------------------------------------ the watch's thread

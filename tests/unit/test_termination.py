@@ -45,14 +45,14 @@ def watch_of(am: ApplicationMaster) -> Iterator:
     previous = signal.getsignal(signal.SIGTERM)
 
     def make(
-        worker_id: str = "w1", grace_s: float = 30.0, address: str | None = None
+        worker_id: str = "w1", grace_s: float = 30.0, address: str | None = None, repeat_window_s: float = 0.2
     ) -> tuple[TerminationWatch, Kills]:
         environment = WorkerEnvironment.launched(
             job=JOB, worker_id=worker_id, role="member", am_address=address or am.address,
             store_address="127.0.0.1:1", rank=1, world_size=2, term_grace_s=grace_s,
         )
         kills = Kills()
-        watch = TerminationWatch(environment, kill=kills)
+        watch = TerminationWatch(environment, kill=kills, repeat_window_s=repeat_window_s)
         assert watch.install()
         watches.append(watch)
         return watch, kills
@@ -81,8 +81,23 @@ def test_the_first_sigterm_queues_the_leave_at_the_am_and_the_second_takes_the_c
         (pending,) = client.status()["pending"]
     assert (pending["action"], pending["workers"]) == ("leave", ["w1"])
     assert kills.calls == [] and watch.fell_back is None
+    time.sleep(watch.repeat_window_s)
     os.kill(os.getpid(), signal.SIGTERM)
     assert kills.calls == [(os.getpid(), signal.SIGKILL)] and watch.fell_back == "a second SIGTERM"
+
+
+def test_sigterms_in_quick_succession_are_one_notice(watch_of, am) -> None:
+    """Slurm signals every process of a step: the worker gets SIGTERM directly and forwarded by ``elan worker``."""
+    watch, kills = watch_of("w1", repeat_window_s=5.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+    wait_until(lambda: watch.leave_queued)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+    assert watch.signals == 3 and kills.calls == [] and watch.fell_back is None
+    with AMClient(am.address, JOB) as client:
+        (pending,) = client.status()["pending"]
+    assert (pending["action"], pending["workers"]) == ("leave", ["w1"])
 
 
 def test_not_left_within_the_grace_period_takes_the_crash_path(watch_of) -> None:
