@@ -41,6 +41,11 @@ __all__ = ["ElasticProcessGroup", "install_default_group", "uninstall_default_gr
 BACKEND_NAME = "elan"
 """The name the group is registered under with ``torch.distributed.Backend``."""
 
+DISARM_WAIT_S = 5.0
+"""At exit, how long a collective's Python callback already running on the backend's thread is waited for."""
+CALLBACK_RELEASE_S = 0.05
+"""At exit, after such a callback returned: time for the backend's thread to free it (it takes the GIL to do so)."""
+
 _install_lock = threading.Lock()
 _installing: ElasticProcessGroup | None = None
 _exit_hook_registered = False
@@ -69,15 +74,45 @@ class AbortableWork(dist.Work):
         self._future = self._source.then(_unwrap_result)
         self._lock = threading.Lock()
         self._settled = False
-        inner.get_future().add_done_callback(self._inner_done)
+        self._relayed = threading.Event()
+        self._work = inner
+        self._inner = inner.get_future()
+        self._relay = torch._C._collect_all([self._inner])
+        self._relay.add_done_callback(self._relay_done)
 
-    def _inner_done(self, future: torch.futures.Future) -> None:
+    def _relay_done(self, relay: torch.futures.Future) -> None:
         try:
-            value = future.value()
-        except Exception as error:
-            self._settle(_Failed(error))
-        else:
-            self._settle(value)
+            if not self._inner.done():
+                return  # disarmed
+            try:
+                value = self._inner.value()
+            except Exception as error:
+                self._settle(_Failed(error))
+            else:
+                self._settle(value)
+        finally:
+            self._relayed.set()
+
+    def disarm(self, timeout_s: float) -> bool:
+        """Let the backend's work end in C++ only; returns whether its Python callback was under way (waited for).
+
+        The backend completes its future on its own thread, and whatever takes the GIL there during or after
+        interpreter finalization kills the process (an abandoned generation's collective ends when its peers exit,
+        which may be while we do). Two things would: a Python callback, and freeing the last reference to a Python
+        object (the work's tensors, a Python value). So the callback hangs on a relay future (torch's C++
+        ``collectAll``): completing the relay here makes the backend's later completion a no-op in C++
+        (``setErrorIfNeeded`` on a completed future); and the work, its future and the relay are kept for the life of
+        the process, so the backend's thread never drops the last reference to them. If the backend completed the
+        relay first, its callback is waited for (the caller holds the interpreter up meanwhile)."""
+        for owned in (self._work, self._inner, self._relay):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(owned))
+        try:
+            self._relay.set_result([])
+        except RuntimeError:  # the backend's work completed first: its callback runs, or ran, on its thread
+            under_way = not self._relayed.is_set()
+            self._relayed.wait(timeout_s)
+            return under_way
+        return False
 
     def _settle(self, value: Any) -> None:
         with self._lock:
@@ -139,6 +174,12 @@ class _Generation:
             outstanding = list(self._outstanding)
         for work in outstanding:
             work.abort(failure)
+
+    def disarm(self, timeout_s: float) -> bool:
+        """Disarm every outstanding work (see :meth:`AbortableWork.disarm`); whether a callback was under way."""
+        with self._lock:
+            outstanding = list(self._outstanding)
+        return any([work.disarm(timeout_s) for work in outstanding])
 
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -260,10 +301,11 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
 
     def abort(self) -> None:
         """Tear a broken generation down without waiting for its peers (NCCL: ``ncclCommAbort``)."""
-        current, self._current, self._generation = self._current, None, None
+        current, generation = self._current, self._generation
+        self._current, self._generation = None, None
         if current is not None:
             self._release(current, abort=True)
-            _keep_forever(current)
+            _keep_forever(current, generation)
 
     def fail(self, prefix: str, failure: BaseException) -> bool:
         """A member of the generation formed under ``prefix`` died: its outstanding and later collectives raise
@@ -391,16 +433,17 @@ class GenerationGroup(_ForwardingCollectives, ProcessGroup):
         return self._parent.backend
 
 
-_abandoned: list[ProcessGroup] = []
+_abandoned: list[tuple[ProcessGroup, _Generation | None]] = []
 
 
-def _keep_forever(group: ProcessGroup) -> None:
+def _keep_forever(group: ProcessGroup, generation: _Generation | None) -> None:
     """Never destroy a failed generation's group: its backend may still run a collective that waits on a dead peer,
     and gloo's destructor (closing the pairs of that collective, then joining its worker threads) throws
     ``gloo::IoException`` from a destructor — ``std::terminate`` — or blocks until the collective timeout. The group
     is kept referenced for the life of the process (an extra reference the interpreter never drops, so not even
-    interpreter shutdown destroys it); its pending collective ends with an error when its peers exit."""
-    _abandoned.append(group)
+    interpreter shutdown destroys it); its pending collective ends with an error when its peers exit — after our
+    exit hook disarmed it (:func:`_disarm_all`) if that is after we exit."""
+    _abandoned.append((group, generation))
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
@@ -467,6 +510,19 @@ def _create_from_registry(store: Any, rank: int, world_size: int, timeout: Any) 
 
 
 def _destroy_default_group() -> None:
+    _disarm_all()
     world = dist.group.WORLD if dist.is_initialized() else None
     if isinstance(world, ElasticProcessGroup):
         uninstall_default_group(world)
+
+
+def _disarm_all() -> None:
+    """Before the interpreter finalizes: no collective may call into Python when it ends later (abandoned generations
+    end when their peers exit), and none may be doing so while the interpreter finalizes."""
+    generations = [generation for _, generation in _abandoned if generation is not None]
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if isinstance(world, ElasticProcessGroup) and world._generation is not None:
+        generations.append(world._generation)
+    under_way = any([generation.disarm(DISARM_WAIT_S) for generation in generations])
+    if under_way:
+        time.sleep(CALLBACK_RELEASE_S)  # the backend's thread frees a callback it ran (with the GIL) after it returned
