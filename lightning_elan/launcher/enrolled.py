@@ -24,7 +24,7 @@ from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
     DEFAULT_TERM_GRACE_S,
     ROLE_MEMBER,
-    WORKER_ENV_VARS,
+    STRIPPED_ENV_VARS,
     EnrolReply,
     EnrolRequest,
     WorkerEnvironment,
@@ -154,7 +154,7 @@ class EnrolledWorker:
             coordinate_every=enrolment.coordinate_every, rank=enrolment.rank, world_size=enrolment.world_size,
             device_index=self.config.device_index, term_grace_s=self.config.term_grace_s,
         )
-        env = {key: value for key, value in self._base_env.items() if key not in WORKER_ENV_VARS}
+        env = {key: value for key, value in self._base_env.items() if key not in STRIPPED_ENV_VARS}
         env.pop(ENV_AM, None)
         env.update(description.to_env())
         return env

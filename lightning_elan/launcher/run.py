@@ -35,7 +35,7 @@ from lightning_elan.protocol.contract import (
     DEFAULT_TERM_GRACE_S,
     ROLE_JOINER,
     ROLE_MEMBER,
-    WORKER_ENV_VARS,
+    STRIPPED_ENV_VARS,
     WorkerEnvironment,
     failure_key,
 )
@@ -303,7 +303,7 @@ class JobLauncher:
 
     def _worker_env(self, description: WorkerEnvironment) -> dict[str, str]:
         """The inherited environment without any ``ELAN_*`` worker variable, then this worker's."""
-        env = {key: value for key, value in self._base_env.items() if key not in WORKER_ENV_VARS}
+        env = {key: value for key, value in self._base_env.items() if key not in STRIPPED_ENV_VARS}
         env.update(description.to_env())
         # as torchrun does: several workers on one host, each with an OpenMP pool sized for the whole machine, spin
         # against each other (measured here: packing a 100 MB state for replication took 1.2 s instead of 0.1 s)

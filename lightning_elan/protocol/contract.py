@@ -79,6 +79,25 @@ WORKER_ENV_VARS: tuple[str, ...] = (
 )
 """What the launcher sets for each worker (and strips from the environment the workers inherit)."""
 
+SCHEDULER_WORLD_ENV_VARS: tuple[str, ...] = (
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+)
+"""A scheduler's fixed task geometry, stripped from what the workers inherit: an elastic job's world is elan's. Under
+``srun`` (or ``elan run`` inside an allocation) Lightning's ``SLURMEnvironment.detect()`` takes a process with
+``SLURM_NTASKS`` for one rank of a fixed-size step, ahead of the strategy's own environment, and refuses ``--ntasks``
+without ``--ntasks-per-node``; a script reading ``SLURM_PROCID`` for its rank would be wrong after the first resize."""
+
+STRIPPED_ENV_VARS = frozenset(WORKER_ENV_VARS + SCHEDULER_WORLD_ENV_VARS)
+"""Not inherited by a worker from its launcher's environment."""
+
 # user settings, read where they apply and inherited by the workers
 ENV_REPLICATION = ENV_PREFIX + "REPLICATION"  # "collective" forces collective replication (no topology registered)
 ENV_SHM_DIR = ENV_PREFIX + "SHM_DIR"  # directory of the shared-memory segments (default /dev/shm)
@@ -789,9 +808,11 @@ __all__ = [
     "ROLE_WAITING",
     "SCALING_DECISION",
     "SCALING_SUMMARY",
+    "SCHEDULER_WORLD_ENV_VARS",
     "STATUS_CANCELLED",
     "STATUS_PLAN",
     "STATUS_WAIT",
+    "STRIPPED_ENV_VARS",
     "TYPED_REQUESTS",
     "WORKER_ENV_VARS",
     "AdjustmentPlan",

@@ -83,3 +83,20 @@ def test_a_joiners_environment_carries_no_rank_and_a_member_carries_generation_z
 def test_split_host_port() -> None:
     assert split_host_port("127.0.0.1:29500") == ("127.0.0.1", 29500)
     assert split_host_port("::1:80") == ("::1", 80)
+
+
+def test_elan_worker_under_srun_hands_its_command_elans_world_not_slurms() -> None:
+    """srun's task geometry (SLURM_NTASKS…) would make Lightning's SLURMEnvironment claim the process for a fixed-size
+    step; the job's and the allocation's identity (SLURM_JOB_ID) stay."""
+    from lightning_elan.launcher.enrolled import EnrolledWorker, WorkerConfig
+    from lightning_elan.protocol.contract import EnrolReply
+
+    slurm = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "42", "PATH": "/bin"}
+    worker = EnrolledWorker(WorkerConfig("tcp://127.0.0.1:29400", "j", ["true"]), base_env=slurm)
+    try:
+        env = worker._command_env(EnrolReply("w1", "member", generation=0, rank=1, world_size=2, store_port=5))
+    finally:
+        worker._client.close()
+
+    assert {"SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"}.isdisjoint(env)
+    assert (env["SLURM_JOB_ID"], env["PATH"], env["ELAN_RANK"], env["ELAN_WORLD_SIZE"]) == ("42", "/bin", "1", "2")
