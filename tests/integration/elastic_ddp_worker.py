@@ -52,6 +52,11 @@ def main() -> None:
             ddp(inputs).pow(2).mean().backward()
             grads[name] = torch.cat([p.grad.flatten() for p in ddp.module.parameters()]).tolist()
         print(json.dumps({"rank": rank, "step": step, **grads}), flush=True)
+    # torch 2.13: freeing plain DDP's Reducer (here, when main's locals go) drops the last reference to its gloo group,
+    # whose destructor joins the group's worker thread while holding the GIL that the thread needs to free a finished
+    # all-reduce — one exit in a few hangs (seen with py-spy, and in CI after the same exit was moved below main()).
+    # Everything is printed and flushed; leave without running destructors, before any local is released.
+    os._exit(0)
 
 
 def _everyone_from_rank0(ddp: ElasticDistributedDataParallel, pg: dist.ProcessGroup) -> dict:
@@ -67,7 +72,3 @@ def _everyone_from_rank0(ddp: ElasticDistributedDataParallel, pg: dist.ProcessGr
 
 if __name__ == "__main__":
     main()
-    # torch 2.13: freeing plain DDP's Reducer drops the last reference to its gloo group, whose destructor joins the
-    # group's worker thread while holding the GIL that the thread needs to free a finished all-reduce — one exit in a
-    # few hangs (seen with py-spy). Everything is printed and flushed; leave without running destructors.
-    os._exit(0)
