@@ -276,6 +276,7 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         self._size = 1
         self._current: ProcessGroup | None = None
         self._generation: _Generation | None = None
+        self._retired: ProcessGroup | None = None
 
     # ------------------------------------------------------------------ membership
 
@@ -298,7 +299,17 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         current, self._current, self._generation = self._current, None, None
         if current is not None:
             self._release(current, abort=False)
+            self._retire(current)
 
+    def _retire(self, group: ProcessGroup) -> None:
+        """Free the generation retired before ``group``; keep ``group`` until the next one is retired.
+
+        Freeing a gloo group joins its worker threads while holding the GIL, and a worker thread that still holds the
+        last reference to a collective it has just finished needs the GIL to free that work's Python tensors: a
+        deadlock in the moments after a collective completes (seen with plain DDP's teardown in torch 2.13). The
+        threads of a group retired a whole generation ago are idle."""
+        previous, self._retired = self._retired, group
+        del previous
     def abort(self) -> None:
         """Tear a broken generation down without waiting for its peers (NCCL: ``ncclCommAbort``)."""
         current, generation = self._current, self._generation
