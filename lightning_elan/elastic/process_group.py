@@ -308,15 +308,14 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         last reference to a collective it has just finished needs the GIL to free that work's Python tensors: a
         deadlock in the moments after a collective completes (seen with plain DDP's teardown in torch 2.13). The
         threads of a group retired a whole generation ago are idle."""
-        previous, self._retired = self._retired, group
-        del previous
+        self._retired = group  # frees the one retired before it
+
     def abort(self) -> None:
         """Tear a broken generation down without waiting for its peers (NCCL: ``ncclCommAbort``)."""
-        current, generation = self._current, self._generation
-        self._current, self._generation = None, None
-        if current is not None:
-            self._release(current, abort=True)
-            _keep_forever(current, generation)
+        generation, self._current, self._generation = self._generation, None, None
+        if generation is not None:
+            self._release(generation.group, abort=True)
+            _keep_forever(generation)
 
     def fail(self, prefix: str, failure: BaseException) -> bool:
         """A member of the generation formed under ``prefix`` died: its outstanding and later collectives raise
@@ -444,18 +443,18 @@ class GenerationGroup(_ForwardingCollectives, ProcessGroup):
         return self._parent.backend
 
 
-_abandoned: list[tuple[ProcessGroup, _Generation | None]] = []
+_abandoned: list[_Generation] = []
 
 
-def _keep_forever(group: ProcessGroup, generation: _Generation | None) -> None:
+def _keep_forever(generation: _Generation) -> None:
     """Never destroy a failed generation's group: its backend may still run a collective that waits on a dead peer,
     and gloo's destructor (closing the pairs of that collective, then joining its worker threads) throws
     ``gloo::IoException`` from a destructor — ``std::terminate`` — or blocks until the collective timeout. The group
     is kept referenced for the life of the process (an extra reference the interpreter never drops, so not even
     interpreter shutdown destroys it); its pending collective ends with an error when its peers exit — after our
     exit hook disarmed it (:func:`_disarm_all`) if that is after we exit."""
-    _abandoned.append((group, generation))
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    _abandoned.append(generation)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(generation.group))
 
 
 def install_default_group(group: ElasticProcessGroup) -> None:
@@ -530,7 +529,7 @@ def _destroy_default_group() -> None:
 def _disarm_all() -> None:
     """Before the interpreter finalizes: no collective may call into Python when it ends later (abandoned generations
     end when their peers exit), and none may be doing so while the interpreter finalizes."""
-    generations = [generation for _, generation in _abandoned if generation is not None]
+    generations = list(_abandoned)
     world = dist.group.WORLD if dist.is_initialized() else None
     if isinstance(world, ElasticProcessGroup) and world._generation is not None:
         generations.append(world._generation)
