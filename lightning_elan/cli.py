@@ -773,6 +773,8 @@ def format_status(status: Mapping[str, Any]) -> str:
     lines.append(f"in flight: {describe_plan(AdjustmentPlan.from_dict(in_flight)) if in_flight else 'none'}")
     if status.get("recovery"):
         lines.append(describe_recovery(status["recovery"]))
+    if status.get("enrolment"):
+        lines.append(describe_enrolment(status["enrolment"]))
     last = status.get("last_adjustment")
     lines.append(f"last adjustment: {describe_adjustment(last) if last else 'none'}")
     failures = list(status.get("failures") or [])
@@ -781,6 +783,15 @@ def format_status(status: Mapping[str, Any]) -> str:
     if status.get("scaling"):
         lines += format_summary(status["scaling"])
     return "\n".join(lines)
+
+
+def describe_enrolment(enrolment: Mapping[str, Any]) -> str:
+    """The `elan worker` line, e.g. ``enrolment: 2–4 workers; waiting for the start: w0 (node-a pid 7)``."""
+    text = f"enrolment: {enrolment.get('min_workers')}–{enrolment.get('max_workers')} workers"
+    if enrolment.get("started"):
+        return text + "; started"
+    waiting = ", ".join(f"{w['worker_id']} ({w['host']} pid {w['pid']})" for w in enrolment.get("waiting") or [])
+    return text + f"; waiting for the start: {waiting or 'none enrolled yet'}"
 
 
 def describe_am(am: Mapping[str, Any]) -> str:

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import LEAVE_FINISHED, LEAVE_QUEUED, WorkerEnvironment
+from lightning_elan.protocol.messages import new_message_id
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +168,11 @@ class TerminationWatch:
     def _ask_to_leave(self, deadline: float) -> None:
         worker_id = self.environment.worker_id
         client = AMClient(self.environment.am_address or "", self.environment.job, timeout_s=LEAVE_ATTEMPT_S)
-        try:
+        msg_id = new_message_id()  # one request however often it is resent: a cancelled joiner's second leave is
+        try:  # answered from the AM's reply cache, not refused as an unknown worker's
             while not self._disarmed.is_set() and time.monotonic() < deadline:
                 try:
-                    reply = client.leave(worker_id, retries=0)
+                    reply = client.leave(worker_id, retries=0, msg_id=msg_id)
                 except AMUnavailable:
                     log.warning("the application master does not answer worker %s's leave; asking again", worker_id)
                     continue

@@ -31,6 +31,7 @@ from lightning_elan.protocol.contract import (
     failure_key,
     split_host_port,
 )
+from lightning_elan.protocol.messages import new_message_id
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,13 @@ class EnrolledWorker:
         return reply
 
     def _ask(self, request: EnrolRequest, deadline: float) -> EnrolReply:
+        """Ask until answered, every attempt under one message id: attempts queued for an AM that is not yet
+        listening all reach it once it is, and its reply cache answers all but the first (a new id each would enrol
+        this worker once per attempt, under several ids)."""
+        msg_id = new_message_id()
         while True:
             try:
-                return EnrolReply.from_body(self._client.request(request.TYPE, request.to_body()))
+                return EnrolReply.from_body(self._client.request(request.TYPE, request.to_body(), msg_id=msg_id))
             except AMUnavailable:
                 if time.monotonic() > deadline:
                     raise NotEnrolled(f"no AM of job {self.config.job} answered at {self.config.am} within "

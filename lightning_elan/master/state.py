@@ -384,9 +384,18 @@ class JobState:
             "failures": [dict(failure) for failure in self.failures],
             "am": {"restarts": self.am_restarts},
             "recovery": self._recovery_summary(),
+            "enrolment": self._enrolment_summary(),
             "finished": self.finished,
             "failed_reason": self.failed_reason,
         }
+
+    def _enrolment_summary(self) -> dict[str, Any] | None:
+        """A job of `elan worker`s: its bounds and, before the start, the workers waiting for it (None otherwise)."""
+        if self.enrolment is None:
+            return None
+        return {"min_workers": self.enrolment.min_workers, "max_workers": self.enrolment.max_workers,
+                "started": self.started,
+                "waiting": [{"worker_id": e.worker_id, "host": e.host, "pid": e.pid} for e in self.enrolment.waiting]}
 
     def _recovery_summary(self) -> dict[str, Any] | None:
         recovery = self.recovery

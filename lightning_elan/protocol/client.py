@@ -161,10 +161,12 @@ class AMClient:
         """Send one worker's adjustment report."""
         self.request(report.TYPE, report.to_body(), timeout_s=timeout_s, retries=retries)
 
-    def leave(self, worker_id: str, *, timeout_s: float | None = None, retries: int | None = None) -> LeaveReply:
+    def leave(self, worker_id: str, *, timeout_s: float | None = None, retries: int | None = None,
+              msg_id: str | None = None) -> LeaveReply:
         """Ask the AM to remove ``worker_id`` from the job (it received SIGTERM)."""
         request = LeaveRequest(worker_id)
-        return LeaveReply.from_body(self.request(request.TYPE, request.to_body(), timeout_s=timeout_s, retries=retries))
+        body = self.request(request.TYPE, request.to_body(), timeout_s=timeout_s, retries=retries, msg_id=msg_id)
+        return LeaveReply.from_body(body)
 
     def close(self) -> None:
         """Close the socket (pending messages are dropped)."""

@@ -39,10 +39,13 @@ class Cluster:
         self.tmp, self.env, self.port = tmp, elan_env(tmp), free_port()
         self.am_address = f"127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
+
+    def start_am(self, max_workers: int = 3) -> subprocess.Popen:
         self.am = self._start([
             "am", "--job", JOB, "--bind", f"tcp://{self.am_address}", "--state-dir", str(self.state_dir),
-            "--min-workers", "2", "--max-workers", "3", "--start-grace", "0.5", "--coordinate-every", "1",
+            "--min-workers", "2", "--max-workers", str(max_workers), "--start-grace", "0.5", "--coordinate-every", "1",
         ], "am")
+        return self.am
 
     @property
     def state_dir(self) -> Path:
@@ -96,6 +99,7 @@ def parent_of(pid: int) -> int:
 
 def test_workers_enrol_join_get_refused_and_leave_like_a_static_run(static_run, tmp_path):
     cluster = Cluster(tmp_path)
+    cluster.start_am()
     try:
         first = [cluster.worker("w-a"), cluster.worker("w-b")]
         started = cluster.wait_status(lambda s: s["generation"] == 0 and len(s["members"]) == 2
@@ -129,3 +133,27 @@ def test_workers_enrol_join_get_refused_and_leave_like_a_static_run(static_run, 
     assert [len(a["members"]) for a in adjustments] == [3, 2], adjustments
     assert adjustments[1]["leavers"] == [rank0["worker_id"]]
     assert sorted(r["worker"] for r in records if r["left"]) == [rank0["worker_id"]]
+
+
+def test_a_worker_started_before_its_am_listens_is_enrolled_once(static_run, tmp_path):
+    """A scheduler starts workers and the AM together (the ssh and Slurm recipes do): a worker that asks for seconds
+    before the AM listens has many attempts queued, and all of them reach the AM at once. It is one worker: the job
+    (--min-workers 2 --max-workers 2) waits for the second `elan worker` and trains with both, exactly."""
+    cluster = Cluster(tmp_path)
+    try:
+        early = cluster.worker("w-early")
+        time.sleep(4.0)  # ≥ 4 enrol attempts queued for an address nobody listens on yet
+        cluster.start_am(max_workers=2)
+        cluster.wait_status(lambda s: bool(s.get("enrolment") and (s["enrolment"]["waiting"]
+                                                                   or s["enrolment"]["started"])))
+        time.sleep(1.0)  # every queued attempt has arrived
+        enrolment = cluster.status()["enrolment"]
+        assert not enrolment["started"] and len(enrolment["waiting"]) == 1, enrolment
+        late = cluster.worker("w-late")
+        assert [early.wait(180), late.wait(180)] == [0, 0], cluster.logs()
+        assert cluster.am.wait(60) == 0, cluster.logs()
+    finally:
+        cluster.stop()
+    run = RunResult(tmp_path / "out", cluster.state_dir, 0, cluster.logs())
+    assert_exact(run, static_run)
+    assert run.adjustments() == []

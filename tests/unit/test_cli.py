@@ -391,6 +391,16 @@ def test_format_status_shows_a_recovery_and_a_dead_worker() -> None:
     assert "job j: generation 0, failed: no survivor" in format_status({**status, "failed_reason": "no survivor"})
 
 
+def test_format_status_shows_who_waits_for_the_start_of_a_job_of_elan_workers() -> None:
+    status = {"job": "j", "generation": 0, "members": [],
+              "enrolment": {"min_workers": 2, "max_workers": 4, "started": False,
+                            "waiting": [{"worker_id": "w0", "host": "node-a", "pid": 7}]}}
+
+    assert "enrolment: 2–4 workers; waiting for the start: w0 (node-a pid 7)" in format_status(status)
+    started = {**status, "enrolment": {**status["enrolment"], "started": True, "waiting": []}}
+    assert "enrolment: 2–4 workers; started" in format_status(started)
+
+
 def test_describe_request_variants() -> None:
     assert describe_request({"request_id": "r1", "action": "to", "size": 3}) == "r1: to 3"
     assert (

@@ -113,3 +113,14 @@ def test_enrolment_survives_a_round_trip_of_the_state() -> None:
 def test_bad_rules(minimum: int, maximum: int, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         Enrolment(minimum, maximum)
+
+
+def test_status_shows_the_waiting_workers_then_the_start() -> None:
+    state = enrolling(minimum=2, maximum=3, grace=5.0)
+    assert JobState(job="run").status()["enrolment"] is None  # a job of `elan run`
+    enrol(state, 0.0, "a")
+    assert state.status()["enrolment"] == {"min_workers": 2, "max_workers": 3, "started": False,
+                                           "waiting": [{"worker_id": "w0", "host": "a", "pid": 1000}]}
+    enrol(state, 0.0, "b")
+    state.housekeeping(now=5.0)
+    assert state.status()["enrolment"] == {"min_workers": 2, "max_workers": 3, "started": True, "waiting": []}
