@@ -291,7 +291,7 @@ class ElasticAccelerator(Accelerator):
         Returns whether to apply it (not when it is discarded) and the scaled param groups to restore after it."""
         if not self._committed and not self._aborted:
             try:
-                self.engine.commit_step()
+                self.engine.commit_step(self.optimizer_steps)
             except Exception as error:  # the vote was aborted: a member died before every member committed
                 self._absorb_failure(error)
             else:

@@ -80,9 +80,10 @@ class AMLink:
                 return reply
         return WaitPlanReply.cancelled(f"no plan within {deadline_s:.0f} s")
 
-    def recover(self, generation: int, step: int | None, deadline_s: float) -> WaitPlanReply:
-        """Check in as a survivor of ``generation`` (``step`` None: no state held), then wait for the recovery plan."""
-        request = RecoverRequest(self.worker_id, generation, has_state=step is not None, step=step)
+    def recover(self, generation: int, step: int | None, deadline_s: float, uncertain: bool = False) -> WaitPlanReply:
+        """Check in as a survivor of ``generation`` (``step`` None: no state held; ``uncertain``: it voted on the step
+        after ``step`` and does not know the decision), then wait for the recovery plan."""
+        request = RecoverRequest(self.worker_id, generation, has_state=step is not None, step=step, uncertain=uncertain)
         try:
             body = self._client.request(request.TYPE, request.to_body(), timeout_s=REPORT_ATTEMPT_S,
                                         retries=REPORT_ATTEMPTS - 1)

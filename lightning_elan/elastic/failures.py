@@ -10,6 +10,14 @@
   applies a step another discarded (a gloo all-reduce may complete on one rank and fail on another when a peer dies
   in the middle of it). The vote also carries whether a member's SIGTERM leave is queued, so every member learns at
   the same step that the job must coordinate at this batch's end, without a collective of its own.
+
+  With an etcd job store the vote runs in a *fast store* of the generation instead (a ``TCPStore`` served by the
+  generation's rank 0, see ``ElasticWorker``), so a step costs no etcd round trip and goes on while etcd does not
+  answer. Its host may die with the decision in it: a member whose store fails after it began voting cannot know
+  whether the others applied the step (:class:`UncertainCommit`). It checks in with the AM as *uncertain*, and the
+  recovery decides: the step stands if any survivor committed it (the uncertain member applies its all-reduced
+  gradients too), else every survivor discards it. Either way the survivors hold the same state. Rank 0 returns from
+  a vote in its own store only once every member has read the decision, so a step rank 0 applied stands too.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from lightning_elan.protocol.contract import failure_key
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CommitVote", "FailureWatch", "PeerFailure"]
+__all__ = ["CommitVote", "FailureWatch", "PeerFailure", "UncertainCommit"]
 
 WATCH_INTERVAL_S = 0.05
 """How often the watch thread checks the store for the current generation's failure key."""
@@ -55,6 +63,7 @@ class FailureWatch:
         self._failed: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._unreachable = False  # the last poll found the store not answering (logged once per outage)
         self._thread = threading.Thread(target=self._run, name="elan-failure-watch", daemon=True)
         self._thread.start()
 
@@ -86,11 +95,19 @@ class FailureWatch:
                 self._fire(generation)
 
     def _failed_in(self, store: dist.Store, generation: int) -> bool:
+        """Whether the failure key is set; a store that does not answer (an etcd outage) is asked again later: the
+        watch never stops, and it logs once per outage."""
         try:
-            return store.check([failure_key(generation)])
-        except dist.DistStoreError as error:  # the store was unreachable for its whole timeout: look again later
-            log.warning("failure watch: %s", error)
+            found = store.check([failure_key(generation)])
+        except Exception as error:  # unreachable for its whole timeout, a reset connection: look again later
+            if not self._unreachable:
+                log.warning("failure watch: the store does not answer (%s); polling on", error)
+            self._unreachable = True
             return False
+        if self._unreachable:
+            log.warning("failure watch: the store answers again")
+            self._unreachable = False
+        return found
 
     def _watched(self) -> int | None:
         with self._lock:
@@ -107,12 +124,24 @@ class FailureWatch:
             log.exception("failure callback for generation %d failed", generation)
 
 
+class UncertainCommit(PeerFailure):
+    """This member voted on a step and lost the store holding the vote before it read the decision: whether the step
+    committed is decided by the recovery (it did if another survivor applied it)."""
+
+    def __init__(self, generation: int, cause: BaseException) -> None:
+        super().__init__(generation, f"the store holding the commit vote failed before the decision was read "
+                                     f"({type(cause).__name__}: {cause})")
+        self.cause = cause
+
+
 class CommitVote:
     """The per-step commit decision of one generation (see the module docstring)."""
 
     def __init__(self, store: dist.Store, generation: int, rank: int, world_size: int,
-                 failed: Callable[[], bool]) -> None:
+                 failed: Callable[[], bool], hosted_by_rank_0: bool = False) -> None:
         self._store = store
+        self._hosted_by_rank_0 = hosted_by_rank_0
+        self._generation = generation
         self._prefix = f"elan/gen{generation}/commit"
         self._rank, self._world_size = rank, world_size
         self._failed = failed
@@ -121,22 +150,28 @@ class CommitVote:
 
     def commit(self, leaving: bool = False) -> bool:
         """Vote for the step whose gradients this member has (``leaving``: its SIGTERM leave is queued); True if every
-        member did before any failure."""
+        member did before any failure. Raises :class:`UncertainCommit` when the store fails during the vote."""
         if self._world_size == 1:
             self.leave_signalled = leaving
             return not self._failed()
         self._count += 1
-        key = f"{self._prefix}{self._count}"
-        if self._rank == 0 and self._count > 1:  # every member passed the previous decision: it can go
-            self._store.delete_key(f"{self._prefix}{self._count - 1}")
-            self._store.delete_key(f"{self._prefix}{self._count - 1}/votes")
-        votes = self._store.add(f"{key}/votes", 1 + (LEAVE_VOTE if leaving else 0))
-        if votes % LEAVE_VOTE == self._world_size:
-            decision = self._store.compare_set(key, "", _COMMIT_LEAVE if votes >= LEAVE_VOTE else _COMMIT)
-        else:
-            decision = self._await_decision(key)
+        try:
+            decision = self._decide(f"{self._prefix}{self._count}", leaving)
+        except (RuntimeError, OSError) as error:  # torch's store errors are RuntimeErrors
+            raise UncertainCommit(self._generation, error) from error
+        if self._hosted_by_rank_0:
+            self._confirm_read(f"{self._prefix}{self._count}")
         self.leave_signalled = decision == _COMMIT_LEAVE
         return decision in (_COMMIT, _COMMIT_LEAVE)
+
+    def _decide(self, key: str, leaving: bool) -> bytes:
+        if self._rank == 0 and self._count > 1:  # every member passed the previous decision: it can go
+            for suffix in ("", "/votes", "/read"):
+                self._store.delete_key(f"{self._prefix}{self._count - 1}{suffix}")
+        votes = self._store.add(f"{key}/votes", 1 + (LEAVE_VOTE if leaving else 0))
+        if votes % LEAVE_VOTE == self._world_size:
+            return self._store.compare_set(key, "", _COMMIT_LEAVE if votes >= LEAVE_VOTE else _COMMIT)
+        return self._await_decision(key)
 
     def _await_decision(self, key: str) -> bytes:
         pause = 0.0
@@ -146,3 +181,19 @@ class CommitVote:
             time.sleep(pause)
             pause = min(VOTE_POLL_MAX_S, pause * 2 or 5e-5)
         return self._store.get(key)
+
+    def _confirm_read(self, key: str) -> None:
+        """Every member counts itself as having read the decision; rank 0, the store's host, returns only once all of
+        them have (or a failure is known), so a step rank 0 applied was read by every member: it stands. A member
+        whose count is lost with the store knows the decision all the same."""
+        try:
+            read = self._store.add(f"{key}/read", 1)
+        except (RuntimeError, OSError):
+            if self._rank == 0:
+                raise
+            return
+        pause = 0.0
+        while self._rank == 0 and read < self._world_size and not self._failed():
+            time.sleep(pause)
+            pause = min(VOTE_POLL_MAX_S, pause * 2 or 5e-5)
+            read = self._store.add(f"{key}/read", 0)

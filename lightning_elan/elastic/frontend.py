@@ -5,10 +5,11 @@ Lightning strategy, the Accelerate accelerator) knows how to dump and load its t
 iterator, re-wrap its model, and end its training loop. Nothing here imports a framework.
 
 Besides implementing :class:`FrontEnd`, a front-end drives the engine's failure handling: it calls
-``ElasticWorker.commit_step()`` after a step's gradients were all-reduced and before the optimizer applies them
-(an aborted commit raises, and the step must not be applied), and when an error escapes a training step it calls
-``confirm_peer_failure(error)`` (which re-raises anything that is not a member's death), rolls its own loop back when
-``step_uncommitted`` says the step was not committed, then ``recover(committed_step)``.
+``ElasticWorker.commit_step(committed_step)`` (the optimizer steps applied so far) after a step's gradients were
+all-reduced and before the optimizer applies them (an aborted commit raises, and the step must not be applied), and
+when an error escapes a training step it calls ``confirm_peer_failure(error)`` (which re-raises anything that is not a
+member's death), rolls its own loop back when ``step_uncommitted`` says the step was not committed, then
+``recover(committed_step)``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic.am_link import AMLink
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
-from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure
+from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, UncertainCommit
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
 from lightning_elan.elastic.process_group import ElasticProcessGroup, install_default_group, uninstall_default_group
 from lightning_elan.elastic.rng import rng_state, set_rng_state
@@ -46,7 +46,7 @@ from lightning_elan.protocol.contract import (
     WorkerEnvironment,
 )
 from lightning_elan.replication.exchange import OutgoingReplication, ReplicationContext, receive_replica, send_replica
-from lightning_elan.replication.iface import bind_transfer_interface
+from lightning_elan.replication.iface import bind_transfer_interface, collective_address
 from lightning_elan.replication.keys import delete_prefix
 from lightning_elan.replication.packing import join_tensors, split_tensors
 from lightning_elan.replication.topology import detect as detect_topology
@@ -58,6 +58,9 @@ __all__ = ["ElasticWorker", "NotAMember", "PeerFailure", "generation_prefix"]
 FAILURE_NOTICE_S = 10.0
 """How long a worker whose collective raised waits for the AM to declare a member dead before it treats the error as
 its own (a bug, not a peer's death) and re-raises it."""
+
+VOTE_STORE_KEY = "vote-store"
+"""Under a generation's prefix in the job store: ``HOST:PORT`` of the generation's fast store (etcd job stores only)."""
 
 # what rank 0 broadcasts at a coordination point
 _NO_CHANGE, _ADJUST, _DEFERRED = 0, 1, 2
@@ -139,6 +142,8 @@ class ElasticWorker:
         self._timeline = StepTimeline()
         self._watch: FailureWatch | None = None
         self._vote: CommitVote | None = None
+        self._vote_server: dist.TCPStore | None = None  # rank 0's fast store of its generation (etcd job store)
+        self._recovery_plan: AdjustmentPlan | None = None  # decided while an uncertain commit was resolved
         self._uncommitted: dict[str, Any] | None = None  # the data position before the batch not yet committed
         self._termination: TerminationWatch | None = None
         self._leave_in_vote: bool | None = None  # this batch's commit vote said whether a leave is queued
@@ -243,16 +248,41 @@ class ElasticWorker:
     @property
     def peer_failed(self) -> bool:
         """Whether the current generation is known to have lost a member."""
-        return self._watch is not None and self._watch.failed(self.generation)
+        return self._recovery_plan is not None or (self._watch is not None and self._watch.failed(self.generation))
 
-    def commit_step(self) -> None:
-        """After the step's gradients were all-reduced, before the optimizer applies them: every member commits the
-        step or none does; raises :class:`PeerFailure` when it is aborted (the step is then redone)."""
+    def commit_step(self, committed_step: int) -> None:
+        """After the step's gradients were all-reduced, before the optimizer applies them (``committed_step`` steps
+        applied so far): every member commits the step or none does; raises :class:`PeerFailure` when it is aborted
+        (the step is then redone)."""
         if self._vote is not None:
-            if not self._vote.commit(self._leave_queued_here()):
+            try:
+                committed = self._vote.commit(self._leave_queued_here())
+                self._leave_in_vote = self._vote.leave_signalled
+            except UncertainCommit as uncertain:
+                committed = self._resolve_uncertain_commit(committed_step, uncertain)
+            if not committed:
                 raise PeerFailure(self.generation or 0, "the step was not committed")
-            self._leave_in_vote = self._vote.leave_signalled
         self._uncommitted = None
+
+    def _resolve_uncertain_commit(self, committed_step: int, uncertain: UncertainCommit) -> bool:
+        """The vote's store died with the decision (its host, rank 0, died): check in with the AM as uncertain; the
+        step stands if another survivor committed it. The recovery plan is kept for :meth:`recover`, which the
+        failed generation's next collective or batch boundary enters. Returns whether to apply the step."""
+        self._confirm_peer_failure(uncertain.cause)
+        failed = self.generation
+        assert failed is not None
+        log.warning("worker %s lost the commit vote of step %d with generation %d: the recovery decides it",
+                     self.worker_id, committed_step + 1, failed)
+        reply = self._require_link().recover(failed, committed_step, self.join_timeout_s, uncertain=True)
+        if reply.plan is None:
+            raise RuntimeError(f"worker {self.worker_id} cannot recover from the failure of generation {failed}: "
+                               f"{reply.reason}") from uncertain
+        self._recovery_plan = reply.plan
+        applied = reply.plan.step > committed_step
+        log.warning("worker %s %s step %d: the survivors' newest committed step is %d", self.worker_id,
+                    "applies" if applied else "discards", committed_step + 1, reply.plan.step)
+        self._leave_in_vote = False if applied else None
+        return applied
 
     @property
     def step_uncommitted(self) -> bool:
@@ -277,11 +307,8 @@ class ElasticWorker:
         self._group().abort()
         log.warning("worker %s recovers from the failure of generation %d at step %d", self.worker_id, failed,
                     committed_step)
-        reply = self._require_link().recover(failed, committed_step, self.join_timeout_s)
-        if reply.plan is None:
-            raise RuntimeError(f"worker {self.worker_id} cannot recover from the failure of generation {failed}: "
-                               f"{reply.reason}")
-        plan = reply.plan
+        plan = self._recovery_plan or self._recovery_plan_for(failed, committed_step)
+        self._recovery_plan = None
         self.frontend.before_resize()
         self._enter(plan)
         snapshot = self._snapshot() if plan.joiners_served_by(self.worker_id) else None
@@ -290,6 +317,13 @@ class ElasticWorker:
         log.info("worker %s recovered into generation %d (%s) in %.2f s", self.worker_id, plan.generation,
                  ", ".join(plan.members), time.perf_counter() - started)
         self._pending_report = AdjustmentReport(self.worker_id, plan.generation, "stayer", bytes_sent=sent)
+
+    def _recovery_plan_for(self, failed: int, committed_step: int) -> AdjustmentPlan:
+        reply = self._require_link().recover(failed, committed_step, self.join_timeout_s)
+        if reply.plan is None:
+            raise RuntimeError(f"worker {self.worker_id} cannot recover from the failure of generation {failed}: "
+                               f"{reply.reason}")
+        return reply.plan
 
     def _confirm_peer_failure(self, error: BaseException) -> None:
         if self._watch is None:
@@ -310,8 +344,40 @@ class ElasticWorker:
         group = self._group()
         if self._watch is not None:
             self._watch.watch(self.generation)
-            self._vote = CommitVote(group.store, self.generation or 0, group.rank(), group.size(),
-                                    lambda: self.peer_failed)
+            store = self._vote_store()
+            self._vote = CommitVote(store, self.generation or 0, group.rank(), group.size(), lambda: self.peer_failed,
+                                    hosted_by_rank_0=store is not group.store)
+
+    def _vote_store(self) -> dist.Store:
+        """Where this generation's commit votes go: the job store when it is a ``TCPStore`` (served by ``elan run``
+        or the AM, which outlive the workers); with an etcd job store a *fast store* of the generation — a
+        ``TCPStore`` served by its rank 0 on the address its gloo binds, published under the generation's prefix —
+        so a step costs no etcd round trip and goes on while etcd does not answer."""
+        group = self._group()
+        store = group.store
+        self._vote_server = None  # the previous generation's: every member is past its last vote
+        if group.size() == 1 or isinstance(store, (dist.TCPStore, dist.HashStore)):
+            return store
+        key = f"{generation_prefix(self.generation or 0)}{VOTE_STORE_KEY}"
+        if group.rank() == 0:
+            host = collective_address()
+            self._vote_server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+            store.set(key, f"{host}:{self._vote_server.port}")
+            log.debug("generation %s votes in the fast store %s:%d", self.generation, host, self._vote_server.port)
+            return self._vote_server
+        self._await_key(store, key)
+        host, _, port = store.get(key).decode().rpartition(":")
+        return dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout, wait_for_workers=False)
+
+    def _await_key(self, store: dist.Store, key: str) -> None:
+        """Wait for ``key`` (rank 0 sets it right after the group's rendezvous); :class:`PeerFailure` if the
+        generation fails first."""
+        pause = 0.001
+        while not store.check([key]):
+            if self.peer_failed:
+                raise PeerFailure(self.generation or 0, "rank 0 died before it published the vote store")
+            time.sleep(pause)
+            pause = min(0.05, pause * 2)
 
     def _abandon_outgoing(self) -> None:
         """Transfers to joiners of a failed generation: no waiting for readers that may be dead."""

@@ -24,11 +24,20 @@ __all__ = ["CheckIn", "Recovery", "recovery_plan"]
 
 @dataclass
 class CheckIn:
-    """One survivor's ``recover``: whether it holds the state, its last committed step, when it checked in."""
+    """One survivor's ``recover``: whether it holds the state, its last committed step, when it checked in, and
+    whether it voted on the step after ``step`` without learning the decision (``uncertain``)."""
 
     has_state: bool
     step: int | None
     at: float
+    uncertain: bool = False
+
+    def step_after(self, newest: int) -> int | None:
+        """The step this survivor holds once the recovery plan says the newest committed one is ``newest``: an
+        uncertain survivor applies its open step if another survivor committed it, and discards it otherwise."""
+        if self.uncertain and self.step is not None and self.step + 1 == newest:
+            return newest
+        return self.step
 
 
 @dataclass
@@ -64,13 +73,15 @@ class Recovery:
     def state_holders(self) -> list[str]:
         """Checked-in survivors with the state at the newest committed step, in the failed generation's rank order.
 
-        Every member commits a step together (the commit vote), so holders agree on the step; one behind would be a
-        bug in that vote: it is logged and served the state like a survivor without it.
+        Every member commits a step together (the commit vote), so holders agree on the step — an uncertain one
+        takes the newest committed step as its own (it applies the step it voted on); one behind would be a bug in
+        that vote: it is logged and served the state like a survivor without it.
         """
-        holders = {worker: c.step for worker, c in self.checked_in.items() if c.has_state and c.step is not None}
+        newest = self.committed_step()
+        holders = {worker: c.step_after(newest) for worker, c in self.checked_in.items()
+                   if c.has_state and c.step is not None}
         if not holders:
             return []
-        newest = max(holders.values())
         behind = sorted(worker for worker, step in holders.items() if step != newest)
         if behind:
             logger.error("survivors %s are behind step %d (%s): they take the state from one that is not", behind,

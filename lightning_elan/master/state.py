@@ -728,7 +728,8 @@ class JobState:
                              f"{recovery.failed_generations}")
         if worker_id in recovery.survivors:
             step = request.step if request.has_state else None
-            recovery.checked_in[worker_id] = CheckIn(request.has_state, step, _now(now))
+            recovery.checked_in[worker_id] = CheckIn(request.has_state, step, _now(now),
+                                                     uncertain=request.has_state and request.uncertain)
             self._form_recovery_plan_if_ready(_now(now))
         answer = self.wait_plan(worker_id)
         return (answer or WaitPlanReply.wait()).to_body()

@@ -404,7 +404,9 @@ class RecoverRequest:
     """``recover``: a survivor of a failed generation checks in and long-polls for the recovery plan.
 
     ``step`` is the last optimizer step every member committed (None with ``has_state`` False: a joiner that had not
-    received its state when the generation failed).
+    received its state when the generation failed). ``uncertain``: the survivor voted on step ``step + 1`` and lost
+    the store holding the vote before it read the decision; it applies that step if another survivor did (the plan's
+    ``step`` says which) and discards it otherwise.
     """
 
     TYPE: ClassVar[str] = "recover"
@@ -414,6 +416,7 @@ class RecoverRequest:
         "has_state": Field((bool,), required=True),
         "step": Field(_INT),
         "timeout_s": Field(_NUMBER),
+        "uncertain": Field((bool,)),
     }
 
     worker_id: str
@@ -421,6 +424,7 @@ class RecoverRequest:
     has_state: bool
     step: int | None = None
     timeout_s: float | None = None
+    uncertain: bool = False
 
     def to_body(self) -> dict[str, Any]:
         return _wire(self)

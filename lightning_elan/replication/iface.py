@@ -36,6 +36,7 @@ __all__ = [
     "SOCKET_IFNAME_VARS",
     "am_host",
     "bind_transfer_interface",
+    "collective_address",
     "interface_of",
     "interface_towards",
     "local_address_towards",
@@ -132,6 +133,23 @@ def bind_transfer_interface(env: MutableMapping[str, str] | None = None) -> str 
             env[var] = name
     log.info("collectives bind interface %s", name)
     return name
+
+
+def collective_address(env: Mapping[str, str] | None = None) -> str:
+    """The address this worker's gloo binds, for a server the other members must reach: the IPv4 address of the first
+    ``GLOO_SOCKET_IFNAME`` interface (what :func:`bind_transfer_interface` set), else what the host name resolves to
+    (gloo's own default), else ``127.0.0.1``."""
+    env = os.environ if env is None else env
+    names = [name.strip() for name in env.get("GLOO_SOCKET_IFNAME", "").split(",") if name.strip()]
+    if names:
+        address = _ipv4_address_of(names[0])
+        if address is not None:
+            return address
+        log.debug("interface %s has no IPv4 address: the host name's address is used", names[0])
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 # --------------------------------------------------------------------------------------------

@@ -339,7 +339,7 @@ class ElanStrategy(DDPStrategy):
 
         def committed_closure() -> Any:
             result = closure()
-            self.engine.commit_step()
+            self.engine.commit_step(self.lightning_module.trainer.global_step)
             return result
 
         return super().optimizer_step(optimizer, committed_closure, model, **kwargs)

@@ -51,6 +51,8 @@ class ProbeModel(pl.LightningModule):
         self.progress = config.out / f"progress-{worker}.json" if config.progress else None
         self.wait_for_joiners = config.wait_for_joiners
         self.kill = KillPoint.parse(config.kill_at)
+        self.late_vote = config.late_vote.split(":") if config.late_vote else None
+        self.out = config.out
         self.worker = os.environ.get("ELAN_WORKER_ID", "w0")
         self.completed_log = config.out / f"completed-{self.worker}.jsonl"
         self.current_indices: list[int] = []
@@ -102,6 +104,13 @@ class ProbeModel(pl.LightningModule):
             wait_for_joiners_due_at(trainer.global_step + 1)
         self.digests.append([trainer.global_step, trainer.world_size, trainer.global_rank, state_digest(self)])
 
+    def on_after_backward(self):
+        if self.kill.due(self, "vote"):  # the gradients are all-reduced; its commit vote follows
+            self.kill.now()
+        if self.late_vote is not None and self.late_vote[:2] == [self.worker, str(self.trainer.global_step)]:
+            (self.out / f"late-vote-{self.worker}").write_text(str(os.getpid()))
+            time.sleep(float(self.late_vote[2]))
+
     def on_before_optimizer_step(self, optimizer):
         # after the callbacks' hook: ProgressiveLinearLR has scaled the LR for this step
         trainer = self.trainer
@@ -125,7 +134,8 @@ class ProbeModel(pl.LightningModule):
 @dataclass(frozen=True)
 class KillPoint:
     """``--kill-at WORKER:STEP:PHASE``: that worker SIGKILLs itself at that global step, in that phase (``backward``:
-    while the others wait in the gradient all-reduce; ``optimizer``: after every member committed the step)."""
+    while the others wait in the gradient all-reduce; ``vote``: after the all-reduce, before its commit vote, while
+    the others wait for the decision; ``optimizer``: after every member committed the step)."""
 
     worker: str | None = None
     step: int = -1
@@ -136,7 +146,7 @@ class KillPoint:
         if not text:
             return cls()
         worker, step, phase = text.split(":")
-        if phase not in ("backward", "optimizer"):
+        if phase not in ("backward", "vote", "optimizer"):
             raise ValueError(f"unknown kill phase {phase!r}")
         return cls(worker, int(step), phase)
 
@@ -205,6 +215,9 @@ class ProbeConfig:
     # rank 0 holds each batch until the requests due at its step have their joiners ready (the step becomes exact)
     wait_for_joiners: bool = False
     kill_at: str | None = None  # WORKER:STEP:PHASE (KillPoint)
+    # WORKER:STEP:SECONDS: that worker sleeps between its gradient all-reduce and its commit vote at that step, after
+    # writing OUT/late-vote-WORKER (the others vote and wait for its vote meanwhile)
+    late_vote: str | None = None
 
     def __post_init__(self) -> None:
         if self.scaling not in (None, "strong", "weak", "hybrid"):

@@ -4,12 +4,12 @@ Two ``elan am --store etcd://… --min-workers 2 --max-workers 3 --lease-ttl 2``
 and ``elan worker --am A1,A2`` processes running the probe: the rendezvous store is in etcd, so it outlives the AM
 processes. SIGKILL the leading AM mid-job: the standby leads within the TTL (+ slack), a third worker started then
 joins through it, and the job's result equals the static run within 1e-9 with each sample used once per epoch.
-SIGSTOP etcd for 5 s (longer than the TTL) mid-job, then SIGCONT: the workers resume at once, one AM leads again and a
-join requested afterwards completes, with the same exact result. Fail-over times are logged.
-
-Limit (measured): the workers do not advance *during* the outage. Each step's commit vote (``CommitVote``) and the
-failure keys live in the rendezvous store, here etcd, so a step waits at its vote until etcd answers again (the
-store retries for its timeout, 5 min); nothing fails and nothing is redone.
+SIGSTOP etcd for 5 s (longer than the TTL) mid-job, then SIGCONT: every worker goes on training *during* the outage
+(each step's commit vote is in the generation's fast store, a ``TCPStore`` served by its rank 0, not in etcd), one AM
+leads again and a join requested afterwards completes, with the same exact result. Fail-over times are logged.
+SIGKILL the training process of rank 0 (the fast store's host) in its backward pass, between its all-reduce and its
+vote (the survivors, waiting for the decision, lose the store: uncertain, the recovery discards the step), or right
+after its commit (every member read the decision before rank 0 could apply it: the step stands); the job ends exact.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from tests.integration.elastic_runs import (
     STEPS_PER_EPOCH,
     TOLERANCE,
     RunResult,
+    assert_counted_once,
     assert_each_sample_once,
     assert_ranks_agree,
     assert_states_close,
@@ -41,6 +42,7 @@ from tests.integration.elastic_runs import (
     free_port,
 )
 from tests.integration.etcd_server import EtcdServer, require_etcd
+from tests.integration.worker_faults import assert_completed_once, completed_per_epoch
 
 pytest.importorskip("etcd3gw")
 pytestmark = pytest.mark.integration
@@ -69,16 +71,16 @@ class StandbyCluster:
     def out(self) -> Path:
         return self.tmp / "out"
 
-    def am(self, index: int) -> subprocess.Popen:
+    def am(self, index: int, start_grace: float = 0.5) -> subprocess.Popen:
         return self._start(f"am{index}", [
             "am", "--job", JOB, "--bind", f"tcp://{self.addresses[index]}", "--state-dir", str(self.state_dir),
             "--store", self.store, "--lease-ttl", str(TTL_S), "--min-workers", "2", "--max-workers", "3",
-            "--start-grace", "0.5", "--coordinate-every", "1",
+            "--start-grace", str(start_grace), "--coordinate-every", "1",
         ])
 
-    def worker(self, name: str) -> subprocess.Popen:
+    def worker(self, name: str, *extra: str) -> subprocess.Popen:
         return self._start(name, ["worker", "--am", self.am_list, "--job", JOB, "--", sys.executable, str(PROBE),
-                                  "--out", str(self.out), *PROBE_ARGS, *SLOW])
+                                  "--out", str(self.out), *PROBE_ARGS, *SLOW, *extra])
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen:
         log_file = (self.tmp / f"{name}.log").open("w")
@@ -200,8 +202,8 @@ def test_etcd_stopped_for_longer_than_the_ttl_mid_job_then_a_join(static_run, cl
     time.sleep(5.0)
     during = cluster.progress()
     cluster.etcd.resume()
-    log.warning("etcd stopped 5 s: progress %s before, %s at the end of the outage (steps wait at their commit vote)",
-                before, during)
+    log.warning("etcd stopped 5 s: progress %s before, %s at the end of the outage", before, during)
+    assert all(during.get(worker, 0) > step for worker, step in before.items()), (before, during, cluster.logs())
     cluster.wait_until(lambda: min(cluster.progress().values()) > max(during.values()), "training resuming", 60)
     resumed_s = time.monotonic() - paused_at
     cluster.wait_until(lambda: cluster.status(timeout_s=10).get("generation") == 0, "an AM answering", 60)
@@ -215,3 +217,84 @@ def test_etcd_stopped_for_longer_than_the_ttl_mid_job_then_a_join(static_run, cl
     assert other.wait(60) == 0, cluster.logs()  # the standby exits too once the job is over
     assert [(a["action"], len(a["members"])) for a in adjustments] == [("add", 3)], adjustments
     check_exact(cluster, static_run)
+
+
+@pytest.mark.parametrize("phase", ["backward", "vote", "optimizer"],
+                         ids=["rank-0-in-the-gradient-allreduce", "rank-0-before-its-vote", "rank-0-after-its-commit"])
+def test_sigkill_rank_0_the_fast_store_host_survivors_recover_exactly(static_run, cluster, phase):
+    cluster.am(0, start_grace=10.0)  # the three workers form generation 0 together: w0 (enrolled first) is rank 0
+    cluster.wait_until(lambda: "serving on" in (cluster.tmp / "am0.log").read_text(), "the AM leading", 60)
+    kill = ["--kill-at", f"w0:5:{phase}", "--global-batch", "12"]  # 12 over 3 workers, then 2: the static run's
+    workers = {}
+    for name in ("w-a", "w-b", "w-c"):
+        workers[name] = cluster.worker(name, *kill)
+        time.sleep(0.5)  # enrolment order: w-a is w0
+    codes = {name: proc.wait(240) for name, proc in workers.items()}
+    assert codes["w-a"] != 0 and codes["w-b"] == codes["w-c"] == 0, (codes, cluster.logs())
+    assert cluster.procs["am0"].wait(60) == 0, cluster.logs()
+    adjustments = cluster.adjustments()
+    assert [(a["action"], len(a["members"])) for a in adjustments] == [("failure", 2)], adjustments
+    failure = adjustments[0]
+    assert failure["failure"]["dead"] == ["w0"], failure
+    assert failure["failure"]["step_redone"] == (7 if phase == "optimizer" else 6), failure
+    if phase == "vote":  # the survivors voted and lost the vote's store: uncertain, the recovery discards the step
+        for name in ("w-b", "w-c"):
+            assert "lost the commit vote of step 6" in (cluster.tmp / f"{name}.log").read_text(), cluster.logs()
+    run = RunResult(cluster.out, cluster.state_dir, 0, cluster.logs())
+    assert_completed_once(cluster.out)
+    assert assert_ranks_agree(run.records()) == EPOCHS * STEPS_PER_EPOCH
+    assert_states_close(run.final_state(), static_run.final_state(), TOLERANCE)
+    log.warning("rank 0 killed (%s): survivors recovered in %.2f s", phase,
+                failure["failure"]["recovered_at"] - failure["failure"]["detected_at"])
+
+
+def test_rank_0_killed_while_a_member_has_not_read_the_decision_that_member_applies_it(static_run, cluster):
+    """w1 votes last on step 6 (it sleeps after its all-reduce); w2 voted and is SIGSTOPped before it reads the
+    decision; w1 decides commit and applies; rank 0 (w0, the vote store's host) waits for w2 to read, and is
+    SIGKILLed there; w2 resumes, finds the store gone, checks in uncertain — and applies step 6, which w1 applied."""
+    cluster.am(0, start_grace=10.0)
+    cluster.wait_until(lambda: "serving on" in (cluster.tmp / "am0.log").read_text(), "the AM leading", 60)
+    late = ["--late-vote", "w1:5:4", "--global-batch", "12"]
+    workers = {}
+    for name in ("w-a", "w-b", "w-c"):
+        workers[name] = cluster.worker(name, *late)
+        time.sleep(0.5)  # enrolment order: w-a is w0 (rank 0), w-b is w1, w-c is w2
+    cluster.wait_until(lambda: (cluster.out / "late-vote-w1").exists(), "w1 at its late vote", 120)
+    time.sleep(1.0)  # w0 and w2 have voted and wait for the decision
+    pids = {worker: json.loads((cluster.out / f"progress-{worker}.json").read_text())["pid"] for worker in ("w0", "w2")}
+    os.kill(pids["w2"], signal.SIGSTOP)
+    try:
+        time.sleep(4.5)  # w1 voted last: commit; it applied step 6; w0 waits for w2 to read the decision
+        os.kill(pids["w0"], signal.SIGKILL)
+        time.sleep(1.0)
+    finally:
+        os.kill(pids["w2"], signal.SIGCONT)
+    codes = {name: proc.wait(240) for name, proc in workers.items()}
+    assert codes["w-a"] != 0 and codes["w-b"] == codes["w-c"] == 0, (codes, cluster.logs())
+    assert cluster.procs["am0"].wait(60) == 0, cluster.logs()
+    (failure,) = cluster.adjustments()
+    assert failure["action"] == "failure" and failure["failure"]["dead"] == ["w0"], failure
+    assert failure["failure"]["step_redone"] == 7, failure  # step 6 stands: w1 applied it, w2 too
+    w2_log = (cluster.tmp / "w-c.log").read_text()
+    assert "lost the commit vote of step 6" in w2_log and "applies step 6" in w2_log, cluster.logs()
+    # w0 died inside the vote, before logging its share of step 6; the step committed, so its share counts: the
+    # global batch of that step (the static run's, the same serial position) less what w1 and w2 logged
+    survivors_share = logged_at_step(cluster.out, 6)
+    dead_share = logged_at_step(static_run.out, 6) - survivors_share
+    assert len(survivors_share) == 8 and len(dead_share) == 4, (survivors_share, dead_share)
+    per_epoch = completed_per_epoch(cluster.out)
+    per_epoch[0].update(dead_share)
+    assert_counted_once(per_epoch, SAMPLES, EPOCHS)
+    run = RunResult(cluster.out, cluster.state_dir, 0, cluster.logs())
+    assert assert_ranks_agree(run.records()) == EPOCHS * STEPS_PER_EPOCH
+    assert_states_close(run.final_state(), static_run.final_state(), TOLERANCE)
+
+
+def logged_at_step(out: Path, step: int) -> set[int]:
+    """The samples every worker logged as completed in epoch 0 when ``step`` optimizer steps were done."""
+    indices: set[int] = set()
+    for path in out.glob("completed-*.jsonl"):
+        for entry in map(json.loads, path.read_text().splitlines()):
+            if entry["epoch"] == 0 and entry["step"] == step:
+                indices.update(entry["indices"])
+    return indices

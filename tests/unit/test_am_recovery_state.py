@@ -60,6 +60,45 @@ def test_the_recovery_plan_forms_once_every_survivor_checked_in() -> None:
     assert state.wait_plan("w1").status == "cancelled"
 
 
+def uncertain_check_in(state: JobState, worker: str, step: int) -> dict:
+    return state.recover(RecoverRequest(worker, 0, has_state=True, step=step, uncertain=True))
+
+
+@pytest.mark.parametrize(("certain_step", "newest"), [(8, 8), (7, 7)], ids=["another-applied", "nobody-applied"])
+def test_an_uncertain_survivor_takes_the_decision_of_the_others(certain_step: int, newest: int) -> None:
+    """w1 voted on step 8 and lost the vote's store before reading the decision: w2 applied step 8 (or not)."""
+    state = started(3)
+    state.worker_exit("w0", -9)  # rank 0: the fast store's host
+
+    uncertain_check_in(state, "w1", step=7)
+    check_in(state, "w2", step=certain_step)
+
+    plan = state.wait_plan("w1").plan
+    assert plan is not None and plan.step == newest
+    assert (plan.members, plan.joiners) == (["w1", "w2"], [])  # both hold the state at the newest step
+
+
+def test_survivors_all_uncertain_discard_the_step() -> None:
+    state = started(3)
+    state.worker_exit("w0", -9)
+    uncertain_check_in(state, "w1", step=7)
+    uncertain_check_in(state, "w2", step=7)
+
+    plan = state.wait_plan("w2").plan
+    assert plan is not None and (plan.step, plan.members, plan.joiners) == (7, ["w1", "w2"], [])
+
+
+def test_an_uncertain_check_in_round_trips_through_the_wire_and_the_state_file() -> None:
+    request = RecoverRequest("w1", 0, has_state=True, step=7, uncertain=True)
+    assert RecoverRequest.from_body(json.loads(json.dumps(request.to_body()))) == request
+    state = started(3)
+    state.worker_exit("w0", -9)
+    uncertain_check_in(state, "w1", step=7)
+    restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
+    check_in(restored, "w2", step=8)
+    assert restored.wait_plan("w1").plan.step == 8
+
+
 def test_a_joiner_of_the_interrupted_plan_survives_without_state_and_is_served() -> None:
     state = started(2)
     new = state.scale("add", count=1)["new_workers"]
