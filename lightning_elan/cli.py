@@ -36,6 +36,7 @@ from lightning_elan.protocol.contract import (
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_REPORT_TIMEOUT_S,
     DEFAULT_TERM_GRACE_S,
+    MAX_STANDBY,
     AdjustmentPlan,
 )
 from lightning_elan.scaling.report import format_summary
@@ -195,7 +196,19 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
         help=f"how long the job waits for joiners below --min-workers before it fails (default "
              f"{DEFAULT_JOIN_TIMEOUT_S:g})",
     )
+    run.add_argument(
+        "--standby", type=_standby_count, default=0, metavar="K",
+        help=f"keep K workers started and warmed up but not training (0–{MAX_STANDBY}); an `add` takes them first, "
+             "so new capacity trains after one adjustment pause instead of a process start (default 0)",
+    )
     return run
+
+
+def _standby_count(text: str) -> int:
+    count = non_negative_int(text)
+    if count > MAX_STANDBY:
+        raise argparse.ArgumentTypeError(f"at most {MAX_STANDBY} standby workers, got {count}")
+    return count
 
 
 def _add_am(sub: Any) -> argparse.ArgumentParser:
@@ -388,6 +401,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         replace_failed=args.replace_failed,
         min_workers=args.min_workers,
         join_timeout_s=args.join_timeout,
+        standby=args.standby,
     )
     if args.min_workers is not None and args.min_workers > args.nproc:
         parser.error(f"--min-workers {args.min_workers} is more than --nproc {args.nproc}")
@@ -775,6 +789,8 @@ def format_status(status: Mapping[str, Any]) -> str:
         lines.append(describe_recovery(status["recovery"]))
     if status.get("enrolment"):
         lines.append(describe_enrolment(status["enrolment"]))
+    if status.get("standby"):
+        lines.append(describe_standby(status["standby"]))
     last = status.get("last_adjustment")
     lines.append(f"last adjustment: {describe_adjustment(last) if last else 'none'}")
     failures = list(status.get("failures") or [])
@@ -783,6 +799,14 @@ def format_status(status: Mapping[str, Any]) -> str:
     if status.get("scaling"):
         lines += format_summary(status["scaling"])
     return "\n".join(lines)
+
+
+def describe_standby(standby: Mapping[str, Any]) -> str:
+    """The pool line, e.g. ``standby: 1 of 2 ready (w4 ready, w5 spawned)``."""
+    workers = list(standby.get("workers") or [])
+    ready = sum(1 for worker in workers if worker.get("status") == "ready")
+    listed = ", ".join(f"{worker['worker_id']} {worker['status']}" for worker in workers) or "none"
+    return f"standby: {ready} of {standby.get('target')} ready ({listed})"
 
 
 def describe_enrolment(enrolment: Mapping[str, Any]) -> str:

@@ -12,6 +12,8 @@ from typing import Any
 
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
+    STATUS_STANDBY,
+    STATUS_WAIT,
     AdjustmentReport,
     CoordinateReply,
     CoordinateRequest,
@@ -76,7 +78,9 @@ class AMLink:
             except AMUnavailable:
                 log.warning("application master does not answer while this joiner waits; retrying")
                 continue
-            if reply.status != "wait":
+            if reply.status == STATUS_STANDBY:  # in the standby pool: no request has taken it, no deadline runs
+                end = time.monotonic() + deadline_s
+            elif reply.status != STATUS_WAIT:
                 return reply
         return WaitPlanReply.cancelled(f"no plan within {deadline_s:.0f} s")
 

@@ -35,6 +35,7 @@ from lightning_elan.protocol.contract import (
     DEFAULT_TERM_GRACE_S,
     ROLE_JOINER,
     ROLE_MEMBER,
+    STANDBY_REQUEST,
     STRIPPED_ENV_VARS,
     WorkerEnvironment,
     failure_key,
@@ -73,6 +74,7 @@ class LaunchConfig:
     replace_failed: bool = False  # start a replacement for each worker that dies
     min_workers: int | None = None  # below this many survivors the job waits for joiners
     join_timeout_s: float | None = None  # ... for at most this long, then fails
+    standby: int = 0  # workers kept started and warmed up, taken first by an `add`
 
 
 @dataclass
@@ -232,6 +234,7 @@ class JobLauncher:
                 "replace_failed": self.config.replace_failed,
                 **({"min_workers": self.config.min_workers} if self.config.min_workers else {}),
                 **({"join_timeout_s": self.config.join_timeout_s} if self.config.join_timeout_s else {}),
+                **({"standby": self.config.standby} if self.config.standby else {}),
             },
         )
         members = [str(worker_id) for worker_id in reply["members"]]
@@ -267,7 +270,9 @@ class JobLauncher:
             if worker_id in self._workers:
                 log.warning("AM asked again for %s, which is already started; ignored", worker_id)
                 continue
-            self._spawn(worker_id, ROLE_JOINER, detail=f"joiner for request {item.get('request_id')}")
+            request_id = item.get("request_id")
+            detail = "standby" if request_id == STANDBY_REQUEST else f"joiner for request {request_id}"
+            self._spawn(worker_id, ROLE_JOINER, detail=detail)
         for worker_id in reply.get("stop") or []:
             self._stop_unreported(str(worker_id))
         return bool(reply.get("finished"))

@@ -488,6 +488,7 @@ class ApplicationMaster:
         return self._state.start_job(
             body["nproc"], body.get("coordinate_every"), body.get("hosts"), body.get("report_timeout_s"),
             bool(body.get("replace_failed")), body.get("min_workers"), body.get("join_timeout_s"),
+            body.get("standby") or 0,
         )
 
     def _on_scale(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -539,7 +540,7 @@ class ApplicationMaster:
         if answer is not None:
             return answer.to_body()
         if (request.timeout_s or 0) <= 0:
-            return WaitPlanReply.wait().to_body()
+            return self._state.idle_answer(request.worker_id).to_body()
         return _Park()
 
     # ---- parked wait_plan requests -------------------------------------------------------------------------------
@@ -578,7 +579,8 @@ class ApplicationMaster:
         now = time.monotonic()
         for parked in list(self._parked.values()):
             if parked.deadline <= now:
-                self._answer_parked(parked, ok_reply(parked.msg_id, WaitPlanReply.wait().to_body()))
+                answer = self._state.idle_answer(parked.worker_id)
+                self._answer_parked(parked, ok_reply(parked.msg_id, answer.to_body()))
 
     def _answer_parked(self, parked: _ParkedWait, reply: dict[str, Any]) -> None:
         del self._parked[parked.msg_id]

@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_elan.master.enrolment import Enrollee, Enrolment
 from lightning_elan.master.recovery import CheckIn, Recovery, recovery_plan
+from lightning_elan.master.standby import STANDBY_REQUEST, StandbyPool
 from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
     DEFAULT_JOIN_TIMEOUT_S,
@@ -279,6 +280,7 @@ class JobState:
     next_failure: int = 1
     trained_out: list[str] = field(default_factory=list)  # members that exited 0 (fit returned), this generation
     enrolment: Enrolment | None = None  # workers come from a scheduler (`elan worker`), not from `elan run`
+    standby: StandbyPool = field(default_factory=StandbyPool)  # warmed-up joiners no request has taken yet
 
     # ---- serialisation -------------------------------------------------------------------------------------------
 
@@ -312,6 +314,7 @@ class JobState:
             "next_failure": self.next_failure,
             "trained_out": list(self.trained_out),
             "enrolment": self.enrolment.to_dict() if self.enrolment else None,
+            "standby": self.standby.to_dict(),
         }
 
     @classmethod
@@ -345,6 +348,7 @@ class JobState:
             next_failure=data.get("next_failure", 1),
             trained_out=list(data.get("trained_out", [])),
             enrolment=Enrolment.from_dict(data["enrolment"]) if data.get("enrolment") else None,
+            standby=StandbyPool.from_dict(data.get("standby")),
         )
 
     # ---- queries -------------------------------------------------------------------------------------------------
@@ -385,9 +389,18 @@ class JobState:
             "am": {"restarts": self.am_restarts},
             "recovery": self._recovery_summary(),
             "enrolment": self._enrolment_summary(),
+            "standby": self._standby_summary(),
             "finished": self.finished,
             "failed_reason": self.failed_reason,
         }
+
+    def _standby_summary(self) -> dict[str, Any] | None:
+        """The standby pool (``elan run --standby K``): its target and its workers with their status; None without."""
+        if not self.standby.target and not self.standby.workers:
+            return None
+        workers = [{"worker_id": worker, "status": self.pending_workers[worker].status,
+                    "host": self.pending_workers[worker].host} for worker in self.standby.workers]
+        return {"target": self.standby.target, "workers": workers}
 
     def _enrolment_summary(self) -> dict[str, Any] | None:
         """A job of `elan worker`s: its bounds and, before the start, the workers waiting for it (None otherwise)."""
@@ -430,8 +443,10 @@ class JobState:
     def start_job(
         self, nproc: int, coordinate_every: int | None = None, hosts: Any = None, report_timeout_s: float | None = None,
         replace_failed: bool = False, min_workers: int | None = None, join_timeout_s: float | None = None,
+        standby: int = 0,
     ) -> dict[str, Any]:
-        """Create generation 0 with members w0..w{nproc-1}; a started job just returns its current membership."""
+        """Create generation 0 with members w0..w{nproc-1} (and ``standby`` standby workers, started by the next
+        ``launcher_poll``); a started job just returns its current membership."""
         if self.started:
             return self._membership()
         if nproc < 1:
@@ -450,7 +465,12 @@ class JobState:
                 raise StateError(f"report_timeout_s must be > 0, got {report_timeout_s}")
             self.report_timeout_s = float(report_timeout_s)
         self._set_failure_policy(replace_failed, min_workers, join_timeout_s)
+        try:
+            self.standby = StandbyPool(target=int(standby))
+        except ValueError as error:
+            raise StateError(str(error)) from None
         self.started = True
+        self._refill_standby()
         return self._membership()
 
     def scale(
@@ -574,14 +594,44 @@ class JobState:
         request.request_id = f"r{self.next_request}"
         self.next_request += 1
         request.requested_at = _now(now)
-        request.new_workers = [f"w{self.next_worker + index}" for index in range(request.add_count)]
-        self.next_worker += request.add_count
-        for worker in request.new_workers:
+        taken = self._take_standbys(request.add_count, request.request_id)
+        fresh = [f"w{self.next_worker + index}" for index in range(request.add_count - len(taken))]
+        self.next_worker += len(fresh)
+        for worker in fresh:
             self.pending_workers[worker] = PendingWorker(worker, request.request_id)
-        if not request.new_workers:
-            request.all_reported_at = request.requested_at
+        request.new_workers = taken + fresh
+        if all(self.pending_workers[worker].status == READY for worker in request.new_workers):
+            request.all_reported_at = request.requested_at  # nothing to start: standbys, or no new worker at all
         self.pending.append(request)
+        self._refill_standby()
         return {"request_id": request.request_id, "new_workers": list(request.new_workers)}
+
+    def _take_standbys(self, count: int, request_id: str) -> list[str]:
+        """Up to ``count`` standbys for a request, ready ones first; they become the request's new workers."""
+        readiness = {READY: 2, SPAWNED: 1, REQUESTED: 0}
+        taken = self.standby.take(count, lambda worker: readiness.get(self.pending_workers[worker].status, -1))
+        for worker in taken:
+            self.pending_workers[worker].request_id = request_id
+        if taken:
+            logger.info("job %s: request %s takes standby worker(s) %s", self.job, request_id, ", ".join(taken))
+        return taken
+
+    def _refill_standby(self) -> None:
+        """Start workers until the standby pool is back at its target (the launcher spawns them at its next poll)."""
+        if self.finished:
+            return
+        for _ in range(self.standby.missing()):
+            worker = f"w{self.next_worker}"
+            self.next_worker += 1
+            self.pending_workers[worker] = PendingWorker(worker, STANDBY_REQUEST)
+            self.standby.workers.append(worker)
+
+    def idle_answer(self, worker_id: str) -> WaitPlanReply:
+        """What a long poll with nothing decided answers: ``standby`` to a worker of the pool, else ``wait``."""
+        pending = self.pending_workers.get(worker_id)
+        if pending is not None and pending.request_id == STANDBY_REQUEST and pending.status != CANCELLED:
+            return WaitPlanReply.standby()
+        return WaitPlanReply.wait()
 
     def launcher_poll(self, now: float | None = None) -> dict[str, Any]:
         """Hand the launcher the workers it has to start (marked spawned) and those it has to stop (their request
@@ -598,7 +648,7 @@ class JobState:
 
     def _fail_unreported(self, now: float) -> list[str]:
         """Fail every request with a worker started more than ``report_timeout_s`` ago that never reported."""
-        stop: list[str] = []
+        stop = self._drop_unreported_standbys(now)
         for request in list(self.pending):
             late = [
                 worker for worker in request.new_workers
@@ -610,6 +660,22 @@ class JobState:
                 self._fail_request(request, reason)
                 stop += [worker for worker in request.new_workers if worker in self.pending_workers]
         return stop
+
+    def _drop_unreported_standbys(self, now: float) -> list[str]:
+        """Standbys started more than ``report_timeout_s`` ago that never reported: stopped (not replaced until the
+        next ``add``: a start-up that fails may fail again)."""
+        late = [worker for worker in self.standby.workers if self.pending_workers[worker].status == SPAWNED
+                and now - (self.pending_workers[worker].spawned_at or now) > self.report_timeout_s]
+        for worker in late:
+            self.standby.discard(worker)
+            self._cancel_standby(worker, f"did not report ready within {self.report_timeout_s:.0f} s")
+        return late
+
+    def _cancel_standby(self, worker_id: str, reason: str) -> None:
+        pending = self.pending_workers[worker_id]
+        pending.status, pending.reason = CANCELLED, f"standby {worker_id} {reason}"
+        logger.warning("job %s: standby %s %s", self.job, worker_id, reason)
+        self.record_failure({"kind": "standby", "outcome": "cancelled", "worker_id": worker_id, "reason": reason})
 
     def register(self, request: RegisterRequest, now: float | None = None) -> dict[str, Any]:
         """Record a worker's host/device/pid (and topology); for a joiner this is *report ready*."""
@@ -906,6 +972,10 @@ class JobState:
             self._cancel_workers(request, f"job shut down: {reason}")
             self.record_failure(_request_failure(request, "cancelled", f"job shut down: {reason}"))
         self.pending = []
+        for worker in self.standby.workers:
+            self.pending_workers[worker].status = CANCELLED
+            self.pending_workers[worker].reason = f"job shut down: {reason}"
+        self.standby.workers = []
         self.finished = True
         self.finish_reason = reason
         return {}
@@ -1102,6 +1172,11 @@ class JobState:
         if pending.status == CANCELLED:
             del self.pending_workers[pending.worker_id]
             return returncode == 0
+        if self.standby.discard(pending.worker_id):  # not replaced now: a start-up that crashed may crash again
+            del self.pending_workers[pending.worker_id]
+            self.record_failure({"kind": "standby", "outcome": "died", "worker_id": pending.worker_id,
+                                 "returncode": returncode, "reason": f"exited with code {returncode}"})
+            return False
         request = self._pending_request(pending.request_id)
         if request is None:  # its plan is decided: the adjustment will fail in the workers
             logger.error(
@@ -1217,9 +1292,14 @@ class JobState:
         return any(request.workers is not None and worker_id in request.workers for request in self.pending)
 
     def _cancel_joiner(self, pending: PendingWorker, now: float | None) -> dict[str, Any]:
-        """A joiner that is not part of a decided plan asks to leave: its request is cancelled (idempotent)."""
+        """A joiner that is not part of a decided plan asks to leave: its request is cancelled (idempotent); a
+        standby leaves the pool, which starts another."""
         if pending.status == CANCELLED:
             return {"outcome": LEAVE_CANCELLED, "request_id": pending.request_id}
+        if self.standby.discard(pending.worker_id):
+            self._cancel_standby(pending.worker_id, "was asked to stop (SIGTERM)")
+            self._refill_standby()
+            return {"outcome": LEAVE_CANCELLED, "request_id": None}
         request = self._pending_request(pending.request_id)
         if request is None:  # not pending, not in flight: never happens (a decided joiner is in flight or a member)
             raise StateError(f"joiner {pending.worker_id} of request {pending.request_id} cannot leave now")

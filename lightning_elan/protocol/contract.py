@@ -506,6 +506,11 @@ DECISION_ADJUST = "adjust"
 STATUS_WAIT = "wait"
 STATUS_PLAN = "plan"
 STATUS_CANCELLED = "cancelled"
+STATUS_STANDBY = "standby"  # a standby worker: no plan yet, wait on with no deadline
+STANDBY_REQUEST = "standby"
+"""The ``request_id`` of a pending worker kept in the standby pool (``launcher_poll``'s spawn items carry it)."""
+MAX_STANDBY = 64
+"""At most this many standby workers (``elan run --standby K``)."""
 
 
 @dataclass(frozen=True)
@@ -542,15 +547,17 @@ class CoordinateReply:
 
 @dataclass(frozen=True)
 class WaitPlanReply:
-    """The answer to ``wait_plan``: ``wait``, ``plan`` with the plan, or ``cancelled`` with the reason."""
+    """The answer to ``wait_plan``: ``wait``, ``plan`` with the plan, ``cancelled`` with the reason, or ``standby``
+    (a worker of the standby pool: no request has taken it yet; it waits on with no deadline)."""
 
     status: str
     plan: AdjustmentPlan | None = None
     reason: str | None = None
 
     def __post_init__(self) -> None:
-        if self.status not in (STATUS_WAIT, STATUS_PLAN, STATUS_CANCELLED):
-            raise ProtocolError(f"wait_plan reply: unknown status {self.status!r} (expected wait, plan or cancelled)")
+        if self.status not in (STATUS_WAIT, STATUS_PLAN, STATUS_CANCELLED, STATUS_STANDBY):
+            raise ProtocolError(f"wait_plan reply: unknown status {self.status!r} (expected wait, plan, cancelled or "
+                                "standby)")
         if (self.plan is not None) != (self.status == STATUS_PLAN):
             raise ProtocolError(f"wait_plan reply: status {self.status!r} with plan {self.plan!r}")
 
@@ -565,6 +572,10 @@ class WaitPlanReply:
     @classmethod
     def cancelled(cls, reason: str) -> WaitPlanReply:
         return cls(STATUS_CANCELLED, reason=reason)
+
+    @classmethod
+    def standby(cls) -> WaitPlanReply:
+        return cls(STATUS_STANDBY)
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"status": self.status}
@@ -621,6 +632,7 @@ BODY_SCHEMAS: dict[str, dict[str, Field]] = {
         "replace_failed": Field((bool,)),
         "min_workers": Field(_INT),
         "join_timeout_s": Field(_NUMBER),
+        "standby": Field(_INT),
     },
     "scale": {
         "action": Field(_STR, required=True),

@@ -52,9 +52,9 @@ def live_job(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen, d
     jobs: list[subprocess.Popen] = []
 
     def start(name: str, nproc: int, probe_args: list[str], schedule: str | None = None,
-              coordinate_every: int = 1) -> tuple[subprocess.Popen, dict]:
+              coordinate_every: int = 1, launcher_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict]:
         env = elan_env(tmp_path)
-        command = elan_command(tmp_path, name, nproc, probe_args, schedule, coordinate_every)
+        command = elan_command(tmp_path, name, nproc, probe_args, schedule, coordinate_every, launcher_args)
         job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         jobs.append(job)
         return job, env

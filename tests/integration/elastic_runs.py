@@ -69,9 +69,9 @@ def elan_env(tmp: Path) -> dict[str, str]:
 
 
 def elan_command(tmp: Path, name: str, nproc: int, probe_args: list[str], schedule: str | None = None,
-                 coordinate_every: int = 1) -> list[str]:
+                 coordinate_every: int = 1, launcher_args: tuple[str, ...] = ()) -> list[str]:
     command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
-               "--coordinate-every", str(coordinate_every), "--state-dir", str(tmp / f"{name}-state")]
+               "--coordinate-every", str(coordinate_every), "--state-dir", str(tmp / f"{name}-state"), *launcher_args]
     if schedule:
         command += ["--schedule", schedule]
     return [*command, "--", sys.executable, str(PROBE), "--out", str(tmp / name), *probe_args]
