@@ -31,14 +31,18 @@ ARENA_ALIGN = 256  # bytes: every dtype buffer of an arena starts on this bounda
 __all__ = [
     "ARENA_ALIGN",
     "ArenaLayout",
+    "Chunk",
     "PackedLayout",
     "TensorRef",
     "TensorSpec",
+    "allocate_like",
     "arena_layout",
     "arena_views",
     "buffer_key",
+    "chunk_layout",
     "dtype_from_str",
     "empty_buffers",
+    "fill_chunk",
     "join_tensors",
     "make_layout",
     "pack",
@@ -256,6 +260,60 @@ def _flush_run(buf: torch.Tensor, start: int, run: list[torch.Tensor]) -> None:
         out.copy_(run[0])
     else:
         torch.cat(run, out=out)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A contiguous run of whole tensors in one packed buffer: elements ``[start, end)`` of buffer ``key``, holding
+    ``layout.specs[i]`` for ``i`` in ``specs`` (their indices)."""
+
+    key: str
+    start: int
+    end: int
+    specs: tuple[int, ...]
+
+
+def chunk_layout(layout: PackedLayout, chunk_bytes: int) -> list[Chunk]:
+    """Cut the packed buffers into chunks of whole tensors, each at least ``chunk_bytes`` (the last of a buffer may be
+    smaller; a tensor larger than that is a chunk of its own), buffers in sorted key order. Both ends of a transfer
+    compute the same chunks from the layout, so each chunk can travel as one collective."""
+    chunks: list[Chunk] = []
+    for key in sorted(layout.buffer_numels):
+        element = torch.empty(0, dtype=_key_parts(key)[1]).element_size()
+        members = [i for i, spec in enumerate(layout.specs) if spec.key == key and spec.numel]
+        run: list[int] = []
+        for index in members:
+            run.append(index)
+            if _run_numel(layout, run) * element >= chunk_bytes:
+                chunks.append(_chunk_of(layout, key, run))
+                run = []
+        if run:
+            chunks.append(_chunk_of(layout, key, run))
+    return chunks
+
+
+def _run_numel(layout: PackedLayout, run: list[int]) -> int:
+    return sum(layout.specs[index].numel for index in run)
+
+
+def _chunk_of(layout: PackedLayout, key: str, run: list[int]) -> Chunk:
+    first, last = layout.specs[run[0]], layout.specs[run[-1]]
+    return Chunk(key, first.offset, last.offset + last.numel, tuple(run))
+
+
+def fill_chunk(buffers: dict[str, torch.Tensor], layout: PackedLayout, chunk: Chunk,
+               tensors: list[torch.Tensor]) -> None:
+    """Copy the tensors of ``chunk`` into their places in ``buffers[chunk.key]`` (what :func:`pack` does for all)."""
+    _fill(buffers[chunk.key], [(layout.specs[index], tensors[index].detach()) for index in chunk.specs])
+
+
+def allocate_like(layout: PackedLayout, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Uninitialised buffers for ``layout``, each on the device of the first tensor with its key (as :func:`pack`)."""
+    first: dict[str, torch.Tensor] = {}
+    for spec, tensor in zip(layout.specs, tensors, strict=True):
+        first.setdefault(spec.key, tensor)
+    return {key: torch.empty(layout.buffer_numels[key], dtype=first[key].dtype, device=first[key].device)
+            for key in sorted(layout.buffer_numels) if key in first}
 
 
 def unpack(buffers: dict[str, torch.Tensor], layout: PackedLayout) -> list[torch.Tensor]:

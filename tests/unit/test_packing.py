@@ -18,8 +18,12 @@ from lightning_elan.replication.packing import (
     PackedLayout,
     TensorRef,
     TensorSpec,
+    allocate_like,
+    chunk_layout,
     empty_buffers,
+    fill_chunk,
     join_tensors,
+    make_layout,
     pack,
     split_tensors,
     state_nbytes,
@@ -404,3 +408,27 @@ def test_poisoned_receive_buffers_are_fully_overwritten_by_gloo_transfer(monkeyp
     assert not dist.is_initialized()
     sender.shutdown()
     assert store.list_keys() == []  # header, acknowledgement and the group's rendezvous keys deleted
+
+
+def test_chunks_cover_each_buffer_in_whole_tensors_and_fill_it_like_pack() -> None:
+    tensors = [torch.arange(10, dtype=torch.float32), torch.ones(3, 4, dtype=torch.float64),
+               torch.arange(6, dtype=torch.float32).view(2, 3).t(), torch.empty(0), torch.full((5,), 7.0)]
+    layout = make_layout(tensors)
+    chunks = chunk_layout(layout, chunk_bytes=40)  # 10 float32 = 40 bytes: the first tensor closes a chunk
+    assert [(c.key, c.start, c.end, c.specs) for c in chunks] == [
+        ("cpu:torch.float32", 0, 10, (0,)), ("cpu:torch.float32", 10, 21, (2, 4)), ("cpu:torch.float64", 0, 12, (1,)),
+    ]
+    buffers = allocate_like(layout, tensors)
+    for chunk in chunks:
+        fill_chunk(buffers, layout, chunk, tensors)
+    expected, _ = pack(tensors)
+    assert buffers.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(buffers[key], expected[key])
+    assert all(torch.equal(a, b) for a, b in zip(unpack(buffers, layout), tensors, strict=True))
+
+
+def test_one_chunk_per_buffer_when_the_chunk_is_larger_than_the_state() -> None:
+    layout = make_layout([torch.zeros(4), torch.zeros(4), torch.zeros(2, dtype=torch.int64)])
+    assert [(c.key, c.start, c.end) for c in chunk_layout(layout, 1 << 20)] == [
+        ("cpu:torch.float32", 0, 8), ("cpu:torch.int64", 0, 2)]

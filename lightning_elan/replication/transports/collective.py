@@ -3,10 +3,13 @@
 A transfer uses its own process-group object built directly from the store (never the default process group: the
 source may be a leaving worker that is not in the new default group); the source is rank 0, reader ``i`` is rank
 ``i + 1``. The CPU-side state and the :class:`~lightning_elan.replication.packing.PackedLayout` travel pickled in the
-channel's header; the packed buffers are broadcast from rank 0, one broadcast per buffer, all issued before any is
-waited on. ``send`` returns once the broadcasts completed on the source; each reader acknowledges once it holds its
-copy, which :meth:`CollectiveTransport.disallow` waits for before :meth:`~CollectiveTransport.shutdown` deletes the
-header, the acknowledgements and the group's rendezvous keys.
+channel's header, published before anything is copied, so readers allocate while the source packs. The packed
+buffers travel in chunks of whole tensors (``CHUNK_BYTES``, :func:`~lightning_elan.replication.packing.chunk_layout`),
+one broadcast each from rank 0: the source packs chunk ``i + 1`` while the backend's thread sends chunk ``i`` (the copy
+and the send overlap instead of adding up), and every reader issues the same broadcasts into its receive buffers.
+``send`` returns once the broadcasts completed on the source; each reader acknowledges once it holds its copy, which
+:meth:`CollectiveTransport.disallow` waits for before :meth:`~CollectiveTransport.shutdown` deletes the header, the
+acknowledgements and the group's rendezvous keys.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeAlias
 
@@ -22,7 +25,17 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_elan.replication.packing import PackedLayout, empty_buffers, pack, state_nbytes, unpack
+from lightning_elan.replication.packing import (
+    Chunk,
+    PackedLayout,
+    allocate_like,
+    chunk_layout,
+    empty_buffers,
+    fill_chunk,
+    make_layout,
+    state_nbytes,
+    unpack,
+)
 from lightning_elan.replication.transports.base import (
     DEFAULT_TIMEOUT,
     Channel,
@@ -36,6 +49,9 @@ log = logging.getLogger(__name__)
 __all__ = ["SOURCE_RANK", "CollectiveTransport", "TransferGroup", "make_transfer_group"]
 
 SOURCE_RANK = 0
+CHUNK_BYTES = 16 << 20
+"""Size of one broadcast: large enough that a collective's fixed cost is noise, small enough that packing the next
+chunk overlaps sending this one for all but the last ~16 MB."""
 
 # ProcessGroupGloo / ProcessGroupNCCL are c10d *backends* (torch >= 2.2): they are used through
 # their own methods (broadcast, barrier, rank, size), never through torch.distributed.* functions,
@@ -57,14 +73,16 @@ class CollectiveTransport(StateTransport):
     @override
     def send(self, cpu_state: Any, tensors: list[torch.Tensor], readers: int) -> int:
         prefix = self.channel.prefix
-        with _timed(prefix, "pack"):
-            buffers, layout = pack(tensors)
-        header = {"format": self.header_format, "cpu_state": cpu_state, "layout": layout, "readers": readers}
+        layout = make_layout(tensors)
+        header = {"format": self.header_format, "cpu_state": cpu_state, "layout": layout, "readers": readers,
+                  "chunk_bytes": CHUNK_BYTES}
         header_len = self._publish_header(header)
         self._readers = readers
+        buffers = allocate_like(layout, tensors)
         self._group = self._make_group(SOURCE_RANK, 1 + readers)
-        with _timed(prefix, "broadcast"):
-            _broadcast_all(self._group, buffers)
+        with _timed(prefix, "pack and broadcast"):
+            _broadcast_chunks(self._group, buffers, chunk_layout(layout, CHUNK_BYTES),
+                              lambda chunk: fill_chunk(buffers, layout, chunk, tensors))
         nbytes = state_nbytes(buffers) + header_len
         log.debug("transfer %s: sent %d bytes (%d tensors) to %d readers", prefix, nbytes, len(tensors), readers)
         return nbytes
@@ -76,7 +94,7 @@ class CollectiveTransport(StateTransport):
         buffers = empty_buffers(layout, device_for)
         group = self._make_group(SOURCE_RANK + 1 + reader, 1 + header["readers"])
         with _timed(self.channel.prefix, "broadcast"):
-            _broadcast_all(group, buffers)
+            _broadcast_chunks(group, buffers, chunk_layout(layout, header["chunk_bytes"]))
         self._ack()
         tensors = unpack(buffers, layout)
         return Received(header["cpu_state"], tensors, state_nbytes(buffers) + header_len)
@@ -130,16 +148,18 @@ def _make_nccl(store: dist.Store, rank: int, size: int, timeout: datetime.timede
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
-def _broadcast_all(group: TransferGroup, buffers: dict[str, torch.Tensor]) -> None:
-    """Broadcast every non-empty buffer from rank 0, sorted by key; all issued, then all waited.
-
-    Buffers go as raw bytes (a uint8 view), so any dtype works with any backend.
-    """
+def _broadcast_chunks(group: TransferGroup, buffers: dict[str, torch.Tensor], chunks: list[Chunk],
+                      fill: Callable[[Chunk], None] | None = None) -> None:
+    """Broadcast every chunk from rank 0, in order, as raw bytes (a uint8 view: any dtype, any backend); the source
+    fills each chunk (``fill``) just before issuing it, while the earlier ones are on the wire. All issued, then all
+    waited."""
     opts = dist.BroadcastOptions()
     opts.rootRank = SOURCE_RANK
-    works = [
-        group.broadcast([buffers[key].view(torch.uint8)], opts) for key in sorted(buffers) if buffers[key].numel()
-    ]
+    works = []
+    for chunk in chunks:
+        if fill is not None:
+            fill(chunk)
+        works.append(group.broadcast([buffers[chunk.key][chunk.start:chunk.end].view(torch.uint8)], opts))
     for work in works:
         work.wait()
     _sync_devices(buffers)
