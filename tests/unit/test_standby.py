@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -110,3 +112,37 @@ def test_status_text_shows_the_pool() -> None:
     status = {"job": "j", "generation": 0, "members": [], "standby": {"target": 2, "workers": [
         {"worker_id": "w4", "status": "ready", "host": "h"}, {"worker_id": "w5", "status": "spawned", "host": None}]}}
     assert "standby: 1 of 2 ready (w4 ready, w5 spawned)" in format_status(status)
+
+
+def test_a_standby_waits_past_its_deadline_until_the_job_ends(tmp_path, monkeypatch) -> None:
+    """Through a real AM and ZeroMQ: a standby's long poll keeps waiting after the joiner's deadline (the AM answers
+    `standby`) and ends `cancelled` at the shutdown; a joiner of an undecided request gives up at its deadline."""
+    from lightning_elan.elastic import am_link
+    from lightning_elan.elastic.am_link import AMLink
+    from lightning_elan.master.server import ApplicationMaster
+    from lightning_elan.master.store import FileStore
+    from lightning_elan.protocol.client import AMClient
+    from lightning_elan.protocol.contract import ROLE_JOINER, WorkerEnvironment
+
+    monkeypatch.setattr(am_link, "WAIT_PLAN_POLL_S", 0.2)  # short long polls: the deadline is checked between them
+    with ApplicationMaster("job", FileStore(tmp_path / "state.json"), register=False) as am, \
+            AMClient(am.address, "job") as client:
+        client.request("start_job", {"nproc": 2, "standby": 1})
+        client.scale("add", count=2)  # takes w2 (the standby, not ready yet) and starts w3; the pool refills with w4
+
+        def link(worker: str) -> AMLink:
+            env = WorkerEnvironment.launched(job="job", worker_id=worker, role=ROLE_JOINER, am_address=am.address,
+                                             store_address="127.0.0.1:1")
+            return AMLink(env)
+
+        started = time.monotonic()
+        assert link("w3").wait_plan(0.5).status == "cancelled"  # a joiner: no plan within its 0.5 s
+        assert time.monotonic() - started < 5.0
+        standby = link("w4")
+        timer = threading.Timer(1.5, lambda: AMClient(am.address, "job").request("shutdown", {"reason": "done"}))
+        timer.start()
+        started = time.monotonic()
+        reply = standby.wait_plan(0.5)
+        assert reply.status == "cancelled" and "done" in (reply.reason or "")
+        assert time.monotonic() - started >= 1.4  # it waited on past its 0.5 s deadline
+        timer.join()
