@@ -139,6 +139,7 @@ def build_parser() -> Parsers:
         "worker": _add_worker(sub),
         "scale": _add_scale(sub),
         "status": _add_status(sub),
+        "simulate": _add_simulate(sub),
     }
     for command in commands.values():
         command.add_argument(
@@ -308,6 +309,27 @@ def _add_status(sub: Any) -> argparse.ArgumentParser:
     return status
 
 
+def _add_simulate(sub: Any) -> argparse.ArgumentParser:
+    simulate = sub.add_parser("simulate", help="simulate a GPU cluster scheduling elastic jobs (docs/simulate.md)")
+    simulate.add_argument("--trace", required=True, metavar="FILE",
+                          help="Tiresias trace CSV, or saxena:{high,low,bursty}[:MINUTES] for the synthetic workload")
+    simulate.add_argument("--cluster", required=True, metavar="SPEC",
+                          help="Tiresias cluster-spec CSV, a GPU count (40) or NODESxGPUS (4x4)")
+    simulate.add_argument("--policy", default="fifo,backfill,e-fifo,e-bf,tiresias,elastic-tiresias,dp,dp-fixed",
+                          metavar="P[,P…]", help="policies to compare (default: all)")
+    simulate.add_argument("--adjust-cost", default="elan", metavar="elan|restart|none|FILE[,…]",
+                          help="adjustment pauses: measured elan, stop-and-restart, none, or a JSON table")
+    simulate.add_argument("--out", type=Path, default=None, metavar="DIR", help="write simulate.{md,json,png} here")
+    simulate.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    simulate.add_argument("--dp-interval", type=float, default=0.0, metavar="SECONDS",
+                          help="run the dp allocators every Δ seconds instead of at every event")
+    simulate.add_argument("--min-res-factor", type=float, default=0.5, help="min_res = ⌈factor · num_gpu⌉")
+    simulate.add_argument("--max-res-factor", type=float, default=2.0, help="max_res = ⌈factor · num_gpu⌉")
+    simulate.add_argument("--profiles", type=Path, default=None, metavar="FILE", help="model profile JSON")
+    simulate.add_argument("--no-png", action="store_true", help="skip the PNG (and matplotlib)")
+    return simulate
+
+
 def _add_am_option(command: argparse.ArgumentParser) -> None:
     command.add_argument("--am", type=am_address_list, default=None, metavar="HOST:PORT",
                          help="the AM's address (comma list: leader and standbys); default: found through this "
@@ -333,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.worker_command = command
     configure_logging()
     handler = {"run": cmd_run, "am": cmd_am, "worker": cmd_worker, "scale": cmd_scale,
-               "status": cmd_status}[args.command]
+               "status": cmd_status, "simulate": cmd_simulate}[args.command]
     try:
         use_secret_file(args.secret_file)
         return handler(args, parsers.commands[args.command])
@@ -344,6 +366,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+
+
+def cmd_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning_elan.sim import SimulationError
+    from lightning_elan.sim.command import run_simulate
+
+    try:
+        return run_simulate(args)
+    except SimulationError as error:
+        raise CLIError(f"simulate: {error}", code=2) from None
 
 
 def use_secret_file(path: Path | None) -> None:

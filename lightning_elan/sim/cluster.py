@@ -1,0 +1,64 @@
+"""Cluster size: the Tiresias cluster-spec format, or a plain GPU count."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_elan.sim.errors import SimulationError
+
+SPEC_FIELDS = ("num_switch", "num_node_p_switch", "num_gpu_p_node", "num_cpu_p_node", "mem_p_node")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """GPUs only are simulated: placement on nodes and switches is not modelled (see docs/simulate.md)."""
+
+    num_switch: int = 1
+    num_node_p_switch: int = 1
+    num_gpu_p_node: int = 1
+
+    @property
+    def total_gpus(self) -> int:
+        return self.num_switch * self.num_node_p_switch * self.num_gpu_p_node
+
+    def describe(self) -> str:
+        return f"{self.total_gpus} GPUs ({self.num_switch}×{self.num_node_p_switch} nodes × {self.num_gpu_p_node})"
+
+
+def gpus(count: int) -> ClusterSpec:
+    """A cluster of ``count`` GPUs."""
+    if count < 1:
+        raise SimulationError(f"a cluster needs at least one GPU, not {count}")
+    return ClusterSpec(1, 1, count)
+
+
+def read_cluster_spec(path: str | Path) -> ClusterSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise SimulationError(f"cluster spec not found: {path}")
+    with path.open(newline="") as stream:
+        rows = [row for row in csv.reader(stream) if any(row)]
+    if len(rows) != 2 or tuple(cell.strip() for cell in rows[0]) != SPEC_FIELDS:
+        raise SimulationError(f"{path}: expected the header {','.join(SPEC_FIELDS)} and one line")
+    try:
+        values = [int(cell) for cell in rows[1]]
+    except ValueError:
+        raise SimulationError(f"{path}:2: malformed line {','.join(rows[1])!r}") from None
+    if len(values) != len(SPEC_FIELDS) or min(values[:3]) < 1:
+        raise SimulationError(f"{path}:2: need {len(SPEC_FIELDS)} fields and positive counts")
+    return ClusterSpec(values[0], values[1], values[2])
+
+
+def parse_cluster(text: str) -> ClusterSpec:
+    """``--cluster``: a Tiresias spec file, a GPU count (``40``) or nodes×GPUs (``16x4``)."""
+    if text.isdigit():
+        return gpus(int(text))
+    nodes, sep, per_node = text.lower().partition("x")
+    if sep and nodes.isdigit() and per_node.isdigit():
+        spec = ClusterSpec(1, int(nodes), int(per_node))
+        if spec.total_gpus < 1:
+            raise SimulationError(f"a cluster needs at least one GPU: {text!r}")
+        return spec
+    return read_cluster_spec(text)

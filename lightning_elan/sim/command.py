@@ -1,0 +1,42 @@
+"""``elan simulate``: what the command does once ``lightning_elan.cli`` has parsed its arguments."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from lightning_elan.sim.cluster import parse_cluster
+from lightning_elan.sim.errors import SimulationError
+from lightning_elan.sim.policies import parse_policies
+from lightning_elan.sim.report import markdown_table, write_reports
+from lightning_elan.sim.runner import load_jobs, run_policies
+from lightning_elan.sim.workload import ElasticBounds
+
+log = logging.getLogger(__name__)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Run every policy under every cost model, print the table, write the reports; SimulationError on bad input."""
+    cluster = parse_cluster(args.cluster)
+    policies = parse_policies(args.policy)
+    cost_models = [name.strip() for name in args.adjust_cost.split(",") if name.strip()]
+    if not cost_models:
+        raise SimulationError("--adjust-cost needs at least one cost model")
+    if not 0 < args.min_res_factor <= 1 <= args.max_res_factor:
+        raise SimulationError("need 0 < --min-res-factor <= 1 <= --max-res-factor")
+    bounds = ElasticBounds(args.min_res_factor, args.max_res_factor)
+    jobs = load_jobs(args.trace, cluster, args.seed, bounds, args.profiles)
+    runs = run_policies(jobs, cluster.total_gpus, policies, cost_models, args.dp_interval)
+    setup: dict[str, Any] = {
+        "trace": args.trace, "jobs": len(jobs), "cluster": cluster.describe(), "seed": args.seed,
+        "adjust_cost": ",".join(cost_models), "min_res_factor": args.min_res_factor,
+        "max_res_factor": args.max_res_factor, "dp_interval_s": args.dp_interval,
+    }
+    sys.stdout.write(markdown_table([run.metrics for run in runs]) + "\n")
+    if args.out is not None:
+        written = write_reports(args.out, setup, [run.metrics for run in runs], [run.result for run in runs],
+                                png=not args.no_png)
+        sys.stdout.write("wrote " + ", ".join(str(path) for path in written) + "\n")
+    return 0

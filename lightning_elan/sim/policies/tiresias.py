@@ -1,0 +1,180 @@
+"""Tiresias' discretised 2D-LAS (Gu et al., NSDI'19) and EDL's Elastic-Tiresias (003, §5.1, Algorithm 1).
+
+Tiresias: a job's priority queue is set by the GPU·seconds it has attained since it last entered queue 0 (queue i
+while that service is below ``thresholds[i]``; EDL's configuration: three queues, 500 and 10,000 GPU·s). At every
+event jobs are taken in (queue, submission) order and each one that fits on its requested GPUs runs; a running job
+that no longer fits is preempted (kept progress, pays the resume pause when it runs again). Starvation: a waiting
+job in a lower queue returns to queue 0 once it has waited ``starvation_factor`` times its run time since its last
+promotion (the rule of the Tiresias simulator's ``solve_starvation``; 0 turns it off).
+
+Elastic-Tiresias adds Algorithm 1 on top of that plan. Running jobs keep their current size (capped at the request,
+at least ``min_res``) in the plan, so a compacted job stays compacted until GPUs are free again.
+* Compaction (more than ``compaction_threshold`` jobs wait): for each waiting job in priority order, gather its
+  ``min_res`` GPUs from the free ones and then, one at a time, from running jobs outside queue 0 that are above their
+  ``min_res``, always from the one losing least normalised throughput; start it if its normalised throughput
+  ``S(min_res)/S(1)`` exceeds the sum of the donors' losses (the GPU-efficiency gain of Alg. 1 line 3).
+* Expansion (no job waits): expanded jobs first get back their current size, then each free GPU goes to the job
+  with the largest relative gain ``(S(p+1) − S(p)) / S(p)`` if that gain is positive and the time it saves exceeds
+  the scale-out pause.
+S is the rate under Elan's hybrid batch rule.
+"""
+
+from __future__ import annotations
+
+from lightning_elan.sim.engine import ClusterView, JobState
+from lightning_elan.sim.jobmodel import BatchRule
+from lightning_elan.sim.policies.base import Policy
+
+DEFAULT_THRESHOLDS = (500.0, 10_000.0)
+DEFAULT_STARVATION_FACTOR = 8.0
+DEFAULT_COMPACTION_THRESHOLD = 10
+
+
+class Tiresias(Policy):
+    name = "tiresias"
+
+    def __init__(
+        self, thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS, starvation_factor: float = DEFAULT_STARVATION_FACTOR
+    ) -> None:
+        self.thresholds = thresholds
+        self.starvation_factor = starvation_factor
+        self._service_at_promotion: dict[int, float] = {}
+
+    def queue(self, job: JobState) -> int:
+        service = job.attained_gpu_s - self._service_at_promotion.get(job.job_id, 0.0)
+        return sum(1 for threshold in self.thresholds if service >= threshold)
+
+    def decide(self, view: ClusterView) -> dict[int, int]:
+        self._promote_starving(view)
+        allocation: dict[int, int] = {}
+        free = view.total_gpus
+        for job in self.priority_order(view):
+            size = self.base_size(job)
+            if size <= free:
+                allocation[job.job_id] = size
+                free -= size
+        return allocation
+
+    def base_size(self, job: JobState) -> int:
+        return job.spec.num_gpu
+
+    def priority_order(self, view: ClusterView) -> list[JobState]:
+        jobs = view.running + view.pending
+        return sorted(jobs, key=lambda job: (self.queue(job), job.spec.submit_time, job.job_id))
+
+    def next_wakeup(self, view: ClusterView) -> float | None:
+        times = [self._demotion_time(view, job) for job in view.running]
+        times += [self._promotion_time(job) for job in view.pending]
+        future = [time for time in times if time is not None and time > view.now]
+        return min(future, default=None)
+
+    def _demotion_time(self, view: ClusterView, job: JobState) -> float | None:
+        service = job.attained_gpu_s - self._service_at_promotion.get(job.job_id, 0.0)
+        above = [threshold for threshold in self.thresholds if threshold > service]
+        return view.now + (above[0] - service) / job.size if above else None
+
+    def _promotion_time(self, job: JobState) -> float | None:
+        if not self.starvation_factor or job.last_stop is None or self.queue(job) == 0:
+            return None
+        run_s = (job.attained_gpu_s - self._service_at_promotion.get(job.job_id, 0.0)) / job.spec.num_gpu
+        return job.last_stop + self.starvation_factor * run_s
+
+    def _promote_starving(self, view: ClusterView) -> None:
+        for job in view.pending:
+            promote_at = self._promotion_time(job)
+            if promote_at is not None and promote_at <= view.now:
+                self._service_at_promotion[job.job_id] = job.attained_gpu_s
+
+
+class ElasticTiresias(Tiresias):
+    name = "elastic-tiresias"
+    batch_rule = BatchRule.HYBRID
+
+    def __init__(self, compaction_threshold: int = DEFAULT_COMPACTION_THRESHOLD, **tiresias: object) -> None:
+        super().__init__(**tiresias)  # type: ignore[arg-type]
+        self.compaction_threshold = compaction_threshold
+
+    def base_size(self, job: JobState) -> int:
+        if job.size:
+            return max(job.spec.min_res, min(job.size, job.spec.num_gpu))
+        return job.spec.num_gpu
+
+    def decide(self, view: ClusterView) -> dict[int, int]:
+        allocation = super().decide(view)
+        waiting = [job for job in self.priority_order(view) if job.job_id not in allocation]
+        if len(waiting) > self.compaction_threshold:
+            self._compact(view, allocation, waiting)
+        elif not waiting:
+            self._expand(view, allocation)
+        return allocation
+
+    def _normalised(self, view: ClusterView, job: JobState, gpus: int) -> float:
+        if gpus == 0:
+            return 0.0
+        rate, single = job.spec.rate(gpus, view.rule), job.spec.rate(1, view.rule)
+        return 0.0 if rate is None or single is None else rate / single
+
+    def _compact(self, view: ClusterView, allocation: dict[int, int], waiting: list[JobState]) -> None:
+        running = {job.job_id: job for job in view.running + view.pending if job.job_id in allocation}
+        for candidate in waiting:
+            need = candidate.spec.min_res
+            free = view.total_gpus - sum(allocation.values())
+            taken: dict[int, int] = {}
+            loss = 0.0
+            while free + sum(taken.values()) < need:
+                donor = self._cheapest_donor(view, allocation, running, taken)
+                if donor is None:
+                    break
+                size = allocation[donor.job_id] - taken.get(donor.job_id, 0)
+                loss += self._normalised(view, donor, size) - self._normalised(view, donor, size - 1)
+                taken[donor.job_id] = taken.get(donor.job_id, 0) + 1
+            if free + sum(taken.values()) < need or self._normalised(view, candidate, need) <= loss:
+                continue
+            for job_id, count in taken.items():
+                allocation[job_id] -= count
+            allocation[candidate.job_id] = need
+            running[candidate.job_id] = candidate
+
+    def _cheapest_donor(
+        self, view: ClusterView, allocation: dict[int, int], running: dict[int, JobState], taken: dict[int, int]
+    ) -> JobState | None:
+        best: tuple[float, int] | None = None
+        for job_id, job in running.items():
+            size = allocation[job_id] - taken.get(job_id, 0)
+            if self.queue(job) == 0 or size <= job.spec.min_res:
+                continue
+            loss = self._normalised(view, job, size) - self._normalised(view, job, size - 1)
+            if best is None or (loss, job_id) < best:
+                best = (loss, job_id)
+        return None if best is None else running[best[1]]
+
+    def _expand(self, view: ClusterView, allocation: dict[int, int]) -> None:
+        by_id = {job.job_id: job for job in view.running + view.pending if job.job_id in allocation}
+        free = view.total_gpus - sum(allocation.values())
+        for job in self.priority_order(view):
+            if job.job_id in allocation and job.size > allocation[job.job_id]:
+                extra = min(job.size - allocation[job.job_id], free)
+                allocation[job.job_id] += extra
+                free -= extra
+        while free > 0:
+            best: tuple[float, int] | None = None
+            for job_id, job in by_id.items():
+                gain = self._expansion_gain(view, job, allocation[job_id])
+                if gain is not None and (best is None or (-gain, job_id) < (-best[0], best[1])):
+                    best = (gain, job_id)
+            if best is None:
+                return
+            allocation[best[1]] += 1
+            free -= 1
+
+    def _expansion_gain(self, view: ClusterView, job: JobState, gpus: int) -> float | None:
+        if gpus + 1 > job.spec.max_res:
+            return None
+        now_rate, next_rate = job.spec.rate(gpus, view.rule), job.spec.rate(gpus + 1, view.rule)
+        if now_rate is None or next_rate is None or next_rate <= now_rate:
+            return None
+        if job.size and gpus == job.size:
+            saved = job.remaining / now_rate - job.remaining / next_rate
+            if saved <= view.costs.resize_pause_s(job.spec.profile.parameters, gpus, gpus + 1):
+                return None
+        return (next_rate - now_rate) / now_rate
