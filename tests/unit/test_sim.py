@@ -19,7 +19,6 @@ from lightning_elan.sim import (
     ElasticBounds,
     SimulationError,
     check_conservation,
-    gpus,
     jobs_from_trace,
     load_cost_model,
     make_policy,
@@ -40,11 +39,11 @@ QUEUEING_CLUSTER = 16  # 4 nodes × 4 GPUs: the shipped trace queues (FIFO mean 
 TRACE = read_tiresias_trace(SHIPPED_TRACE)
 
 
-def trace_jobs(total_gpus: int, bounds: ElasticBounds = ElasticBounds()):
-    return jobs_from_trace(TRACE, total_gpus, bounds)
+def trace_jobs(total_gpus: int) -> list:
+    return jobs_from_trace(TRACE, total_gpus, ElasticBounds())
 
 
-def mean_jct(policy: str, total_gpus: int, cost: str, **kwargs: object) -> float:
+def mean_jct(policy: str, total_gpus: int, cost: str) -> float:
     result = simulate(trace_jobs(total_gpus), total_gpus, make_policy(policy), load_cost_model(cost))
     return summarise(result).mean_jct_s
 
