@@ -70,13 +70,17 @@ def write_png(path: Path, results: Sequence[SimulationResult]) -> Path:
     import matplotlib.pyplot as plt
 
     figure, (cdf, utilisation) = plt.subplots(1, 2, figsize=(13, 4.8))
+    policies = list(dict.fromkeys(result.policy for result in results))
+    costs = list(dict.fromkeys(result.cost_model for result in results))
     for result in results:
         label = f"{result.policy} ({result.cost_model})"
+        style = {"color": f"C{policies.index(result.policy) % 10}",
+                 "linestyle": ("-", "--", ":", "-.")[costs.index(result.cost_model) % 4]}
         jcts = sorted(job.finish - job.spec.submit_time for job in result.jobs)  # type: ignore[operator]
-        cdf.step(jcts, [(i + 1) / len(jcts) for i in range(len(jcts))], where="post", label=label)
+        cdf.step(jcts, [(i + 1) / len(jcts) for i in range(len(jcts))], where="post", label=label, **style)
         times = [time for time, _ in result.timeline]
         busy = [gpus / result.total_gpus for _, gpus in result.timeline]
-        utilisation.step(times, busy, where="post", label=label, linewidth=0.9)
+        utilisation.step(times, busy, where="post", label=label, linewidth=0.9, **style)
     cdf.set(xscale="log", xlabel="job completion time (s)", ylabel="fraction of jobs", title="JCT CDF")
     utilisation.set(xlabel="time (s)", ylabel="GPUs allocated (fraction)", title="cluster utilisation", ylim=(0, 1.05))
     cdf.legend(fontsize=7)
