@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
@@ -44,8 +44,15 @@ class CostTable:
 
     name: str
     points: tuple[CostPoint, ...]
+    _cache: dict[tuple[Adjustment, int], float] = field(default_factory=dict, repr=False, compare=False, hash=False)
 
     def pause_s(self, kind: Adjustment, parameters: int) -> float:
+        key = (kind, parameters)
+        if key not in self._cache:
+            self._cache[key] = self._interpolate(kind, parameters)
+        return self._cache[key]
+
+    def _interpolate(self, kind: Adjustment, parameters: int) -> float:
         if not self.points:
             return 0.0
         sizes = [point.parameters for point in self.points]

@@ -7,6 +7,8 @@ adjustment. GPUs are handed out as numbered devices and checked so none is ever 
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -98,14 +100,22 @@ def simulate(jobs: Sequence[JobSpec], total_gpus: int, policy: Policy, costs: Co
 
 
 class _Run:
+    """The event loop. Bookkeeping is incremental: running and waiting jobs are kept as lists in submission order,
+    free GPUs in a min-heap (the lowest-numbered free GPUs are handed out first), so an event costs time in the number
+    of running jobs and changed allocations, not in the number of jobs waiting."""
+
     def __init__(self, jobs: Sequence[JobSpec], total_gpus: int, policy: Policy, costs: CostModel) -> None:
         self.total_gpus = total_gpus
         self.policy = policy
         self.costs = costs
         self.states = [JobState(spec, spec.samples) for spec in sorted(jobs, key=lambda j: (j.submit_time, j.job_id))]
         self.arrivals = deque(self.states)
-        self.active: list[JobState] = []
+        self.rank = {job.job_id: index for index, job in enumerate(self.states)}  # submission order
+        self.active: dict[int, JobState] = {}  # arrived and not finished, in submission order
+        self.running = _Ordered(self.rank)
+        self.pending = _Ordered(self.rank)
         self.owner: list[int | None] = [None] * total_gpus
+        self.free_gpus = list(range(total_gpus))  # a heap
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
         self.now = 0.0
 
@@ -119,64 +129,76 @@ class _Run:
             self._advance(next_time)
             self._finish_done_jobs()
             while self.arrivals and self.arrivals[0].spec.submit_time <= self.now:
-                self.active.append(self.arrivals.popleft())
+                job = self.arrivals.popleft()
+                self.active[job.job_id] = job
+                self.pending.add(job)
             self._apply(self.policy.decide(self._view()))
-            self.timeline.append((self.now, self.total_gpus - self.owner.count(None)))
+            self.timeline.append((self.now, self.total_gpus - len(self.free_gpus)))
 
     def _view(self) -> ClusterView:
-        running = [job for job in self.active if job.size]
-        pending = [job for job in self.active if not job.size]
-        return ClusterView(self.now, self.total_gpus, running, pending, self.policy.batch_rule, self.costs)
+        return ClusterView(self.now, self.total_gpus, list(self.running.jobs), list(self.pending.jobs),
+                           self.policy.batch_rule, self.costs)
 
     def _next_event_time(self) -> float:
-        candidates = [job.estimated_finish(self.now) for job in self.active if job.size]
+        now = self.now
+        candidates = [max(now, job.paused_until) + job.remaining / job.rate for job in self.running.jobs]
         if self.arrivals:
             candidates.append(self.arrivals[0].spec.submit_time)
         wake = self.policy.next_wakeup(self._view()) if self.active else None
-        if wake is not None and wake > self.now:
+        if wake is not None and wake > now:
             candidates.append(wake)
         if not candidates:
-            waiting = ", ".join(str(job.job_id) for job in self.active[:10])
+            waiting = ", ".join(str(job_id) for job_id in list(self.active)[:10])
             raise SimulationError(f"{self.policy.name}: jobs {waiting} wait, nothing runs and nothing will arrive")
-        return max(self.now, min(candidates))
+        return max(now, min(candidates))
 
     def _advance(self, until: float) -> None:
-        for job in self.active:
-            if not job.size:
-                continue
-            busy = max(0.0, until - max(self.now, job.paused_until))
+        now = self.now
+        elapsed = until - now
+        for job in self.running.jobs:
+            busy = max(0.0, until - max(now, job.paused_until))
             done = min(job.remaining, job.rate * busy)
             job.remaining -= done
             job.samples_done += done
-            job.attained_gpu_s += job.size * (until - self.now)
+            job.attained_gpu_s += len(job.gpus) * elapsed
         self.now = until
 
     def _finish_done_jobs(self) -> None:
-        for job in [job for job in self.active if job.size]:
-            if job.remaining <= FINISH_TOLERANCE * job.spec.samples:
-                job.samples_done += job.remaining
-                job.remaining = 0.0
-                job.finish = self.now
-                self._release(job, job.size)
-                self.active.remove(job)
+        for job in [job for job in self.running.jobs if job.remaining <= FINISH_TOLERANCE * job.spec.samples]:
+            job.samples_done += job.remaining
+            job.remaining = 0.0
+            job.finish = self.now
+            self._release(job, job.size)
+            self.running.remove(job)
+            del self.active[job.job_id]
 
     def _apply(self, allocation: dict[int, int]) -> None:
-        targets = {job.job_id: allocation.get(job.job_id, 0) for job in self.active}
-        self._check_allocation(targets)
-        by_id = {job.job_id: job for job in self.active}
-        shrinking = [job_id for job_id, gpus in targets.items() if gpus < by_id[job_id].size]
-        growing = [job_id for job_id, gpus in targets.items() if gpus > by_id[job_id].size]
-        for job_id in shrinking + growing:
-            self._resize(by_id[job_id], targets[job_id])
-
-    def _check_allocation(self, targets: dict[int, int]) -> None:
-        if sum(targets.values()) > self.total_gpus:
-            raise SimulationError(f"{self.policy.name} allocated {sum(targets.values())} of {self.total_gpus} GPUs")
-        by_id = {job.job_id: job for job in self.active}
-        for job_id, gpus in targets.items():
-            spec = by_id[job_id].spec
+        active = self.active
+        total = 0
+        changed: list[tuple[int, JobState, int]] = []
+        for job_id, gpus in allocation.items():
+            job = active.get(job_id)
+            if job is None:
+                continue
+            total += gpus
+            if gpus != len(job.gpus):
+                changed.append((self.rank[job_id], job, gpus))
+        for job in self.running.jobs:
+            if job.job_id not in allocation:
+                changed.append((self.rank[job.job_id], job, 0))
+        if total > self.total_gpus:
+            raise SimulationError(f"{self.policy.name} allocated {total} of {self.total_gpus} GPUs")
+        for _, job, gpus in changed:
+            spec = job.spec
             if gpus and not (spec.min_res <= gpus <= spec.max_res and spec.rate(gpus, self.policy.batch_rule)):
-                raise SimulationError(f"{self.policy.name} gave job {job_id} an infeasible {gpus} GPUs")
+                raise SimulationError(f"{self.policy.name} gave job {job.job_id} an infeasible {gpus} GPUs")
+        changed.sort(key=lambda entry: entry[0])
+        for _, job, gpus in changed:  # shrink first, so growing jobs find the GPUs freed
+            if gpus < len(job.gpus):
+                self._resize(job, gpus)
+        for _, job, gpus in changed:
+            if gpus > len(job.gpus):
+                self._resize(job, gpus)
 
     def _resize(self, job: JobState, gpus: int) -> None:
         old = job.size
@@ -196,6 +218,12 @@ class _Run:
             self._release(job, old - gpus)
         else:
             self._acquire(job, gpus - old)
+        if old == 0:
+            self.pending.remove(job)
+            self.running.add(job)
+        elif gpus == 0:
+            self.running.remove(job)
+            self.pending.add(job)
         job.rate = (job.spec.rate(gpus, self.policy.batch_rule) or 0.0) if gpus else 0.0
         if pause > 0:
             added = max(0.0, self.now + pause - max(self.now, job.paused_until))
@@ -204,10 +232,10 @@ class _Run:
             job.pause_gpu_s += added * gpus
 
     def _acquire(self, job: JobState, count: int) -> None:
-        free = [gpu for gpu, holder in enumerate(self.owner) if holder is None][:count]
-        if len(free) < count:
-            raise SimulationError(f"job {job.job_id} needs {count} more GPUs; {len(free)} are free")
-        for gpu in free:
+        if len(self.free_gpus) < count:
+            raise SimulationError(f"job {job.job_id} needs {count} more GPUs; {len(self.free_gpus)} are free")
+        for _ in range(count):
+            gpu = heapq.heappop(self.free_gpus)
             if self.owner[gpu] is not None:
                 raise SimulationError(f"GPU {gpu} double-booked: jobs {self.owner[gpu]} and {job.job_id}")
             self.owner[gpu] = job.job_id
@@ -219,6 +247,29 @@ class _Run:
             if self.owner[gpu] != job.job_id:
                 raise SimulationError(f"GPU {gpu} released by job {job.job_id} but held by {self.owner[gpu]}")
             self.owner[gpu] = None
+            heapq.heappush(self.free_gpus, gpu)
+
+
+class _Ordered:
+    """Jobs kept in submission order (``rank``), with insertion and removal by binary search."""
+
+    def __init__(self, rank: dict[int, int]) -> None:
+        self.rank = rank
+        self.jobs: list[JobState] = []
+        self.ranks: list[int] = []
+
+    def add(self, job: JobState) -> None:
+        rank = self.rank[job.job_id]
+        index = bisect.bisect_left(self.ranks, rank)
+        self.ranks.insert(index, rank)
+        self.jobs.insert(index, job)
+
+    def remove(self, job: JobState) -> None:
+        index = bisect.bisect_left(self.ranks, self.rank[job.job_id])
+        if index == len(self.ranks) or self.jobs[index] is not job:
+            raise SimulationError(f"job {job.job_id} is not where the engine keeps it")
+        del self.ranks[index]
+        del self.jobs[index]
 
 
 def check_conservation(result: SimulationResult) -> None:

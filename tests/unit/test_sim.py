@@ -295,3 +295,24 @@ def test_cli_simulate_rejects_bad_input(
     code, _, err = run_cli(["simulate", *argv], capsys)
     assert code == 2
     assert message in err and err.startswith("elan: error: simulate:")
+
+
+@pytest.mark.parametrize("policy", ["tiresias", "elastic-tiresias"])
+def test_tiresias_priority_order_equals_a_full_sort_at_every_event(policy: str) -> None:
+    """The merged priority order (only jobs that ran are looked up) is the plain (queue, submission) sort."""
+    tiresias = make_policy(policy)
+    fast_order = tiresias.priority_order  # type: ignore[attr-defined]
+    checked = []
+
+    def checked_order(view):  # type: ignore[no-untyped-def]
+        order = fast_order(view)
+        expected = sorted(view.running + view.pending,
+                          key=lambda job: (tiresias.queue(job), job.spec.submit_time, job.job_id))  # type: ignore[attr-defined]
+        assert [job.job_id for job in order] == [job.job_id for job in expected]
+        checked.append(len(order))
+        return order
+
+    tiresias.priority_order = checked_order  # type: ignore[attr-defined,method-assign]
+    jobs = jobs_from_trace(read_tiresias_trace(SHIPPED_TRACE), 8)
+    check_conservation(simulate(jobs, 8, tiresias, load_cost_model("restart")))
+    assert max(checked) > 10

@@ -31,35 +31,73 @@ class ElasticFifo(Policy):
     backfill = False
 
     def decide(self, view: ClusterView) -> dict[int, int]:
-        admitted = list(view.running)
+        plan = _Plan(view, list(view.running))
         blocked: JobState | None = None
         for job in view.pending[: BACKFILL_DEPTH + 1] if self.backfill else view.pending:
-            if blocked is None and self._admit(view, admitted, job):
-                admitted.append(job)
+            if blocked is None and self._admit(plan, job):
+                plan.add(job)
             elif blocked is None:
                 if not self.backfill:
                     break
                 blocked = job
-            elif self._backfill_allowed(view, admitted, blocked, job) and self._admit(view, admitted, job):
-                admitted.append(job)
-        return allocate(view, admitted)
+            elif self._backfill_allowed(plan, blocked, job) and self._admit(plan, job):
+                plan.add(job)
+        return dict(plan.allocation())
 
-    def _admit(self, view: ClusterView, admitted: list[JobState], job: JobState) -> bool:
-        minimum = sum(other.spec.min_res for other in admitted)
-        if minimum + job.spec.min_res > view.total_gpus:
+    def _admit(self, plan: _Plan, job: JobState) -> bool:
+        view = plan.view
+        if plan.minimum + job.spec.min_res > view.total_gpus:
             return False
-        held = sum(other.size if other.size else other.spec.min_res for other in admitted)
-        if job.spec.min_res <= view.total_gpus - held:
+        if job.spec.min_res <= view.total_gpus - plan.held:
             return True
-        return mean_jct_with(view, admitted, job) <= mean_jct_without(view, admitted, job)
+        return mean_jct_with(view, plan.admitted, job, plan.estimates) <= plan.mean_jct_without(job)
 
-    def _backfill_allowed(self, view: ClusterView, admitted: list[JobState], head: JobState, job: JobState) -> bool:
+    def _backfill_allowed(self, plan: _Plan, head: JobState, job: JobState) -> bool:
         """E-BF: ``job`` may go ahead of ``head`` if the head could still start at its ``min_res`` by then."""
-        minimum = sum(other.spec.min_res for other in admitted)
-        if minimum + job.spec.min_res + head.spec.min_res <= view.total_gpus:
+        view = plan.view
+        if plan.minimum + job.spec.min_res + head.spec.min_res <= view.total_gpus:
             return True
         runtime = view.runtime_s(job, job.spec.min_res)
-        return runtime is not None and view.now + runtime <= _shadow_time(view, admitted, head)
+        return runtime is not None and view.now + runtime <= plan.shadow_time(head)
+
+
+class _Plan:
+    """The jobs admitted so far at one event; what depends only on them is computed once per admission."""
+
+    def __init__(self, view: ClusterView, admitted: list[JobState]) -> None:
+        self.view = view
+        self.admitted = admitted
+        self.minimum = sum(job.spec.min_res for job in admitted)  # GPUs they need at the least
+        self.held = sum(job.size if job.size else job.spec.min_res for job in admitted)
+        self._allocation: dict[int, int] | None = None
+        self._ends: dict[int, float] | None = None
+        self._shadow: dict[int, float] = {}
+        self.estimates = _Estimates(view)
+
+    def add(self, job: JobState) -> None:
+        self.admitted.append(job)
+        self.minimum += job.spec.min_res
+        self.held += job.size if job.size else job.spec.min_res
+        self._allocation = self._ends = None
+        self._shadow = {}
+
+    def allocation(self) -> dict[int, int]:
+        if self._allocation is None:
+            self._allocation = allocate(self.view, self.admitted, self.estimates)
+        return self._allocation
+
+    def ends(self) -> dict[int, float]:
+        if self._ends is None:
+            self._ends = _estimated_ends(self.view, self.admitted, self.allocation(), self.estimates)
+        return self._ends
+
+    def mean_jct_without(self, job: JobState) -> float:
+        return _mean_jct_without(self.view, self.admitted, job, self.allocation(), self.ends())
+
+    def shadow_time(self, head: JobState) -> float:
+        if head.job_id not in self._shadow:
+            self._shadow[head.job_id] = _shadow_time(self.view, self.admitted, head, self.ends())
+        return self._shadow[head.job_id]
 
 
 class ElasticBackfill(ElasticFifo):
@@ -67,29 +105,48 @@ class ElasticBackfill(ElasticFifo):
     backfill = True
 
 
-def allocate(view: ClusterView, jobs: list[JobState]) -> dict[int, int]:
+class _Estimates:
+    """Marginal gains and estimated ends per (job, GPUs) at one event: they do not depend on the other jobs."""
+
+    def __init__(self, view: ClusterView) -> None:
+        self.view = view
+        self._gains: dict[tuple[int, int], float | None] = {}
+        self._ends: dict[tuple[int, int], float] = {}
+
+    def gain(self, job: JobState, gpus: int) -> float | None:
+        key = (job.job_id, gpus)
+        if key not in self._gains:
+            self._gains[key] = marginal_gain(self.view, job, gpus)
+        return self._gains[key]
+
+    def end(self, job: JobState, gpus: int) -> float:
+        key = (job.job_id, gpus)
+        if key not in self._ends:
+            self._ends[key] = _estimated_end(self.view, job, gpus)
+        return self._ends[key]
+
+
+def allocate(view: ClusterView, jobs: list[JobState], estimates: _Estimates | None = None) -> dict[int, int]:
     """The allocation rule: ``min_res`` each, then one GPU at a time by largest marginal gain."""
+    gain_of = (estimates or _Estimates(view)).gain
     allocation = {job.job_id: job.spec.min_res for job in jobs}
     free = view.total_gpus - sum(allocation.values())
     heap: list[tuple[float, int, int]] = []
-    by_id = {job.job_id: job for job in jobs}
     for order, job in enumerate(jobs):
-        _push_gain(view, heap, job, allocation[job.job_id], order)
-    orders = {job.job_id: order for order, job in enumerate(jobs)}
+        gain = gain_of(job, allocation[job.job_id])
+        if gain is not None:
+            heap.append((-gain, order, job.job_id))
+    heapq.heapify(heap)
     while free > 0 and heap:
-        negative_gain, _, job_id = heapq.heappop(heap)
+        negative_gain, order, job_id = heapq.heappop(heap)
         if -negative_gain <= 0:
             break
         allocation[job_id] += 1
         free -= 1
-        _push_gain(view, heap, by_id[job_id], allocation[job_id], orders[job_id])
+        gain = gain_of(jobs[order], allocation[job_id])
+        if gain is not None:
+            heapq.heappush(heap, (-gain, order, job_id))
     return allocation
-
-
-def _push_gain(view: ClusterView, heap: list[tuple[float, int, int]], job: JobState, gpus: int, order: int) -> None:
-    gain = marginal_gain(view, job, gpus)
-    if gain is not None:
-        heapq.heappush(heap, (-gain, order, job.job_id))
 
 
 def marginal_gain(view: ClusterView, job: JobState, gpus: int) -> float | None:
@@ -108,25 +165,36 @@ def marginal_gain(view: ClusterView, job: JobState, gpus: int) -> float | None:
     return gain
 
 
-def _estimated_ends(view: ClusterView, jobs: list[JobState], allocation: dict[int, int]) -> dict[int, float]:
-    ends = {}
-    for job in jobs:
-        gpus = allocation[job.job_id]
-        pause = view.costs.resize_pause_s(job.spec.profile.parameters, job.size, gpus) if job.size else 0.0
-        start = max(view.now, job.paused_until) if job.size and gpus == job.size else view.now + pause
-        ends[job.job_id] = start + (view.runtime_s(job, gpus) or float("inf"))
-    return ends
+def _estimated_end(view: ClusterView, job: JobState, gpus: int) -> float:
+    pause = view.costs.resize_pause_s(job.spec.profile.parameters, job.size, gpus) if job.size else 0.0
+    start = max(view.now, job.paused_until) if job.size and gpus == job.size else view.now + pause
+    return start + (view.runtime_s(job, gpus) or float("inf"))
 
 
-def mean_jct_with(view: ClusterView, admitted: list[JobState], job: JobState) -> float:
+def _estimated_ends(
+    view: ClusterView, jobs: list[JobState], allocation: dict[int, int], estimates: _Estimates | None = None
+) -> dict[int, float]:
+    if estimates is None:
+        return {job.job_id: _estimated_end(view, job, allocation[job.job_id]) for job in jobs}
+    return {job.job_id: estimates.end(job, allocation[job.job_id]) for job in jobs}
+
+
+def mean_jct_with(
+    view: ClusterView, admitted: list[JobState], job: JobState, estimates: _Estimates | None = None
+) -> float:
     jobs = [*admitted, job]
-    ends = _estimated_ends(view, jobs, allocate(view, jobs))
+    ends = _estimated_ends(view, jobs, allocate(view, jobs, estimates), estimates)
     return sum(ends[j.job_id] - j.spec.submit_time for j in jobs) / len(jobs)
 
 
 def mean_jct_without(view: ClusterView, admitted: list[JobState], job: JobState) -> float:
     allocation = allocate(view, admitted)
-    ends = _estimated_ends(view, admitted, allocation)
+    return _mean_jct_without(view, admitted, job, allocation, _estimated_ends(view, admitted, allocation))
+
+
+def _mean_jct_without(
+    view: ClusterView, admitted: list[JobState], job: JobState, allocation: dict[int, int], ends: dict[int, float]
+) -> float:
     free = view.total_gpus - sum(allocation.values())
     start = view.now
     for other in sorted(admitted, key=lambda other: ends[other.job_id]):
@@ -139,9 +207,8 @@ def mean_jct_without(view: ClusterView, admitted: list[JobState], job: JobState)
     return total / (len(admitted) + 1)
 
 
-def _shadow_time(view: ClusterView, admitted: list[JobState], head: JobState) -> float:
+def _shadow_time(view: ClusterView, admitted: list[JobState], head: JobState, ends: dict[int, float]) -> float:
     """When enough admitted jobs will have ended for ``head`` to fit at its ``min_res``."""
-    ends = _estimated_ends(view, admitted, allocate(view, admitted))
     minimum = sum(job.spec.min_res for job in admitted)
     for job in sorted(admitted, key=lambda job: ends[job.job_id]):
         minimum -= job.spec.min_res

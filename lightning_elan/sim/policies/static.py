@@ -45,6 +45,8 @@ class Backfill(Policy):
         head, later = queue[0], queue[1:]
         shadow, spare = self._reservation(view, allocation, head.spec.num_gpu, free)
         for job in later:
+            if not free:
+                break  # every job needs at least one GPU
             need = job.spec.num_gpu
             if need > free:
                 continue

@@ -21,6 +21,8 @@ S is the rate under Elan's hybrid batch rule.
 
 from __future__ import annotations
 
+import bisect
+
 from lightning_elan.sim.engine import ClusterView, JobState
 from lightning_elan.sim.jobmodel import BatchRule
 from lightning_elan.sim.policies.base import Policy
@@ -42,13 +44,23 @@ class Tiresias(Policy):
 
     def queue(self, job: JobState) -> int:
         service = job.attained_gpu_s - self._service_at_promotion.get(job.job_id, 0.0)
-        return sum(1 for threshold in self.thresholds if service >= threshold)
+        queue = 0
+        for threshold in self.thresholds:
+            if service >= threshold:
+                queue += 1
+        return queue
 
     def decide(self, view: ClusterView) -> dict[int, int]:
         self._promote_starving(view)
+        return self._base_plan(view, self.priority_order(view))
+
+    def _base_plan(self, view: ClusterView, order: list[JobState]) -> dict[int, int]:
+        """Each job in priority order that fits on its base size runs (every base size is at least one GPU)."""
         allocation: dict[int, int] = {}
         free = view.total_gpus
-        for job in self.priority_order(view):
+        for job in order:
+            if not free:
+                break
             size = self.base_size(job)
             if size <= free:
                 allocation[job.job_id] = size
@@ -59,12 +71,23 @@ class Tiresias(Policy):
         return job.spec.num_gpu
 
     def priority_order(self, view: ClusterView) -> list[JobState]:
-        jobs = view.running + view.pending
-        return sorted(jobs, key=lambda job: (self.queue(job), job.spec.submit_time, job.job_id))
+        """Jobs by (queue, submission time, job id): submission order within each queue.
+
+        A waiting job that never ran has no service (it sits in the queue of service 0) and needs no look-up; the
+        view's lists are in submission order, so those jobs are merged with the others rather than sorted.
+        """
+        fresh = [job for job in view.pending if job.last_stop is None]
+        others = sorted([*view.running, *_preempted(view)], key=_submission)
+        queues: list[list[JobState]] = [[] for _ in range(len(self.thresholds) + 1)]
+        for job in others:
+            queues[self.queue(job)].append(job)
+        fresh_queue = sum(1 for threshold in self.thresholds if 0.0 >= threshold)
+        queues[fresh_queue] = _merge(fresh, queues[fresh_queue])
+        return [job for queue in queues for job in queue]
 
     def next_wakeup(self, view: ClusterView) -> float | None:
         times = [self._demotion_time(view, job) for job in view.running]
-        times += [self._promotion_time(job) for job in view.pending]
+        times += [self._promotion_time(job) for job in _preempted(view)]  # the others have no promotion time
         future = [time for time in times if time is not None and time > view.now]
         return min(future, default=None)
 
@@ -80,10 +103,34 @@ class Tiresias(Policy):
         return job.last_stop + self.starvation_factor * run_s
 
     def _promote_starving(self, view: ClusterView) -> None:
-        for job in view.pending:
+        for job in _preempted(view):
             promote_at = self._promotion_time(job)
             if promote_at is not None and promote_at <= view.now:
                 self._service_at_promotion[job.job_id] = job.attained_gpu_s
+
+
+def _preempted(view: ClusterView) -> list[JobState]:
+    """Waiting jobs that ran before (only these can have left queue 0 or be promoted back to it)."""
+    return [job for job in view.pending if job.last_stop is not None]
+
+
+def _submission(job: JobState) -> tuple[float, int]:
+    return job.spec.submit_time, job.job_id
+
+
+def _merge(ordered: list[JobState], few: list[JobState]) -> list[JobState]:
+    """Two lists in submission order merged, ``few`` inserted into ``ordered`` by binary search."""
+    if not few:
+        return ordered
+    merged: list[JobState] = []
+    start = 0
+    for job in few:
+        index = bisect.bisect_left(ordered, _submission(job), lo=start, key=_submission)
+        merged.extend(ordered[start:index])
+        merged.append(job)
+        start = index
+    merged.extend(ordered[start:])
+    return merged
 
 
 class ElasticTiresias(Tiresias):
@@ -100,12 +147,14 @@ class ElasticTiresias(Tiresias):
         return job.spec.num_gpu
 
     def decide(self, view: ClusterView) -> dict[int, int]:
-        allocation = super().decide(view)
-        waiting = [job for job in self.priority_order(view) if job.job_id not in allocation]
+        self._promote_starving(view)
+        order = self.priority_order(view)
+        allocation = self._base_plan(view, order)
+        waiting = [job for job in order if job.job_id not in allocation]
         if len(waiting) > self.compaction_threshold:
             self._compact(view, allocation, waiting)
         elif not waiting:
-            self._expand(view, allocation)
+            self._expand(view, allocation, order)
         return allocation
 
     def _normalised(self, view: ClusterView, job: JobState, gpus: int) -> float:
@@ -116,13 +165,19 @@ class ElasticTiresias(Tiresias):
 
     def _compact(self, view: ClusterView, allocation: dict[int, int], waiting: list[JobState]) -> None:
         running = {job.job_id: job for job in view.running + view.pending if job.job_id in allocation}
+        queues = {job_id: self.queue(job) for job_id, job in running.items()}  # fixed during one decision
+        free = view.total_gpus - sum(allocation.values())
+        # GPUs the donors could give up in all: a candidate needing more than free + spare cannot start
+        spare = sum(allocation[job_id] - job.spec.min_res for job_id, job in running.items()
+                    if queues[job_id] != 0 and allocation[job_id] > job.spec.min_res)
         for candidate in waiting:
             need = candidate.spec.min_res
-            free = view.total_gpus - sum(allocation.values())
+            if free + spare < need:
+                continue
             taken: dict[int, int] = {}
             loss = 0.0
             while free + sum(taken.values()) < need:
-                donor = self._cheapest_donor(view, allocation, running, taken)
+                donor = self._cheapest_donor(view, allocation, running, taken, queues)
                 if donor is None:
                     break
                 size = allocation[donor.job_id] - taken.get(donor.job_id, 0)
@@ -132,26 +187,30 @@ class ElasticTiresias(Tiresias):
                 continue
             for job_id, count in taken.items():
                 allocation[job_id] -= count
-            allocation[candidate.job_id] = need
+                spare -= count
+            free += sum(taken.values()) - need
+            allocation[candidate.job_id] = need  # at its min_res: nothing to spare
             running[candidate.job_id] = candidate
+            queues[candidate.job_id] = self.queue(candidate)
 
     def _cheapest_donor(
-        self, view: ClusterView, allocation: dict[int, int], running: dict[int, JobState], taken: dict[int, int]
+        self, view: ClusterView, allocation: dict[int, int], running: dict[int, JobState], taken: dict[int, int],
+        queues: dict[int, int],
     ) -> JobState | None:
         best: tuple[float, int] | None = None
         for job_id, job in running.items():
             size = allocation[job_id] - taken.get(job_id, 0)
-            if self.queue(job) == 0 or size <= job.spec.min_res:
+            if queues[job_id] == 0 or size <= job.spec.min_res:
                 continue
             loss = self._normalised(view, job, size) - self._normalised(view, job, size - 1)
             if best is None or (loss, job_id) < best:
                 best = (loss, job_id)
         return None if best is None else running[best[1]]
 
-    def _expand(self, view: ClusterView, allocation: dict[int, int]) -> None:
+    def _expand(self, view: ClusterView, allocation: dict[int, int], order: list[JobState]) -> None:
         by_id = {job.job_id: job for job in view.running + view.pending if job.job_id in allocation}
         free = view.total_gpus - sum(allocation.values())
-        for job in self.priority_order(view):
+        for job in order:
             if job.job_id in allocation and job.size > allocation[job.job_id]:
                 extra = min(job.size - allocation[job.job_id], free)
                 allocation[job.job_id] += extra
