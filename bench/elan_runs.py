@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ class ElanAdjustment:
     pause: Pause | None
     joiner_startup_s: list[float]
     requested_at: float
+    joiner_first_step_s: list[float] = field(default_factory=list)  # the request → each joiner's first step
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -45,6 +46,7 @@ class ElanAdjustment:
             "am_pause_s": self.record.get("pause_s"),
             "am_joiner_startup_s": self.record.get("joiner_startup_s"),
             "requested_at": self.requested_at,
+            "joiner_first_step_s": self.joiner_first_step_s,
         }
 
 
@@ -89,14 +91,18 @@ def elan_command(scenario: Scenario, job: str, state_dir: Path, steps_dir: Path,
     ]
 
 
-def run_elan_job(scenario: Scenario, out: Path, children: Children, coordinate_every: int = 10) -> ElanJob:
-    """Start 2 workers, then ``cycles`` × ``actions`` (add, remove, migrate), each after ``settle_steps``; analyse."""
+def run_elan_job(scenario: Scenario, out: Path, children: Children, coordinate_every: int = 10,
+                 run_options: Sequence[str] = (),
+                 before_request: Callable[[str, AMClient, Callable[[], bool]], None] | None = None) -> ElanJob:
+    """Start 2 workers, then ``cycles`` × ``actions`` (add, remove, migrate), each after ``settle_steps``; analyse.
+    ``run_options``: extra ``elan run`` options; ``before_request(action, client, alive)`` runs before each request."""
     job = f"bench-{scenario.model}-{int(time.time())}"
     out.mkdir(parents=True, exist_ok=True)
     steps_dir, state_dir, home = out / "steps", out / "state", out / "elan-home"
     stop_file = out / "stop"
     env = bench_env({"ELAN_HOME": str(home)})
-    command = elan_command(scenario, job, state_dir, steps_dir, stop_file, coordinate_every, max_steps=10**7)
+    command = elan_command(scenario, job, state_dir, steps_dir, stop_file, coordinate_every, max_steps=10**7,
+                           run_options=run_options)
     launched = time.time()
     proc = children.start(command, env, out / "elan-run.log")
     follower = Follower(steps_dir)
@@ -108,6 +114,8 @@ def run_elan_job(scenario: Scenario, out: Path, children: Children, coordinate_e
         try:
             for _ in range(scenario.cycles):
                 for action in scenario.actions:
+                    if before_request is not None:
+                        before_request(action, client, alive)
                     requested.append((action, _scale(client, action)))
                     record = _wait_for_adjustment(state_dir, len(requested), scenario.timeout_s, alive,
                                                   StallWatch(follower, STALL_S))
@@ -177,6 +185,7 @@ def analyse_elan(
         joiners = set(record["joiners"])
         stayers = [by_worker[w] for w in record["members"] if w not in joiners and w in by_worker]
         startups = [by_worker[w].startup_s() for w in record["joiners"] if w in by_worker]
+        firsts = [by_worker[w].first_step_time() for w in record["joiners"] if w in by_worker]
         adjustments.append(
             ElanAdjustment(
                 action=action,
@@ -184,6 +193,7 @@ def analyse_elan(
                 pause=pause_around(stayers, stayers, int(record["step"])),
                 joiner_startup_s=[s for s in startups if s is not None],
                 requested_at=requested_at,
+                joiner_first_step_s=[first - requested_at for first in firsts if first is not None],
             )
         )
     return adjustments

@@ -15,13 +15,15 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.analysis import ProcessSteps, Spread, load_steps, pause_around
-from bench.common import STALL_S, Follower, Scenario, StallWatch, stop_margin, write_stop_file
-from bench.elan_runs import _am_address, _records, _scale, _wait_for_adjustment, elan_command
-from bench.procs import Children, bench_env
+from bench.analysis import Spread
+from bench.common import Scenario
+from bench.elan_runs import run_elan_job
+from bench.procs import Children
 from bench.report import fmt
 from lightning_elan.protocol.client import AMClient
 
@@ -45,38 +47,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_job(scenario: Scenario, standby: int, out: Path, children: Children, coordinate_every: int) -> dict[str, Any]:
     """One job: ``cycles`` × (add 1, remove 1); returns each add's time to the joiner's first step and pause."""
-    job = f"standby{standby}-{scenario.model}-{int(time.time())}"
-    steps_dir, state_dir, home, stop_file = out / "steps", out / "state", out / "elan-home", out / "stop"
     options = ["--standby", str(standby)] if standby else []
-    command = elan_command(scenario, job, state_dir, steps_dir, stop_file, coordinate_every, 10**7,
-                           run_options=options)
-    proc = children.start(command, bench_env({"ELAN_HOME": str(home)}), out / "elan-run.log")
-    follower, requests = Follower(steps_dir), []
-    alive = lambda: proc.poll() is None  # noqa: E731
-    try:
-        follower.wait_for_step(scenario.warmup_steps, scenario.timeout_s, alive, stall_s=STALL_S)
-        client = AMClient(_am_address(job, home, scenario.timeout_s), job, timeout_s=5.0)
-        try:
-            for _ in range(scenario.cycles):
-                for action in ("add", "remove"):
-                    if action == "add" and standby:
-                        _wait_for_ready_standby(client, alive)
-                    requests.append((action, _scale(client, action)))
-                    record = _wait_for_adjustment(state_dir, len(requests), scenario.timeout_s, alive,
-                                                  StallWatch(follower, STALL_S))
-                    follower.wait_for_step(int(record["step"]) + scenario.settle_steps, scenario.timeout_s, alive,
-                                           stall_s=STALL_S)
-        finally:
-            client.close()
-        write_stop_file(stop_file, follower.max_step() + stop_margin(follower, scenario.stop_margin_steps))
-        returncode = proc.wait(scenario.timeout_s)
-    finally:
-        children.stop(proc)
-    adds = _analyse_adds(load_steps(steps_dir), _records(state_dir), requests)
-    return {"standby": standby, "returncode": returncode, "adds": adds}
+
+    def before_request(action: str, client: AMClient, alive: Callable[[], bool]) -> None:
+        if action == "add" and standby:
+            _wait_for_ready_standby(client, alive)
+
+    job = run_elan_job(replace(scenario, actions=("add", "remove")), out, children, coordinate_every,
+                       run_options=options, before_request=before_request)
+    adds = [{"joiner": a.record["joiners"],
+             "request_to_first_step_s": a.joiner_first_step_s[0] if a.joiner_first_step_s else None,
+             "pause_s": a.pause.pause_s if a.pause else None,
+             "joiner_startup_s": a.joiner_startup_s[0] if a.joiner_startup_s else None}
+            for a in job.adjustments if a.action == "add"]
+    return {"standby": standby, "returncode": job.returncode, "adds": adds}
 
 
-def _wait_for_ready_standby(client: AMClient, alive: Any) -> None:
+def _wait_for_ready_standby(client: AMClient, alive: Callable[[], bool]) -> None:
     deadline = time.monotonic() + POOL_READY_TIMEOUT_S
     while time.monotonic() < deadline and alive():
         pool = (client.status().get("standby") or {}).get("workers") or []
@@ -84,23 +71,6 @@ def _wait_for_ready_standby(client: AMClient, alive: Any) -> None:
             return
         time.sleep(0.2)
     raise TimeoutError("no ready standby worker")
-
-
-def _analyse_adds(processes: list[ProcessSteps], records: list[dict[str, Any]],
-                  requests: list[tuple[str, float]]) -> list[dict[str, Any]]:
-    by_worker = {process.worker: process for process in processes}
-    adds = []
-    for record, (action, requested_at) in zip(records, requests, strict=False):
-        if action != "add":
-            continue
-        joiner = by_worker.get(record["joiners"][0]) if record["joiners"] else None
-        first = joiner.first_step_time() if joiner is not None else None
-        stayers = [by_worker[w] for w in record["members"] if w not in record["joiners"] and w in by_worker]
-        pause = pause_around(stayers, stayers, int(record["step"]))
-        adds.append({"joiner": record["joiners"], "request_to_first_step_s": None if first is None
-                     else first - requested_at, "pause_s": pause.pause_s if pause else None,
-                     "joiner_startup_s": joiner.startup_s() if joiner is not None else None})
-    return adds
 
 
 def table(results: dict[str, Any]) -> list[str]:
