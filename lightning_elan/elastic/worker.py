@@ -361,7 +361,12 @@ class ElasticWorker:
         key = f"{generation_prefix(self.generation or 0)}{VOTE_STORE_KEY}"
         if group.rank() == 0:
             host = collective_address()
-            self._vote_server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+            # torch's classic store server, not libuv's: ``~LibUVStoreDaemon`` joins its loop thread only while
+            # ``is_running()``, else the thread object is destroyed joinable and the process aborts ("terminate called
+            # without an active exception"), which a vote store's host did once at exit in CI (the suspected cause);
+            # ``~TCPStoreMasterDaemon`` always joins
+            self._vote_server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout,
+                                              use_libuv=False)
             store.set(key, f"{host}:{self._vote_server.port}")
             log.debug("generation %s votes in the fast store %s:%d", self.generation, host, self._vote_server.port)
             return self._vote_server

@@ -65,7 +65,9 @@ class RunResult:
 
 
 def elan_env(tmp: Path) -> dict[str, str]:
-    return {**os.environ, "ELAN_HOME": str(tmp / "elan-home"), "PYTHONWARNINGS": "ignore"}
+    """Each test's own ELAN_HOME; a process killed by a fatal signal (SIGABRT, SIGSEGV) prints every thread's
+    Python stack, so a crash seen once in CI says where it happened."""
+    return {**os.environ, "ELAN_HOME": str(tmp / "elan-home"), "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
 
 
 def elan_command(tmp: Path, name: str, nproc: int, probe_args: list[str], schedule: str | None = None,
