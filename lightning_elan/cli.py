@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_elan import cli_sizing
 from lightning_elan.launcher.schedule import (
     ScaleAction,
     ScheduleError,
@@ -140,6 +141,8 @@ def build_parser() -> Parsers:
         "scale": _add_scale(sub),
         "status": _add_status(sub),
         "simulate": _add_simulate(sub),
+        "profile": cli_sizing.add_profile(sub, _add_am_option),
+        "autoscale": cli_sizing.add_autoscale(sub, _add_am_option),
     }
     for command in commands.values():
         command.add_argument(
@@ -202,6 +205,7 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
         help=f"keep K workers started and warmed up but not training (0–{MAX_STANDBY}); an `add` takes them first, "
              "so new capacity trains after one adjustment pause instead of a process start (default 0)",
     )
+    cli_sizing.add_sizing_options(run)
     return run
 
 
@@ -231,6 +235,7 @@ def _add_am(sub: Any) -> argparse.ArgumentParser:
         help="stop when this process is gone (elan run passes its own pid)",
     )
     _add_enrolment_options(am)
+    cli_sizing.add_sizing_options(am)
     return am
 
 
@@ -355,7 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.worker_command = command
     configure_logging()
     handler = {"run": cmd_run, "am": cmd_am, "worker": cmd_worker, "scale": cmd_scale,
-               "status": cmd_status, "simulate": cmd_simulate}[args.command]
+               "status": cmd_status, "simulate": cmd_simulate, "profile": cmd_profile,
+               "autoscale": cmd_autoscale}[args.command]
     try:
         use_secret_file(args.secret_file)
         return handler(args, parsers.commands[args.command])
@@ -434,6 +440,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         min_workers=args.min_workers,
         join_timeout_s=args.join_timeout,
         standby=args.standby,
+        sizing=cli_sizing.sizing_requests(args, parser),
     )
     if args.min_workers is not None and args.min_workers > args.nproc:
         parser.error(f"--min-workers {args.min_workers} is more than --nproc {args.nproc}")
@@ -469,7 +476,11 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     state_dir = Path(args.state_dir or registry.default_state_dir(args.job))
     enrolment = _enrolment(args, parser)
+    sizing = cli_sizing.sizing_requests(args, parser)
     if args.store is not None and is_etcd_url(args.store):
+        if sizing:
+            parser.error("--autoscale, --stragglers and --scale-out-command need the file store for now; with etcd, "
+                         "use `elan autoscale` once the job runs")
         return _am_in_etcd(args, parser, state_dir, enrolment)
     if args.lease_ttl is not None:
         parser.error("--lease-ttl needs --store etcd://…")
@@ -487,12 +498,22 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if enrolment is not None:
         am.accept_enrolments(enrolment, coordinate_every=args.coordinate_every, join_timeout_s=args.join_timeout)
     am.start()
+    _configure_sizing(am.address, args.job, sizing)
     log.info("AM of job %s (pid %d) at %s: state in %s; Ctrl-C stops it", args.job, os.getpid(), am.address,
              state_dir)
     stopped = _wait_for_stop(args.parent_pid, done=lambda: am.finished if enrolment is not None else False)
     log.info("%s: stopping the AM of job %s", stopped, args.job)
     am.stop()
     return 0
+
+
+def _configure_sizing(address: str, job: str, requests: list[tuple[str, dict[str, Any]]]) -> None:
+    """Send the sizing options to the AM this process serves (the state keeps them across restarts)."""
+    from lightning_elan.protocol.client import AMClient
+
+    for msg_type, body in requests:
+        client = AMClient(address.replace("0.0.0.0", "127.0.0.1"), job)
+        _call(client, job, lambda: client.request(msg_type, body))  # noqa: B023 (called at once)
 
 
 def _enrolment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
@@ -639,6 +660,38 @@ def cmd_scale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     client = connect(args.job, timeout_s=args.timeout, am=args.am)
     reply = _call(client, args.job, lambda: client.scale(**action.request_kwargs()))
     print(describe_scale_reply(action, reply))
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    _reject_command(args, parser)
+    if args.min_size > args.max_size:
+        parser.error(f"--min {args.min_size} is more than --max {args.max_size}")
+    body = {"min": args.min_size, "max": args.max_size, "steps": args.steps, "settle": args.settle}
+    client = connect(args.job, timeout_s=args.timeout, am=args.am)
+    _call(client, args.job, lambda: client.request("profile", body))
+    print(f"profile of job {args.job} started: world sizes {args.min_size}..{args.max_size}, {args.steps} steps each")
+    if args.no_wait:
+        return 0
+    def status() -> dict[str, Any]:
+        poller = connect(args.job, timeout_s=args.timeout, am=args.am)
+        return _call(poller, args.job, poller.status)
+    try:
+        result = cli_sizing.wait_for_profile(status, args.wait_timeout)
+    except TimeoutError as error:
+        raise CLIError(str(error), code=1) from None
+    print(cli_sizing.format_profile(result))
+    return 0
+
+
+def cmd_autoscale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    _reject_command(args, parser)
+    if args.min_workers and args.max_workers and args.min_workers > args.max_workers:
+        parser.error(f"--min-workers {args.min_workers} is more than --max-workers {args.max_workers}")
+    body = cli_sizing.autoscale_body(args, args.policy, args.min_workers, args.max_workers)
+    client = connect(args.job, timeout_s=args.timeout, am=args.am)
+    reply = _call(client, args.job, lambda: client.request("autoscale", body))
+    print(f"job {args.job}: autoscale {json.dumps(reply.get('autoscale'))}")
     return 0
 
 
@@ -830,6 +883,8 @@ def format_status(status: Mapping[str, Any]) -> str:
     lines += [f"  {describe_failure(failure)}" for failure in failures]
     if status.get("scaling"):
         lines += format_summary(status["scaling"])
+    if status.get("sizing"):
+        lines += cli_sizing.format_sizing(status["sizing"])
     return "\n".join(lines)
 
 

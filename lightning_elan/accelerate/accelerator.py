@@ -278,6 +278,7 @@ class ElasticAccelerator(Accelerator):
         weight = self.sample_weight
         if weight != 1.0:
             loss = loss * weight
+        self.engine.backward_started()
         timer = self.elastic_scaling.policy.timer
         timer.before_backward(time.perf_counter())
         try:

@@ -21,6 +21,7 @@ from lightning_elan.protocol.contract import (
     RegisterRequest,
     WaitPlanReply,
     WorkerEnvironment,
+    WorkerStats,
 )
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,10 @@ QUIET_AFTER_FAILURE_S = 5.0
 """After the AM failed to answer a ``coordinate``, training goes on and asks again this much later."""
 WAIT_PLAN_POLL_S = 5.0
 """A joiner's long poll: the AM answers ``wait`` after this long when nothing was decided."""
+STATS_ATTEMPT_S = 1.0
+"""A member's compute stats are sent once; one the AM does not answer in time is dropped (the next one follows)."""
+MAX_QUEUED = 64
+"""Stats are not queued behind this many undelivered messages (an AM that does not answer)."""
 REPORT_ATTEMPT_S, REPORT_ATTEMPTS = 1.0, 30
 """A report is resent (same message id) for up to 30 s: long enough for ``elan run`` to restart a killed AM."""
 
@@ -41,7 +46,7 @@ class AMLink:
             raise ValueError("a standalone worker has no application master")
         self.environment = environment
         self._client = AMClient(environment.am_address, environment.job, timeout_s=timeout_s, retries=retries)
-        self._reports: queue.Queue[AdjustmentReport | None] = queue.Queue()
+        self._reports: queue.Queue[AdjustmentReport | WorkerStats | None] = queue.Queue()
         self._sender = threading.Thread(target=self._send_reports, name="elan-report-sender", daemon=True)
         self._sender.start()
         self._quiet_until = 0.0
@@ -105,6 +110,11 @@ class AMLink:
         else:
             self._reports.put(report)
 
+    def send_stats(self, stats: WorkerStats) -> None:
+        """Queue this member's compute time for the AM (sent once, off the training thread; a lost one is skipped)."""
+        if self._reports.qsize() < MAX_QUEUED:
+            self._reports.put(stats)
+
     def close(self) -> None:
         self._reports.put(None)
         self._sender.join(timeout=5.0)
@@ -114,9 +124,19 @@ class AMLink:
         client = AMClient(self.environment.am_address or "", self.environment.job)
         try:
             while (report := self._reports.get()) is not None:
-                self._send_now(client, report)
+                if isinstance(report, WorkerStats):
+                    self._send_stats(client, report)
+                else:
+                    self._send_now(client, report)
         finally:
             client.close()
+
+    @staticmethod
+    def _send_stats(client: AMClient, stats: WorkerStats) -> None:
+        try:
+            client.request(stats.TYPE, stats.to_body(), timeout_s=STATS_ATTEMPT_S, retries=0)
+        except (AMError, AMUnavailable) as error:
+            log.debug("compute stats not delivered (skipped): %s", error)
 
     @staticmethod
     def _send_now(client: AMClient, report: AdjustmentReport) -> None:

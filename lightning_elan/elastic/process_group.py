@@ -36,7 +36,7 @@ from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticProcessGroup", "install_default_group", "uninstall_default_group"]
+__all__ = ["ElasticProcessGroup", "blocked_seconds", "install_default_group", "uninstall_default_group"]
 
 BACKEND_NAME = "elan"
 """The name the group is registered under with ``torch.distributed.Backend``."""
@@ -125,7 +125,9 @@ class AbortableWork(dist.Work):
         self._settle(_Failed(error))
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        started = time.perf_counter()
         self._future.wait()
+        _note_blocked(time.perf_counter() - started)
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -133,6 +135,20 @@ class AbortableWork(dist.Work):
 
     def is_completed(self) -> bool:
         return self._future.done()
+
+
+_blocked_s = 0.0
+
+
+def _note_blocked(seconds: float) -> None:
+    global _blocked_s
+    _blocked_s += seconds
+
+
+def blocked_seconds() -> float:
+    """Seconds this process has spent so far in ``wait()`` of a collective (e.g. a metric synced in
+    ``training_step``): time a slower peer can add, subtracted from a member's compute time."""
+    return _blocked_s
 
 
 def _unwrap_result(source: torch.futures.Future) -> Any:

@@ -29,10 +29,16 @@ import torch.distributed as dist
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic.am_link import AMLink
+from lightning_elan.elastic.compute import ComputeMeter
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, UncertainCommit
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
-from lightning_elan.elastic.process_group import ElasticProcessGroup, install_default_group, uninstall_default_group
+from lightning_elan.elastic.process_group import (
+    ElasticProcessGroup,
+    blocked_seconds,
+    install_default_group,
+    uninstall_default_group,
+)
 from lightning_elan.elastic.rng import rng_state, set_rng_state
 from lightning_elan.elastic.scaling import ScalingLink
 from lightning_elan.elastic.termination import TerminationWatch, any_rank_leaving
@@ -44,6 +50,7 @@ from lightning_elan.protocol.contract import (
     AdjustmentReport,
     CoordinateRequest,
     WorkerEnvironment,
+    WorkerStats,
 )
 from lightning_elan.replication.exchange import OutgoingReplication, ReplicationContext, receive_replica, send_replica
 from lightning_elan.replication.iface import bind_transfer_interface, collective_address
@@ -140,6 +147,8 @@ class ElasticWorker:
         self._deferred = False
         self._keys_to_delete: str | None = None
         self._timeline = StepTimeline()
+        self._compute = ComputeMeter()
+        self._epoch_end: int | None = None  # the sampler's end of the current epoch (its length), for remaining_samples
         self._watch: FailureWatch | None = None
         self._vote: CommitVote | None = None
         self._vote_server: dist.TCPStore | None = None  # rank 0's fast store of its generation (etcd job store)
@@ -342,6 +351,7 @@ class ElasticWorker:
     def _generation_formed(self) -> None:
         """A generation was entered: watch it for failures and vote on its steps."""
         group = self._group()
+        self._compute.reset()
         if self._watch is not None:
             self._watch.watch(self.generation)
             store = self._vote_store()
@@ -399,7 +409,13 @@ class ElasticWorker:
         self._leave_in_vote = None
         if self._vote is not None and (opens_step or self._uncommitted is None):
             self._uncommitted = self.data.state_dict()
+        self._epoch_end = epoch_end
+        self._compute.batch_started(time.perf_counter(), blocked_seconds())
         return self.data.advance(epoch_end, self.world_size, self.rank)
+
+    def backward_started(self) -> None:
+        """The front-end starts the backward pass of the batch taken last: its forward pass was compute."""
+        self._compute.backward_started(time.perf_counter(), blocked_seconds())
 
     # ------------------------------------------------------------------ batch boundaries
 
@@ -414,6 +430,7 @@ class ElasticWorker:
             pause = self._timeline.step_ended()
             if pause is not None and self._pending_report is not None:
                 self._send_report(pause, step)
+            self._send_stats_if_due(step)
             if self.peer_failed:
                 raise PeerFailure(self.generation or 0)
             if self._link is not None:
@@ -423,6 +440,23 @@ class ElasticWorker:
                 raise  # the front-end's way out of its loop for a leaver
             self._confirm_peer_failure(error)
             self.recover(step)
+
+    def _send_stats_if_due(self, step: int) -> None:
+        """Every few seconds: this member's compute time per step to the AM (queued, sent off this thread)."""
+        self._compute.step_done(step)
+        measured = self._compute.take_due(time.monotonic())
+        if measured is None or self._link is None or self.generation is None or not self.is_member:
+            return
+        steps, compute_s = measured
+        self._link.send_stats(WorkerStats(self.worker_id, self.generation, step, steps, compute_s))
+
+    def remaining_samples(self) -> int | None:
+        """Samples left to train when the front-end knows its number of epochs (else None)."""
+        epochs = getattr(self._frontend, "max_epochs", None)
+        data, epoch_end = self.data, self._epoch_end
+        if not isinstance(epochs, int) or epochs < 0 or epoch_end is None or data.epoch is None:
+            return None
+        return max(0, (epochs - data.epoch - 1) * epoch_end + epoch_end - (data.position or 0))
 
     def _coordinate_if_due(self, step: int) -> None:
         if not (self._deferred or step % self.coordinate_every == 0 or self._leave_requested()):
@@ -471,6 +505,7 @@ class ElasticWorker:
         request = CoordinateRequest(
             self.worker_id, self.generation, step, epoch=self.data.epoch, position=self.data.position,
             global_batch=self.data.global_batch, scaling=self._scaling.summary_if_due(),
+            remaining_samples=self.remaining_samples(),
         )
         plan = self._require_link().coordinate(request).plan
         if plan is None:

@@ -13,6 +13,7 @@ with the same message id until the (possibly restarted) AM answers, so none appl
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -75,6 +76,7 @@ class LaunchConfig:
     min_workers: int | None = None  # below this many survivors the job waits for joiners
     join_timeout_s: float | None = None  # ... for at most this long, then fails
     standby: int = 0  # workers kept started and warmed up, taken first by an `add`
+    sizing: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # autoscale/stragglers requests
 
 
 @dataclass
@@ -142,6 +144,7 @@ class JobLauncher:
             self._start_services()
             members = self._start_job()
             self._submit_schedule()
+            self._submit_sizing()
             self._spawn_members(members)
             return self._supervise()
         except _Interrupted as exc:
@@ -250,6 +253,11 @@ class JobLauncher:
                 raise AMError(f"schedule item {format_schedule_item(item)!r} refused: {exc}", "scale") from exc
             new_workers = ", ".join(reply.get("new_workers") or []) or "none"
             log.info("scheduled %s as request %s (new workers: %s)", item, reply.get("request_id"), new_workers)
+
+    def _submit_sizing(self) -> None:
+        for msg_type, body in self.config.sizing:
+            self._request(msg_type, body)
+            log.info("job %s: %s %s", self.config.job, msg_type, json.dumps(body))
 
     def _status(self) -> dict[str, Any]:
         return self._request("status")

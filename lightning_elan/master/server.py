@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import threading
 import time
 from collections import OrderedDict
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 
 import zmq
 
-from lightning_elan.master import journal, registry
+from lightning_elan.master import journal, registry, sizing
 from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore, StoreConflict, StoreUnavailable
@@ -32,6 +33,7 @@ from lightning_elan.protocol.contract import (
     RegisterRequest,
     WaitPlanReply,
     WaitPlanRequest,
+    WorkerStats,
 )
 from lightning_elan.protocol.messages import (
     MAX_MESSAGE_BYTES,
@@ -49,6 +51,7 @@ STATE_FORMAT = 1
 POLL_INTERVAL_MS = 10
 _T = TypeVar("_T")
 HOUSEKEEPING_INTERVAL_S = 0.25  # the AM's own clock for a job of enrolled workers (no launcher polls it)
+SIZING_INTERVAL_S = 0.25  # how often the AM looks at the job for its profile, autoscaler and stragglers
 MAX_MESSAGES_PER_TICK = 256
 MAX_WAIT_S = 3600.0
 HARD_MESSAGE_LIMIT = 64 * MAX_MESSAGE_BYTES  # larger frames make ZeroMQ drop the connection (no reply)
@@ -233,7 +236,13 @@ class ApplicationMaster:
             "recover": lambda body: self._state.recover(RecoverRequest.from_body(body)),
             "leave": self._on_leave,
             "enrol": self._on_enrol,
+            "worker_stats": lambda body: self._state.worker_stats(WorkerStats.from_body(body)),
+            "profile": lambda body: sizing.start_profile(self._state, body, time.time()),
+            "autoscale": lambda body: sizing.set_autoscale(self._state, body, time.time()),
+            "stragglers": lambda body: sizing.set_stragglers(self._state, body, time.time()),
         }
+        self._next_sizing = 0.0
+        self._profile_written: float | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -352,6 +361,7 @@ class ApplicationMaster:
                 self._drain(socket)
             self._expire_parked()
             self._keep_house()
+            self._size_job()
 
     def _keep_house(self) -> None:
         """For a job of enrolled workers: start it, fail silent joiners, recover, finish (as a transaction)."""
@@ -366,6 +376,50 @@ class ApplicationMaster:
             self._fence(str(error))
             return
         self._wake_parked()
+
+    def _size_job(self) -> None:
+        """The job's profile, autoscaler and stragglers (``master/sizing.py``), as a transaction; growth of a job of
+        `elan worker`s runs the scale-out command."""
+        if time.monotonic() < self._next_sizing:
+            return
+        self._next_sizing = time.monotonic() + SIZING_INTERVAL_S
+        try:
+            ask_for = self._transaction(lambda: sizing.tick(self._state))
+        except (StateError, sizing.SizingError) as error:
+            logger.warning("job %r: sizing decision not carried out: %s", self.job, error)
+            return
+        except StoreUnavailable as error:
+            self._warnings.warn("AM of job %r: the store is unavailable, sizing deferred: %s", self.job, error)
+            return
+        except StoreConflict as error:
+            self._fence(str(error))
+            return
+        self._write_profile()
+        if ask_for:
+            self._scale_out(ask_for)
+
+    def _write_profile(self) -> None:
+        """A finished profile as ``STATE_DIR/profile.json``: a ``ThroughputModel`` for ``HybridScaling(profile=…)``."""
+        result = self._state.sizing.profile_result
+        if result is None or self.state_dir is None or result.get("finished_at") == self._profile_written:
+            return
+        self._profile_written = result.get("finished_at")
+        model = sizing.throughput_model(result)
+        if model is not None:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            (self.state_dir / sizing.PROFILE_FILE).write_text(json.dumps(model, indent=1))
+            logger.info("job %r: profile written to %s", self.job, self.state_dir / sizing.PROFILE_FILE)
+
+    def _scale_out(self, count: int) -> None:
+        """Ask the cluster for ``count`` workers with the user's command (each joins by itself with `elan worker`)."""
+        command = self._state.sizing.scale_out_command
+        if not command:
+            return
+        env = {**os.environ, "ELAN_JOB": self.job, "ELAN_SCALE_OUT_COUNT": str(count),
+               "ELAN_AM_ADDRESS": self._address or ""}
+        for _ in range(count):
+            logger.info("job %r: asking for a worker: %s", self.job, command)
+            subprocess.Popen(command, shell=True, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
 
     def _drain(self, socket: zmq.Socket) -> None:
         for _ in range(MAX_MESSAGES_PER_TICK):
@@ -418,7 +472,7 @@ class ApplicationMaster:
             return error_reply(error.msg_id, _clipped(str(error)))
         try:
             return self._handle(request, envelope)
-        except StateError as error:
+        except (StateError, sizing.SizingError) as error:
             logger.debug("AM of job %r refused %s %s: %s", self.job, request.type, request.id, error)
             return error_reply(request.id, str(error))
 
@@ -676,6 +730,7 @@ def _peek_id(payload: bytes | None) -> str | None:
 
 
 def _durable(state: dict[str, Any]) -> dict[str, Any]:
-    """The state that must survive an AM restart: training progress (step, position) is refreshed by every
-    ``coordinate`` and is only informational, so it alone never costs an fsync on rank 0's hot path."""
-    return {key: value for key, value in state.items() if key != "progress"}
+    """The state that must survive an AM restart: training progress (step, position) and the measurements
+    (throughput, compute times) are refreshed by every ``coordinate`` and ``worker_stats`` and are only informational,
+    so they alone never cost an fsync on rank 0's hot path."""
+    return {key: value for key, value in state.items() if key not in ("progress", "measured")}

@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_elan.master.enrolment import Enrollee, Enrolment
+from lightning_elan.master.measure import Measurements
 from lightning_elan.master.recovery import CheckIn, Recovery, recovery_plan
+from lightning_elan.master.sizing import SizingState
 from lightning_elan.master.standby import STANDBY_REQUEST, StandbyPool
 from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
@@ -37,6 +39,7 @@ from lightning_elan.protocol.contract import (
     RegisterRequest,
     Transfer,
     WaitPlanReply,
+    WorkerStats,
 )
 from lightning_elan.replication.sources import plan_replication
 from lightning_elan.replication.topology import WorkerTopology
@@ -127,6 +130,7 @@ class ScaleRequest:
     requested_at: float = 0.0
     all_reported_at: float | None = None  # when the last new worker registered
     workers: list[str] | None = None  # remove exactly these workers (a ``leave`` request)
+    cause: dict[str, Any] | None = None  # the AM's own decision behind it (autoscaler, profile, straggler), if any
 
     @property
     def size_change(self) -> int:
@@ -151,6 +155,7 @@ class Adjustment:
     committed_at: float | None = None
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
     failure: dict[str, Any] | None = None  # a recovery plan's: who died, when it was detected, the step redone
+    cause: dict[str, Any] | None = None  # the AM's own decision that requested it (``ScaleRequest.cause``)
 
     def all_members_reported(self) -> bool:
         return self.committed_at is not None and all(worker in self.reports for worker in self.plan.members)
@@ -183,6 +188,7 @@ class Adjustment:
             },
             **self._scaling_outcome(),
             **({"failure": self.failure} if self.failure else {}),
+            **({"cause": self.cause} if self.cause else {}),
         }
 
     def _scaling_outcome(self) -> dict[str, Any]:
@@ -224,6 +230,7 @@ class Progress:
     updated_at: float | None = None
     scaling: dict[str, Any] | None = None  # rank 0's last scaling summary (HybridScaling), for status
     generation: int | None = None  # the generation of the coordinate that set ``step``
+    remaining_samples: int | None = None  # samples left to train, when rank 0's loop knows its length
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # worker → {step, source, at}
 
     def is_stale(self, generation: int, step: int) -> bool:
@@ -281,6 +288,8 @@ class JobState:
     trained_out: list[str] = field(default_factory=list)  # members that exited 0 (fit returned), this generation
     enrolment: Enrolment | None = None  # workers come from a scheduler (`elan worker`), not from `elan run`
     standby: StandbyPool = field(default_factory=StandbyPool)  # warmed-up joiners no request has taken yet
+    sizing: SizingState = field(default_factory=SizingState)  # profile, autoscaler, stragglers (master/sizing.py)
+    measured: Measurements = field(default_factory=Measurements)  # throughput and compute (informational)
 
     # ---- serialisation -------------------------------------------------------------------------------------------
 
@@ -315,6 +324,8 @@ class JobState:
             "trained_out": list(self.trained_out),
             "enrolment": self.enrolment.to_dict() if self.enrolment else None,
             "standby": self.standby.to_dict(),
+            "sizing": self.sizing.to_dict(),
+            "measured": self.measured.to_dict(),
         }
 
     @classmethod
@@ -349,6 +360,8 @@ class JobState:
             trained_out=list(data.get("trained_out", [])),
             enrolment=Enrolment.from_dict(data["enrolment"]) if data.get("enrolment") else None,
             standby=StandbyPool.from_dict(data.get("standby")),
+            sizing=SizingState.from_dict(data.get("sizing")),
+            measured=Measurements.from_dict(data.get("measured")),
         )
 
     # ---- queries -------------------------------------------------------------------------------------------------
@@ -390,6 +403,7 @@ class JobState:
             "recovery": self._recovery_summary(),
             "enrolment": self._enrolment_summary(),
             "standby": self._standby_summary(),
+            "sizing": {**self.sizing.summary(), "measured": self.measured.summary()},
             "finished": self.finished,
             "failed_reason": self.failed_reason,
         }
@@ -481,8 +495,10 @@ class JobState:
         size: int | None = None,
         at_step: int | None = None,
         now: float | None = None,
+        cause: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Queue a scale request and create its new workers; returns ``{request_id, new_workers}``."""
+        """Queue a scale request and create its new workers; returns ``{request_id, new_workers}``. ``cause``: the AM's
+        own decision behind it (recorded with the adjustment)."""
         self._require_running()
         if self.in_flight is not None:
             raise StateError(
@@ -491,6 +507,7 @@ class JobState:
         if self.recovery is not None:
             raise StateError(f"recovering from the death of {', '.join(self.recovery.dead)}; retry")
         request = self._resolve_request(action, count, ranks, size, at_step)
+        request.cause = cause
         if request.add_count and self.enrolment is not None:
             raise StateError(f"the workers of job {self.job} are started by their scheduler: to add one, start another "
                              f"`elan worker --job {self.job}` (it joins by itself); `{action}` cannot start it")
@@ -727,7 +744,16 @@ class JobState:
         progress.step, progress.epoch, progress.position = request.step, request.epoch, request.position
         progress.global_batch, progress.updated_at, progress.generation = request.global_batch, now, request.generation
         progress.scaling = request.scaling or progress.scaling
+        progress.remaining_samples = request.remaining_samples
         progress.note_step(request.worker_id, request.step, STEP_FROM_COORDINATE, now)
+        self.measured.observe_coordinate(request.generation, self.world_size, request.step, request.global_batch, now)
+
+    def worker_stats(self, stats: WorkerStats) -> dict[str, Any]:
+        """A member's compute time per step (informational: feeds the straggler detector); answers the stragglers."""
+        if stats.generation != self.generation or self.member(stats.worker_id) is None:
+            return {"stragglers": [], "ignored": True}
+        return {"stragglers": self.measured.observe_compute(stats.worker_id, stats.generation, stats.compute_s,
+                                                            self.member_ids)}
 
     def report(self, report: AdjustmentReport, now: float | None = None) -> dict[str, Any] | None:
         """Record a worker's report after an adjustment; returns the adjustment record once all members reported.
@@ -1061,7 +1087,8 @@ class JobState:
                 self._fail_request(head, str(error))
                 continue
             self.pending.pop(0)
-            self.in_flight = Adjustment(plan, head.requested_at, head.all_reported_at, decided_at=_now(now))
+            self.in_flight = Adjustment(plan, head.requested_at, head.all_reported_at, decided_at=_now(now),
+                                        cause=head.cause)
             return plan
         return None
 
@@ -1237,7 +1264,8 @@ class JobState:
 
     # ---- leave: a worker asks to be removed (it received SIGTERM) ------------------------------------------------
 
-    def request_leave(self, worker_id: str, now: float | None = None) -> dict[str, Any]:
+    def request_leave(self, worker_id: str, now: float | None = None,
+                      cause: dict[str, Any] | None = None) -> dict[str, Any]:
         """``worker_id`` asks to leave the job (a preemption notice, a pod being stopped); returns ``{outcome,
         request_id}`` (``LeaveReply``).
 
@@ -1278,7 +1306,8 @@ class JobState:
         if head is not None and head.action == LEAVE and head.workers is not None:
             head.workers.append(worker_id)
             return {"outcome": LEAVE_QUEUED, "request_id": head.request_id}
-        request = ScaleRequest(f"r{self.next_request}", LEAVE, workers=[worker_id], requested_at=_now(now))
+        request = ScaleRequest(f"r{self.next_request}", LEAVE, workers=[worker_id], requested_at=_now(now),
+                               cause=cause)
         request.all_reported_at = request.requested_at
         self.next_request += 1
         self.pending.insert(0, request)

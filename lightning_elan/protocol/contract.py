@@ -363,6 +363,7 @@ class CoordinateRequest:
         "position": Field(_INT),
         "global_batch": Field(_INT),
         "scaling": Field((dict,), schema=SCALING_SUMMARY),
+        "remaining_samples": Field(_INT),
     }
 
     worker_id: str
@@ -372,6 +373,7 @@ class CoordinateRequest:
     position: int | None = None
     global_batch: int | None = None
     scaling: dict[str, Any] | None = None  # SCALING_SUMMARY
+    remaining_samples: int | None = None  # samples left to train (None: the loop's length is unknown)
 
     def to_body(self) -> dict[str, Any]:
         return _wire(self)
@@ -432,6 +434,39 @@ class RecoverRequest:
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> RecoverRequest:
         return _from_wire(cls, body, cls.TYPE)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """``worker_stats``: a member's mean compute time per optimizer step over its last ``steps`` steps, sent now and
+    then off the training thread (straggler detection, ``elan profile``). Compute is the time no peer can delay: the
+    forward passes of the step's batches (DDP's backward holds the all-reduce and the wait for slower ranks)."""
+
+    TYPE: ClassVar[str] = "worker_stats"
+    SCHEMA: ClassVar[dict[str, Field]] = {
+        "worker_id": Field(_STR, required=True),
+        "generation": Field(_INT, required=True),
+        "step": Field(_INT, required=True),
+        "steps": Field(_INT, required=True),
+        "compute_s": Field(_NUMBER, required=True),
+    }
+
+    worker_id: str
+    generation: int
+    step: int
+    steps: int
+    compute_s: float
+
+    def to_body(self) -> dict[str, Any]:
+        return _wire(self)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> WorkerStats:
+        stats = _from_wire(cls, body, cls.TYPE)
+        if stats.steps < 1 or not 0 <= stats.compute_s < 1e6:
+            raise ProtocolError(f"worker_stats: steps must be >= 1 and compute_s in [0, 1e6) s, got {stats.steps} "
+                                f"and {stats.compute_s}")
+        return stats
 
 
 REPORT_ROLES = ("stayer", "joiner", "leaver")
@@ -620,6 +655,7 @@ class LeaveReply:
 
 TYPED_REQUESTS: tuple[type, ...] = (
     RegisterRequest, CoordinateRequest, WaitPlanRequest, AdjustmentReport, RecoverRequest, LeaveRequest, EnrolRequest,
+    WorkerStats,
 )
 """The requests with a dataclass: their ``SCHEMA`` is the one ``BODY_SCHEMAS`` holds for their ``TYPE``."""
 
@@ -645,15 +681,39 @@ BODY_SCHEMAS: dict[str, dict[str, Field]] = {
     "launcher_poll": {},
     "worker_exit": {"worker_id": Field(_STR, required=True), "returncode": Field(_INT, required=True)},
     "shutdown": {"reason": Field(_STR)},
+    "profile": {
+        "min": Field(_INT, required=True),
+        "max": Field(_INT, required=True),
+        "steps": Field(_INT),
+        "settle": Field(_STR),
+    },
+    "autoscale": {
+        "policy": Field(_STR, required=True),
+        "every": Field(_INT),
+        "step": Field(_INT),
+        "threshold": Field(_NUMBER),
+        "min_workers": Field(_INT),
+        "max_workers": Field(_INT),
+        "cooldown_s": Field(_NUMBER),
+        "price": Field(_NUMBER),
+        "utility": Field((dict,)),
+        "scale_out_command": Field(_STR),
+    },
+    "stragglers": {
+        "mode": Field(_STR, required=True),
+        "threshold": Field(_NUMBER),
+        "window": Field(_INT),
+        "alpha": Field(_NUMBER),
+    },
     **{message.TYPE: message.SCHEMA for message in TYPED_REQUESTS},  # type: ignore[attr-defined]
 }
 
 # Requests that change the AM's state: their successful replies are cached (and persisted) by request id.
 MUTATING_TYPES = frozenset(
     {"start_job", "scale", "launcher_poll", "worker_exit", "shutdown", "register", "coordinate", "report", "recover",
-     "leave", "enrol"}
+     "leave", "enrol", "profile", "autoscale", "stragglers"}
 )
-READ_ONLY_TYPES = frozenset({"status", "wait_plan"})
+READ_ONLY_TYPES = frozenset({"status", "wait_plan", "worker_stats"})  # worker_stats: informational, never cached
 MESSAGE_TYPES = MUTATING_TYPES | READ_ONLY_TYPES
 
 

@@ -215,6 +215,13 @@ class ElanStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ FrontEnd: what the engine asks of Lightning
 
+    @property
+    def max_epochs(self) -> int | None:
+        """The trainer's ``max_epochs`` (the engine's estimate of the samples left, for the utility autoscaler)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        epochs = getattr(trainer, "max_epochs", None)
+        return epochs if isinstance(epochs, int) and epochs >= 0 else None
+
     def training_state(self) -> dict[str, Any]:
         trainer = self.lightning_module.trainer
         return {"checkpoint": compat.dump_training_state(trainer), "logger_versions": compat.logger_versions(trainer)}
@@ -315,6 +322,7 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        self.engine.backward_started()
         weight = self.sample_weight
         if weight != 1.0:
             closure_loss = closure_loss * weight

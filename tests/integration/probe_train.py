@@ -47,6 +47,9 @@ class ProbeModel(pl.LightningModule):
     def __init__(self, config: ProbeConfig) -> None:
         super().__init__()
         self.step_sleep = config.step_sleep
+        slow = config.slow_worker.split(":") if config.slow_worker else None
+        self.slow_worker = (slow[0], float(slow[1])) if slow else None
+        self.sleep_model = tuple(float(x) for x in config.sleep_model.split(",")) if config.sleep_model else None
         worker = os.environ.get("ELAN_WORKER_ID", "w0")
         self.progress = config.out / f"progress-{worker}.json" if config.progress else None
         self.wait_for_joiners = config.wait_for_joiners
@@ -66,10 +69,20 @@ class ProbeModel(pl.LightningModule):
         self.steps: list[list] = []  # [global_step, epoch, world_size, global_batch, lr used by the optimizer]
         self.validations: list[list[int]] = []  # [epoch, global_step] of every validation run (not sanity checks)
 
+    def sleep_seconds(self) -> float:
+        """This step's sleep: ``--step-sleep``, plus the slow worker's extra, plus ``C/world + B*world``."""
+        seconds = self.step_sleep
+        if self.slow_worker is not None and self.slow_worker[0] == self.worker:
+            seconds += self.slow_worker[1]
+        if self.sleep_model is not None:
+            world = self.trainer.world_size
+            seconds += self.sleep_model[0] / world + self.sleep_model[1] * world
+        return seconds
+
     def training_step(self, batch, batch_idx):
         index, x, y = batch
-        if self.step_sleep:
-            time.sleep(self.step_sleep)
+        if self.step_sleep or self.slow_worker or self.sleep_model:
+            time.sleep(self.sleep_seconds())
         if getattr(self.trainer.strategy, "sample_weight", 1.0) > 0:
             self.consumed.setdefault(self.current_epoch, []).extend(index.tolist())
         self.current_indices = index.tolist() if getattr(self.trainer.strategy, "sample_weight", 1.0) > 0 else []
@@ -208,6 +221,8 @@ class ProbeConfig:
     backend: str | None = None  # process group backend of the elan strategy (e.g. gloo)
     full_lightning: bool = False  # CSV logger, ModelCheckpoint, progress bar
     step_sleep: float = 0.0  # seconds to sleep per step (slows a job down; no effect on the numbers)
+    slow_worker: str | None = None  # WORKER:SECONDS: that worker sleeps this much more per step (a straggler)
+    sleep_model: str | None = None  # C,B: every worker sleeps C/world_size + B*world_size more per step
     progress: bool = False  # each worker keeps OUT/progress-<worker>.json: its last completed step and its pid
     scaling: str | None = None  # add HybridScaling with this policy: strong, weak or hybrid
     ramp_steps: int = 4  # ProgressiveLinearLR ramp (with scaling)

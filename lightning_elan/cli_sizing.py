@@ -1,0 +1,204 @@
+"""``elan profile``, ``elan autoscale`` and the sizing options of ``elan run``/``elan am`` (``master/sizing.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_elan.master.sizing import AUTOSCALE_POLICIES, SETTLE_MODES, STRAGGLER_MODES
+from lightning_elan.protocol.contract import MAX_WORLD_SIZE
+
+PROFILE_POLL_S = 1.0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if not 1 <= value <= MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(f"expected an integer in 1..{MAX_WORLD_SIZE}, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def _utility_file(text: str) -> dict[str, Any]:
+    """A utility function file (JSON, or YAML when PyYAML is installed), checked now."""
+    from lightning_elan.scaling.autoscale import UtilityFunction
+
+    try:
+        return UtilityFunction.from_file(text).to_dict()
+    except (OSError, ValueError) as error:
+        raise argparse.ArgumentTypeError(f"utility function {text!r}: {error}") from None
+
+
+def add_profile(sub: Any, add_am_option: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    profile = sub.add_parser(
+        "profile", help="measure a running job's throughput at each world size (EDL's profile)",
+        description="Scale the running job through every world size in MIN..MAX, one worker at a time, measure "
+                    "samples/s at each, then return it to its size (or settle on the best). No restart; every sample "
+                    "still once per epoch. The result is in `elan status` and STATE_DIR/profile.json.",
+    )
+    profile.add_argument("--job", required=True, metavar="NAME")
+    add_am_option(profile)
+    profile.add_argument("--min", type=_positive_int, required=True, metavar="N", dest="min_size")
+    profile.add_argument("--max", type=_positive_int, required=True, metavar="M", dest="max_size")
+    profile.add_argument("--steps", type=_positive_int, default=20, metavar="S",
+                         help="steps measured at each size (default %(default)s)")
+    profile.add_argument("--settle", choices=SETTLE_MODES, default="return",
+                         help="after the profile: back to the job's size, or the best measured (default %(default)s)")
+    profile.add_argument("--no-wait", action="store_true", help="return once the profile has started")
+    profile.add_argument("--wait-timeout", type=_non_negative, default=3600.0, metavar="SECONDS",
+                         help="give up waiting for the result after this long (default %(default)g)")
+    profile.add_argument("--timeout", type=_non_negative, default=10.0, metavar="SECONDS",
+                         help="one request to the AM (default %(default)g)")
+    return profile
+
+
+def add_autoscale(sub: Any, add_am_option: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    autoscale = sub.add_parser(
+        "autoscale", help="let a running job size itself (Or et al.'s throughput or utility policy)",
+        description="Switch a running job's autoscaler on (or off).",
+    )
+    autoscale.add_argument("--job", required=True, metavar="NAME")
+    add_am_option(autoscale)
+    autoscale.add_argument("--policy", choices=AUTOSCALE_POLICIES, required=True)
+    autoscale.add_argument("--min-workers", type=_positive_int, default=None, metavar="N", help="default 1")
+    autoscale.add_argument("--max-workers", type=_positive_int, default=None, metavar="M", help="default: none")
+    _add_policy_options(autoscale, prefix="")
+    autoscale.add_argument("--timeout", type=_non_negative, default=10.0, metavar="SECONDS")
+    return autoscale
+
+
+def _add_policy_options(parser: argparse.ArgumentParser | Any, prefix: str) -> None:
+    parser.add_argument(f"--{prefix}every", type=_positive_int, default=None, metavar="N", dest="autoscale_every",
+                        help="decide every N measured steps at a size (default 20)")
+    parser.add_argument(f"--{prefix}step", type=_positive_int, default=None, metavar="K", dest="autoscale_step",
+                        help="workers added per decision (default 1)")
+    parser.add_argument(f"--{prefix}threshold", type=_fraction, default=None, metavar="S",
+                        dest="autoscale_threshold", help="throughput policy: least scaling efficiency (default 0.1)")
+    parser.add_argument(f"--{prefix}cooldown", type=_non_negative, default=None, metavar="SECONDS",
+                        dest="autoscale_cooldown", help="least time between two decisions (default 0)")
+    parser.add_argument("--price", type=_non_negative, default=None, metavar="P",
+                        help="utility policy: the price of one worker-second")
+    parser.add_argument("--utility", type=_utility_file, default=None, metavar="FILE",
+                        help="utility policy: the utility of the completion time (JSON or YAML, docs/autoscaling.md)")
+    parser.add_argument("--scale-out-command", default=None, metavar="CMD",
+                        help="how the AM asks the cluster for one more `elan worker` (a shell command, run once per "
+                             "worker; e.g. 'sbatch worker.sh'); needed to grow a job of `elan worker`s")
+
+
+def add_sizing_options(parser: argparse.ArgumentParser) -> None:
+    """``--autoscale``/``--stragglers`` and their settings, on ``elan run`` and ``elan am``."""
+    group = parser.add_argument_group("sizing (docs/autoscaling.md)")
+    group.add_argument("--autoscale", choices=AUTOSCALE_POLICIES[:-1], default=None, metavar="POLICY",
+                       help="size the job automatically: throughput or utility")
+    group.add_argument("--autoscale-min", type=_positive_int, default=None, metavar="N")
+    group.add_argument("--autoscale-max", type=_positive_int, default=None, metavar="M")
+    _add_policy_options(group, prefix="autoscale-")
+    group.add_argument("--stragglers", choices=STRAGGLER_MODES, default=None,
+                       help="replace or remove a worker much slower than the others (default off: report only)")
+    group.add_argument("--straggler-threshold", type=_fraction, default=None, metavar="F",
+                       help="a worker below F of the median compute throughput (EWMA) is slow (default 0.8)")
+    group.add_argument("--straggler-window", type=_positive_int, default=None, metavar="N",
+                       help="... for N straggler rounds in a row (about 2 s each) (default 5)")
+
+
+def sizing_requests(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[tuple[str, dict[str, Any]]]:
+    """The ``autoscale``/``stragglers`` requests the options of ``elan run``/``elan am`` ask for."""
+    requests = []
+    stragglers = {"mode": args.stragglers or "off", "threshold": args.straggler_threshold,
+                  "window": args.straggler_window}
+    if args.stragglers or args.straggler_threshold is not None or args.straggler_window is not None:
+        requests.append(("stragglers", _without_none(stragglers)))
+    if args.autoscale:
+        requests.append(("autoscale", autoscale_body(args, args.autoscale, args.autoscale_min, args.autoscale_max)))
+    elif any(getattr(args, name) is not None for name in ("autoscale_min", "autoscale_max", "autoscale_every",
+                                                          "autoscale_step", "autoscale_threshold", "price", "utility")):
+        parser.error("the autoscaler's settings need --autoscale POLICY")
+    elif args.scale_out_command:
+        requests.append(("autoscale", {"policy": "off", "scale_out_command": args.scale_out_command}))
+    return requests
+
+
+def autoscale_body(args: argparse.Namespace, policy: str, low: int | None, high: int | None) -> dict[str, Any]:
+    return _without_none({
+        "policy": policy, "every": args.autoscale_every, "step": args.autoscale_step,
+        "threshold": args.autoscale_threshold, "min_workers": low, "max_workers": high,
+        "cooldown_s": args.autoscale_cooldown, "price": args.price, "utility": args.utility,
+        "scale_out_command": args.scale_out_command,
+    })
+
+
+def _without_none(body: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in body.items() if value is not None}
+
+
+def wait_for_profile(status: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+    """Poll the job's status until its profile has finished; returns the result (TimeoutError after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sizing = status().get("sizing") or {}
+        if sizing.get("profile") is None and sizing.get("profile_result"):
+            return sizing["profile_result"]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the profile did not finish within {timeout_s:g} s (it goes on; see `elan status`)")
+        time.sleep(PROFILE_POLL_S)
+
+
+def format_profile(result: Mapping[str, Any], state_dir: Path | None = None) -> str:
+    lines = [f"profile: {'WORKERS':>7}  SAMPLES/S"]
+    best = result.get("best")
+    for size, rate in sorted((int(k), v) for k, v in (result.get("rates") or {}).items()):
+        lines.append(f"         {size:>7}  {rate:9.1f}{'  (best)' if size == best else ''}")
+    if result.get("seconds") is not None:
+        lines.append(f"profiled in {float(result['seconds']):.1f} s")
+    if state_dir is not None:
+        lines.append(f"throughput model: {state_dir / 'profile.json'} (HybridScaling(profile=...))")
+    return "\n".join(lines)
+
+
+def format_sizing(sizing: Mapping[str, Any]) -> list[str]:
+    """``elan status`` lines: measured throughput, stragglers, profile and autoscaler state, recent decisions."""
+    measured = sizing.get("measured") or {}
+    lines = []
+    rates = measured.get("samples_per_s") or {}
+    if rates:
+        lines.append("throughput: " + ", ".join(f"{size} workers {rate:.1f}/s" for size, rate in rates.items()))
+    scores = measured.get("straggler_scores") or {}
+    if scores:
+        flagged = measured.get("stragglers") or []
+        lines.append(f"compute (EWMA of throughput / median, stragglers {sizing.get('stragglers', {}).get('mode')}): "
+                     + ", ".join(f"{w} {s:.2f}{' SLOW' if w in flagged else ''}" for w, s in scores.items()))
+    if sizing.get("profile"):
+        lines.append(f"profile running: measured {json.dumps(sizing['profile'].get('measured'))}")
+    if sizing.get("profile_result"):
+        lines.append(f"last profile: {json.dumps(sizing['profile_result'].get('rates'))}")
+    if sizing.get("autoscale"):
+        lines.append(f"autoscale: {sizing['autoscale'].get('policy')} {json.dumps(sizing['autoscale'].get('config'))}")
+    for decision in sizing.get("decisions") or []:
+        lines.append(f"  {decision.get('kind')}: {decision.get('decision')}: {decision.get('reason')}")
+    return lines
