@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from lightning_elan.sim.cluster import parse_cluster
@@ -24,8 +26,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     cost_models = [name.strip() for name in args.adjust_cost.split(",") if name.strip()]
     if not cost_models:
         raise SimulationError("--adjust-cost needs at least one cost model")
-    if not 0 < args.min_res_factor <= 1 <= args.max_res_factor:
+    if not 0 < args.min_res_factor <= 1 <= args.max_res_factor < math.inf:
         raise SimulationError("need 0 < --min-res-factor <= 1 <= --max-res-factor")
+    if not 0 <= args.dp_interval < math.inf:
+        raise SimulationError(f"--dp-interval must be 0 (every event) or a positive number of seconds, not "
+                              f"{args.dp_interval}")
+    if args.out is not None:
+        _make_out_dir(args.out)  # before the simulation: a long run should not fail at its very end
     bounds = ElasticBounds(args.min_res_factor, args.max_res_factor)
     jobs = load_jobs(args.trace, cluster, args.seed, bounds, args.profiles)
     runs = run_policies(jobs, cluster.total_gpus, policies, cost_models, args.dp_interval)
@@ -36,7 +43,19 @@ def run_simulate(args: argparse.Namespace) -> int:
     }
     sys.stdout.write(markdown_table([run.metrics for run in runs]) + "\n")
     if args.out is not None:
-        written = write_reports(args.out, setup, [run.metrics for run in runs], [run.result for run in runs],
-                                png=not args.no_png)
+        try:
+            written = write_reports(args.out, setup, [run.metrics for run in runs], [run.result for run in runs],
+                                    png=not args.no_png)
+        except OSError as error:
+            raise SimulationError(f"--out {args.out}: cannot write the reports ({error})") from None
         sys.stdout.write("wrote " + ", ".join(str(path) for path in written) + "\n")
     return 0
+
+
+def _make_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise SimulationError(f"--out {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SimulationError(f"--out {out}: cannot create the directory ({error.strerror or error})") from None

@@ -92,6 +92,8 @@ class SimulationResult:
 
 def simulate(jobs: Sequence[JobSpec], total_gpus: int, policy: Policy, costs: CostModel) -> SimulationResult:
     """Run ``jobs`` on ``total_gpus`` GPUs under ``policy``; raises :class:`SimulationError` on a broken invariant."""
+    if not jobs:
+        raise SimulationError("no jobs to simulate")
     run = _Run(jobs, total_gpus, policy, costs)
     run.loop()
     result = SimulationResult(policy.name, costs.name, total_gpus, run.states, run.timeline)

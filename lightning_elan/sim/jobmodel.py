@@ -170,6 +170,8 @@ def hybrid_batch(spec: BatchSpec, gpus: int) -> int | None:
 def load_profiles(path: str | Path) -> dict[str, ModelProfile]:
     """A profile JSON: ``{"model": {"parameters": N, "per_sample_s": s, "per_iteration_s": s?}, …}``."""
     path = Path(path)
+    if not path.is_file():
+        raise SimulationError(f"profile file not found: {path}")
     try:
         raw = json.loads(path.read_text())
         return {

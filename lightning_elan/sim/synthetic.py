@@ -63,6 +63,9 @@ def saxena_workload(
     unknown = [number for number in categories if number not in CATEGORIES]
     if unknown or not categories:
         raise SimulationError(f"unknown job categories {unknown} (1–4)")
+    if not 0 < arrivals.minutes < math.inf or not 0 < arrivals.period_min < math.inf:
+        raise SimulationError(f"the workload's duration and period must be positive minutes, not "
+                              f"{arrivals.minutes} and {arrivals.period_min}")
     rng = random.Random(seed)
     base_rate_per_s = 1.0 / (60.0 * sum(CATEGORIES[n].length_min for n in categories) / len(categories))
     jobs: list[JobSpec] = []
@@ -70,8 +73,16 @@ def saxena_workload(
     while True:
         now += rng.expovariate(_rate_at(now, arrivals, base_rate_per_s, gpus, kmax))
         if now >= arrivals.minutes * 60.0:
-            return jobs
+            break
         jobs.append(_job(len(jobs), now, CATEGORIES[rng.choice(categories)], rng, kmax))
+    if not jobs:
+        raise SimulationError(f"no job arrived in {arrivals.minutes:g} minutes ({arrivals.pattern} arrivals, "
+                              f"seed {seed})")
+    largest = max(jobs, key=lambda job: job.num_gpu)
+    if largest.num_gpu > gpus:
+        raise SimulationError(f"job {largest.job_id} ({largest.label}) asks for {largest.num_gpu} GPUs; the cluster "
+                              f"has {gpus} (Saxena's jobs ask for up to kmax = {kmax})")
+    return jobs
 
 
 def _rate_at(now: float, arrivals: ArrivalPattern, base: float, gpus: int, kmax: int) -> float:

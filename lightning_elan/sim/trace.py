@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +34,7 @@ def read_tiresias_trace(path: str | Path) -> list[TraceJob]:
     path = Path(path)
     if not path.is_file():
         raise SimulationError(f"trace file not found: {path}")
-    with path.open(newline="") as stream:
-        rows = list(csv.reader(stream))
+    rows = read_csv_rows(path, "trace")
     if not rows or tuple(cell.strip() for cell in rows[0]) != TRACE_FIELDS:
         raise SimulationError(f"{path}:1: header must be {','.join(TRACE_FIELDS)}")
     jobs = [_parse_row(path, number, row) for number, row in enumerate(rows[1:], start=2) if any(row)]
@@ -58,6 +58,19 @@ def _parse_row(path: Path, number: int, row: list[str]) -> TraceJob:
         )
     except ValueError as error:
         raise SimulationError(f"{path}:{number}: malformed line {','.join(cells)!r}: {error}") from None
+    if not all(math.isfinite(value) for value in (job.submit_time, job.duration, job.interval)):
+        raise SimulationError(f"{path}:{number}: submit_time, duration and interval must be finite numbers")
     if job.num_gpu < 1 or job.submit_time < 0 or job.duration <= 0 or not job.model_name:
         raise SimulationError(f"{path}:{number}: need num_gpu >= 1, submit_time >= 0, duration > 0 and a model name")
     return job
+
+
+def read_csv_rows(path: Path, what: str) -> list[list[str]]:
+    """The rows of a CSV file; :class:`SimulationError` when it cannot be read as text (binary, unreadable)."""
+    try:
+        with path.open(newline="", encoding="utf-8") as stream:
+            return list(csv.reader(stream))
+    except UnicodeDecodeError:
+        raise SimulationError(f"{path}: not a {what} CSV (not UTF-8 text)") from None
+    except (OSError, csv.Error) as error:
+        raise SimulationError(f"{path}: cannot read the {what} ({error})") from None
