@@ -290,3 +290,11 @@ def check_conservation(result: SimulationResult) -> None:
     times = [time for time, _ in result.timeline]
     if times != sorted(times) or any(not 0 <= busy <= result.total_gpus for _, busy in result.timeline):
         raise SimulationError(f"{result.policy}: utilisation timeline out of order or over capacity")
+    # GPU·seconds: what the jobs held (accrued per job) equals what the cluster handed out (the timeline), so no
+    # GPU·second was counted for two jobs or for none
+    held = sum(job.attained_gpu_s for job in result.jobs)
+    end = max(job.finish for job in result.jobs)  # type: ignore[type-var]
+    allocated = sum(busy * (min(later, end) - time) for (time, busy), (later, _) in
+                    zip(result.timeline, [*result.timeline[1:], (end, 0)], strict=True) if later > time)
+    if abs(held - allocated) > 1e-9 * max(1.0, allocated):
+        raise SimulationError(f"{result.policy}: jobs held {held} GPU·s but the cluster allocated {allocated}")

@@ -14,6 +14,7 @@ global batch ``b`` on ``k`` GPUs comes from one of three rules:
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass, field
@@ -49,15 +50,35 @@ class CommModel:
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """t_proc(b) = per_iteration_s + per_sample_s · b on one GPU, and the model's size for t_comm."""
+    """t_proc(b) = per_iteration_s + per_sample_s · b on one GPU, and the model's size for t_comm and the pauses.
+
+    With ``rates`` (measured samples/s per GPU count, e.g. the ``rates`` of an ``elan profile`` result) the
+    throughput comes from that table instead of the t_iter curve: :meth:`measured_rate`.
+    """
 
     name: str
     parameters: int
     per_sample_s: float
     per_iteration_s: float = DEFAULT_PER_ITERATION_S
+    rates: tuple[tuple[int, float], ...] = ()  # (GPUs, samples/s), ascending GPUs
 
     def proc_s(self, per_gpu_batch: int) -> float:
         return self.per_iteration_s + self.per_sample_s * per_gpu_batch
+
+    def measured_rate(self, gpus: int) -> float:
+        """Samples/s on ``gpus`` GPUs from ``rates``: exact where measured, linear between measured counts, flat
+        beyond the largest (no speed-up is assumed that was not measured), and the smallest count's rate per GPU
+        below it."""
+        counts = [count for count, _ in self.rates]
+        index = bisect.bisect_left(counts, gpus)
+        if index < len(counts) and counts[index] == gpus:
+            return self.rates[index][1]
+        if index == 0:
+            return self.rates[0][1] * gpus / counts[0]
+        if index == len(counts):
+            return self.rates[-1][1]
+        (low, low_rate), (high, high_rate) = self.rates[index - 1], self.rates[index]
+        return low_rate + (high_rate - low_rate) * (gpus - low) / (high - low)
 
 
 # The Tiresias trace's models (TensorFlow benchmarks, ImageNet-sized inputs): parameter counts of the published
@@ -136,6 +157,8 @@ class JobSpec:
         return self.profile.proc_s(math.ceil(batch / gpus)) + self.comm.allreduce_s(self.profile.parameters, gpus)
 
     def _rate_at(self, batch: int, gpus: int) -> float:
+        if self.profile.rates:  # measured at the job's own batch: the batch rule only decides what is feasible
+            return self.profile.measured_rate(gpus)
         return batch / self.iteration_s(batch, gpus)
 
     def _optimal_batch(self, gpus: int) -> int | None:
@@ -168,16 +191,35 @@ def hybrid_batch(spec: BatchSpec, gpus: int) -> int | None:
 
 
 def load_profiles(path: str | Path) -> dict[str, ModelProfile]:
-    """A profile JSON: ``{"model": {"parameters": N, "per_sample_s": s, "per_iteration_s": s?}, …}``."""
+    """A profile JSON, one entry per model name, each either a t_proc curve or a measured throughput table::
+
+        {"resnet50": {"parameters": 25600000, "per_sample_s": 0.0025, "per_iteration_s": 0.010},
+         "vgg19": {"parameters": 143700000, "rates": {"1": 61.0, "2": 98.5, "4": 150.2}}}
+
+    ``rates``: samples/s per GPU count, as in an ``elan profile`` result (whose other keys are ignored).
+    ``per_iteration_s`` defaults to 10 ms.
+    """
     path = Path(path)
     if not path.is_file():
         raise SimulationError(f"profile file not found: {path}")
     try:
         raw = json.loads(path.read_text())
-        return {
-            name: ModelProfile(name, int(entry["parameters"]), float(entry["per_sample_s"]),
-                               float(entry.get("per_iteration_s", DEFAULT_PER_ITERATION_S)))
-            for name, entry in raw.items()
-        }
+        return {name: _profile(name, entry) for name, entry in raw.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise SimulationError(f"{path}: not a profile JSON ({error})") from None
+
+
+def _profile(name: str, entry: dict[str, object]) -> ModelProfile:
+    parameters = int(entry["parameters"])  # type: ignore[call-overload]
+    if parameters < 1:
+        raise ValueError(f"{name}: parameters must be positive")
+    if "rates" in entry:
+        rates = sorted((int(count), float(rate)) for count, rate in entry["rates"].items())  # type: ignore[attr-defined]
+        if not rates or any(count < 1 or not 0 < rate < math.inf for count, rate in rates):
+            raise ValueError(f"{name}: rates must map GPU counts >= 1 to positive samples/s")
+        return ModelProfile(name, parameters, 0.0, rates=tuple(rates))
+    per_sample = float(entry["per_sample_s"])  # type: ignore[arg-type]
+    per_iteration = float(entry.get("per_iteration_s", DEFAULT_PER_ITERATION_S))  # type: ignore[arg-type]
+    if not (0 < per_sample < math.inf and 0 <= per_iteration < math.inf):
+        raise ValueError(f"{name}: per_sample_s must be positive and per_iteration_s non-negative")
+    return ModelProfile(name, parameters, per_sample, per_iteration)

@@ -35,6 +35,8 @@ def load_jobs(
 ) -> list[JobSpec]:
     """``trace``: a Tiresias CSV, or ``saxena:PATTERN[:MINUTES]`` for the synthetic workload (high, low, bursty)."""
     if trace.startswith(SYNTHETIC_PREFIX):
+        if profiles:
+            raise SimulationError("--profiles replaces the trace models' curves; Saxena's workload has its own")
         pattern, _, minutes = trace[len(SYNTHETIC_PREFIX):].partition(":")
         try:
             arrivals = ArrivalPattern(pattern, float(minutes)) if minutes else ArrivalPattern(pattern)
