@@ -62,10 +62,12 @@ def brute_force(values: list[list[float | None]], total: int) -> float | None:
 
 
 def test_dp_equals_brute_force_up_to_4_jobs_8_gpus() -> None:
+    """Every shape from 1 job × 1 GPU to 4 jobs × 8 GPUs, 6 random instances each; kmax up to 8 (above the cluster's
+    size too), a fifth of the (job, k) pairs infeasible."""
     rng = random.Random(15)
     instances = 0
     for jobs, total, _ in itertools.product(range(1, 5), range(1, 9), range(6)):
-        kmax = rng.randint(1, total)
+        kmax = rng.randint(1, 8)
         values = [[None if rng.random() < 0.2 else rng.uniform(0.1, 3.0) for _ in range(kmax)] for _ in range(jobs)]
         expected = brute_force(values, total)
         solved = solve(values, total)
@@ -76,7 +78,7 @@ def test_dp_equals_brute_force_up_to_4_jobs_8_gpus() -> None:
         assert solved is not None, values
         best, allocation = solved
         assert best == pytest.approx(expected, rel=1e-12)
-        assert sum(allocation) <= total and all(1 <= k <= kmax for k in allocation)
+        assert sum(allocation) <= total and all(1 <= k <= min(kmax, total) for k in allocation)
         assert sum(row[k - 1] for row, k in zip(values, allocation, strict=True)) == pytest.approx(expected)
     assert instances == 4 * 8 * 6
 
@@ -96,33 +98,38 @@ def test_e_fifo_with_min_equal_max_equal_request_is_fifo(total_gpus: int) -> Non
     assert summarise(elastic).adjustments == 0
 
 
-def fifo_by_hand(total_gpus: int) -> dict[int, tuple[float, float]]:
-    """FIFO from the CSV alone: a job starts at the first time ≥ its submission and ≥ its predecessor's start at which
-    the jobs started before it leave num_gpu GPUs free; it then runs for exactly `duration`."""
-    schedule: dict[int, tuple[float, float, int]] = {}
+def fifo_by_hand(total_gpus: int) -> dict[int, tuple[float, float, float]]:
+    """FIFO from the CSV alone (none of the simulator's code): a job starts at the first time ≥ its submission and ≥
+    its predecessor's start at which the jobs started before it leave num_gpu GPUs free; it then runs for exactly
+    `duration`. Returns job_id → (submit, start, finish)."""
+    schedule: dict[int, tuple[float, float, float, int]] = {}
     previous_start = 0.0
-    for line in SHIPPED_TRACE.read_text().splitlines()[1:]:
+    lines = SHIPPED_TRACE.read_text().splitlines()
+    assert lines[0] == "job_id,num_gpu,submit_time,iterations,model_name,duration,interval"
+    for line in lines[1:]:
         job_id, num_gpu, submit, _, _, duration, _ = line.split(",")
+        assert all(float(submit) >= earlier for earlier, *_ in schedule.values()), "FIFO order is the file's order"
         earliest = max(float(submit), previous_start)
-        for start in sorted({earliest} | {end for _, end, _ in schedule.values() if end > earliest}):
-            busy = sum(held for begin, end, held in schedule.values() if begin <= start < end)
+        for start in sorted({earliest} | {end for _, _, end, _ in schedule.values() if end > earliest}):
+            busy = sum(held for _, begin, end, held in schedule.values() if begin <= start < end)
             if busy + int(num_gpu) <= total_gpus:
                 break
-        schedule[int(job_id)] = (start, start + float(duration), int(num_gpu))
+        schedule[int(job_id)] = (float(submit), start, start + float(duration), int(num_gpu))
         previous_start = start
-    return {job_id: (start, end) for job_id, (start, end, _) in schedule.items()}
+    return {job_id: (submit, start, end) for job_id, (submit, start, end, _) in schedule.items()}
 
 
 @pytest.mark.parametrize(("total_gpus", "golden_mean_jct"), [(8, 93_389 / 60), (QUEUEING_CLUSTER, 12_049 / 60)])
 def test_fifo_golden_numbers_on_the_shipped_trace(total_gpus: int, golden_mean_jct: float) -> None:
     expected = fifo_by_hand(total_gpus)
+    by_hand = sum(finish - submit for submit, _, finish in expected.values())
+    assert len(expected) == 60 and by_hand / 60 == pytest.approx(golden_mean_jct, abs=1e-9)
     result = simulate(trace_jobs(total_gpus), total_gpus, make_policy("fifo"), load_cost_model("elan"))
+    assert len(result.jobs) == 60
     for job in result.jobs:
-        start, finish = expected[job.job_id]
+        _, start, finish = expected[job.job_id]
         assert job.first_start == pytest.approx(start, abs=1e-6)
         assert job.finish == pytest.approx(finish, abs=1e-6)
-    by_hand = sum(expected[job.job_id][1] - job.submit_time for job in TRACE)
-    assert by_hand / len(TRACE) == pytest.approx(golden_mean_jct, abs=1e-6)
     assert summarise(result).mean_jct_s == pytest.approx(golden_mean_jct, abs=1e-6)
 
 

@@ -93,6 +93,7 @@ BAD_INPUT = [
     (["--trace", "saxena:sometimes", "--cluster", "40"], "unknown arrival pattern 'sometimes'"),
     (["--trace", "saxena:bursty:soon", "--cluster", "40"], "minutes must be a number"),
     (["--trace", "saxena:bursty:-5", "--cluster", "40"], "must be positive minutes"),
+    (["--trace", "saxena:bursty:120", "--cluster", "40", "--profiles", "{a_file}"], "Saxena's workload has its own"),
     (["--trace", "saxena:bursty:120", "--cluster", "4"], "the cluster has 4 (Saxena's jobs ask for up to kmax = 10)"),
     (["--trace", TRACE, "--cluster", "4"], "asks for 8 GPUs; the cluster has 4"),
     (["--trace", TRACE, "--cluster", "0"], "at least one GPU"),
