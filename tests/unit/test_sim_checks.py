@@ -21,8 +21,10 @@ from lightning_elan.sim import (
     ElasticBounds,
     SimulationError,
     check_conservation,
+    gpus,
     jobs_from_trace,
     load_cost_model,
+    load_jobs,
     make_policy,
     read_tiresias_trace,
     run_policies,
@@ -325,3 +327,14 @@ def test_committed_trace_results_reproduce(total_gpus: int) -> None:
         assert run.metrics.as_dict() == pytest.approx(saved["metrics"], rel=1e-9)
         finishes = {job.job_id: job.finish for job in run.result.jobs}
         assert all(math.isclose(finishes[job["job_id"]], job["finish_s"], rel_tol=1e-9) for job in saved["jobs"])
+
+
+def test_committed_40_gpu_saxena_results_reproduce() -> None:
+    """bench/results/simulate/saxena-bursty-40gpu, `elan` cost: 774 jobs, all eight policies (about 5 s)."""
+    report = json.loads((RESULTS / "saxena-bursty-40gpu" / "simulate.json").read_text())
+    assert report["setup"]["trace"] == "saxena:bursty:720" and report["setup"]["seed"] == 0
+    saved = [run["metrics"] for run in report["runs"] if run["metrics"]["cost_model"] == "elan"]
+    jobs = load_jobs("saxena:bursty:720", gpus(40), seed=0)
+    assert len(jobs) == report["setup"]["jobs"] == 774
+    runs = run_policies(jobs, 40, [metrics["policy"] for metrics in saved], ["elan"])
+    assert [run.metrics.as_dict() for run in runs] == pytest.approx(saved, rel=1e-9)
