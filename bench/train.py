@@ -132,7 +132,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--epoch-steps", type=int, default=1000, help="global batches per epoch")
     parser.add_argument("--stop-file", type=Path, default=None, help="stop at the step this file names, once it exists")
+    parser.add_argument("--slow-worker", default=None, metavar="W:FACTOR",
+                        help="worker W (ELAN_WORKER_ID) computes FACTOR times as long per step (a straggler)")
+    parser.add_argument("--sleep-model", default=None, metavar="C,B", help="sleep C/k + B*k s per step at world k")
     return parser.parse_args(argv)
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``BenchModel``'s straggler and sleep-model arguments from ``--slow-worker`` and ``--sleep-model``."""
+    options: dict[str, Any] = {}
+    if args.slow_worker:
+        worker, _, factor = args.slow_worker.partition(":")
+        if worker == os.environ.get("ELAN_WORKER_ID"):
+            options["slowdown"] = float(factor)
+    if args.sleep_model:
+        c, _, b = args.sleep_model.partition(",")
+        options["sleep_model"] = (float(c), float(b))
+    return options
 
 
 def world_size() -> int:
@@ -203,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     initial_world = 2 if args.launcher == "elan" else world_size()
     dataset = RepeatedDataset(args.global_batch * args.epoch_steps)
     loader = DataLoader(dataset, batch_size=max(1, args.global_batch // initial_world), shuffle=True)
-    model = BenchModel(args.model)
+    model = BenchModel(args.model, **model_options(args))
     trainer = build_trainer(args, callbacks)
     trainer.fit(model, loader, ckpt_path=str(resume) if resume else None)
     if args.accelerator == "gpu":

@@ -49,14 +49,28 @@ def build_mlp(size: ModelSize) -> nn.Sequential:
 
 
 class BenchModel(pl.LightningModule):
-    def __init__(self, size: str = "tiny", lr: float = 1e-4) -> None:
+    """The benchmark MLP. ``slowdown`` > 1 makes this process a straggler: its forward pass sleeps (slowdown − 1) ×
+    three times its own length (forward + backward ≈ 3 forwards), so its compute per step is about ``slowdown`` ×
+    the others'. ``sleep_model = (C, B)`` adds ``C/k + B·k`` seconds per step at world size k: a job whose compute
+    shrinks with more workers while its communication grows (it stops scaling)."""
+
+    def __init__(self, size: str = "tiny", lr: float = 1e-4, slowdown: float = 1.0,
+                 sleep_model: tuple[float, float] | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = build_mlp(MODEL_SIZES[size])
+        self.slowdown, self.sleep_model = slowdown, sleep_model
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        started = time.perf_counter()
         x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.slowdown > 1:
+            time.sleep((self.slowdown - 1) * 3 * (time.perf_counter() - started))
+        if self.sleep_model is not None:
+            world = self.trainer.world_size
+            time.sleep(self.sleep_model[0] / world + self.sleep_model[1] * world)
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)

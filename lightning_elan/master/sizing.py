@@ -42,6 +42,7 @@ MAX_DECISIONS = 50
 DEFAULT_AUTOSCALE_EVERY = 20
 DEFAULT_COOLDOWN_S = 0.0
 PROFILE_FILE = "profile.json"
+BACKWARD_RATIO = 2.0  # backward ≈ 2 forwards (StepTimer's default) when a profile becomes a ThroughputModel
 
 
 class SizingError(ValueError):
@@ -128,7 +129,7 @@ def set_autoscale(state: JobState, body: dict[str, Any], now: float) -> dict[str
         raise SizingError("a profile of this job is running: wait for it to finish")
     config = _autoscale_config(state, body)
     policy_state = _new_policy(policy, config).to_dict()
-    sizing.autoscale = {"policy": policy, "config": config, "state": policy_state, "last_size_at": now}
+    sizing.autoscale = {"policy": policy, "config": config, "state": policy_state, "last_size_at": now, "on_at": now}
     sizing.note("autoscale", "on", f"{policy} policy", config, now)
     return {"autoscale": {"policy": policy, "config": config}}
 
@@ -265,7 +266,9 @@ def json_rates(rates: dict[int, float]) -> str:
 
 def throughput_model(result: dict[str, Any], min_observations: int = 3) -> dict[str, Any] | None:
     """A finished profile as a ``ThroughputModel`` state (``HybridScaling(profile=…)``): at each size, the step time
-    is ``global_batch / rate``, its compute the slowest member's measured compute, the rest all-reduce."""
+    is ``global_batch / rate``; its compute is the slowest member's measured forward time × (1 + ``BACKWARD_RATIO``)
+    (the members measure their forward pass only, see ``elastic/compute.py``; the ratio is ``StepTimer``'s default),
+    at most the step; the rest is all-reduce."""
     global_batch = result.get("global_batch")
     if not global_batch:
         return None
@@ -273,8 +276,8 @@ def throughput_model(result: dict[str, Any], min_observations: int = 3) -> dict[
     for size, rate in result["rates"].items():
         size = int(size)
         step_s = global_batch / rate
-        compute = (result.get("compute_s") or {}).get(str(size)) or step_s
-        compute = min(compute, step_s)
+        forward = (result.get("compute_s") or {}).get(str(size))
+        compute = step_s if forward is None else min(step_s, forward * (1 + BACKWARD_RATIO))
         for _ in range(min_observations):
             model.observe_step(-(-global_batch // size), size, compute, 0.0 if size == 1 else step_s - compute)
     return model.state_dict()
@@ -298,7 +301,8 @@ def _autoscale_step(state: JobState, now: float) -> int:
         remaining = state.progress.remaining_samples
         if remaining is None:
             return 0
-        decision = policy.decide(size, rates, float(remaining), now - autoscale["last_size_at"])
+        # completion times (the utility's deadlines) count from the moment the autoscaler was switched on
+        decision = policy.decide(size, rates, float(remaining), now - autoscale.get("on_at", now))
     autoscale["state"] = policy.to_dict()
     autoscale["last_size_at"] = now
     if decision is None or decision.target == size:

@@ -132,3 +132,49 @@ def test_throughput_autoscaler_settles_where_scaling_efficiency_falls_below_the_
     decisions = [d for d in state["sizing"]["decisions"] if d["kind"] == "autoscale"]
     assert decisions[-1]["decision"] == "hold", decisions
     assert_exact_epochs(run, static, 10)
+
+
+def test_utility_autoscaler_adds_a_worker_only_while_finishing_sooner_is_worth_its_price(static_run, tmp_path):
+    """The first decision adds a worker on the linear estimate (at linear speed-up the job costs the same
+    worker-seconds and finishes sooner). Once 2 workers are measured (sub-linear: R2 ≈ 1.5 R1): a free worker
+    (price 0) still pays and stays; at 1000 per worker-second the worker-seconds it wastes outweigh the utility and the
+    job goes back to 1. The samples left come from the script's own loop (Lightning's ``max_epochs``), sent with rank
+    0's coordinate."""
+    utility = tmp_path / "utility.json"
+    utility.write_text(json.dumps({"points": [[0, 100], [60, 0]]}))  # every second sooner is worth 5/3
+    probe = [*PROBE_ARGS, *GLOBAL, "--sleep-model", "0.4,0.05"]
+    options = ("--autoscale", "utility", "--utility", str(utility), "--autoscale-every", "3", "--autoscale-max", "2")
+    free = run_job(tmp_path, "free", 1, probe, (*options, "--price", "0"))
+    dear = run_job(tmp_path, "dear", 1, probe, (*options, "--price", "1000"))
+    for run in (free, dear):
+        assert run.returncode == 0, run.excerpt()
+        assert_exact(run, static_run)
+    assert [len(a["members"]) for a in free.adjustments()] == [2], free.adjustments()
+    assert free.adjustments()[0]["cause"]["kind"] == "autoscale"
+    assert free.adjustments()[0]["cause"]["inputs"]["remaining_samples"] > 0
+    assert [len(a["members"]) for a in dear.adjustments()] == [2, 1], dear.adjustments()
+    back = dear.adjustments()[1]["cause"]["inputs"]
+    assert back["estimated"] == [] and back["rates"]["2"] > back["rates"]["1"], back  # measured, faster, too dear
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["profile", "--job", "nosuchjob", "--min", "1", "--max", "2"], "no running job named nosuchjob"),
+    (["profile", "--job", "j", "--min", "3", "--max", "2"], "--min 3 is more than --max 2"),
+    (["profile", "--job", "j", "--min", "0", "--max", "2"], "expected an integer in 1.."),
+    (["autoscale", "--job", "j", "--policy", "magic"], "invalid choice: 'magic'"),
+    (["run", "--nproc", "1", "--job", "j", "--autoscale-every", "3", "--", "true"], "need --autoscale POLICY"),
+    (["run", "--nproc", "1", "--job", "j", "--stragglers", "sometimes", "--", "true"], "invalid choice"),
+    (["run", "--nproc", "1", "--job", "j", "--straggler-threshold", "1.5", "--", "true"], "a number in [0, 1)"),
+])
+def test_bad_sizing_arguments_are_refused_with_a_clear_message(tmp_path, args, message):
+    result = elan_cli(tmp_path, *args, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_garbage_utility_file_is_refused_naming_the_file(tmp_path):
+    utility = tmp_path / "utility.json"
+    utility.write_bytes(b"\x00\xffnot json")
+    result = elan_cli(tmp_path, "autoscale", "--job", "j", "--policy", "utility", "--price", "1", "--utility",
+                      str(utility), timeout=60)
+    assert result.returncode == 2 and str(utility) in result.stderr and "Traceback" not in result.stderr, result.stderr
