@@ -218,7 +218,9 @@ def _resize(state: JobState, target: int, cause: dict[str, Any], now: float) -> 
     if target > current and state.enrolment is not None:
         if not state.sizing.scale_out_command:
             state.sizing.note(cause["kind"], "refused", f"cannot grow to {target}: the workers are started by their "
-                              "scheduler and the AM has no --scale-out-command", cause, now)
+                              "scheduler and the AM has no --scale-out-command; the autoscaler is switched off",
+                              cause, now)
+            state.sizing.autoscale = None  # it would ask again at every look
             return 0
         return target - current
     state.scale("to", size=target, now=now, cause=cause)

@@ -180,3 +180,22 @@ def test_compute_meter_subtracts_collective_waits_and_skips_micro_batches() -> N
     meter.step_done(1)
     assert meter.take_due(0.0) is None  # the interval starts
     assert meter.take_due(1.5) == (1, pytest.approx(0.6))
+
+
+def test_a_job_of_elan_workers_without_a_scale_out_command_cannot_grow_and_says_so() -> None:
+    from lightning_elan.master.enrolment import Enrolment
+    from lightning_elan.protocol.contract import EnrolRequest
+
+    state = JobState(job="job")
+    state.accept_enrolments(Enrolment(1, 1, 0.0), coordinate_every=1)
+    state.enrol(EnrolRequest("host", 1), now=0.0)
+    state.housekeeping(now=1.0)
+    assert state.started and state.world_size == 1
+    sizing.set_autoscale(state, {"policy": "throughput", "every": 2}, now=1.0)
+    now, _ = train(state, 3, 1.0, 1.0)
+    assert sizing.tick(state, now) == 0
+    assert not state.pending and state.sizing.autoscale is None
+    assert "no --scale-out-command" in state.sizing.decisions[-1]["reason"]
+    sizing.set_autoscale(state, {"policy": "throughput", "every": 2, "scale_out_command": "true"}, now=now)
+    now, _ = train(state, 3, 1.0, now)
+    assert sizing.tick(state, now) == 1  # the server runs the command once; the new `elan worker` enrols
