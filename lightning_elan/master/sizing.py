@@ -42,6 +42,7 @@ MAX_DECISIONS = 50
 DEFAULT_AUTOSCALE_EVERY = 20
 DEFAULT_COOLDOWN_S = 0.0
 PROFILE_FILE = "profile.json"
+SCALE_OUT_WAIT_S = 600.0  # workers asked for with the scale-out command are awaited this long before asking again
 BACKWARD_RATIO = 2.0  # backward ≈ 2 forwards (StepTimer's default) when a profile becomes a ThroughputModel
 
 
@@ -59,6 +60,7 @@ class SizingState:
     stragglers: dict[str, Any] = field(default_factory=lambda: {"mode": "off"})
     replacing: dict[str, Any] | None = None  # {"straggler", "request_id", "size"}: a replacement under way
     scale_out_command: str | None = None
+    scale_out: dict[str, Any] | None = None  # {"target", "at"}: the last time the scale-out command was run
     decisions: list[dict[str, Any]] = field(default_factory=list)  # the last MAX_DECISIONS, oldest first
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,12 +218,16 @@ def _resize(state: JobState, target: int, cause: dict[str, Any], now: float) -> 
     """Ask for ``target`` workers; a job of `elan worker`s grows through the scale-out command instead."""
     current = state.world_size
     if target > current and state.enrolment is not None:
+        asked = state.sizing.scale_out
+        if asked is not None and asked["target"] > current and now - asked["at"] < SCALE_OUT_WAIT_S:
+            return 0  # the workers asked for are on their way (they enrol and join by themselves)
         if not state.sizing.scale_out_command:
             state.sizing.note(cause["kind"], "refused", f"cannot grow to {target}: the workers are started by their "
                               "scheduler and the AM has no --scale-out-command; the autoscaler is switched off",
                               cause, now)
             state.sizing.autoscale = None  # it would ask again at every look
             return 0
+        state.sizing.scale_out = {"target": target, "at": now}
         return target - current
     state.scale("to", size=target, now=now, cause=cause)
     return 0
@@ -334,6 +340,7 @@ def _handle_straggler(state: JobState, straggler: str, now: float) -> int:
                                   "adding a replacement before removing it", inputs, now)
         state.sizing.replacing = {"straggler": straggler, "size": state.world_size, "since": now}
         if state.enrolment is not None:
+            state.sizing.scale_out = {"target": state.world_size + 1, "at": now}
             return 1
         state.scale("add", count=1, now=now, cause=cause)
         return 0

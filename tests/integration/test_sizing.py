@@ -178,3 +178,35 @@ def test_a_garbage_utility_file_is_refused_naming_the_file(tmp_path):
     result = elan_cli(tmp_path, "autoscale", "--job", "j", "--policy", "utility", "--price", "1", "--utility",
                       str(utility), timeout=60)
     assert result.returncode == 2 and str(utility) in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_job_of_elan_workers_grows_through_the_scale_out_command(static_run, tmp_path):
+    """`elan am --min-workers 1 --autoscale throughput --scale-out-command CMD` and one `elan worker`: the autoscaler
+    wants 2 workers, the AM runs CMD (here: start another `elan worker` of the job, as `sbatch worker.sh` would), the
+    new worker enrols and joins by itself; the job ends exact."""
+    from tests.integration.elastic_runs import PROBE, free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    probe = [sys.executable, str(PROBE), "--out", str(tmp_path / "out"), *PROBE_ARGS, *GLOBAL,
+             "--sleep-model", "0.4,0.05"]
+    worker = [sys.executable, "-m", "lightning_elan.cli", "worker", "--am", address, "--job", "grown", "--", *probe]
+    command = " ".join(worker) + f" > {tmp_path / 'scaled-out.log'} 2>&1"
+    env = elan_env(tmp_path)
+    am = subprocess.Popen([sys.executable, "-m", "lightning_elan.cli", "am", "--job", "grown", "--bind",
+                           f"tcp://{address}", "--state-dir", str(tmp_path / "state"), "--min-workers", "1",
+                           "--max-workers", "2", "--start-grace", "0", "--coordinate-every", "1",
+                           "--autoscale", "throughput", "--autoscale-every", "3", "--autoscale-max", "2",
+                           "--scale-out-command", command],
+                          env=env, stdout=(tmp_path / "am.log").open("w"), stderr=subprocess.STDOUT)
+    first = subprocess.Popen(worker, env=env, stdout=(tmp_path / "w.log").open("w"), stderr=subprocess.STDOUT)
+    try:
+        assert first.wait(240) == 0, (tmp_path / "w.log").read_text()
+        assert am.wait(60) == 0, (tmp_path / "am.log").read_text()
+    finally:
+        for proc in (first, am):
+            proc.kill()
+    run = RunResult(tmp_path / "out", tmp_path / "state", 0, (tmp_path / "am.log").read_text())
+    adjustments = run.adjustments()
+    assert [(a["action"], len(a["members"])) for a in adjustments] == [("add", 2)], adjustments
+    assert "asking for a worker" in (tmp_path / "am.log").read_text()
+    assert_exact(run, static_run)

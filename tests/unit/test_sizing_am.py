@@ -199,3 +199,5 @@ def test_a_job_of_elan_workers_without_a_scale_out_command_cannot_grow_and_says_
     sizing.set_autoscale(state, {"policy": "throughput", "every": 2, "scale_out_command": "true"}, now=now)
     now, _ = train(state, 3, 1.0, now)
     assert sizing.tick(state, now) == 1  # the server runs the command once; the new `elan worker` enrols
+    assert sizing.tick(state, now + 1.0) == 0  # ... and is awaited: the command is not run again meanwhile
+    assert sizing.tick(state, now + sizing.SCALE_OUT_WAIT_S + 1.0) == 1  # it never came: ask again
