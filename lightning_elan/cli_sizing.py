@@ -199,6 +199,9 @@ def format_sizing(sizing: Mapping[str, Any]) -> list[str]:
         lines.append(f"last profile: {json.dumps(sizing['profile_result'].get('rates'))}")
     if sizing.get("autoscale"):
         lines.append(f"autoscale: {sizing['autoscale'].get('policy')} {json.dumps(sizing['autoscale'].get('config'))}")
-    for decision in sizing.get("decisions") or []:
+    decisions = sizing.get("decisions") or []
+    if decisions:
+        lines.append("sizing decisions (newest last):")
+    for decision in decisions:
         lines.append(f"  {decision.get('kind')}: {decision.get('decision')}: {decision.get('reason')}")
     return lines
