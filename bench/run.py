@@ -281,8 +281,28 @@ def main(argv: list[str] | None = None) -> int:
     write_report(results, args.out, work, args.timeline_model)
     log.info("done in %.0f s: %s", results["environment"]["wall_s"], args.out / "results.md")
     if not args.keep_work_dir and args.work_dir is None:
+        _keep_outlier_logs(results, work, args.out)
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+OUTLIER_RECOVERY_S = 10.0
+"""A crash recovery this long (elan: normally under a second) keeps its job's logs past the temporary work dir."""
+
+
+def _keep_outlier_logs(results: dict[str, Any], work: Path, out: Path) -> None:
+    """Copy the work dir of every faults job with a kill that took over ``OUTLIER_RECOVERY_S`` to the next step to
+    ``out/outliers/``: the evidence would otherwise go with the temporary directory."""
+    for device, section in results["devices"].items():
+        for model, figures in (section.get("models") or {}).items():
+            for launcher, job in (figures.get("faults") or {}).items():
+                slow = [kill for kill in job.get("kills") or [] if (kill.get("recovery_s") or 0) > OUTLIER_RECOVERY_S]
+                source = work / device / model / "faults" / launcher
+                if launcher == "elan" and slow and source.exists():
+                    target = out / "outliers" / f"{device}-{model}-faults-{launcher}"
+                    shutil.copytree(source, target, dirs_exist_ok=True)
+                    log.warning("%d slow recovery(ies) in %s %s faults: logs kept in %s", len(slow), model, launcher,
+                                target)
 
 
 def _interrupt_on_sigterm() -> None:
