@@ -281,3 +281,54 @@ def test_ipc_protocol_with_a_stand_in_device(store: dist.TCPStore, monkeypatch: 
 def test_ipc_on_a_cpu_device_is_unavailable(store: dist.TCPStore) -> None:
     with pytest.raises(TransportUnavailable, match="not a GPU"):
         CudaIpcTransport(Channel(store, "c", TIMEOUT)).send({}, [torch.ones(2)], readers=1)
+
+
+def test_a_reader_copies_the_segment_while_the_source_writes_it(store, tmp_path, monkeypatch) -> None:
+    """The header comes first; the reader follows the written-bytes count chunk by chunk (4 KB chunks here: many
+    steps), starting before the source has written anything, and gets the state bit-exact."""
+    from lightning_elan.replication.transports import shm as shm_module
+
+    monkeypatch.setattr(shm_module, "STREAM_CHUNK", 4096)
+    cpu_state, tensors = make_state(11)
+    tensors = [*tensors, torch.randn(50_000)]  # 200 KB: dozens of chunks
+    counts: list[int] = []
+    real_add = store.add
+
+    class CountingStore:  # the source's view of the store: records every count it publishes
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def add(self, key: str, value: int) -> int:
+            if key.endswith("/written"):
+                counts.append(value)
+            return real_add(key, value)
+
+    reader = CTX.Process(target=_receive, args=(store.port, "s", 0, str(tmp_path / "got.pkl")))
+    reader.start()  # it waits for the header, then for the count
+    source = ShmTransport(Channel(CountingStore(), "s", TIMEOUT), shm_dir=tmp_path)  # type: ignore[arg-type]
+    source.send(cpu_state, tensors, readers=1)
+    source.disallow()
+    run([reader], started=True)
+    got_cpu, got, _ = pickle.loads((tmp_path / "got.pkl").read_bytes())
+    assert got_cpu["step"] == cpu_state["step"] and torch.equal(got_cpu["rng"], cpu_state["rng"])
+    assert_bit_equal(got, tensors)
+    assert len(counts) > 40 and all(count > 0 for count in counts)  # reported chunk by chunk
+    source.shutdown()
+    assert segments(tmp_path) == [] and not store.check(["s/written"])
+
+
+def test_a_source_that_cannot_write_tells_its_readers_to_use_the_collective(store, tmp_path, monkeypatch) -> None:
+    """A write that fails after the header was published (a full tmpfs) marks the count failed: the reader raises
+    TransportUnavailable (then both sides use the collective), the segment is gone."""
+    from lightning_elan.replication.transports import shm as shm_module
+
+    def full(fd: int, data: torch.Tensor, offset: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm_module, "_pwrite_all", full)
+    source = shm(store, "n", tmp_path)
+    with pytest.raises(TransportUnavailable, match="No space left"):
+        source.send({}, [torch.ones(1000)], readers=1)
+    with pytest.raises(TransportUnavailable, match="could not write the segment"):
+        shm(store, "n").receive(0, lambda _: CPU)
+    assert segments(tmp_path) == []

@@ -1,12 +1,17 @@
 """The shared-memory transport (levels L2/L3, and CPU workers): one segment in ``/dev/shm`` per source (Elan §IV).
 
-The source packs every buffer once into one file in ``$ELAN_SHM_DIR`` (default ``/dev/shm``), an *arena* with each
-dtype buffer 256-byte aligned (CUDA tensors are packed on the GPU first, then copied down once), and publishes the
-header; ``send`` returns at once. Each reader opens the file, acknowledges (the source may unlink it now: the open file
-keeps it alive), then reads it: into memory of its own (``zero_copy=False``, the default: nothing stays mapped from
-``/dev/shm``, and the reader owns what it trains on) or as views of a private copy-on-write mapping
-(``zero_copy=True``: no copy, no fresh pages, but the segment stays mapped while the tensors live). Buffers bound for
-a GPU are copied there. :meth:`ShmTransport.disallow` waits for every reader's acknowledgement and unlinks the file.
+The source creates one file in ``$ELAN_SHM_DIR`` (default ``/dev/shm``), an *arena* with each dtype buffer 256-byte
+aligned, publishes the header (layout, path) first, then writes the state into it in arena order and counts the bytes
+written so far in the store (``{prefix}/written``, every ``STREAM_CHUNK`` bytes); ``send`` returns once all is
+written. CUDA tensors are packed on the GPU first, then copied down once. Each reader opens the file, reads it as it
+is written and then acknowledges (the source may unlink it and delete the count now) — the transfer is a
+pipeline: the reader copies chunk *i* while the source writes chunk *i + 1*, and the reader's own memory is allocated
+and faulted in (one ``MAP_POPULATE``) while the source writes the first chunk. A reader reads into memory of its own
+(``zero_copy=False``, the default: nothing stays mapped from ``/dev/shm``, and the reader owns what it trains on) or,
+once the whole file is written, as views of a private copy-on-write mapping (``zero_copy=True``: no copy, no fresh
+pages, but the segment stays mapped while the tensors live). Buffers bound for a GPU are copied there. A source that
+fails to write (a full tmpfs) marks the count failed: its readers raise :class:`TransportUnavailable` and both sides
+move to the collective. :meth:`ShmTransport.disallow` waits for every reader's acknowledgement and unlinks the file.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,7 @@ from lightning_elan.replication.transports.base import (
     DeviceFor,
     Received,
     StateTransport,
+    TransferCancelled,
     TransportUnavailable,
 )
 
@@ -52,6 +58,9 @@ __all__ = ["SHM_DIR_ENV", "ShmTransport", "default_shm_dir", "remove_stale_segme
 
 SHM_DIR_ENV = ENV_SHM_DIR
 _MAX_IO = 1 << 30  # bytes per pwrite/preadv call (Linux caps one call at 2 GiB - 4 KiB)
+STREAM_CHUNK = 16 << 20
+"""The source tells its readers how far it has written every this many bytes."""
+_WRITE_FAILED = -(1 << 62)  # added to the written-bytes count by a source whose write failed
 
 
 def default_shm_dir() -> Path:
@@ -69,7 +78,7 @@ class ShmTransport(StateTransport):
     """One shared-memory segment per source, read by every reader on this host."""
 
     name = "shm"
-    header_format = "elan-shm/1"
+    header_format = "elan-shm/2"
     same_host = True
 
     def __init__(
@@ -83,24 +92,37 @@ class ShmTransport(StateTransport):
 
     @override
     def send(self, cpu_state: Any, tensors: list[torch.Tensor], readers: int) -> int:
-        """Pack into a new segment and publish the header; raises :class:`TransportUnavailable` if it cannot be made."""
+        """Create the segment, publish the header, then write the state while readers copy what is written; raises
+        :class:`TransportUnavailable` if the segment cannot be made or written (its readers learn it from the count)."""
         t0 = time.perf_counter()
         layout = make_layout(tensors)
         places = arena_layout(layout)
         directory = self.shm_dir or default_shm_dir()
         remove_stale_segments(directory)
         path = directory / f"elan-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        try:
-            _write_segment(path, tensors, layout, places)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
+        fd = _create_segment(path, places.nbytes)
         self.path, self._readers = path, readers
         header = {"format": self.header_format, "cpu_state": cpu_state, "layout": layout, "arena": places,
                   "path": str(path)}  # fmt: skip
-        header_len = self._publish_header(header)
-        log.debug("shm %s: %d bytes packed into %s in %.1f ms", self.channel.prefix, places.nbytes, path, _ms(t0))
+        try:
+            header_len = self._publish_header(header)
+            _write_segment(fd, path, tensors, layout, places, self._progress)
+        except TransportUnavailable:
+            self.channel.store.add(self._written_key, _WRITE_FAILED)
+            self._unlink()
+            raise
+        finally:
+            os.close(fd)
+        log.debug("shm %s: %d bytes written into %s in %.1f ms", self.channel.prefix, places.nbytes, path, _ms(t0))
         return sum(places.sizes.values()) + header_len
+
+    @property
+    def _written_key(self) -> str:
+        return f"{self.channel.prefix}/written"
+
+    def _progress(self, nbytes: int) -> None:
+        """``nbytes`` more bytes of the arena, from its start, are written."""
+        self.channel.store.add(self._written_key, nbytes)
 
     @override
     def receive(self, reader: int, device_for: DeviceFor) -> Received:
@@ -108,15 +130,56 @@ class ShmTransport(StateTransport):
         header, header_len = self._fetch_header()
         layout: PackedLayout = header["layout"]
         places: ArenaLayout = header["arena"]
-        fd = os.open(header["path"], os.O_RDONLY)
+        fd = self._open_segment(header["path"])
         try:
-            self._ack()  # open: the source may unlink the file now
-            arena = _map_private(fd, places.nbytes) if self.zero_copy else _read_all(fd, places.nbytes)
+            if self.zero_copy:
+                self._await_written(places.nbytes, places.nbytes)
+                arena = _map_private(fd, places.nbytes)
+            else:
+                arena = self._read_as_written(fd, places.nbytes)
+            self._ack()  # read (or mapped): the source may unlink the file and delete the count now
         finally:
             os.close(fd)  # a mapping outlives its file descriptor
         buffers = _place(arena_views(arena, places), device_for)
         log.debug("shm %s: received %d bytes in %.1f ms", self.channel.prefix, places.nbytes, _ms(t0))
         return Received(header["cpu_state"], unpack(buffers, layout), state_nbytes(buffers) + header_len)
+
+    def _open_segment(self, path: str) -> int:
+        """The source's segment, open for reading; a source whose write failed has removed it already."""
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            if self.channel.store.add(self._written_key, 0) < 0:
+                raise TransportUnavailable(f"shm {self.channel.prefix}: the source could not write the segment"
+                                           ) from None
+            raise
+
+    def _read_as_written(self, fd: int, nbytes: int) -> torch.Tensor:
+        """The segment copied into memory of this process, each part as soon as the source has written it."""
+        arena = _populated(nbytes)
+        view, done = memoryview(arena.numpy()), 0
+        while done < nbytes:
+            written = self._await_written(done + 1, nbytes)
+            _read_into(fd, view[done:written], done)
+            done = written
+        return arena
+
+    def _await_written(self, at_least: int, nbytes: int) -> int:
+        """Bytes of the arena written so far, once there are ``at_least`` (at most ``nbytes``)."""
+        store, key = self.channel.store, self._written_key
+        deadline = time.monotonic() + self.channel.timeout.total_seconds()
+        delay = 1e-4
+        while (written := store.add(key, 0)) < at_least:
+            if written < 0:
+                raise TransportUnavailable(f"shm {self.channel.prefix}: the source could not write the segment")
+            if self.channel.cancelled is not None and self.channel.cancelled():
+                raise TransferCancelled(f"shm {self.channel.prefix}: the generation failed")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shm {self.channel.prefix}: {written} of {nbytes} bytes written within "
+                                   f"{self.channel.timeout}")
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+        return min(written, nbytes)
 
     @override
     def _stop_serving(self) -> None:
@@ -156,26 +219,49 @@ def remove_stale_segments(directory: Path, older_than: datetime.timedelta = 2 * 
 # --------------------------------------------------------------------------------------------
 
 
-def _write_segment(path: Path, tensors: list[torch.Tensor], layout: PackedLayout, places: ArenaLayout) -> None:
-    """Create the segment file and write the arena into it with ``pwrite``, each piece at its arena offset.
-
-    Whole pages written into tmpfs are allocated without being zeroed first, and nothing is mapped into this process:
-    the former ``posix_fallocate`` + ``MAP_POPULATE`` + copy zeroed and mapped every page, then copied (309 MB on the
-    2-core box, warm: 106 ms against 308 ms). A full tmpfs fails the write (ENOSPC: :class:`TransportUnavailable`
-    here, never a SIGBUS in a reader later). Alignment padding stays a hole, which reads as zeros.
-    """
+def _create_segment(path: Path, nbytes: int) -> int:
+    """The new segment file, ``nbytes`` long (a hole until written), open for writing."""
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except OSError as error:
         raise TransportUnavailable(f"cannot create {path}: {error}") from error
     try:
-        os.ftruncate(fd, places.nbytes)
-        for offset, data in _arena_pieces(tensors, layout, places):
-            _pwrite_all(fd, data, offset)
+        os.ftruncate(fd, nbytes)
+    except OSError as error:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise TransportUnavailable(f"cannot size {path} to {nbytes} bytes: {error}") from error
+    return fd
+
+
+def _write_segment(fd: int, path: Path, tensors: list[torch.Tensor], layout: PackedLayout, places: ArenaLayout,
+                   progress: Callable[[int], None]) -> None:
+    """Write the arena with ``pwrite`` in offset order, reporting every ``STREAM_CHUNK`` bytes to ``progress`` (the
+    bytes from the arena's start now written; padding counts as written: it reads as zeros).
+
+    Whole pages written into tmpfs are allocated without being zeroed first, and nothing is mapped into this process:
+    the former ``posix_fallocate`` + ``MAP_POPULATE`` + copy zeroed and mapped every page, then copied (309 MB on the
+    2-core box, warm: 106 ms against 308 ms). A full tmpfs fails the write (ENOSPC: :class:`TransportUnavailable`
+    here, never a SIGBUS in a reader later).
+    """
+    reported = 0
+    try:
+        for offset, data in sorted(_arena_pieces(tensors, layout, places), key=lambda piece: piece[0]):
+            for chunk_offset, chunk in _chunks(data, offset):
+                _pwrite_all(fd, chunk, chunk_offset)
+                end = chunk_offset + chunk.numel()
+                if end - reported >= STREAM_CHUNK:
+                    progress(end - reported)
+                    reported = end
     except OSError as error:
         raise TransportUnavailable(f"cannot write {places.nbytes} bytes to {path}: {error}") from error
-    finally:
-        os.close(fd)
+    progress(places.nbytes - reported)
+
+
+def _chunks(data: torch.Tensor, offset: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """``data`` (uint8) in pieces of at most ``STREAM_CHUNK`` bytes, with their arena offsets."""
+    for start in range(0, data.numel(), STREAM_CHUNK):
+        yield offset + start, data[start : start + STREAM_CHUNK]
 
 
 def _arena_pieces(
@@ -212,16 +298,24 @@ def _pwrite_all(fd: int, data: torch.Tensor, offset: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _read_all(fd: int, nbytes: int) -> torch.Tensor:
-    """The whole segment read (``preadv``) into memory this process owns."""
-    arena = torch.empty(nbytes, dtype=torch.uint8)
-    view, offset = memoryview(arena.numpy()), 0
+def _populated(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of this process's memory, faulted in by one ``MAP_POPULATE`` (anonymous, private) rather than page by
+    page during the copy; the tensor holds the mapping (see :func:`_map_private`)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def _read_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from the segment at ``offset`` (``preadv``)."""
     while view.nbytes:
         count = os.preadv(fd, [view[:_MAX_IO]], offset)
         if count == 0:
             raise RuntimeError(f"shared-memory segment ended {view.nbytes} bytes early")
         view, offset = view[count:], offset + count
-    return arena
 
 
 def _map_private(fd: int, nbytes: int) -> torch.Tensor:
