@@ -134,6 +134,10 @@ def sizing_requests(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                   "window": args.straggler_window}
     if args.stragglers or args.straggler_threshold is not None or args.straggler_window is not None:
         requests.append(("stragglers", _without_none(stragglers)))
+    if args.autoscale == "utility" and (args.price is None or args.utility is None):
+        parser.error("--autoscale utility needs --price P and --utility FILE")
+    if args.autoscale_min and args.autoscale_max and args.autoscale_min > args.autoscale_max:
+        parser.error(f"--autoscale-min {args.autoscale_min} is more than --autoscale-max {args.autoscale_max}")
     if args.autoscale:
         requests.append(("autoscale", autoscale_body(args, args.autoscale, args.autoscale_min, args.autoscale_max)))
     elif any(getattr(args, name) is not None for name in ("autoscale_min", "autoscale_max", "autoscale_every",

@@ -164,6 +164,9 @@ def test_utility_autoscaler_adds_a_worker_only_while_finishing_sooner_is_worth_i
     (["autoscale", "--job", "j", "--policy", "magic"], "invalid choice: 'magic'"),
     (["run", "--nproc", "1", "--job", "j", "--autoscale-every", "3", "--", "true"], "need --autoscale POLICY"),
     (["run", "--nproc", "1", "--job", "j", "--stragglers", "sometimes", "--", "true"], "invalid choice"),
+    (["run", "--nproc", "1", "--job", "j", "--autoscale", "utility", "--", "true"], "needs --price P and --utility"),
+    (["run", "--nproc", "1", "--job", "j", "--autoscale", "throughput", "--autoscale-min", "3", "--autoscale-max", "2",
+      "--", "true"], "--autoscale-min 3 is more than --autoscale-max 2"),
     (["run", "--nproc", "1", "--job", "j", "--straggler-threshold", "1.5", "--", "true"], "a number in [0, 1)"),
 ])
 def test_bad_sizing_arguments_are_refused_with_a_clear_message(tmp_path, args, message):
