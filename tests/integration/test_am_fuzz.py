@@ -103,6 +103,13 @@ def valid_body(msg_type: str) -> dict[str, Any]:
         "recover": {"worker_id": "w0", "generation": 0, "has_state": True, "step": 1, "timeout_s": 0},
         "enrol": {"host": "h", "pid": 1, "worker_id": "w9"},  # only ever sent broken (this job takes no enrolments)
         "leave": {"worker_id": "w0"},  # only ever sent broken (a valid one would remove w0)
+        "worker_stats": {"worker_id": "w0", "generation": 0, "step": 1, "steps": 1, "compute_s": 0.01},
+        # the AM's sizing requests: only ever sent broken (a valid one would resize the job or change its policy)
+        "profile": {"min": 1, "max": 2, "steps": 5, "settle": "return"},
+        "autoscale": {"policy": "off", "every": 5, "step": 1, "threshold": 0.1, "min_workers": 1, "max_workers": 2,
+                      "cooldown_s": 0.0, "price": 1.0, "utility": {"points": [[0, 1], [10, 0]]},
+                      "scale_out_command": "true"},
+        "stragglers": {"mode": "off", "threshold": 0.8, "window": 5, "alpha": 0.1},
         "report": {"worker_id": "w0", "generation": 1, "role": "stayer", "pause_s": 0.1, "bytes_sent": 1,
                    "bytes_received": 1, "startup_s": 1.0, "global_batch": 12, "received_from": "w0",
                    "received_over": "shm", "step": 3},
