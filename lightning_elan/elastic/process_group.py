@@ -326,6 +326,15 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         threads of a group retired a whole generation ago are idle."""
         self._retired = group  # frees the one retired before it
 
+    def keep_backends_for_life(self) -> None:
+        """The group's last generation is never freed: once this object is uninstalled, nothing frees it before the
+        interpreter finalizes, and a gloo group freed during finalization aborted a worker that had finished training
+        ("terminate called without an active exception", no Python frame left; seen in CI after a rank 0's death).
+        The process is ending: the OS reclaims it."""
+        retired = self._retired
+        if retired is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(retired))
+
     def abort(self) -> None:
         """Tear a broken generation down without waiting for its peers (NCCL: ``ncclCommAbort``)."""
         generation, self._current, self._generation = self._generation, None, None
@@ -518,6 +527,7 @@ def _report_backend_as(group: ElasticProcessGroup, backend: str) -> None:
 def uninstall_default_group(group: ElasticProcessGroup) -> None:
     """Destroy torch's default group if it is ``group`` (a standalone run ends; a later one installs its own)."""
     group.shutdown()
+    group.keep_backends_for_life()
     if dist.is_initialized() and dist.group.WORLD is group:
         dist.destroy_process_group()
 
