@@ -115,7 +115,8 @@ def replication_series(store: Any, rank: int, nbytes: int, runs: int, tensors: i
             continue
         store.set(f"{prefix}/ready", b"1")
         store.wait([f"{prefix}/go"], TIMEOUT)
-        cpu_state, received, _, route = receive_replica(context, plan, "w1", lambda _: torch.device("cpu"))
+        got, route = receive_replica(context, plan, "w1", lambda _: torch.device("cpu"))
+        cpu_state, received = got.cpu_state, got.tensors
         seconds = time.time() - float(store.get(f"{prefix}/go").decode())
         if route != "collective" or checksum(received) != cpu_state["checksum"]:
             raise RuntimeError(f"transfer {prefix}: wrong route {route} or wrong bytes")

@@ -37,6 +37,8 @@ def make_state(size_mb: float, tensors: int, device: str) -> list[Any]:
     numel = int(size_mb * 1e6 / 4)
     per = max(1, numel // tensors)
     g = torch.Generator().manual_seed(0)
+    if device == "meta":
+        return [torch.empty(per, device="meta") for _ in range(tensors)]
     return [torch.randn(per, generator=g).to(device) for _ in range(tensors)]
 
 
@@ -83,20 +85,42 @@ def source_main(port: int, name: str, plan: Any, size_mb: float, tensors: int, d
 
 
 def joiner_main(port: int, name: str, plan: Any, size_mb: float, device: str, expected: float, out: Any,
-                log_level: str) -> None:
+                log_level: str, into_own: bool = False, tensors: int = 160) -> None:
     import torch
 
     from lightning_elan.replication.exchange import receive_replica
 
     store = _connect(port, log_level)
     _warm_up(size_mb, device)
+    into = _own_memory(size_mb, tensors, device) if into_own else None
     start = _ready_then_go(store)
     context = _context(store, device)
-    _, received, nbytes, transport = receive_replica(context, plan, name, lambda _: torch.device(device))
+    got, transport = receive_replica(context, plan, name, lambda _: torch.device(device), into)
+    received, nbytes = got.tensors, got.nbytes
     _sync(device)
     elapsed = time.time() - start
     ok = abs(checksum(received) - expected) <= 1e-6 * max(1.0, abs(expected))
     out.put({"role": "joiner", "name": name, "receive": elapsed, "bytes": nbytes, "transport": transport, "ok": ok})
+
+
+def _own_memory(size_mb: float, tensors: int, device: str) -> Any:
+    """What a warmed-up joiner offers (like a model with Adam): its own tensors for the first third of the state
+    (the parameters, built and touched), memory faulted in ahead for the other two thirds (the moments)."""
+    from lightning_elan.replication.reception import PrefaultedMemory, ReceiveInto
+
+    shapes = [t.shape for t in make_state(size_mb, tensors, "meta")]
+    own_count = len(shapes) // 3
+    own = {i: torch_zeros(shape, device) for i, shape in enumerate(shapes[:own_count])}
+    rest = sum(shape.numel() * 4 for shape in shapes[own_count:])
+    spare = PrefaultedMemory.fault_in(rest)
+    spare.wait()
+    return ReceiveInto(lambda cpu_state: own, spare)
+
+
+def torch_zeros(shape: Any, device: str) -> Any:
+    import torch
+
+    return torch.zeros(shape, device=device)
 
 
 def _warm_up(size_mb: float, device: str) -> None:
@@ -133,7 +157,7 @@ def plan_for(joiners: int, sources: int, transport: str) -> Any:
 
 
 def run_case(joiners: int, sources: int, transport: str, size_mb: float, tensors: int, device: str,
-             log_level: str = "WARNING") -> dict[str, Any]:
+             log_level: str = "WARNING", into_own: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
 
     from bench.procs import free_port
@@ -149,7 +173,7 @@ def run_case(joiners: int, sources: int, transport: str, size_mb: float, tensors
                                                     log_level))
              for i in range(sources)]  # fmt: skip
     procs += [ctx.Process(target=joiner_main, args=(port, f"j{i}", plan, size_mb, device, expected, out,
-                                                    log_level))
+                                                    log_level, into_own, tensors))
               for i in range(joiners)]  # fmt: skip
     for proc in procs:
         proc.start()
@@ -180,20 +204,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--log-level", default="WARNING", help="DEBUG shows each transfer's phases")
+    parser.add_argument("--into", default="new", choices=("new", "own", "both"),
+                        help="joiners receive into new memory, or into their own tensors (a third) and memory faulted "
+                             "in ahead (the rest), as an elan joiner does; both: each case twice, interleaved")
     args = parser.parse_args(argv)
     default = "collective,cuda_ipc" if args.device.startswith("cuda") else "collective,shm"
     rows = []
     for size in (float(s) for s in args.sizes_mb.split(",")):
         for transport in (args.transports or default).split(","):
             for case, (joiners, sources) in CASES.items():
-                runs = [run_case(joiners, sources, transport, size, args.tensors, args.device, args.log_level)
-                        for _ in range(args.repeat)]  # fmt: skip
-                row = {"device": args.device, "size_mb": size, "transport": transport, "case": case,
-                       "used": runs[0]["transports"],
-                       **{key: summarise([r[key] for r in runs]) for key in ("receive_s", "source_busy_s",
-                                                                             "release_s")}}  # fmt: skip
-                rows.append(row)
-                print(_line(row), flush=True)
+                intos = ("new", "own") if args.into == "both" else (args.into,)
+                runs: dict[str, list[dict[str, Any]]] = {into: [] for into in intos}
+                for _ in range(args.repeat):
+                    for into in intos:
+                        runs[into].append(run_case(joiners, sources, transport, size, args.tensors, args.device,
+                                                   args.log_level, into == "own"))
+                for into, done in runs.items():
+                    row = {"device": args.device, "size_mb": size, "transport": transport, "case": case,
+                           "into": into, "used": done[0]["transports"],
+                           **{key: summarise([r[key] for r in done]) for key in ("receive_s", "source_busy_s",
+                                                                                 "release_s")}}  # fmt: skip
+                    rows.append(row)
+                    print(_line(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 
@@ -203,7 +235,7 @@ def _line(row: dict[str, Any]) -> str:
         s = row[key]
         return f"{s['median'] * 1e3:8.1f} ms ({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f})"
 
-    return (f"{row['device']:5} {row['size_mb']:6.0f} MB {row['transport']:10} {row['case']:22} "
+    return (f"{row['device']:5} {row['size_mb']:6.0f} MB {row['transport']:10} {row['case']:22} into {row['into']:3} "
             f"receive {fmt('receive_s')}  source busy {fmt('source_busy_s')}  released {fmt('release_s')}")
 
 

@@ -47,6 +47,7 @@ from lightning_elan.data.positions import LocalShare
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember
 from lightning_elan.protocol.contract import WorkerEnvironment
+from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
 from lightning_elan.scaling.lr import ScaledParamGroups
 
 log = logging.getLogger(__name__)
@@ -400,6 +401,17 @@ class ElasticAccelerator(Accelerator):
         self._tracker_args = state["loop"].get("trackers")
         if self.is_main_process:
             self._start_trackers_here()
+
+    def receive_destinations(self, state: dict[str, Any]) -> dict[int, torch.Tensor]:
+        """Each prepared model's own parameters and buffers take the source's."""
+        destinations: dict[int, torch.Tensor] = {}
+        for model, skeleton in zip(compat.prepared_models(self), state["models"], strict=True):
+            destinations.update(destinations_by_name(skeleton, self.unwrap_model(model).state_dict(keep_vars=True)))
+        return destinations
+
+    def state_nbytes_beyond_model(self) -> int:
+        return tensor_nbytes([getattr(optimizer, "optimizer", optimizer).state
+                              for optimizer in compat.prepared_optimizers(self)])
 
     def _replicated_objects(self) -> list[Any]:
         """Objects registered for checkpointing or for the elastic state (each once)."""

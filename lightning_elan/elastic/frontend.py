@@ -17,6 +17,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
     from lightning_elan.scaling.batch import ScalingDecision
 
 __all__ = ["FrontEnd", "ScalingParticipant"]
@@ -31,6 +35,15 @@ class FrontEnd(Protocol):
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         """A joiner: restore what :meth:`training_state` returned on its source."""
+
+    def receive_destinations(self, state: dict[str, Any]) -> Mapping[int, torch.Tensor]:
+        """A joiner: tensors of its own the source's state may be received into (its parameters and buffers), keyed by
+        the index of the source's tensor; ``state`` is the source's :meth:`training_state` with a
+        :class:`~lightning_elan.replication.packing.TensorRef` in place of each tensor. Loading then copies nothing
+        for them (a tensor copied onto itself)."""
+
+    def state_nbytes_beyond_model(self) -> int:
+        """Bytes of the training state's tensors a joiner has no tensor of its own for yet (optimizer moments...)."""
 
     def shared_state(self) -> dict[str, Any]:
         """Rank 0's small framework state every member adopts at an adjustment (e.g. logger versions)."""

@@ -41,6 +41,7 @@ from lightning_elan.elastic.process_group import (
 )
 from lightning_elan.elastic.rng import rng_state, set_rng_state
 from lightning_elan.elastic.scaling import ScalingLink
+from lightning_elan.elastic.state_size import StateSizeNotice, fault_in_for_joiner
 from lightning_elan.elastic.termination import TerminationWatch, any_rank_leaving
 from lightning_elan.elastic.timeline import PhaseClock, StepTimeline
 from lightning_elan.protocol.contract import (
@@ -56,7 +57,9 @@ from lightning_elan.replication.exchange import OutgoingReplication, Replication
 from lightning_elan.replication.iface import bind_transfer_interface, collective_address
 from lightning_elan.replication.keys import delete_prefix
 from lightning_elan.replication.packing import join_tensors, split_tensors
+from lightning_elan.replication.reception import PrefaultedMemory, ReceiveInto
 from lightning_elan.replication.topology import detect as detect_topology
+from lightning_elan.replication.transports import Received
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +151,8 @@ class ElasticWorker:
         self._keys_to_delete: str | None = None
         self._timeline = StepTimeline()
         self._compute = ComputeMeter()
+        self._state_size = StateSizeNotice()
+        self._spare: PrefaultedMemory | None = None  # a joiner's memory faulted in for its state while it waits
         self._epoch_end: int | None = None  # the sampler's end of the current epoch (its length), for remaining_samples
         self._watch: FailureWatch | None = None
         self._vote: CommitVote | None = None
@@ -224,6 +229,7 @@ class ElasticWorker:
     def join(self) -> None:
         """A joiner, warmed up: report ready, wait for the adjustment, enter the generation, take the state."""
         link = self._require_link()
+        self._fault_in_spare()
         link.register(str(self.device), self._topology())
         reply = link.wait_plan(self.join_timeout_s)
         while True:
@@ -236,7 +242,7 @@ class ElasticWorker:
             install_default_group(self._group())
             phases.mark("group")
             try:
-                state, received, route = self._receive(plan)
+                state, got, route = self._receive(plan)
                 break
             except Exception as error:
                 self._confirm_peer_failure(error)
@@ -245,11 +251,14 @@ class ElasticWorker:
                 self._group().abort()
                 reply = link.recover(plan.generation, None, self.join_timeout_s)
         phases.mark("receive")
+        self._spare = None  # taken, or of no use to the route the plan chose: unmapped now
         self.frontend.load_training_state(state)
         phases.mark("restore")
         log.info("worker %s joined generation %d after %s", self.worker_id, plan.generation, phases)
-        self._pending_report = AdjustmentReport(self.worker_id, plan.generation, "joiner", bytes_received=received,
-                                                received_from=plan.sources[self.worker_id], received_over=route)
+        self._pending_report = AdjustmentReport(
+            self.worker_id, plan.generation, "joiner", bytes_received=got.nbytes,
+            received_from=plan.sources[self.worker_id], received_over=route, bytes_in_place=got.in_place,
+            prefaulted=got.prefaulted)
         self._timeline.adjustment_started()
 
     # ------------------------------------------------------------------ failures
@@ -352,6 +361,7 @@ class ElasticWorker:
         """A generation was entered: watch it for failures and vote on its steps."""
         group = self._group()
         self._compute.reset()
+        self._state_size.new_generation()
         if self._watch is not None:
             self._watch.watch(self.generation)
             store = self._vote_store()
@@ -464,6 +474,8 @@ class ElasticWorker:
         code, decision = self._agree(step)
         self._deferred = code == _DEFERRED
         self._delete_finished_keys()
+        if self.rank == 0:
+            self._state_size.publish_if_due(self._group().store, self.frontend.state_nbytes_beyond_model)
         if decision is not None:
             self._adjust(decision)
 
@@ -571,15 +583,22 @@ class ElasticWorker:
         self._outgoing = outgoing
         return outgoing.bytes_sent
 
-    def _receive(self, plan: AdjustmentPlan) -> tuple[dict[str, Any], int, str]:
-        cpu_state, tensors, received, transport = receive_replica(
-            self._replication_context(plan), plan, self.worker_id, self._device_for
-        )
-        log.info("worker %s received %.1f MB of state from %s over %s", self.worker_id, received / 1e6,
-                 plan.sources[self.worker_id], transport)
+    def _receive(self, plan: AdjustmentPlan) -> tuple[dict[str, Any], Received, str]:
+        into = ReceiveInto(lambda cpu_state: self.frontend.receive_destinations(cpu_state["frontend"]), self._spare)
+        got, transport = receive_replica(self._replication_context(plan), plan, self.worker_id, self._device_for, into)
+        cpu_state = got.cpu_state
+        log.info("worker %s received %.1f MB of state from %s over %s (%.1f MB into its own tensors, the rest into %s "
+                 "memory)", self.worker_id, got.nbytes / 1e6, plan.sources[self.worker_id], transport,
+                 got.in_place / 1e6, "prefaulted" if got.prefaulted else "new")
         self.data.load_state_dict(cpu_state["engine"]["data"])
         set_rng_state(cpu_state["engine"]["rng"])
-        return join_tensors(cpu_state["frontend"], tensors), received, transport
+        return join_tensors(cpu_state["frontend"], got.tensors), got, transport
+
+    def _fault_in_spare(self) -> None:
+        """A CPU joiner that may be served through shared memory: fault in room for the state beyond its model while
+        it waits for its adjustment."""
+        if self.device.type == "cpu" and self.replication != "collective" and self._spare is None:
+            self._spare = fault_in_for_joiner(self._group().store)
 
     def _finish_outgoing(self) -> None:
         """Same-host joiners copy while this source trains on; before its next adjustment (or exit) they are done."""

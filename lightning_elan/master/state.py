@@ -183,7 +183,9 @@ class Adjustment:
             "joiner_startup_s": {worker: self.reports[worker].get("startup_s") for worker in plan.joiners},
             "received": {
                 worker: {"source": self.reports[worker].get("received_from"),
-                         "route": self.reports[worker].get("received_over")}
+                         "route": self.reports[worker].get("received_over"),
+                         "in_place_bytes": self.reports[worker].get("bytes_in_place"),
+                         "prefaulted": self.reports[worker].get("prefaulted")}
                 for worker in plan.joiners
             },
             **self._scaling_outcome(),

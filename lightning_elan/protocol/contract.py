@@ -489,6 +489,8 @@ class AdjustmentReport:
         "scaling": Field((dict,), schema=SCALING_DECISION),
         "received_from": Field(_STR),
         "received_over": Field(_STR),
+        "bytes_in_place": Field(_INT),
+        "prefaulted": Field((bool,)),
         "step": Field(_INT),
     }
 
@@ -503,6 +505,8 @@ class AdjustmentReport:
     scaling: dict[str, Any] | None = None  # SCALING_DECISION
     received_from: str | None = None  # a joiner: the source it copied its state from
     received_over: str | None = None  # a joiner: the route it used (e.g. "shm", or "shm-fallback" after a fallback)
+    bytes_in_place: int | None = None  # a joiner: bytes received straight into its own tensors (its parameters)
+    prefaulted: bool | None = None  # a joiner: the rest landed in memory it faulted in before the adjustment
     step: int | None = None  # the last step the worker completed when it reported (None: the plan's step is used)
 
     def to_body(self) -> dict[str, Any]:

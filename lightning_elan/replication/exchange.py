@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_elan.replication.planner import TRANSPORT_COLLECTIVE, Transfer, wave_sizes
+from lightning_elan.replication.reception import ReceiveInto
 from lightning_elan.replication.topology import L4_NETWORK
 from lightning_elan.replication.transports import (
     TRANSPORTS,
@@ -196,8 +197,10 @@ def receive_replica(
     plan: ReplicationPlan,
     joiner: str,
     device_for: Callable[[str], torch.device],
-) -> tuple[Any, list[torch.Tensor], int, str]:
-    """Receive this joiner's state: ``(cpu_state, tensors, bytes_received, transport used)``."""
+    into: ReceiveInto | None = None,
+) -> tuple[Received, str]:
+    """Receive this joiner's state: what came in and the transport used; ``into``: the joiner's own memory, for a
+    transport that can receive into it."""
     transfers = plan_transfers_of(plan)
     mine = next((t for t in transfers if t.joiner == joiner), None)
     if mine is None:
@@ -209,13 +212,13 @@ def receive_replica(
         wait_for_wave(context.store, context.prefix, mine.wave, wave_sizes(transfers).get(mine.wave - 1, 0),
                       context.timeout)  # fmt: skip
     try:
-        received = transport.receive(reader, device_for)
+        received = transport.receive(reader, device_for, into)
     except TransportUnavailable as error:
         log.warning("%s from %s unavailable (%s): receiving over the collective", route, mine.source, error)
         route = _fallback_route(mine.transport)
         received = _receive_fallback(context, mine.source, route, reader, device_for)
     mark_wave_received(context.store, context.prefix, mine.wave)
-    return received.cpu_state, received.tensors, received.nbytes, route
+    return received, route
 
 
 def _receive_fallback(

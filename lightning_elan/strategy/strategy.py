@@ -34,6 +34,7 @@ from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember
 from lightning_elan.protocol.contract import DEFAULT_JOIN_TIMEOUT_S, WorkerEnvironment
+from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
 from lightning_elan.strategy.environment import ElanEnvironment
 
 if TYPE_CHECKING:
@@ -233,6 +234,14 @@ class ElanStrategy(DDPStrategy):
         compat.set_logger_versions(trainer, state["logger_versions"])
         compat.align_checkpoint_dirs(trainer, checkpoint.get("callbacks", {}))
         compat.stage_training_state(trainer, checkpoint)
+
+    def receive_destinations(self, state: dict[str, Any]) -> dict[int, Tensor]:
+        """The module's own parameters and buffers (``keep_vars``: the tensors themselves) take the source's."""
+        own = self.lightning_module.state_dict(keep_vars=True)
+        return destinations_by_name(state["checkpoint"].get("state_dict"), own)
+
+    def state_nbytes_beyond_model(self) -> int:
+        return tensor_nbytes([optimizer.state for optimizer in self.optimizers])
 
     def shared_state(self) -> dict[str, Any]:
         return {"logger_versions": compat.logger_versions(self.lightning_module.trainer)}

@@ -184,4 +184,8 @@ def test_scale_and_status_against_a_running_job(live_job, tmp_path):
     state = tmp_path / "live-state" / "adjustments.jsonl"
     adjustments = [json.loads(line) for line in state.read_text().splitlines()]
     assert [(len(a["members"]), a["joiners"], a["leavers"]) for a in adjustments] == [(3, ["w2"], []), (2, [], ["w0"])]
+    # w2 took the source's parameters into its own model, Adam's moments into memory it faulted in while it waited
+    received = adjustments[0]["received"]["w2"]
+    model_bytes = sum(t.numel() * t.element_size() for t in torch.load(tmp_path / "live" / "final.pt").values())
+    assert (received["route"], received["in_place_bytes"], received["prefaulted"]) == ("shm", model_bytes, True)
     check_adjustment_steps(adjustments, None, coordinate_every=2, epoch_ends=epoch_ends(epochs))

@@ -29,6 +29,11 @@ def test_grow_2_to_4_each_joiner_copies_from_its_own_stayer_over_shared_memory(s
     }, "the plan's sources and its transfers agree"
     assert received_routes(run) == {t["joiner"]: (t["source"], "shm") for t in transfers}, "what the joiners used"
     assert adjustment["bytes_replicated"] > 0
+    # each joiner took the parameters straight into its own model (Adam's moments into memory faulted in ahead only
+    # when rank 0 published their size before the adjustment: these joiners start with the job, so maybe not)
+    model_bytes = sum(tensor.numel() * tensor.element_size() for tensor in run.final_state().values())
+    assert model_bytes > 0
+    assert [received["in_place_bytes"] for received in adjustment["received"].values()] == [model_bytes] * 2
 
 
 def test_forced_collective_replication(static_run, tmp_path, monkeypatch):
@@ -41,6 +46,8 @@ def test_forced_collective_replication(static_run, tmp_path, monkeypatch):
     routes = received_routes(run)
     assert set(routes) == {"w2", "w3", "w4"}
     assert {transport for _, transport in routes.values()} == {"collective"}
+    received = [r for a in (first, migration) for r in a["received"].values()]
+    assert {(r["in_place_bytes"], r["prefaulted"]) for r in received} == {(0, False)}, "the collective allocates"
     assert {joiner: source for joiner, (source, _) in routes.items()} == {**first["sources"], **migration["sources"]}
     assert first["sources"]["w2"] != first["sources"]["w3"], "round-robin spreads the joiners over distinct sources"
 

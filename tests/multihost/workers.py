@@ -113,7 +113,8 @@ def run_joiner(args: dict[str, Any]) -> dict[str, Any]:
     ifname = _bind()
     context = _context(args, is_master=False)
     plan = AdjustmentPlan.from_dict(args["plan"])
-    cpu_state, tensors, nbytes, route = receive_replica(context, plan, args["worker"], lambda _: torch.device("cpu"))
+    received, route = receive_replica(context, plan, args["worker"], lambda _: torch.device("cpu"))
+    cpu_state, tensors, nbytes = received.cpu_state, received.tensors, received.nbytes
     context.store.set("test/done", b"1")
     return {"digest": digest(cpu_state, tensors), "bytes_received": nbytes, "route": route, "ifname": ifname,
             "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "hostname": socket.gethostname()}

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from lightning_elan.elastic import ElasticWorker, NotAMember
 from lightning_elan.protocol.contract import WorkerEnvironment
+from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
 
 SAMPLES, GLOBAL_BATCH, STEPS, STEP_SLEEP_S = 48, 12, 40, 0.12
 
@@ -59,6 +60,12 @@ class TorchLoop:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
+
+    def receive_destinations(self, state: dict[str, Any]) -> dict[int, torch.Tensor]:
+        return destinations_by_name(state["model"], self.model.state_dict(keep_vars=True))
+
+    def state_nbytes_beyond_model(self) -> int:
+        return tensor_nbytes(self.optimizer.state)
 
     def shared_state(self) -> dict[str, Any]:
         return {}

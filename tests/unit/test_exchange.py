@@ -93,7 +93,8 @@ def receiver(ctx: ReplicationContext, plan: AdjustmentPlan, joiner: str):
 
 
 def assert_received(result: tuple, seed: int, transport: str) -> None:
-    cpu_state, tensors, nbytes, used = result
+    received, used = result
+    cpu_state, tensors, nbytes = received.cpu_state, received.tensors, received.nbytes
     want_cpu, want = state_of(seed)
     assert used == transport and nbytes > 0 and cpu_state == want_cpu
     assert len(tensors) == len(want)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from lightning_elan.protocol.auth import AuthError, FrameSigner, is_signed, secret_from_env
 from lightning_elan.replication.keys import delete_keys, delete_prefix
+from lightning_elan.replication.reception import ReceiveInto
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +77,14 @@ class Channel:
 
 @dataclass(frozen=True)
 class Received:
-    """What a reader got: the CPU-side state, the tensors (in the source's order) and the bytes that came in."""
+    """What a reader got: the CPU-side state, the tensors (in the source's order) and the bytes that came in, of them
+    ``in_place`` into the reader's own tensors; ``prefaulted``: the rest landed in memory faulted in ahead."""
 
     cpu_state: Any
     tensors: list[torch.Tensor]
     nbytes: int
+    in_place: int = 0
+    prefaulted: bool = False
 
 
 class StateTransport(ABC):
@@ -102,8 +106,9 @@ class StateTransport(ABC):
         """
 
     @abstractmethod
-    def receive(self, reader: int, device_for: DeviceFor) -> Received:
-        """Reader number ``reader`` (0-based, in plan order) gets its copy, its buffers placed by ``device_for``."""
+    def receive(self, reader: int, device_for: DeviceFor, into: ReceiveInto | None = None) -> Received:
+        """Reader number ``reader`` (0-based, in plan order) gets its copy, its buffers placed by ``device_for``;
+        ``into`` offers the reader's own memory, which a transport may receive into (the shared-memory one does)."""
 
     def disallow(self, timeout: datetime.timedelta | None = None) -> None:
         """Wait until every reader has its copy, then stop serving (the snapshot may change after this returns)."""

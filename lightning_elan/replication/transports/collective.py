@@ -36,6 +36,7 @@ from lightning_elan.replication.packing import (
     state_nbytes,
     unpack,
 )
+from lightning_elan.replication.reception import ReceiveInto
 from lightning_elan.replication.transports.base import (
     DEFAULT_TIMEOUT,
     Channel,
@@ -88,7 +89,7 @@ class CollectiveTransport(StateTransport):
         return nbytes
 
     @override
-    def receive(self, reader: int, device_for: DeviceFor) -> Received:
+    def receive(self, reader: int, device_for: DeviceFor, into: ReceiveInto | None = None) -> Received:
         header, header_len = self._fetch_header()
         layout: PackedLayout = header["layout"]
         buffers = empty_buffers(layout, device_for)

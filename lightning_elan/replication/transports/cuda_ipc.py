@@ -29,6 +29,7 @@ from lightning_elan.replication.packing import (
     state_nbytes,
     unpack,
 )
+from lightning_elan.replication.reception import ReceiveInto
 from lightning_elan.replication.transports.base import (
     Channel,
     DeviceFor,
@@ -89,7 +90,7 @@ class CudaIpcTransport(StateTransport):
         return handle
 
     @override
-    def receive(self, reader: int, device_for: DeviceFor) -> Received:
+    def receive(self, reader: int, device_for: DeviceFor, into: ReceiveInto | None = None) -> Received:
         t0 = time.perf_counter()
         header, header_len = self._fetch_header()
         layout: PackedLayout = header["layout"]

@@ -36,11 +36,20 @@ from lightning_elan.replication.cuda import kernels
 from lightning_elan.replication.packing import (
     ArenaLayout,
     PackedLayout,
+    TensorSpec,
     arena_layout,
     arena_views,
+    dtype_from_str,
     make_layout,
-    state_nbytes,
     unpack,
+)
+from lightning_elan.replication.reception import (
+    PrefaultedMemory,
+    ReceiveInto,
+    ReceivePiece,
+    populated,
+    receive_pieces,
+    usable_destinations,
 )
 from lightning_elan.replication.transports.base import (
     DEFAULT_TIMEOUT,
@@ -125,24 +134,33 @@ class ShmTransport(StateTransport):
         self.channel.store.add(self._written_key, nbytes)
 
     @override
-    def receive(self, reader: int, device_for: DeviceFor) -> Received:
+    def receive(self, reader: int, device_for: DeviceFor, into: ReceiveInto | None = None) -> Received:
         t0 = time.perf_counter()
         header, header_len = self._fetch_header()
         layout: PackedLayout = header["layout"]
         places: ArenaLayout = header["arena"]
-        fd = self._open_segment(header["path"])
+        into = into if into is not None and not self.zero_copy and _stays_on_cpu(layout, device_for) else None
+        own = {} if into is None else usable_destinations(layout, into.destinations(header["cpu_state"]), device_for)
+        fd, prefaulted = self._open_segment(header["path"]), False
         try:
-            if self.zero_copy:
-                self._await_written(places.nbytes, places.nbytes)
-                arena = _map_private(fd, places.nbytes)
+            if into is not None:
+                tensors, prefaulted = self._read_into_own(fd, layout, places, own, into.spare)
             else:
-                arena = self._read_as_written(fd, places.nbytes)
+                tensors = unpack(_place(arena_views(self._read_arena(fd, places.nbytes), places), device_for), layout)
             self._ack()  # read (or mapped): the source may unlink the file and delete the count now
         finally:
             os.close(fd)  # a mapping outlives its file descriptor
-        buffers = _place(arena_views(arena, places), device_for)
-        log.debug("shm %s: received %d bytes in %.1f ms", self.channel.prefix, places.nbytes, _ms(t0))
-        return Received(header["cpu_state"], unpack(buffers, layout), state_nbytes(buffers) + header_len)
+        in_place = sum(t.numel() * t.element_size() for t in own.values())
+        log.debug("shm %s: received %d bytes in %.1f ms (%d into its own tensors, prefaulted: %s)",
+                  self.channel.prefix, places.nbytes, _ms(t0), in_place, prefaulted)
+        return Received(header["cpu_state"], tensors, sum(places.sizes.values()) + header_len, in_place, prefaulted)
+
+    def _read_arena(self, fd: int, nbytes: int) -> torch.Tensor:
+        """The whole arena: copied into memory of this process as it is written, or mapped (``zero_copy``)."""
+        if not self.zero_copy:
+            return self._read_as_written(fd, nbytes)
+        self._await_written(nbytes, nbytes)
+        return _map_private(fd, nbytes)
 
     def _open_segment(self, path: str) -> int:
         """The source's segment, open for reading; a source whose write failed has removed it already."""
@@ -156,13 +174,34 @@ class ShmTransport(StateTransport):
 
     def _read_as_written(self, fd: int, nbytes: int) -> torch.Tensor:
         """The segment copied into memory of this process, each part as soon as the source has written it."""
-        arena = _populated(nbytes)
+        arena = populated(nbytes)
         view, done = memoryview(arena.numpy()), 0
         while done < nbytes:
             written = self._await_written(done + 1, nbytes)
             _read_into(fd, view[done:written], done)
             done = written
         return arena
+
+    def _read_into_own(self, fd: int, layout: PackedLayout, places: ArenaLayout, own: dict[int, torch.Tensor],
+                       spare: PrefaultedMemory | None) -> tuple[list[torch.Tensor], bool]:
+        """The segment read as it is written straight into the reader's own tensors (``own``, CPU), the rest into
+        local memory (``spare`` if it fits, else freshly faulted in): the tensors in the source's order, and whether
+        the spare was used."""
+        pieces, local_nbytes = receive_pieces(layout, places, set(own))
+        local = spare.take(local_nbytes) if spare is not None else None
+        prefaulted = local is not None
+        if local is None:
+            local = populated(local_nbytes)
+        tensors = _local_tensors(layout, pieces, local, own)
+        for piece in pieces:
+            target = memoryview(_raw_bytes(tensors[piece.index]).numpy())
+            done = 0
+            while done < piece.nbytes:
+                written = self._await_written(piece.arena_offset + done + 1, places.nbytes)
+                end = min(written - piece.arena_offset, piece.nbytes)
+                _read_into(fd, target[done:end], piece.arena_offset + done)
+                done = end
+        return tensors, prefaulted
 
     def _await_written(self, at_least: int, nbytes: int) -> int:
         """Bytes of the arena written so far, once there are ``at_least`` (at most ``nbytes``)."""
@@ -298,17 +337,6 @@ def _pwrite_all(fd: int, data: torch.Tensor, offset: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _populated(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of this process's memory, faulted in by one ``MAP_POPULATE`` (anonymous, private) rather than page by
-    page during the copy; the tensor holds the mapping (see :func:`_map_private`)."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    populate = getattr(mmap, "MAP_POPULATE", 0)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate,
-                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(mapping, dtype=torch.uint8)
-
-
 def _read_into(fd: int, view: memoryview, offset: int) -> None:
     """Fill ``view`` from the segment at ``offset`` (``preadv``)."""
     while view.nbytes:
@@ -331,6 +359,32 @@ def _map_private(fd: int, nbytes: int) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a private (copy-on-write) mapping is writable anyway
         return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def _stays_on_cpu(layout: PackedLayout, device_for: DeviceFor) -> bool:
+    """Whether every buffer of the state lives on this reader's CPU (then it can be read into memory of its own)."""
+    return all(torch.device(device_for(key.rpartition(":")[0])).type == "cpu" for key in layout.buffer_numels)
+
+
+def _local_tensors(layout: PackedLayout, pieces: list[ReceivePiece], local: torch.Tensor,
+                   own: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    """The received tensors in the source's order: the reader's own ones, the others typed views of ``local``."""
+    tensors = [own.get(index) for index in range(len(layout.specs))]
+    for piece in pieces:
+        if piece.local_offset is not None:
+            tensors[piece.index] = _typed_view(local[piece.local_offset : piece.local_offset + piece.nbytes],
+                                               layout.specs[piece.index])
+    for index, spec in enumerate(layout.specs):
+        if tensors[index] is None:  # empty
+            tensors[index] = torch.empty(spec.shape, dtype=dtype_from_str(spec.dtype))
+    return tensors  # type: ignore[return-value]
+
+
+def _typed_view(data: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    view = data.view(dtype_from_str(spec.dtype)).view(spec.shape)
+    if spec.requires_grad and (view.is_floating_point() or view.is_complex()):
+        view.requires_grad_(True)
+    return view
 
 
 def _place(views: dict[str, torch.Tensor], device_for: DeviceFor) -> dict[str, torch.Tensor]:
