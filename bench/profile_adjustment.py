@@ -13,6 +13,7 @@ import argparse
 import collections
 import logging
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -27,9 +28,9 @@ from lightning_elan.protocol.client import AMClient
 log = logging.getLogger("bench.profile")
 
 RATE_HZ = 250
-FRAMES = {
-    "w0": ("ElanStrategy._adjust", "ElanStrategy._send_training_state"),
-    "w2": ("ElanStrategy._join", "ElanStrategy._receive_training_state"),
+FRAMES = {  # the engine's adjustment on the source, and the joiner's join
+    "w0": ("ElasticWorker._adjust", "ElasticWorker._send"),
+    "w2": ("ElasticWorker.join", "ElasticWorker._receive"),
 }
 
 
@@ -52,6 +53,7 @@ def children_of(raw: Path, anchor: str, depth: int = 2) -> list[tuple[float, str
 
 
 def profile(model: str, out: Path) -> None:
+    shutil.rmtree(out / "steps", ignore_errors=True)  # a previous run's step files would pass for this one's
     out.mkdir(parents=True, exist_ok=True)
     job = f"profile-{model}-{int(time.time())}"
     env = bench_env({"ELAN_HOME": str(out / "home"), "BENCH_ELAN_LOG": "DEBUG"})

@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--log-level", default="WARNING", help="DEBUG shows each transfer's phases")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     parser.add_argument("--into", default="new", choices=("new", "own", "both"),
                         help="joiners receive into new memory, or into their own tensors (a third) and memory faulted "
                              "in ahead (the rest), as an elan joiner does; both: each case twice, interleaved")
@@ -212,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for size in (float(s) for s in args.sizes_mb.split(",")):
         for transport in (args.transports or default).split(","):
-            for case, (joiners, sources) in CASES.items():
+            for case in args.cases.split(","):
+                joiners, sources = CASES[case]
                 intos = ("new", "own") if args.into == "both" else (args.into,)
                 runs: dict[str, list[dict[str, Any]]] = {into: [] for into in intos}
                 for _ in range(args.repeat):
