@@ -47,7 +47,7 @@ class StateSizeNotice:
 def fault_in_for_joiner(store: dist.Store) -> PrefaultedMemory:
     """A joiner: fault in room for the state rank 0 published, in the background; if nothing is published yet (the
     joiner started with the job), as soon as it is."""
-    return PrefaultedMemory(lambda: _published(store))
+    return PrefaultedMemory(lambda: _published(store), poll_s=0.5)
 
 
 def _published(store: dist.Store) -> int | None:
