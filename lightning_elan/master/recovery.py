@@ -14,7 +14,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_elan.protocol.contract import ACTION_FAILURE, AdjustmentPlan, Transfer
+from lightning_elan.protocol.contract import ACTION_FAILURE, AdjustmentPlan, Transfer, worker_number
 from lightning_elan.replication.sources import plan_replication
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def recovery_plan(
     holders = recovery.state_holders()
     if not holders:
         raise ValueError(f"no survivor holds the training state (dead: {', '.join(recovery.dead)})")
-    stateless = sorted((w for w in recovery.checked_in if w not in holders), key=_worker_number)
+    stateless = sorted((w for w in recovery.checked_in if w not in holders), key=worker_number)
     joiners = stateless + [worker for worker in replacements if worker not in stateless]
     sources, transfers = plan_replication(holders, [], joiners, {w: topologies.get(w) for w in holders + joiners})
     routes = None if transfers is None else [Transfer.from_dict(transfer) for transfer in transfers]
@@ -131,7 +131,3 @@ def recovery_plan(
         hosts={worker: hosts.get(worker) for worker in holders + joiners},
         transfers=routes,
     )
-
-
-def _worker_number(worker_id: str) -> int:
-    return int(worker_id[1:]) if worker_id[1:].isdigit() else 0

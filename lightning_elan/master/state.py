@@ -40,6 +40,7 @@ from lightning_elan.protocol.contract import (
     Transfer,
     WaitPlanReply,
     WorkerStats,
+    worker_number,
 )
 from lightning_elan.replication.sources import plan_replication
 from lightning_elan.replication.topology import WorkerTopology
@@ -65,11 +66,6 @@ WAITING_STATUSES = (REQUESTED, SPAWNED, READY)
 
 class StateError(Exception):
     """A request the job state refuses; ``str(error)`` is the message for the client."""
-
-
-def worker_number(worker_id: str) -> int:
-    """The counter value of a worker id: ``"w12"`` → 12."""
-    return int(worker_id[1:])
 
 
 @dataclass

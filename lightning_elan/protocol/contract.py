@@ -131,6 +131,11 @@ class ProtocolError(ValueError):
 # ---- schemas ---------------------------------------------------------------------------------------------------------
 
 
+
+def worker_number(worker_id: str) -> int:
+    """The AM's counter value in a worker id, for ordering: ``"w12"`` → 12 (0 for an id without one)."""
+    return int(worker_id[1:]) if worker_id[1:].isdigit() else 0
+
 @dataclass(frozen=True)
 class Field:
     """One body field: the JSON types it accepts and whether it must be present (optional fields may be null)."""
@@ -914,4 +919,5 @@ __all__ = [
     "failure_key",
     "required_fields",
     "split_host_port",
+    "worker_number",
 ]
