@@ -38,6 +38,7 @@ __all__ = [
     "allocate_like",
     "arena_layout",
     "arena_views",
+    "as_received",
     "buffer_key",
     "chunk_layout",
     "dtype_from_str",
@@ -322,14 +323,15 @@ def unpack(buffers: dict[str, torch.Tensor], layout: PackedLayout) -> list[torch
     ``requires_grad`` is set where it was set on the source and applies (floating/complex
     tensors); the views are autograd leaves since the buffers do not require grad.
     """
-    out: list[torch.Tensor] = []
-    for spec in layout.specs:
-        buf = buffers[spec.key]
-        view = buf[spec.offset : spec.offset + spec.numel].view(spec.shape)
-        if spec.requires_grad and (view.is_floating_point() or view.is_complex()):
-            view.requires_grad_(True)
-        out.append(view)
-    return out
+    return [as_received(buffers[spec.key][spec.offset : spec.offset + spec.numel].view(spec.shape), spec)
+            for spec in layout.specs]
+
+
+def as_received(view: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """``view`` with ``requires_grad`` set where it was set on the source and applies (floating/complex)."""
+    if spec.requires_grad and (view.is_floating_point() or view.is_complex()):
+        view.requires_grad_(True)
+    return view
 
 
 def empty_buffers(layout: PackedLayout, device_for: Callable[[str], torch.device]) -> dict[str, torch.Tensor]:

@@ -10,7 +10,6 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -153,11 +152,6 @@ def test_a_reader_receives_into_its_own_tensors_and_its_prefaulted_memory(store,
     for g, w in zip(got, tensors, strict=True):
         assert (g.dtype, g.shape) == (w.dtype, w.shape) and torch.equal(g, w)
     source.shutdown()
-
-
-@pytest.fixture
-def store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
 
 
 def _plain_receive(port: int, prefix: str, out: str, into: Any) -> None:

@@ -85,11 +85,6 @@ def run(procs: list[mp.Process], started: bool = False) -> None:
     assert codes == [0] * len(procs), codes
 
 
-@pytest.fixture
-def store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
-
-
 def segments(shm_dir: Path) -> list[str]:
     return sorted(p.name for p in shm_dir.glob("elan-*"))
 

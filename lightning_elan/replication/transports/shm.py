@@ -39,6 +39,7 @@ from lightning_elan.replication.packing import (
     TensorSpec,
     arena_layout,
     arena_views,
+    as_received,
     dtype_from_str,
     make_layout,
     unpack,
@@ -175,11 +176,7 @@ class ShmTransport(StateTransport):
     def _read_as_written(self, fd: int, nbytes: int) -> torch.Tensor:
         """The segment copied into memory of this process, each part as soon as the source has written it."""
         arena = populated(nbytes)
-        view, done = memoryview(arena.numpy()), 0
-        while done < nbytes:
-            written = self._await_written(done + 1, nbytes)
-            _read_into(fd, view[done:written], done)
-            done = written
+        self._read_range_as_written(fd, memoryview(arena.numpy()), 0, nbytes)
         return arena
 
     def _read_into_own(self, fd: int, layout: PackedLayout, places: ArenaLayout, own: dict[int, torch.Tensor],
@@ -195,13 +192,17 @@ class ShmTransport(StateTransport):
         tensors = _local_tensors(layout, pieces, local, own)
         for piece in pieces:
             target = memoryview(_raw_bytes(tensors[piece.index]).numpy())
-            done = 0
-            while done < piece.nbytes:
-                written = self._await_written(piece.arena_offset + done + 1, places.nbytes)
-                end = min(written - piece.arena_offset, piece.nbytes)
-                _read_into(fd, target[done:end], piece.arena_offset + done)
-                done = end
+            self._read_range_as_written(fd, target, piece.arena_offset, places.nbytes)
         return tensors, prefaulted
+
+    def _read_range_as_written(self, fd: int, target: memoryview, offset: int, nbytes: int) -> None:
+        """Fill ``target`` from the arena at ``offset`` (of ``nbytes``), each part as soon as the source wrote it."""
+        done = 0
+        while done < target.nbytes:
+            written = self._await_written(offset + done + 1, nbytes)
+            end = min(written - offset, target.nbytes)
+            _read_into(fd, target[done:end], offset + done)
+            done = end
 
     def _await_written(self, at_least: int, nbytes: int) -> int:
         """Bytes of the arena written so far, once there are ``at_least`` (at most ``nbytes``)."""
@@ -381,10 +382,7 @@ def _local_tensors(layout: PackedLayout, pieces: list[ReceivePiece], local: torc
 
 
 def _typed_view(data: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    view = data.view(dtype_from_str(spec.dtype)).view(spec.shape)
-    if spec.requires_grad and (view.is_floating_point() or view.is_complex()):
-        view.requires_grad_(True)
-    return view
+    return as_received(data.view(dtype_from_str(spec.dtype)).view(spec.shape), spec)
 
 
 def _place(views: dict[str, torch.Tensor], device_for: DeviceFor) -> dict[str, torch.Tensor]:
