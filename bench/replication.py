@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 TIMEOUT = datetime.timedelta(seconds=300)
-CASES = {"1 joiner": (1, 1), "2 joiners, 2 sources": (2, 2), "2 joiners, 1 source": (2, 1)}
+CASES = {"1 joiner": (1, 1), "2 joiners from 2 sources": (2, 2), "2 joiners from 1 source": (2, 1)}
 
 
 def make_state(size_mb: float, tensors: int, device: str) -> list[Any]:
