@@ -32,16 +32,25 @@ last member of the job) leaves the worker training until the grace period ends: 
 engine closes (the training loop is over: left, finished or cancelled) the watch is disarmed and SIGTERM does again what
 it did before (the previous handler).
 
-Python runs a signal handler when the main thread is back in the interpreter: while it waits inside one long C++ call
-(a joiner's rendezvous, a collective stuck on a hung peer) the SIGTERM, and with it the grace period, waits too. The
-orchestrator's own SIGKILL (Kubernetes' grace period, ``elan run``'s ``kill_grace_s``) stays the backstop.
+Python runs a signal handler only when the main thread is back in the interpreter, so a worker stuck inside one long
+C++ call (a rendezvous, a ``new_group`` of a user's ``prepare_data``, a collective on a hung peer) would never see its
+SIGTERM. The watch therefore does not depend on the handler: it installs a socket as Python's *wakeup fd*
+(``signal.set_wakeup_fd``), to which the interpreter's C-level handler writes the signal's number the moment it is
+delivered, whatever the main thread is doing. The watch's thread reads it, asks the AM, and takes the crash path
+``ELAN_TERM_GRACE`` seconds later even if the main thread never comes back: the worker enforces its grace period
+itself, with or without a live launcher. (A C++ call that blocks *holding the GIL* still stops every thread; the
+orchestrator's SIGKILL stays the backstop for that.) A forked child (a DataLoader worker) drops the inherited wakeup fd
+at once (``os.register_at_fork``), so its signals are not taken for the worker's. When another wakeup fd is already set
+(an asyncio loop on the main thread) it is left alone and the handler alone starts the watch, as before.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -68,6 +77,9 @@ REPEAT_WINDOW_S = 1.0
 ``scancel``/``srun`` signal every process of a job step, so the training process gets the signal directly and again
 from the ``elan worker`` that forwards it (as under an init process that forwards to its process group)."""
 
+WAKEUP_POLL_S = 0.5
+"""How often the watch's thread, waiting for the first SIGTERM on the wakeup socket, looks whether it was disarmed."""
+
 
 class TerminationWatch:
     """One worker's SIGTERM handling while it is part of an elastic job (see the module docstring).
@@ -90,7 +102,9 @@ class TerminationWatch:
         self._pid = os.getpid()
         self._previous: Any = None
         self._installed = False
-        self._received_at: float | None = None
+        self._received_at: float | None = None  # the first SIGTERM's delivery: the grace period starts
+        self._handled_at: float | None = None  # the handler's first run: a second SIGTERM is one past the repeat window
+        self._wakeup: _WakeupSocket | None = None
         self._wake = threading.Event()
         self._disarmed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elan-sigterm", daemon=True)
@@ -118,6 +132,7 @@ class TerminationWatch:
         if threading.current_thread() is not threading.main_thread():
             log.warning("the elastic engine started off the main thread: SIGTERM keeps its handler (no graceful leave)")
             return False
+        self._wakeup = _WakeupSocket.install()
         self._previous = signal.signal(signal.SIGTERM, self.handle)
         self._thread.start()
         self._installed = True
@@ -127,9 +142,12 @@ class TerminationWatch:
         """The training loop is over: stop the watch and give SIGTERM back its previous handler."""
         self._disarmed.set()
         self._wake.set()
-        if (self._installed and threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGTERM) == self.handle):
+        if not self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) == self.handle:
             signal.signal(signal.SIGTERM, self._previous)
+        if self._wakeup is not None:
+            self._wakeup.uninstall()
 
     # ------------------------------------------------------------------ the signal handler (main thread)
 
@@ -140,17 +158,24 @@ class TerminationWatch:
             return
         self.signals += 1
         now = time.monotonic()
+        if self._handled_at is None:  # the first (its delivery may have started the grace period already)
+            self._handled_at = now
+            self._start(now)
+        elif now - self._handled_at >= self.repeat_window_s:
+            self._fall_back("a second SIGTERM")
+
+    def _start(self, now: float) -> None:
+        """The first SIGTERM was delivered: the grace period starts and the watch's thread goes to work."""
         if self._received_at is None:
             self._received_at = now
-            self._wake.set()
-        elif now - self._received_at >= self.repeat_window_s:
-            self._fall_back("a second SIGTERM")
+        self._wake.set()
+        if self._wakeup is not None:
+            self._wakeup.nudge()
 
     # ------------------------------------------------------------------ the watch's thread
 
     def _run(self) -> None:
-        self._wake.wait()
-        if self._disarmed.is_set():
+        if not self._await_sigterm():
             return
         assert self._received_at is not None
         deadline = self._received_at + self.grace_s
@@ -164,6 +189,17 @@ class TerminationWatch:
             return
         if not self._disarmed.wait(max(0.0, deadline - time.monotonic())):
             self._fall_back(f"it has not left the job {self.grace_s:g} s after SIGTERM")
+
+    def _await_sigterm(self) -> bool:
+        """Block until the first SIGTERM is delivered (True) or the watch is disarmed (False)."""
+        while not self._disarmed.is_set():
+            if self._received_at is not None:
+                return True
+            if self._wakeup is None:
+                self._wake.wait()
+            elif self._wakeup.sigterm_delivered(WAKEUP_POLL_S):
+                self._start(time.monotonic())
+        return False
 
     def _ask_to_leave(self, deadline: float) -> None:
         worker_id = self.environment.worker_id
@@ -196,6 +232,77 @@ class TerminationWatch:
                   reason)
         _flush_logs()
         self._kill(os.getpid(), signal.SIGKILL)
+
+
+class _WakeupSocket:
+    """The socket Python's C-level signal handler writes every delivered signal's number to (``signal.set_wakeup_fd``),
+    at once, even while the main thread is stuck in C++ and the Python handler cannot run."""
+
+    def __init__(self) -> None:
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)
+
+    @classmethod
+    def install(cls) -> _WakeupSocket | None:
+        """Become this process's wakeup fd (main thread); None when another one is set (it stays)."""
+        wakeup = cls()
+        previous = signal.set_wakeup_fd(wakeup._writer.fileno(), warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)
+            wakeup.close()
+            log.debug("a signal wakeup fd is already set: SIGTERM is seen when its Python handler runs")
+            return None
+        _WAKEUP_FDS.add(wakeup._writer.fileno())
+        return wakeup
+
+    def sigterm_delivered(self, timeout_s: float) -> bool:
+        """Whether a SIGTERM came within ``timeout_s`` (other signals and nudges are read and dropped)."""
+        try:
+            readable, _, _ = select.select([self._reader], [], [], timeout_s)
+            return bool(readable) and signal.SIGTERM in self._reader.recv(4096)
+        except (OSError, ValueError):  # closed by uninstall
+            return False
+
+    def nudge(self) -> None:
+        """Wake the thread waiting in :meth:`sigterm_delivered`."""
+        try:
+            self._writer.send(b"\0")
+        except OSError:
+            pass
+
+    def uninstall(self) -> None:
+        """Stop being the wakeup fd and close (main thread only: elsewhere it stays, as closing would let the signal
+        handler write into whatever file takes the descriptor's number next)."""
+        fileno = self._writer.fileno()
+        current = signal.set_wakeup_fd(-1)
+        if current not in (fileno, -1):
+            signal.set_wakeup_fd(current)  # replaced since: that one stays
+        _WAKEUP_FDS.discard(fileno)
+        self.close()
+
+    def close(self) -> None:
+        self._reader.close()
+        self._writer.close()
+
+
+_WAKEUP_FDS: set[int] = set()
+"""The wakeup fds the watches of this process installed."""
+
+
+def _drop_wakeup_in_child() -> None:
+    """A forked child (a DataLoader worker) must not report its signals on the worker's wakeup socket."""
+    if not _WAKEUP_FDS:
+        return
+    try:
+        current = signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread
+        return
+    if current not in _WAKEUP_FDS:
+        signal.set_wakeup_fd(current)
+    _WAKEUP_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_wakeup_in_child)
 
 
 def _flush_logs() -> None:
