@@ -5,6 +5,11 @@ its own (a Ctrl-C at the terminal reaches the launcher, which stops the AM itsel
 port; every restart binds the same address, so workers (ZeroMQ DEALERs reconnect by themselves) and ``elan
 scale/status`` (the registry entry is rewritten with the new pid) reach the new AM without being told. The new AM
 resumes from ``state.json``; clients resend with the same message id and the persisted reply cache answers replays.
+
+The AM dies with its launcher: when ``elan run`` ends in any way, SIGKILL included, the kernel sends the AM SIGTERM
+(``launcher/lifeline.py``) and it stops as on Ctrl-C (registry entry removed, state kept in the state directory for the
+next ``elan run`` to archive); its ``--parent-pid`` watch (it polls ``getppid``) is the fallback. An AM nobody's
+``elan run`` started — ``elan am``, a standby AM on an etcd store — is nobody's child and runs until it is stopped.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from lightning_elan.launcher.lifeline import die_with_parent
 from lightning_elan.master import registry
 
 log = logging.getLogger(__name__)
@@ -113,7 +119,8 @@ class AMProcess:
         log.info("the AM of job %s (pid %d) %s", self.job, process.pid, describe_status(process.returncode))
 
     def _spawn(self, bind: str) -> subprocess.Popen[bytes]:
-        self._process = subprocess.Popen(self._command(bind), env=self._env, start_new_session=True)
+        self._process = subprocess.Popen(self._command(bind), env=self._env, start_new_session=True,
+                                         preexec_fn=die_with_parent(signal.SIGTERM))
         self._started_at = time.monotonic()
         return self._process
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
 
+from lightning_elan.launcher.lifeline import die_with_parent
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
     DEFAULT_TERM_GRACE_S,
@@ -136,7 +137,7 @@ class EnrolledWorker:
 
     def _run_command(self, enrolment: EnrolReply) -> int:
         env = self._command_env(enrolment)
-        self._child = subprocess.Popen(self.config.command, env=env)
+        self._child = subprocess.Popen(self.config.command, env=env, preexec_fn=die_with_parent(signal.SIGTERM))
         where = f"rank {enrolment.rank} of {enrolment.world_size}" if enrolment.role == ROLE_MEMBER else "joiner"
         log.info("%s (%s) started: pid %d", enrolment.worker_id, where, self._child.pid)
         previous = signal.signal(signal.SIGTERM, self._forward)

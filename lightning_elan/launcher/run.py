@@ -9,6 +9,10 @@ it) and its joiners are stopped as expected exits. A worker that fails unexpecte
 The AM is a child process (``launcher.am_process``) restarted from its store whenever it dies; the TCPStore
 server stays in the launcher, so neither an AM nor a worker takes it down. Every launcher request is resent
 with the same message id until the (possibly restarted) AM answers, so none applies twice or gets lost.
+
+Every child dies with the launcher (``launcher/lifeline.py``): a SIGKILLed ``elan run`` leaves no worker, standby,
+joiner or AM behind (the workers get SIGKILL from the kernel, the AM SIGTERM); the workers' DataLoader processes
+follow within torch's 5 s watchdog interval.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from types import FrameType
 from typing import Any
 
 from lightning_elan.launcher.am_process import DEFAULT_MAX_RESTARTS, AMFailed, AMProcess, describe_status
+from lightning_elan.launcher.lifeline import die_with_parent
 from lightning_elan.launcher.schedule import ScaleAction, format_schedule_item
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
@@ -307,7 +312,7 @@ class JobLauncher:
             term_grace_s=self.config.term_grace_s,
         )
         env = self._worker_env(description)
-        process = subprocess.Popen(self.config.command, env=env)
+        process = subprocess.Popen(self.config.command, env=env, preexec_fn=die_with_parent(signal.SIGKILL))
         worker = Worker(worker_id, role, process, device_index)
         self._workers[worker_id] = worker
         where = "" if device_index is None else f", device {device_index}"
