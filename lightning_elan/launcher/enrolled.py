@@ -21,6 +21,7 @@ from datetime import timedelta
 from types import FrameType
 
 from lightning_elan.launcher.lifeline import die_with_parent
+from lightning_elan.protocol.addresses import am_address_list
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
     DEFAULT_TERM_GRACE_S,
@@ -52,18 +53,8 @@ class NotEnrolled(RuntimeError):
 
 
 def am_addresses(text: str) -> str:
-    """``HOST:PORT[,HOST:PORT…]`` (each with or without ``tcp://``) → the ZeroMQ address list ``AMClient`` takes."""
-    parts = [part.strip() for part in text.split(",")]
-    if not text.strip() or not all(parts):
-        raise ValueError(f"bad AM address {text!r}: expected HOST:PORT[,HOST:PORT…]")
-    addresses = []
-    for part in parts:
-        bare = part.removeprefix("tcp://")
-        host, _, port = bare.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"bad AM address {part!r}: expected HOST:PORT (e.g. 10.0.0.5:29400)")
-        addresses.append(f"tcp://{bare}")
-    return ",".join(addresses)
+    """``ADDRESS[,ADDRESS…]`` (each ``HOST:PORT``, ``tcp://HOST:PORT`` or ``HOST``) → the list ``AMClient`` takes."""
+    return am_address_list(text)
 
 
 @dataclass
@@ -127,11 +118,11 @@ class EnrolledWorker:
             except AMUnavailable:
                 if time.monotonic() > deadline:
                     raise NotEnrolled(f"no AM of job {self.config.job} answered at {self.config.am} within "
-                                      f"{self.config.enrol_timeout_s:.0f} s") from None
+                                      f"{self.config.enrol_timeout_s:g} s") from None
             except AMError as error:
                 raise NotEnrolled(f"the AM of job {self.config.job} refused this worker: {error}") from None
             if time.monotonic() > deadline:
-                raise NotEnrolled(f"job {self.config.job} did not start within {self.config.enrol_timeout_s:.0f} s")
+                raise NotEnrolled(f"job {self.config.job} did not start within {self.config.enrol_timeout_s:g} s")
 
     # ------------------------------------------------------------------ the command
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from lightning_elan.protocol.addresses import split_am_addresses
 from lightning_elan.protocol.auth import ENV_SECRET_FILE, AuthError, FrameSigner, is_signed, secret_from_env
 from lightning_elan.protocol.contract import (
     AdjustmentReport,
@@ -51,11 +52,9 @@ class AMUnavailable(ConnectionError):
 
 
 def split_addresses(address: str) -> list[str]:
-    """``"tcp://a:1,tcp://b:2"`` → ``["tcp://a:1", "tcp://b:2"]``; refuses an empty list or an empty entry."""
-    addresses = [part.strip() for part in address.split(",")]
-    if not address.strip() or not all(addresses):
-        raise ValueError(f"bad AM address list {address!r}: expected tcp://HOST:PORT[,tcp://HOST:PORT…]")
-    return addresses
+    """``"tcp://a:1,b:2"`` → ``["tcp://a:1", "tcp://b:2"]`` (:func:`~lightning_elan.protocol.addresses.am_address`
+    forms); ValueError on an empty list, an empty entry or a wrong address."""
+    return split_am_addresses(address)
 
 
 class AMClient:

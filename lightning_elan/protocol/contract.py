@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
+from lightning_elan.protocol.addresses import am_address_list
 from lightning_elan.replication.planner import Transfer
 
 PROTOCOL_VERSION = 1
@@ -773,7 +774,7 @@ class WorkerEnvironment:
             job=env[ENV_JOB],
             worker_id=env[ENV_WORKER_ID],
             role=role,
-            am_address=env[ENV_AM_ADDRESS],
+            am_address=_am_address_from_env(env[ENV_AM_ADDRESS]),
             store_address=env[ENV_STORE_ADDRESS],
             generation=int(env.get(ENV_GENERATION, -1)),
             rank=int(env.get(ENV_RANK, -1)),
@@ -831,6 +832,14 @@ class WorkerEnvironment:
         if self.device_index is not None:
             env[ENV_DEVICE_INDEX] = str(self.device_index)
         return env
+
+
+def _am_address_from_env(text: str) -> str:
+    """``ELAN_AM_ADDRESS`` in the form ``tcp://HOST:PORT[,…]`` (any form :func:`am_address_list` takes)."""
+    try:
+        return am_address_list(text)
+    except ValueError as error:
+        raise ValueError(f"{ENV_AM_ADDRESS}: {error}") from None
 
 
 def _term_grace(text: str | None) -> float:
