@@ -23,15 +23,21 @@ from pathlib import Path
 from typing import Any
 
 from lightning_elan import cli_sizing
-from lightning_elan.launcher.schedule import (
-    ScaleAction,
-    ScheduleError,
-    parse_action,
-    parse_non_negative_int,
-    parse_positive_int,
-    parse_schedule,
+from lightning_elan.cli_types import (
+    am_address_list,
+    bind_address,
+    job_name,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+    schedule_type,
+    world_size,
 )
+from lightning_elan.launcher.schedule import ScaleAction, ScheduleError, parse_action
 from lightning_elan.master import registry
+from lightning_elan.protocol.addresses import ADDRESS_FORMS
 from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
     DEFAULT_JOIN_TIMEOUT_S,
@@ -55,69 +61,6 @@ class CLIError(Exception):
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
         self.code = code
-
-
-# ---------------------------------------------------------------------- argument types
-
-
-def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """Turn a parser raising ``ValueError`` into an argparse type whose message reaches the user."""
-
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = parse.__name__
-    return convert
-
-
-def _job_name(text: str) -> str:
-    return registry.check_job_name(text)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"must be a number > 0, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise ValueError(f"must be a number ≥ 0, got {text!r}")
-    return value
-
-
-def _am_address_list(text: str) -> str:
-    from lightning_elan.launcher.enrolled import am_addresses
-
-    return am_addresses(text)
-
-
-def _grace_seconds(text: str) -> float:
-    value = _positive_float(text)
-    if value == float("inf"):
-        raise ValueError(f"must be a finite number of seconds > 0, got {text!r}")
-    return value
-
-
-positive_int = _arg_type(parse_positive_int)
-non_negative_int = _arg_type(parse_non_negative_int)
-job_name = _arg_type(_job_name)
-positive_float = _arg_type(_positive_float)
-schedule_type = _arg_type(parse_schedule)
-grace_seconds = _arg_type(_grace_seconds)
-am_address_list = _arg_type(_am_address_list)
-non_negative_float = _arg_type(_non_negative_float)
 
 
 # ---------------------------------------------------------------------- parser
@@ -159,18 +102,18 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
         usage="elan run --nproc N --job NAME [options] -- CMD...",
         description="Start the AM, the TCPStore and N workers of CMD; start joiners when the AM asks.",
     )
-    run.add_argument("--nproc", type=positive_int, required=True, metavar="N", help="workers in generation 0")
+    run.add_argument("--nproc", type=world_size, required=True, metavar="N", help="workers in generation 0")
     run.add_argument("--job", type=job_name, required=True, metavar="NAME")
     run.add_argument(
         "--coordinate-every", type=positive_int, default=None, metavar="K",
         help=f"coordination interval in steps (default {DEFAULT_COORDINATE_EVERY})",
     )
     run.add_argument(
-        "--report-timeout", type=_positive_float, default=DEFAULT_REPORT_TIMEOUT_S, metavar="SECONDS",
+        "--report-timeout", type=positive_float, default=DEFAULT_REPORT_TIMEOUT_S, metavar="SECONDS",
         help="a request fails if a new worker has not reported ready after this long (default %(default)g)",
     )
     run.add_argument(
-        "--term-grace", type=grace_seconds, default=DEFAULT_TERM_GRACE_S, metavar="SECONDS",
+        "--term-grace", type=positive_float, default=DEFAULT_TERM_GRACE_S, metavar="SECONDS",
         help="a worker that gets SIGTERM leaves the job at its next batch boundary; one that has not left this long "
         "after (or gets a second SIGTERM) kills itself, as a crashed worker (default %(default)g)",
     )
@@ -192,11 +135,11 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
         help="start a replacement for each worker that dies; it joins like any joiner (default: off)",
     )
     run.add_argument(
-        "--min-workers", type=positive_int, default=None, metavar="N",
+        "--min-workers", type=world_size, default=None, metavar="N",
         help="after a worker dies, wait for joiners while fewer than N workers are left (default 1)",
     )
     run.add_argument(
-        "--join-timeout", type=_positive_float, default=None, metavar="SECONDS",
+        "--join-timeout", type=positive_float, default=None, metavar="SECONDS",
         help=f"how long the job waits for joiners below --min-workers before it fails (default "
              f"{DEFAULT_JOIN_TIMEOUT_S:g})",
     )
@@ -219,7 +162,8 @@ def _standby_count(text: str) -> int:
 def _add_am(sub: Any) -> argparse.ArgumentParser:
     am = sub.add_parser("am", help="run an AM alone (foreground)")
     am.add_argument("--job", type=job_name, required=True, metavar="NAME")
-    am.add_argument("--bind", default=DEFAULT_BIND, metavar="ADDR", help=f"ZeroMQ address (default {DEFAULT_BIND})")
+    am.add_argument("--bind", type=bind_address, default=DEFAULT_BIND, metavar="ADDR",
+                    help=f"where the AM listens: {ADDRESS_FORMS} (port 0: any free one; default {DEFAULT_BIND})")
     am.add_argument("--state-dir", type=Path, default=None, metavar="D", help="default: $ELAN_HOME/jobs/NAME")
     am.add_argument(
         "--store", default=None, metavar="URL",
@@ -227,7 +171,7 @@ def _add_am(sub: Any) -> argparse.ArgumentParser:
         "etcd, several `elan am` of one job may run: one leads, the others stand by and take over",
     )
     am.add_argument(
-        "--lease-ttl", type=_positive_float, default=None, metavar="SECONDS",
+        "--lease-ttl", type=positive_float, default=None, metavar="SECONDS",
         help="etcd store: the leader's lease; a standby takes over this long after the leader died (default 5)",
     )
     am.add_argument(
@@ -243,11 +187,11 @@ def _add_enrolment_options(am: argparse.ArgumentParser) -> None:
     """``elan am --min-workers N``: a job of workers started by a scheduler (``elan worker``)."""
     group = am.add_argument_group("workers started by a scheduler (`elan worker`)")
     group.add_argument(
-        "--min-workers", type=positive_int, default=None, metavar="N",
+        "--min-workers", type=world_size, default=None, metavar="N",
         help="take `elan worker`s: the job starts once N have enrolled (and, after a worker dies, waits for joiners "
              "while fewer than N are left)",
     )
-    group.add_argument("--max-workers", type=positive_int, default=None, metavar="M",
+    group.add_argument("--max-workers", type=world_size, default=None, metavar="M",
                        help="at most M workers (default: --min-workers); more are refused")
     group.add_argument("--start-grace", type=non_negative_float, default=None, metavar="SECONDS",
                        help="once N have enrolled, wait this long for more (up to M) before the start (default 5)")
@@ -256,7 +200,7 @@ def _add_enrolment_options(am: argparse.ArgumentParser) -> None:
     group.add_argument("--join-timeout", type=positive_float, default=None, metavar="SECONDS",
                        help=f"how long the job waits for joiners below --min-workers before it fails (default "
                             f"{DEFAULT_JOIN_TIMEOUT_S:g})")
-    group.add_argument("--rdzv-port", type=non_negative_int, default=0, metavar="P",
+    group.add_argument("--rdzv-port", type=port, default=0, metavar="P",
                        help="port of the job's rendezvous store (a TCPStore this AM serves; default: a free one)")
 
 
@@ -277,7 +221,7 @@ def _add_worker(sub: Any) -> argparse.ArgumentParser:
     worker.add_argument("--iface", default=None, metavar="NAME",
                         help="the network interface the worker's collectives and state transfers use (sets "
                              "$ELAN_IFACE; default: the interface of the route to the AM)")
-    worker.add_argument("--term-grace", type=grace_seconds, default=DEFAULT_TERM_GRACE_S, metavar="SECONDS",
+    worker.add_argument("--term-grace", type=positive_float, default=DEFAULT_TERM_GRACE_S, metavar="SECONDS",
                         help="after SIGTERM, how long the worker may take to leave (default %(default)g)")
     worker.add_argument("--enrol-timeout", type=positive_float, default=600.0, metavar="SECONDS",
                         help="give up when no AM answers, or the job does not start, within this long "
@@ -425,11 +369,12 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     refuse_if_running(args.job, parser)
     from lightning_elan.launcher.run import JobLauncher, LaunchConfig, LaunchError
 
+    state_dir = args.state_dir or registry.default_state_dir(args.job)
     config = LaunchConfig(
         job=args.job,
         nproc=args.nproc,
         command=command,
-        state_dir=args.state_dir or registry.default_state_dir(args.job),
+        state_dir=state_dir,
         coordinate_every=args.coordinate_every or DEFAULT_COORDINATE_EVERY,
         report_timeout_s=args.report_timeout,
         term_grace_s=args.term_grace,
@@ -444,6 +389,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     if args.min_workers is not None and args.min_workers > args.nproc:
         parser.error(f"--min-workers {args.min_workers} is more than --nproc {args.nproc}")
+    _make_state_dir(state_dir)
     try:
         launcher = JobLauncher(config)
     except LaunchError as exc:
@@ -485,19 +431,21 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.lease_ttl is not None:
         parser.error("--lease-ttl needs --store etcd://…")
     refuse_if_running(args.job, parser)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    _make_state_dir(state_dir)
     store = FileStore(args.store or state_dir / "state.json")
-    store.discard_partial_writes()
     rendezvous = None if enrolment is None else _serve_rendezvous_store(args)
     try:
+        store.discard_partial_writes()
         am = ApplicationMaster(args.job, store, state_dir=state_dir, bind=args.bind, secret=secret_from_env(),
                                rendezvous=None if rendezvous is None else (_advertised_host(args.bind),
                                                                            rendezvous.port))
     except AuthError as error:
         raise CLIError(str(error), code=2) from None
+    except (OSError, ValueError) as error:
+        raise CLIError(f"cannot use the store {store.path}: {_reason(error)}", code=2) from None
     if enrolment is not None:
         am.accept_enrolments(enrolment, coordinate_every=args.coordinate_every, join_timeout_s=args.join_timeout)
-    am.start()
+    _start_am(am, args.bind)
     _configure_sizing(am.address, args.job, sizing)
     log.info("AM of job %s (pid %d) at %s: state in %s; Ctrl-C stops it", args.job, os.getpid(), am.address,
              state_dir)
@@ -505,6 +453,29 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     log.info("%s: stopping the AM of job %s", stopped, args.job)
     am.stop()
     return 0
+
+
+def _make_state_dir(state_dir: Path) -> None:
+    """Create the job's state directory; one that cannot be made (a file there, no permission) → CLIError (exit 2)."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CLIError(f"cannot create the state directory {state_dir}: {_reason(error)}", code=2) from None
+
+
+def _reason(error: Exception) -> str:
+    """An OSError's ``strerror`` (``File exists``), else the error's own message."""
+    return getattr(error, "strerror", None) or str(error)
+
+
+def _start_am(am: Any, bind: str) -> None:
+    """Bind and serve; an address the system refuses (port taken, unknown host or interface) → CLIError (exit 2)."""
+    import zmq
+
+    try:
+        am.start()
+    except zmq.ZMQError as error:
+        raise CLIError(f"cannot bind the AM to {bind}: {error.strerror}", code=2) from None
 
 
 def _configure_sizing(address: str, job: str, requests: list[tuple[str, dict[str, Any]]]) -> None:
@@ -609,12 +580,18 @@ def _am_in_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser, state
     stop, failed = threading.Event(), threading.Event()
 
     def run() -> None:
+        import zmq
+
         try:
             elected.run(stop)
+        except zmq.ZMQError as error:  # the leader's bind: a port taken, an unknown host or interface
+            log.error("the AM of job %s cannot bind %s: %s", args.job, args.bind, error.strerror)
         except BaseException:
             log.exception("the AM of job %s failed", args.job)
-            failed.set()
-            signal.raise_signal(signal.SIGTERM)  # wakes _wait_for_stop on the main thread
+        else:
+            return
+        failed.set()
+        signal.raise_signal(signal.SIGTERM)  # wakes _wait_for_stop on the main thread
 
     runner = threading.Thread(target=run, name="elan-elected-am", daemon=True)
     runner.start()

@@ -9,40 +9,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_elan.cli_types import fraction, job_name, non_negative_float, positive_float, positive_int, world_size
 from lightning_elan.master.sizing import AUTOSCALE_POLICIES, SETTLE_MODES, STRAGGLER_MODES
-from lightning_elan.protocol.contract import MAX_WORLD_SIZE
 
 PROFILE_POLL_S = 1.0
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if not 1 <= value <= MAX_WORLD_SIZE:
-        raise argparse.ArgumentTypeError(f"expected an integer in 1..{MAX_WORLD_SIZE}, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def _utility_file(text: str) -> dict[str, Any]:
@@ -62,18 +32,18 @@ def add_profile(sub: Any, add_am_option: Callable[[argparse.ArgumentParser], Non
                     "samples/s at each, then return it to its size (or settle on the best). No restart; every sample "
                     "still once per epoch. The result is in `elan status` and STATE_DIR/profile.json.",
     )
-    profile.add_argument("--job", required=True, metavar="NAME")
+    profile.add_argument("--job", type=job_name, required=True, metavar="NAME")
     add_am_option(profile)
-    profile.add_argument("--min", type=_positive_int, required=True, metavar="N", dest="min_size")
-    profile.add_argument("--max", type=_positive_int, required=True, metavar="M", dest="max_size")
-    profile.add_argument("--steps", type=_positive_int, default=20, metavar="S",
+    profile.add_argument("--min", type=world_size, required=True, metavar="N", dest="min_size")
+    profile.add_argument("--max", type=world_size, required=True, metavar="M", dest="max_size")
+    profile.add_argument("--steps", type=positive_int, default=20, metavar="S",
                          help="steps measured at each size (default %(default)s)")
     profile.add_argument("--settle", choices=SETTLE_MODES, default="return",
                          help="after the profile: back to the job's size, or the best measured (default %(default)s)")
     profile.add_argument("--no-wait", action="store_true", help="return once the profile has started")
-    profile.add_argument("--wait-timeout", type=_non_negative, default=3600.0, metavar="SECONDS",
+    profile.add_argument("--wait-timeout", type=non_negative_float, default=3600.0, metavar="SECONDS",
                          help="give up waiting for the result after this long (default %(default)g)")
-    profile.add_argument("--timeout", type=_non_negative, default=10.0, metavar="SECONDS",
+    profile.add_argument("--timeout", type=positive_float, default=10.0, metavar="SECONDS",
                          help="one request to the AM (default %(default)g)")
     return profile
 
@@ -83,26 +53,26 @@ def add_autoscale(sub: Any, add_am_option: Callable[[argparse.ArgumentParser], N
         "autoscale", help="let a running job size itself (Or et al.'s throughput or utility policy)",
         description="Switch a running job's autoscaler on (or off).",
     )
-    autoscale.add_argument("--job", required=True, metavar="NAME")
+    autoscale.add_argument("--job", type=job_name, required=True, metavar="NAME")
     add_am_option(autoscale)
     autoscale.add_argument("--policy", choices=AUTOSCALE_POLICIES, required=True)
-    autoscale.add_argument("--min-workers", type=_positive_int, default=None, metavar="N", help="default 1")
-    autoscale.add_argument("--max-workers", type=_positive_int, default=None, metavar="M", help="default: none")
+    autoscale.add_argument("--min-workers", type=world_size, default=None, metavar="N", help="default 1")
+    autoscale.add_argument("--max-workers", type=world_size, default=None, metavar="M", help="default: none")
     _add_policy_options(autoscale, prefix="")
-    autoscale.add_argument("--timeout", type=_non_negative, default=10.0, metavar="SECONDS")
+    autoscale.add_argument("--timeout", type=positive_float, default=10.0, metavar="SECONDS")
     return autoscale
 
 
 def _add_policy_options(parser: argparse.ArgumentParser | Any, prefix: str) -> None:
-    parser.add_argument(f"--{prefix}every", type=_positive_int, default=None, metavar="N", dest="autoscale_every",
+    parser.add_argument(f"--{prefix}every", type=positive_int, default=None, metavar="N", dest="autoscale_every",
                         help="decide every N measured steps at a size (default 20)")
-    parser.add_argument(f"--{prefix}step", type=_positive_int, default=None, metavar="K", dest="autoscale_step",
+    parser.add_argument(f"--{prefix}step", type=world_size, default=None, metavar="K", dest="autoscale_step",
                         help="workers added per decision (default 1)")
-    parser.add_argument(f"--{prefix}threshold", type=_fraction, default=None, metavar="S",
+    parser.add_argument(f"--{prefix}threshold", type=fraction, default=None, metavar="S",
                         dest="autoscale_threshold", help="throughput policy: least scaling efficiency (default 0.1)")
-    parser.add_argument(f"--{prefix}cooldown", type=_non_negative, default=None, metavar="SECONDS",
+    parser.add_argument(f"--{prefix}cooldown", type=non_negative_float, default=None, metavar="SECONDS",
                         dest="autoscale_cooldown", help="least time between two decisions (default 0)")
-    parser.add_argument("--price", type=_non_negative, default=None, metavar="P",
+    parser.add_argument("--price", type=non_negative_float, default=None, metavar="P",
                         help="utility policy: the price of one worker-second")
     parser.add_argument("--utility", type=_utility_file, default=None, metavar="FILE",
                         help="utility policy: the utility of the completion time (JSON or YAML, docs/autoscaling.md)")
@@ -116,14 +86,14 @@ def add_sizing_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sizing (docs/autoscaling.md)")
     group.add_argument("--autoscale", choices=AUTOSCALE_POLICIES[:-1], default=None, metavar="POLICY",
                        help="size the job automatically: throughput or utility")
-    group.add_argument("--autoscale-min", type=_positive_int, default=None, metavar="N")
-    group.add_argument("--autoscale-max", type=_positive_int, default=None, metavar="M")
+    group.add_argument("--autoscale-min", type=world_size, default=None, metavar="N")
+    group.add_argument("--autoscale-max", type=world_size, default=None, metavar="M")
     _add_policy_options(group, prefix="autoscale-")
     group.add_argument("--stragglers", choices=STRAGGLER_MODES, default=None,
                        help="replace or remove a worker much slower than the others (default off: report only)")
-    group.add_argument("--straggler-threshold", type=_fraction, default=None, metavar="F",
+    group.add_argument("--straggler-threshold", type=fraction, default=None, metavar="F",
                        help="a worker below F of the median compute throughput (EWMA) is slow (default 0.8)")
-    group.add_argument("--straggler-window", type=_positive_int, default=None, metavar="N",
+    group.add_argument("--straggler-window", type=positive_int, default=None, metavar="N",
                        help="... for N straggler rounds in a row (about 2 s each) (default 5)")
 
 

@@ -160,7 +160,7 @@ def test_utility_autoscaler_adds_a_worker_only_while_finishing_sooner_is_worth_i
 @pytest.mark.parametrize(("args", "message"), [
     (["profile", "--job", "nosuchjob", "--min", "1", "--max", "2"], "no running job named nosuchjob"),
     (["profile", "--job", "j", "--min", "3", "--max", "2"], "--min 3 is more than --max 2"),
-    (["profile", "--job", "j", "--min", "0", "--max", "2"], "expected an integer in 1.."),
+    (["profile", "--job", "j", "--min", "0", "--max", "2"], "must be an integer in 1.."),
     (["autoscale", "--job", "j", "--policy", "magic"], "invalid choice: 'magic'"),
     (["run", "--nproc", "1", "--job", "j", "--autoscale-every", "3", "--", "true"], "need --autoscale POLICY"),
     (["run", "--nproc", "1", "--job", "j", "--stragglers", "sometimes", "--", "true"], "invalid choice"),

@@ -134,8 +134,8 @@ def test_parse_ranks() -> None:
 @pytest.mark.parametrize(
     ("argv", "problem"),
     [
-        (["run", "--nproc", "0", "--job", "j", "--", "true"], "argument --nproc: must be an integer >= 1, got '0'"),
-        (["run", "--nproc", "two", "--job", "j", "--", "true"], "argument --nproc: must be an integer >= 1"),
+        (["run", "--nproc", "0", "--job", "j", "--", "true"], "--nproc: must be an integer in 1..4096, got '0'"),
+        (["run", "--nproc", "two", "--job", "j", "--", "true"], "argument --nproc: must be an integer in 1..4096"),
         (["run", "--nproc", "2", "--job", "j", "--coordinate-every", "0", "--", "true"], "--coordinate-every"),
         (["run", "--nproc", "2", "--job", "j", "--schedule", "10:add", "--", "true"], "'10:add' must look like"),
         (["run", "--nproc", "2", "--job", "j", "--schedule", "x:add=1", "--", "true"], "step must be a non-negative"),
@@ -149,7 +149,7 @@ def test_parse_ranks() -> None:
         (["run", "--nproc", "2", "--job", "j", "--term-grace", "-5", "--", "true"], "must be a number > 0, got '-5'"),
         (["run", "--nproc", "2", "--job", "j", "--term-grace", "soon", "--", "true"], "must be a number > 0"),
         (["run", "--nproc", "2", "--job", "j", "--term-grace", "inf", "--", "true"],
-         "argument --term-grace: must be a finite number of seconds > 0, got 'inf'"),
+         "argument --term-grace: must be a finite number > 0, got 'inf'"),
         (["run", "--job", "j", "--", "true"], "required: --nproc"),
         (["run", "--nproc", "2", "--job", "j", "--min-workers", "0", "--", "true"], "argument --min-workers"),
         (["run", "--nproc", "2", "--job", "j", "--min-workers", "3", "--", "true"], "--min-workers 3 is more than"),
@@ -166,12 +166,12 @@ def test_parse_ranks() -> None:
         (["scale", "--job", "j", "--at-step", "-3", "add", "1"], "argument --at-step: must be a non-negative integer"),
         (["status", "--job", "j", "--timeout", "0"], "argument --timeout: must be a number > 0"),
         (["status", "--job", "j", "--", "x"], "only `elan run` and `elan worker` take a worker command"),
-        (["status", "--job", "j", "--am", "host"], "argument --am: bad AM address 'host': expected HOST:PORT"),
+        (["status", "--job", "j", "--am", "host:"], "argument --am: bad AM address 'host:': the port must be"),
         (["scale", "--job", "j", "--am", "h:99999", "add", "1"], "argument --am: bad AM address 'h:99999'"),
         (["worker", "--job", "j", "--", "true"], "the AM's address is needed: --am HOST:PORT (or $ELAN_AM)"),
         (["worker", "--am", "h:1", "--", "true"], "the job's name is needed: --job NAME (or $ELAN_JOB)"),
         (["worker", "--am", "h:1", "--job", "j"], "missing worker command after `--`"),
-        (["worker", "--am", "h:1,", "--job", "j", "--", "true"], "argument --am: bad AM address 'h:1,'"),
+        (["worker", "--am", "h:1,", "--job", "j", "--", "true"], "argument --am: bad AM address list 'h:1,'"),
         (["worker", "--am", "h:1", "--job", "j", "--iface", "no-such-if0", "--", "true"],
          "--iface 'no-such-if0': no such network interface here"),
         (["worker", "--am", "h:1", "--job", "j", "--enrol-timeout", "0", "--", "true"], "argument --enrol-timeout"),
@@ -200,7 +200,7 @@ def test_module_entry_point_reports_errors() -> None:
         cwd=REPO,
     )
     assert result.returncode == 2
-    assert "elan run: error: argument --nproc: must be an integer >= 1, got '0'" in result.stderr
+    assert "elan run: error: argument --nproc: must be an integer in 1..4096, got '0'" in result.stderr
 
 
 # ---------------------------------------------------------------------- against a real AM
