@@ -18,6 +18,8 @@ from lightning_elan.sim.workload import ElasticBounds
 
 log = logging.getLogger(__name__)
 
+PNG_HINT = "pip install matplotlib, or pip install 'lightning_elan[bench]'"
+
 
 def run_simulate(args: argparse.Namespace) -> int:
     """Run every policy under every cost model, print the table, write the reports; SimulationError on bad input."""
@@ -31,8 +33,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     if not 0 <= args.dp_interval < math.inf:
         raise SimulationError(f"--dp-interval must be 0 (every event) or a positive number of seconds, not "
                               f"{args.dp_interval}")
+    png = False
     if args.out is not None:
         _make_out_dir(args.out)  # before the simulation: a long run should not fail at its very end
+        png = not args.no_png and _can_plot()
     bounds = ElasticBounds(args.min_res_factor, args.max_res_factor)
     jobs = load_jobs(args.trace, cluster, args.seed, bounds, args.profiles)
     runs = run_policies(jobs, cluster.total_gpus, policies, cost_models, args.dp_interval)
@@ -45,7 +49,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.out is not None:
         try:
             written = write_reports(args.out, setup, [run.metrics for run in runs], [run.result for run in runs],
-                                    png=not args.no_png)
+                                    png=png)
         except OSError as error:
             raise SimulationError(f"--out {args.out}: cannot write the reports ({error})") from None
         sys.stdout.write("wrote " + ", ".join(str(path) for path in written) + "\n")
@@ -59,3 +63,13 @@ def _make_out_dir(out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise SimulationError(f"--out {out}: cannot create the directory ({error.strerror or error})") from None
+
+
+def _can_plot() -> bool:
+    """True when matplotlib imports; else one warning line saying how to get the PNG (the reports go on without)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        log.warning("skipping simulate.png: matplotlib cannot be imported (%s); for the plot: %s", error, PNG_HINT)
+        return False
+    return True
