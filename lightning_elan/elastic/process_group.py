@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import hashlib
 import logging
 import threading
 import time
@@ -36,7 +37,8 @@ from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticProcessGroup", "blocked_seconds", "install_default_group", "uninstall_default_group"]
+__all__ = ["ElasticProcessGroup", "StaleGroupError", "UserGroup", "blocked_seconds", "install_default_group",
+           "uninstall_default_group"]
 
 BACKEND_NAME = "elan"
 """The name the group is registered under with ``torch.distributed.Backend``."""
@@ -166,6 +168,21 @@ class _Generation:
         self.failure: BaseException | None = None
         self._outstanding: weakref.WeakSet[AbortableWork] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._groups_made: dict[tuple[int, ...], int] = {}
+        self.user_backends: list[ProcessGroup] = []
+        """The backends of the groups user code made in this generation: freed with the generation (see _retire)."""
+
+    def next_group_key(self, ranks: list[int]) -> str:
+        """The store key of the next group over ``ranks`` made in this generation: the same on every member.
+
+        Every member makes the groups it belongs to in the same order (torch's rule for ``new_group``), so counting
+        them per set of ranks agrees across members, also for ``use_local_synchronization`` (only the group's
+        ranks call it) and for a joiner that made none before it was admitted."""
+        members = tuple(ranks)
+        count = self._groups_made.get(members, 0)
+        self._groups_made[members] = count + 1
+        digest = hashlib.sha1(",".join(map(str, members)).encode(), usedforsecurity=False).hexdigest()[:16]
+        return f"{self.prefix}groups/{digest}/{count}/"
 
     def guard(self, start: Callable[[], dist.Work]) -> dist.Work:
         """Start a collective; its work is abortable unless the backend's work has no future (send/recv)."""
@@ -200,6 +217,9 @@ class _Generation:
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
             raise self.failure
+
+    def check_usable(self) -> None:
+        self._raise_if_failed()
 
 
 class _ForwardingCollectives:
@@ -275,6 +295,26 @@ class _ForwardingCollectives:
         target = self._target()
         return self._guarded(lambda: target.recv(tensors, src_rank, tag))
 
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.recv_anysource(tensors, tag))
+
+    def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.alltoall(output_tensors, input_tensors, opts))
+
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """gloo's barrier that names the ranks that did not arrive (synchronous: it returns no work)."""
+        target = self._target()
+        self._check_usable()
+        if timeout is None:
+            return target.monitored_barrier(wait_all_ranks=wait_all_ranks)
+        return target.monitored_barrier(timeout, wait_all_ranks)
+
+    def _check_usable(self) -> None:
+        """Raise where a collective on this group cannot run (a failed generation, a group of an earlier one)."""
+        raise NotImplementedError
+
 
 class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
     """A process group whose members, rank and world size change while the object stays the same."""
@@ -292,7 +332,7 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         self._size = 1
         self._current: ProcessGroup | None = None
         self._generation: _Generation | None = None
-        self._retired: ProcessGroup | None = None
+        self._retired: tuple[ProcessGroup, list[ProcessGroup]] | None = None
 
     # ------------------------------------------------------------------ membership
 
@@ -306,25 +346,27 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         self._current = self._create(group_store, rank, world_size)
         self._generation = _Generation(self._current, prefix, rank, world_size)
         self.prefix, self._rank, self._size = prefix, rank, world_size
+        _publish_generation(self)
         elapsed = time.perf_counter() - started
         log.debug("process group %s: rank %d of %d in %.1f ms", prefix, rank, world_size, elapsed * 1e3)
         return elapsed
 
     def shutdown(self) -> None:
         """Let go of the current generation's backend (its pending work is complete: we are at a batch boundary)."""
-        current, self._current, self._generation = self._current, None, None
+        current, generation = self._current, self._generation
+        self._current, self._generation = None, None
         if current is not None:
             self._release(current, abort=False)
-            self._retire(current)
+            self._retire(current, generation.user_backends if generation is not None else [])
 
-    def _retire(self, group: ProcessGroup) -> None:
+    def _retire(self, group: ProcessGroup, user_backends: list[ProcessGroup]) -> None:
         """Free the generation retired before ``group``; keep ``group`` until the next one is retired.
 
         Freeing a gloo group joins its worker threads while holding the GIL, and a worker thread that still holds the
         last reference to a collective it has just finished needs the GIL to free that work's Python tensors: a
         deadlock in the moments after a collective completes (seen with plain DDP's teardown in torch 2.13). The
-        threads of a group retired a whole generation ago are idle."""
-        self._retired = group  # frees the one retired before it
+        threads of a group retired a whole generation ago are idle. The groups user code made in it go with it."""
+        self._retired = (group, user_backends)  # frees the one retired before it
 
     def keep_backends_for_life(self) -> None:
         """The group's last generation is never freed: once this object is uninstalled, nothing frees it before the
@@ -354,6 +396,27 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
             self._release(generation.group, abort=True)  # a kernel waiting on a dead peer only returns on abort
         return True
 
+    def new_group(self, ranks: list[int], timeout: timedelta | None = None, pg_options: Any = None,
+                  group_name: str | None = None, group_desc: str | None = None) -> ProcessGroup | None:
+        """``torch.distributed.new_group`` (and ``new_subgroups``, Lightning's ``_InfiniteBarrier``) on this group.
+
+        torch (2.13) hands subgroup creation to a default group that implements it (``_new_group_with_tag``). The
+        group is formed among the current generation's ranks on a store key of that generation, and is valid for
+        that generation only: used after a resize it raises :class:`StaleGroupError`. ``None``: not a member."""
+        generation = self._generation
+        if generation is None:
+            raise RuntimeError("torch.distributed.new_group: this worker is not a member of the job right now "
+                               "(it joins or leaves it)")
+        key = generation.next_group_key(ranks)
+        if generation.rank not in ranks:
+            return None
+        store = dist.PrefixStore(key, self.store)
+        group_timeout = timeout if timeout is not None else self.timeout
+        backend = self._backend_group(store, ranks.index(generation.rank), len(ranks), group_timeout, True)
+        generation.user_backends.append(backend)
+        log.debug("new_group %s over ranks %s of %s (%s)", group_name, ranks, generation.prefix, group_desc)
+        return UserGroup(backend, generation, self, ranks)
+
     def generation_view(self) -> ProcessGroup:
         """The current generation as a process group of its own size (for DDP, which reads the C++ size)."""
         generation = self._generation
@@ -362,27 +425,37 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         return GenerationGroup(generation, self)
 
     def _create(self, store: dist.Store, rank: int, world_size: int) -> ProcessGroup:
+        group = self._backend_group(store, rank, world_size, self.timeout)
+        default = ProcessGroup.BackendType.NCCL if self.backend == "nccl" else ProcessGroup.BackendType.GLOO
+        self._set_default_backend(default)
+        for device in ("cpu", "cuda"):
+            backend = _backend_for(group, device)
+            if backend is not None:  # DDP's construction logging and object collectives look it up on this object
+                self._register_backend(torch.device(device), _backend_type(backend), backend)
+        return group
+
+    def _backend_group(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+                       default_gloo: bool = False) -> ProcessGroup:
+        """A plain process group of gloo (CPU tensors) and, for an NCCL job, NCCL (CUDA tensors) over ``store``."""
         group = ProcessGroup(store, rank, world_size)
-        gloo = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+        gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         gloo._set_sequence_number_for_group()
         devices = [(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)]
         default = ProcessGroup.BackendType.GLOO
         if self.backend == "nccl":
-            devices.append((torch.device("cuda"), ProcessGroup.BackendType.NCCL, self._nccl(store, rank, world_size)))
-            default = ProcessGroup.BackendType.NCCL
+            nccl = self._nccl(dist.PrefixStore("nccl/", store) if default_gloo else store, rank, world_size, timeout)
+            devices.append((torch.device("cuda"), ProcessGroup.BackendType.NCCL, nccl))
+            default = ProcessGroup.BackendType.GLOO if default_gloo else ProcessGroup.BackendType.NCCL
         elif torch.cuda.is_available():
             devices.append((torch.device("cuda"), ProcessGroup.BackendType.GLOO, gloo))
         group._set_default_backend(default)
-        self._set_default_backend(default)
         for device, kind, backend in devices:
             group._register_backend(device, kind, backend)
-            # DDP's construction logging and object collectives look the backend up on this (outer) object
-            self._register_backend(device, kind, backend)
         return group
 
-    def _nccl(self, store: dist.Store, rank: int, world_size: int) -> Any:
+    def _nccl(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = self.timeout
+        options._timeout = timeout
         backend = dist.ProcessGroupNCCL(store, rank, world_size, options)
         backend._set_sequence_number_for_group()
         return backend
@@ -428,6 +501,12 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
             raise RuntimeError("the elastic process group is not part of any generation (not configured)")
         return generation.guard(start)
 
+    def _check_usable(self) -> None:
+        generation = self._generation
+        if generation is None:
+            raise RuntimeError("the elastic process group is not part of any generation (not configured)")
+        generation.check_usable()
+
     def __repr__(self) -> str:
         return f"ElasticProcessGroup({self.backend}, {self.prefix!r}, rank {self._rank} of {self._size})"
 
@@ -441,19 +520,16 @@ class GenerationGroup(_ForwardingCollectives, ProcessGroup):
         self._parent = parent
         backend_type = ProcessGroup.BackendType.NCCL if parent.backend == "nccl" else ProcessGroup.BackendType.GLOO
         self._set_default_backend(backend_type)
-        for device in ("cpu", "cuda"):
-            try:
-                backend = generation.group._get_backend(torch.device(device))
-            except RuntimeError:
-                continue
-            kind = ProcessGroup.BackendType.NCCL if backend.name() == "nccl" else ProcessGroup.BackendType.GLOO
-            self._register_backend(torch.device(device), kind, backend)
+        _register_backends_of(generation.group, self)
 
     def _target(self) -> ProcessGroup:
         return self._generation.group
 
     def _guarded(self, start: Callable[[], dist.Work]) -> dist.Work:
         return self._generation.guard(start)
+
+    def _check_usable(self) -> None:
+        self._generation.check_usable()
 
     def size(self) -> int:
         return self._generation.world_size
@@ -467,6 +543,86 @@ class GenerationGroup(_ForwardingCollectives, ProcessGroup):
     def name(self) -> str:
         return self._parent.backend
 
+
+class StaleGroupError(RuntimeError):
+    """A process group made with ``new_group`` in one generation was used after the job was resized."""
+
+
+class UserGroup(_ForwardingCollectives, ProcessGroup):
+    """A group user code made with ``torch.distributed.new_group``: some ranks of one generation, valid in it only.
+
+    Its collectives are abortable like the generation's own (a member's death releases them), and a collective in
+    a later generation raises :class:`StaleGroupError` instead of waiting forever for ranks that moved."""
+
+    def __init__(self, backend: ProcessGroup, generation: _Generation, parent: ElasticProcessGroup,
+                 ranks: list[int]) -> None:
+        super().__init__(ranks.index(generation.rank), len(ranks))
+        self._backend_group, self._generation, self._parent, self.ranks = backend, generation, parent, ranks
+        self._set_default_backend(ProcessGroup.BackendType.GLOO)
+        _register_backends_of(backend, self)
+
+    def _target(self) -> ProcessGroup:
+        return self._backend_group
+
+    def _guarded(self, start: Callable[[], dist.Work]) -> dist.Work:
+        self._check_usable()
+        return self._generation.guard(start)
+
+    def _check_usable(self) -> None:
+        current = self._parent._generation
+        if current is not self._generation:
+            now = f"{current.prefix!r} (rank {current.rank} of {current.world_size})" if current else "no generation"
+            raise StaleGroupError(
+                f"a process group made with torch.distributed.new_group in generation {self._generation.prefix!r} "
+                f"(ranks {self.ranks} of {self._generation.world_size}) was used after the job's resize to {now}: "
+                "its ranks no longer exist. Make such groups again after a resize (e.g. in the step that uses them)")
+        self._generation.check_usable()
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank(self) -> int:
+        return self.ranks.index(self._generation.rank)
+
+    def getBackendName(self) -> str:
+        return "gloo"
+
+    def name(self) -> str:
+        return "gloo"
+
+
+def _backend_for(group: ProcessGroup, device: str) -> Any:
+    try:
+        return group._get_backend(torch.device(device))
+    except RuntimeError:
+        return None
+
+
+def _backend_type(backend: Any) -> ProcessGroup.BackendType:
+    return ProcessGroup.BackendType.NCCL if backend.name() == "nccl" else ProcessGroup.BackendType.GLOO
+
+
+def _register_backends_of(group: ProcessGroup, outer: ProcessGroup) -> None:
+    """Register ``group``'s backends on ``outer`` (C++ callers such as DDP's logging look them up on it)."""
+    for device in ("cpu", "cuda"):
+        backend = _backend_for(group, device)
+        if backend is not None:
+            outer._register_backend(torch.device(device), _backend_type(backend), backend)
+
+
+def _publish_generation(group: ElasticProcessGroup) -> None:
+    """What torch keeps of the default group is the current generation's: its ranks and its store.
+
+    ``init_process_group`` recorded a world of one (``_world.pg_group_ranks[default]``, read by
+    ``get_process_group_ranks`` and so by ``new_subgroups``) and a local ``HashStore`` (``_world.pg_map[default]``:
+    torch before 2.13 builds ``new_group``'s backends on it in ``_new_process_group_helper``, and
+    ``_get_default_store()`` hands it to libraries)."""
+    world = dist.distributed_c10d._world
+    if group not in world.pg_map or group.prefix is None:
+        return
+    backend, _ = world.pg_map[group]
+    world.pg_map[group] = (backend, dist.PrefixStore(f"{group.prefix}default/", group.store))
+    world.pg_group_ranks[group] = {rank: rank for rank in range(group.size())}
 
 _abandoned: list[_Generation] = []
 
@@ -501,6 +657,7 @@ def install_default_group(group: ElasticProcessGroup) -> None:
         finally:
             _installing = None
         _report_backend_as(group, group.backend)
+        _publish_generation(group)
     _destroy_at_exit()
 
 
