@@ -1,0 +1,65 @@
+"""Shared by every test directory: at the end of the session, no process a test started may still run.
+
+A stray is a running process that is a descendant of this pytest process, or whose environment or command line names
+this session's temporary directory (a job's ``ELAN_HOME``, a state directory, a script under ``tmp_path``: that finds
+an orphan whose parent died, which is no descendant any more). Other pytest sessions on this machine have their own
+temporary directories and are not descendants, so they are never matched. Strays are given a moment to exit, then
+named, killed, and the session fails.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests import processes
+
+STRAY_GRACE_S = 3.0
+"""A process the last teardown is still stopping gets this long before it counts as a stray."""
+
+HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch._inductor.compile_worker")
+"""Helpers that live as long as the pytest process that started them, by design."""
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    strays = _strays(session.config)
+    if strays:
+        strays = processes.wait_gone(strays, STRAY_GRACE_S)
+    if not strays:
+        return
+    named = {pid: processes.command_line(pid) for pid in sorted(strays)}
+    processes.kill(strays)
+    _report(session.config, named)
+    if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _strays(config: pytest.Config) -> set[int]:
+    """The running processes this session started (see the module docstring), helpers excepted."""
+    me = os.getpid()
+    found = processes.descendants(me)
+    basetemp = _basetemp(config)
+    if basetemp is not None:
+        found |= processes.mentioning(f"{basetemp}{os.sep}")
+    found.discard(me)
+    return {pid for pid in found if not any(helper in processes.command_line(pid) for helper in HELPERS)}
+
+
+def _basetemp(config: pytest.Config) -> Path | None:
+    """This session's temporary directory, if a test created one (asking for it would create it)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    return getattr(factory, "_basetemp", None)
+
+
+def _report(config: pytest.Config, named: dict[int, str]) -> None:
+    lines = [f"pid {pid}: {command or '?'}" for pid, command in named.items()]
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        print("\n".join(["stray processes (killed):", *lines]))
+        return
+    reporter.ensure_newline()
+    reporter.write_sep("=", f"{len(named)} stray process(es) still running after the tests: killed", red=True)
+    for line in lines:
+        reporter.write_line(line, red=True)
