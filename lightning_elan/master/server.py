@@ -20,6 +20,7 @@ import zmq
 
 from lightning_elan.master import journal, registry, sizing
 from lightning_elan.master.enrolment import Enrolment
+from lightning_elan.master.narration import completed_line, decided_line
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore, StoreConflict, StoreUnavailable
 from lightning_elan.protocol.auth import AuthError, FrameSigner, is_signed, refuse_open_bind
@@ -344,7 +345,7 @@ class ApplicationMaster:
         self._address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.register:
             registry.write(self.job, self._address, self.state_dir)
-        logger.info("AM of job %r listening on %s (generation %s)", self.job, self._address, self._state.generation)
+        logger.debug("AM of job %r listening on %s (generation %s)", self.job, self._address, self._state.generation)
 
     def _unregister(self) -> None:
         if self.register and self._address is not None:
@@ -572,7 +573,9 @@ class ApplicationMaster:
         in_flight_before = self._state.in_flight
         reply = self._state.coordinate(CoordinateRequest.from_body(body))
         if reply.plan is not None and in_flight_before is None:
-            logger.info("job %r: decided plan %s", self.job, json.dumps(reply.plan.to_dict()))
+            plan = reply.plan.to_dict()
+            logger.info("%s", decided_line(self.job, plan))
+            logger.debug("job %r: decided plan %s", self.job, json.dumps(plan))
         return reply.to_body()
 
     def _on_report(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -693,7 +696,8 @@ class ApplicationMaster:
         records, self._records_to_write = self._records_to_write, []
         for record in records:
             line = json.dumps(record, separators=(",", ":"))
-            logger.info("job %r: adjustment complete: %s", self.job, line)
+            logger.info("%s", completed_line(self.job, record))
+            logger.debug("job %r: adjustment complete: %s", self.job, line)
             if self.state_dir is not None:
                 self.state_dir.mkdir(parents=True, exist_ok=True)
                 with open(self.state_dir / ADJUSTMENTS_FILE, "a", encoding="utf-8") as file:
