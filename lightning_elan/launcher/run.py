@@ -3,8 +3,11 @@
 The launcher is the local *scheduler* of docs/architecture.md: it starts generation 0, submits the
 ``--schedule`` as ``scale`` requests, then polls the AM (``launcher_poll``) for joiners to start and
 reports every child's exit (``worker_exit``). The job ends when every member of the current
-generation has exited 0 having finished training; a plan still in flight then is stranded (rank 0 never learned of
-it) and its joiners are stopped as expected exits. A worker that fails unexpectedly stops the whole job.
+generation has exited 0 having finished training (a member stopped by SIGTERM once its training loop was over counts
+as finished when another member exited 0: there was nothing left for it to leave); a plan still in flight then is
+stranded (rank 0 never learned of it) and its joiners are stopped as expected exits. A worker that fails unexpectedly
+stops the whole job. Only an exit the AM waited for (a leaver, a cancelled joiner) is logged ``(expected)``; a death
+the survivors recover from is logged as such, never as expected.
 
 The AM is a child process (``launcher.am_process``) restarted from its store whenever it dies; the TCPStore
 server stays in the launcher, so neither an AM nor a worker takes it down. Every launcher request is resent
@@ -52,6 +55,8 @@ log = logging.getLogger(__name__)
 
 LOCAL_HOST = "127.0.0.1"
 STATE_FILES: tuple[str, ...] = ("state.json", "adjustments.jsonl")
+SIGTERM_EXITS = (-signal.SIGTERM, 128 + signal.SIGTERM)
+"""How a process stopped by SIGTERM ends: killed by it, or exiting 143 as a shell (or a handler) reports it."""
 
 class LaunchError(RuntimeError):
     """The job cannot be started as configured (the CLI reports it as a usage error)."""
@@ -99,6 +104,36 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self.returncode is None
+
+
+@dataclass(frozen=True)
+class ExitVerdict:
+    """What the AM made of a worker's exit (its ``worker_exit`` reply)."""
+
+    expected: bool = False  # an exit 0 the AM waited for: a leaver, a cancelled joiner, a member after the end
+    recovering: bool = False  # a death the survivors recover from: the job goes on without it
+    after_training: bool = False  # a non-zero exit once another member's exit 0 showed the training complete
+
+    @classmethod
+    def from_reply(cls, reply: Mapping[str, Any], returncode: int) -> ExitVerdict:
+        if reply.get("recovering"):
+            return cls(recovering=True)
+        expected = bool(reply.get("expected"))
+        return cls(expected=expected and returncode == 0, after_training=expected and returncode != 0)
+
+    @property
+    def tolerated(self) -> bool:
+        """Not a failure of the job."""
+        return self.expected or self.recovering or self.after_training
+
+    @property
+    def note(self) -> str | None:
+        """How the exit is described in the launcher's log besides ``(expected)``."""
+        if self.recovering:
+            return "the job recovers without it"
+        if self.after_training:
+            return "after the job's training completed"
+        return None
 
 
 class _Interrupted(Exception):
@@ -381,9 +416,11 @@ class JobLauncher:
                 continue
             worker.returncode = returncode
             self._exit_seen = True
-            expected = worker.left_as_planned = self._report_exit(worker)
-            log.info("%s (pid %d) %s", worker.worker_id, worker.process.pid, describe_exit(returncode, expected))
-            if returncode == 0 or expected or worker.stranded or failed is not None:
+            verdict = self._report_exit(worker)
+            worker.left_as_planned = verdict.expected
+            log.info("%s (pid %d) %s", worker.worker_id, worker.process.pid,
+                     describe_exit(returncode, verdict.expected, verdict.note))
+            if returncode == 0 or verdict.tolerated or worker.stranded or failed is not None:
                 continue
             if self._is_undecided_joiner(worker):
                 log.error("joiner %s failed before its plan was decided: the AM dropped its request", worker.worker_id)
@@ -401,17 +438,19 @@ class JobLauncher:
         involved = members | {str(worker_id) for worker_id in in_flight.get("members") or []}
         return worker.worker_id not in involved
 
-    def _report_exit(self, worker: Worker) -> bool:
-        """Tell the AM; a member's death it recovers from is announced to the survivors and counts as expected."""
+    def _report_exit(self, worker: Worker) -> ExitVerdict:
+        """Tell the AM; a member's death it recovers from is announced to the survivors (not a failure of the job, but
+        not an expected exit either)."""
+        returncode = worker.returncode or 0
         try:
             reply = self._request("worker_exit", {"worker_id": worker.worker_id, "returncode": worker.returncode})
         except AMError as exc:
             log.warning("AM refused worker_exit for %s: %s", worker.worker_id, exc)
-            return False
-        if reply.get("recovering"):
+            return ExitVerdict()
+        verdict = ExitVerdict.from_reply(reply, returncode)
+        if verdict.recovering:
             self._announce_failure(worker, [int(g) for g in reply.get("failed_generations") or []])
-            return True
-        return bool(reply.get("expected"))
+        return verdict
 
     def _announce_failure(self, worker: Worker, generations: list[int]) -> None:
         """Set the failure keys the survivors' watch threads poll: their collectives are released at once."""
@@ -441,12 +480,13 @@ class JobLauncher:
         self._exit_seen = False
         self._last_status_check = now
         status = self._last_status = self._status()
-        if not self._members_exited_ok(status):
+        if not self._members_finished(status):
             return False
         in_flight = status.get("in_flight")
         if in_flight is not None and not self._stranded(status, in_flight):
             return False  # the members left for the plan in flight (a full migration): its joiners carry on
         log.info("job %s: every member of generation %s has finished", self.config.job, status.get("generation"))
+        self._note_stopped_members(status)
         if in_flight is not None:
             self._stop_stranded_joiners(in_flight)
         return True
@@ -482,15 +522,25 @@ class JobLauncher:
             time.sleep(self.config.poll_interval_s)
         self._kill([worker for worker in stranded if self._poll_quietly(worker)])
 
-    def _members_exited_ok(self, status: Mapping[str, Any]) -> bool:
-        members = [str(member["worker_id"]) for member in status.get("members") or []]
-        if not members:
+    def _members_finished(self, status: Mapping[str, Any]) -> bool:
+        """Every member of the current generation has exited having finished training: exited 0, or stopped by SIGTERM
+        once its training loop was over (nothing left to leave) while another member's exit 0 shows the training
+        complete (every member trains every step, so the last step needed them all)."""
+        members = [self._workers.get(str(member["worker_id"])) for member in status.get("members") or []]
+        if not members or any(worker is None or worker.alive for worker in members):
             return False
-        for worker_id in members:
-            worker = self._workers.get(worker_id)
-            if worker is None or worker.returncode != 0:
-                return False
-        return True
+        stopped = [worker for worker in members if worker is not None and worker.returncode != 0]
+        if not stopped:
+            return True
+        return len(stopped) < len(members) and all(worker.returncode in SIGTERM_EXITS for worker in stopped)
+
+    def _note_stopped_members(self, status: Mapping[str, Any]) -> None:
+        """Say which finished members were stopped by SIGTERM after the training was complete."""
+        members = [self._workers.get(str(member["worker_id"])) for member in status.get("members") or []]
+        stopped = [worker.worker_id for worker in members if worker is not None and worker.returncode]
+        if stopped:
+            log.warning("job %s: %s stopped by SIGTERM after the training was complete (another member finished it)",
+                        self.config.job, ", ".join(stopped))
 
     def _live_workers(self) -> list[Worker]:
         return [worker for worker in self._workers.values() if worker.alive]
@@ -643,10 +693,13 @@ def archive_previous_run(state_dir: Path) -> Path | None:
     return archive
 
 
-def describe_exit(returncode: int, expected: bool) -> str:
-    """``exited with code 3`` / ``was killed by SIGKILL`` (+ ``(expected)`` for leavers and cancelled joiners)."""
+def describe_exit(returncode: int, expected: bool, note: str | None = None) -> str:
+    """``exited with code 3`` / ``was killed by SIGKILL``, + ``(expected)`` for an exit the AM waited for (a leaver, a
+    cancelled joiner, a member after the end) or else ``(note)``: never ``(expected)`` for a death it recovers from."""
     text = describe_status(returncode)
-    return f"{text} (expected)" if expected else text
+    if expected:
+        return f"{text} (expected)"
+    return f"{text} ({note})" if note else text
 
 
 def _on_main_thread() -> bool:
@@ -654,6 +707,7 @@ def _on_main_thread() -> bool:
 
 
 __all__ = [
+    "ExitVerdict",
     "JobLauncher",
     "LaunchConfig",
     "LaunchError",

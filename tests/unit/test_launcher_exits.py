@@ -1,0 +1,56 @@
+"""How ``elan run`` reads its workers' exits (issue 27): only an exit the AM waited for is '(expected)'; a SIGTERM death
+after another member finished training ends the job as finished, any other non-zero exit does not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_elan.launcher.run import ExitVerdict, JobLauncher, LaunchConfig, Worker, describe_exit
+
+
+@pytest.mark.parametrize(
+    ("reply", "returncode", "described"),
+    [
+        ({"expected": True}, 0, "exited with code 0 (expected)"),
+        ({"expected": False, "recovering": True, "failed_generations": [0]}, 1,
+         "exited with code 1 (the job recovers without it)"),
+        ({"expected": True}, -15, "was killed by SIGTERM (after the job's training completed)"),
+        ({"expected": False}, 0, "exited with code 0"),
+        ({"expected": False, "recovering": False}, 1, "exited with code 1"),
+    ],
+)
+def test_only_an_exit_the_am_waited_for_is_expected(reply: dict, returncode: int, described: str) -> None:
+    verdict = ExitVerdict.from_reply(reply, returncode)
+    assert describe_exit(returncode, verdict.expected, verdict.note) == described
+    assert verdict.tolerated == (reply.get("expected") or reply.get("recovering") or False)
+
+
+def launcher_with(returncodes: dict[str, int | None]) -> JobLauncher:
+    launcher = JobLauncher(LaunchConfig(job="j", nproc=len(returncodes), command=["true"], state_dir=Path("unused")))
+    for worker_id, returncode in returncodes.items():
+        launcher._workers[worker_id] = Worker(worker_id, "member", SimpleNamespace(pid=1), returncode=returncode)
+    return launcher
+
+
+def status_of(*members: str) -> dict:
+    return {"members": [{"worker_id": worker_id} for worker_id in members]}
+
+
+@pytest.mark.parametrize(
+    ("returncodes", "finished"),
+    [
+        ({"w0": 0, "w1": 0}, True),
+        ({"w0": 0, "w1": -15}, True),  # stopped by SIGTERM once its training loop was over
+        ({"w0": 0, "w1": 143}, True),  # the same, through a shell
+        ({"w0": 0, "w1": None}, False),  # still running
+        ({"w0": 0, "w1": 1}, False),  # a crash is not a finish
+        ({"w0": 0, "w1": -9}, False),
+        ({"w0": -15, "w1": -15}, False),  # nobody shows the training complete
+    ],
+)
+def test_the_members_finished(returncodes: dict[str, int | None], finished: bool) -> None:
+    launcher = launcher_with(returncodes)
+    assert launcher._members_finished(status_of(*returncodes)) is finished
