@@ -1,14 +1,17 @@
 """EDL's ``profile(job, min_p, max_p)`` (Wu et al., §3.1 and §5.2) on a live job, pure (no Lightning, no process
 group): which sizes to visit, in which order, and where to settle.
 
-EDL starts a profiling job at the maximum parallelism and scales in one GPU at a time to the minimum, because scaling
-in is far cheaper than scaling out, measuring each size for a few mini-batches (10 in its §6.2). A live job starts
-wherever it is: if ``max_size`` is above the start it grows there in one request (the only scale-out), then scales
-in one worker at a time down to ``min_size``, skipping sizes already measured (the start size among them: the caller
-measures where the job is before asking). ``steps`` is how many steps the caller measures at each size. Once every
-size in [min, max] is measured the job settles: back at ``start_size`` (``settle="return"``) or at the highest
-measured throughput, the smaller size on a tie (``settle="best"``); :meth:`result` reports the rates, the per-worker
-rates, and the best size.
+EDL starts a profiling job at the maximum parallelism and scales in one GPU at a time to the minimum, measuring each
+size for a few mini-batches (10 in its §6.2): scaling in only pauses the stayers, scaling out starts processes. A live
+job starts wherever it is, so it keeps both properties — scale-ins of one worker, a single scale-out: it is measured
+where it is, scales in one worker at a time down to ``min_size``, grows to ``max_size`` in one request, then scales
+in one worker at a time down to the size above its start (from 2 in ``[1, 3]``: 2 → 1 → 3 → 2; from 3: 3 → 2 → 1 →
+3). Growing to the top first would cross the start size on the way down and need a second scale-out to return. A
+job outside the range enters it at the top; a size already measured (after an outside resize) is skipped, and
+a size the job finds itself at unmeasured is measured there. ``steps`` is how many steps the caller measures at each
+size. Once every size in [min, max] is measured the job settles: back at ``start_size`` (``settle="return"``) or at
+the highest measured throughput, the smaller size on a tie (``settle="best"``); :meth:`result` reports the rates, the
+per-worker rates, and the best size.
 """
 
 from __future__ import annotations
@@ -44,8 +47,19 @@ class ProfileRun:
 
     @property
     def sizes(self) -> list[int]:
-        """The sizes to profile, in visiting order after the start: max first, then down to min."""
-        return list(range(self.max_size, self.min_size - 1, -1))
+        """The sizes to profile, in visiting order: the start (when in range), one fewer at a time down to min, then
+        max and one fewer at a time down to just above the start."""
+        descending = range(self.max_size, self.min_size - 1, -1)
+        start = [self.start_size] if self.min_size <= self.start_size <= self.max_size else []
+        below = [size for size in descending if size < self.start_size]
+        above = [size for size in descending if size > self.start_size]
+        return start + below + above
+
+    def route(self) -> list[int]:
+        """Every size the job is at, in order, from the start to where it settles (``settle="return"``; with
+        ``"best"`` the last size depends on the measurements and is left out)."""
+        visits = [size for size in self.sizes if size != self.start_size]
+        return [self.start_size, *visits, *([self.start_size] if self.settle == "return" and visits else [])]
 
     @property
     def done(self) -> bool:
@@ -60,6 +74,8 @@ class ProfileRun:
     def next_target(self, current: int, measured: Mapping[int, float]) -> int | None:
         """The size to move to next; None while ``current`` still needs measuring, or once done."""
         todo = self.remaining(measured)
+        if current in todo:
+            return None  # measure it where it is, whatever brought it there
         target = todo[0] if todo else self.final_size(measured)
         if target == current:
             self._done = not todo

@@ -1,8 +1,9 @@
-"""EDL's profile(min_p, max_p) on a live job: grow to max once, scale in one worker at a time, settle."""
+"""EDL's profile(min_p, max_p) on a live job: scale in one worker at a time, grow to max once, settle."""
 
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 
@@ -31,16 +32,44 @@ def test_start_at_max_scales_in_then_returns():
     assert run.done and run.finished(3, CURVE)
 
 
-def test_start_inside_grows_to_max_once_and_skips_the_start():
-    run = ProfileRun(1, 4, start_size=2)
-    assert run.next_target(2, {2: 190.0}) == 4
-    assert visit(ProfileRun(1, 4, start_size=2), CURVE, 2) == [4, 3, 1, 2]
+def scale_ins(path: list[int], start: int) -> list[int]:
+    """How many workers each scale-in of the path removes."""
+    sizes = [start, *path]
+    return [before - after for before, after in pairwise(sizes) if after < before]
+
+
+def scale_outs(path: list[int], start: int) -> int:
+    sizes = [start, *path]
+    return sum(1 for before, after in pairwise(sizes) if after > before)
+
+
+def test_start_inside_steps_down_one_at_a_time_grows_once_and_never_revisits():
+    assert visit(ProfileRun(1, 3, start_size=2), CURVE, 2) == [1, 3, 2]  # the issue's 2 → 3 → 1 is gone
+    path = visit(ProfileRun(1, 4, start_size=2), CURVE, 2)
+    assert path == [1, 4, 3, 2]
+    assert ProfileRun(1, 4, start_size=2).route() == [2, 1, 4, 3, 2]
+
+
+@pytest.mark.parametrize("start", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(("low", "high"), [(1, 5), (2, 4), (1, 1), (3, 5)])
+def test_every_scale_in_inside_the_range_removes_one_worker_and_there_is_one_scale_out(start, low, high):
+    run = ProfileRun(low, high, start_size=start)
+    path = visit(run, CURVE, start)
+    assert sorted(set(path) | {start}) == sorted(set(range(low, high + 1)) | {start})  # every size, nothing more
+    assert path[-1:] in ([start], [])  # back where it started
+    assert scale_outs(path, start) <= 1
+    inside = scale_ins(path, start)[1 if start > high else 0:]  # a job above the range enters it in one request
+    inside = inside[:-1] if start < low else inside  # ... and one below it leaves it in one
+    assert all(removed == 1 for removed in inside)
+    assert run.route() == [start, *path]
 
 
 def test_waits_while_current_size_is_unmeasured():
     run = ProfileRun(1, 4, start_size=2)
-    assert run.next_target(4, {2: 190.0}) is None and not run.done  # at 4, not measured yet
-    assert run.next_target(4, {2: 190.0, 4: 300.0}) == 3
+    assert run.next_target(2, {}) is None and not run.done  # the start is measured first
+    assert run.next_target(2, {2: 190.0}) == 1
+    assert run.next_target(4, {2: 190.0}) is None and not run.done  # at 4 (an outside resize), not measured yet
+    assert run.next_target(4, {2: 190.0, 4: 300.0}) == 1
 
 
 def test_settle_best_takes_the_smaller_size_on_a_tie():
