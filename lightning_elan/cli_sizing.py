@@ -94,7 +94,8 @@ def add_sizing_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--straggler-threshold", type=fraction, default=None, metavar="F",
                        help="a worker below F of the median compute throughput (EWMA) is slow (default 0.8)")
     group.add_argument("--straggler-window", type=positive_int, default=None, metavar="N",
-                       help="... for N straggler rounds in a row (about 2 s each) (default 5)")
+                       help="... for N straggler rounds in a row (default 5); a round ends once every member has "
+                            "sent its compute time, which each sends every second: about 1 s each")
 
 
 def sizing_requests(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[tuple[str, dict[str, Any]]]:

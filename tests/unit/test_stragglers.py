@@ -146,3 +146,16 @@ def test_round_trip_keeps_scores_and_streaks():
 def test_validates(kwargs, match):
     with pytest.raises(ValueError, match=match):
         StragglerDetector(**kwargs)
+
+
+def test_help_and_docs_give_the_round_the_members_report_interval() -> None:
+    """A round ends once every member has reported; each reports every ``STATS_EVERY_S``: --help and the docs say so."""
+    from pathlib import Path
+
+    from lightning_elan.cli import build_parser
+    from lightning_elan.elastic.compute import STATS_EVERY_S
+
+    said = f"about {STATS_EVERY_S:g} s"
+    assert said in " ".join(build_parser().commands["run"].format_help().split())
+    docs = " ".join((Path(__file__).parents[2] / "docs" / "autoscaling.md").read_text().split())
+    assert f"each sends it every second, so {said}" in docs and STATS_EVERY_S == 1.0
