@@ -45,6 +45,11 @@ BACKEND_NAME = "elan"
 
 DISARM_WAIT_S = 5.0
 """At exit, how long a collective's Python callback already running on the backend's thread is waited for."""
+ARRIVED_KEY = "arrived"
+"""Under a generation's prefix: one key per rank that has arrived to form it."""
+ARRIVAL_POLL_MIN_S, ARRIVAL_POLL_MAX_S = 0.0005, 0.05
+"""A member waiting for the others to arrive looks again after 0.5 ms, doubling up to 50 ms (and whether the
+generation failed meanwhile)."""
 CALLBACK_RELEASE_S = 0.05
 """At exit, after such a callback returned: time for the backend's thread to free it (it takes the GIL to do so)."""
 
@@ -222,6 +227,18 @@ class _Generation:
         self._raise_if_failed()
 
 
+class _Forming:
+    """A generation being formed: the failure reported for it before it was formed, if any."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.failure: BaseException | None = None
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+
 class _ForwardingCollectives:
     """Every collective forwarded to :meth:`_target` through :meth:`_guarded` (abortable work)."""
 
@@ -333,6 +350,7 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         self._current: ProcessGroup | None = None
         self._generation: _Generation | None = None
         self._retired: tuple[ProcessGroup, list[ProcessGroup]] | None = None
+        self._forming: _Forming | None = None
 
     # ------------------------------------------------------------------ membership
 
@@ -343,6 +361,7 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         started = time.perf_counter()
         self.shutdown()
         group_store = dist.PrefixStore(prefix, self.store)
+        self._await_members(prefix, group_store, rank, world_size)
         self._current = self._create(group_store, rank, world_size)
         self._generation = _Generation(self._current, prefix, rank, world_size)
         self.prefix, self._rank, self._size = prefix, rank, world_size
@@ -350,6 +369,25 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         elapsed = time.perf_counter() - started
         log.debug("process group %s: rank %d of %d in %.1f ms", prefix, rank, world_size, elapsed * 1e3)
         return elapsed
+
+    def _await_members(self, prefix: str, store: dist.Store, rank: int, world_size: int) -> None:
+        """Wait until every member of the generation has arrived, or raise the failure :meth:`fail` reports for it.
+
+        gloo's rendezvous waits for a missing peer for the whole collective timeout; a member that dies before it
+        arrives (killed while it started, or during an adjustment) would hold the others that long. Arrival is a key
+        per rank, awaited in short waits between which a failure of the generation being formed is noticed."""
+        forming = _Forming(prefix)
+        self._forming = forming
+        try:
+            store.set(f"{ARRIVED_KEY}/{rank}", b"1")
+            keys = [f"{ARRIVED_KEY}/{member}" for member in range(world_size)]
+            pause = ARRIVAL_POLL_MIN_S
+            while not store.check(keys):  # check(): a TCPStore wait() that times out leaves its socket out of step
+                forming.raise_if_failed()
+                time.sleep(pause)
+                pause = min(ARRIVAL_POLL_MAX_S, pause * 2)
+        finally:
+            self._forming = None
 
     def shutdown(self) -> None:
         """Let go of the current generation's backend (its pending work is complete: we are at a batch boundary)."""
@@ -388,6 +426,9 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         """A member of the generation formed under ``prefix`` died: its outstanding and later collectives raise
         ``failure`` (callable from any thread; the group is released by the next :meth:`configure`/:meth:`abort`).
         Returns whether ``prefix`` was the current generation."""
+        forming = self._forming
+        if forming is not None and forming.prefix == prefix:
+            forming.failure = failure
         generation = self._generation
         if generation is None or generation.prefix != prefix:
             return False

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from hold_point import HoldPoint  # a sibling module (this script's folder is first on sys.path)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
@@ -54,11 +55,13 @@ class ProbeModel(pl.LightningModule):
         self.progress = config.out / f"progress-{worker}.json" if config.progress else None
         self.wait_for_joiners = config.wait_for_joiners
         self.kill = KillPoint.parse(config.kill_at)
+        self.hold_point = HoldPoint.parse(config.out, config.hold_at)
         self.late_vote = config.late_vote.split(":") if config.late_vote else None
         self.out = config.out
         self.worker = os.environ.get("ELAN_WORKER_ID", "w0")
         self.completed_log = config.out / f"completed-{self.worker}.jsonl"
         self.current_indices: list[int] = []
+        self.batch_step = -1
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
         self.consumed: dict[int, list[int]] = {}
         self.digests: list[list] = []
@@ -91,15 +94,40 @@ class ProbeModel(pl.LightningModule):
             self.net[0].weight.register_hook(lambda grad: self.kill.now())
         self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)
         self.trained.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size])
+        if self.progress is not None:  # what this worker is training now: a worker killed after its commit vote
+            self.log_training()        # trained samples it never got to log as completed
+        self.hold("forward")  # the forward and its logging are done, the backward is next
+        if self.hold_point.due("backward", self.batch_step):  # mid-backward, before any all-reduce
+            self.net[0].weight.register_hook(lambda grad: self.hold("backward"))
+        if self.hold_point.due("allreduce", self.batch_step):  # the survivors then wait in the all-reduce
+            self.net[0].weight.register_hook(lambda grad: self.hold("allreduce"))
         return loss
+
+    def hold(self, phase: str) -> None:
+        """``--hold-at``: at that step and phase, hold while the test SIGKILLs the victim (``hold_point.py``)."""
+        if not self.hold_point.due(phase, self.batch_step) or self.trainer.sanity_checking:
+            return
+        if phase == "allreduce" and self.worker != self.hold_point.worker:
+            self.hold_point.mark(self.worker)  # go on into the all-reduce and wait there
+            return
+        if phase == "optimizer" and self.worker == self.hold_point.worker:
+            self.log_completed()  # every member committed this step: the victim's samples count
+        self.hold_point.hold(self.worker, lambda: self.trainer.strategy.engine.peer_failed)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.batch_ends.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size])
         self.log_completed()
+        self.hold("batch_end")
         if self.progress is not None:  # the last step this worker completed, readable while the job runs
             partial = self.progress.with_suffix(".tmp")
             partial.write_text(json.dumps({"step": self.trainer.global_step, "pid": os.getpid(), "at": time.time()}))
             partial.replace(self.progress)
+
+    def log_training(self) -> None:
+        """Append the samples of the batch being trained now (``training-<worker>.jsonl``), flushed."""
+        line = {"epoch": self.current_epoch, "step": self.trainer.global_step, "indices": self.current_indices}
+        with open(self.out / f"training-{self.worker}.jsonl", "a") as file:
+            file.write(json.dumps(line) + "\n")
 
     def log_completed(self) -> None:
         """Append the samples of a batch whose step is applied (flushed: a worker killed later keeps them)."""
@@ -116,10 +144,12 @@ class ProbeModel(pl.LightningModule):
         if self.wait_for_joiners and trainer.global_rank == 0:
             wait_for_joiners_due_at(trainer.global_step + 1)
         self.digests.append([trainer.global_step, trainer.world_size, trainer.global_rank, state_digest(self)])
+        self.batch_step = trainer.global_step  # the step this batch trains (global_step grows during the batch)
 
     def on_after_backward(self):
         if self.kill.due(self, "vote"):  # the gradients are all-reduced; its commit vote follows
             self.kill.now()
+        self.hold("vote")
         if self.late_vote is not None and self.late_vote[:2] == [self.worker, str(self.trainer.global_step)]:
             (self.out / f"late-vote-{self.worker}").write_text(str(os.getpid()))
             time.sleep(float(self.late_vote[2]))
@@ -133,6 +163,7 @@ class ProbeModel(pl.LightningModule):
         if self.kill.due(self, "optimizer"):  # every member committed this step: its samples count
             self.log_completed()
             self.kill.now()
+        self.hold("optimizer")
 
     def on_validation_epoch_end(self):
         if not self.trainer.sanity_checking:
@@ -230,6 +261,7 @@ class ProbeConfig:
     # rank 0 holds each batch until the requests due at its step have their joiners ready (the step becomes exact)
     wait_for_joiners: bool = False
     kill_at: str | None = None  # WORKER:STEP:PHASE (KillPoint)
+    hold_at: str | None = None  # WORKER:STEP:PHASE (hold_point.HoldPoint: the test SIGKILLs WORKER there)
     # WORKER:STEP:SECONDS: that worker sleeps between its gradient all-reduce and its commit vote at that step, after
     # writing OUT/late-vote-WORKER (the others vote and wait for its vote meanwhile)
     late_vote: str | None = None
@@ -262,6 +294,15 @@ def _flag_type(annotation: object) -> type:
     """``int | None`` → ``int``: the type a flag's text converts to."""
     options = [option for option in typing.get_args(annotation) if option is not type(None)]
     return options[0] if options else annotation
+
+
+def optimizer_state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """The optimizer's state tensors and the LR of each group, flat (``state.<param>.<name>``, ``lr.<group>``)."""
+    optimizer = trainer.optimizers[0]
+    flat = {f"state.{index}.{name}": torch.as_tensor(value).cpu().double()
+            for index, state in optimizer.state_dict()["state"].items() for name, value in state.items()}
+    flat.update({f"lr.{i}": torch.tensor(group["lr"]) for i, group in enumerate(optimizer.param_groups)})
+    return flat
 
 
 def main() -> None:
@@ -323,6 +364,7 @@ def main() -> None:
     (config.out / f"record-{worker}.json").write_text(json.dumps(record))
     if not record["left"] and trainer.global_rank == 0:
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, config.out / "final.pt")
+        torch.save(optimizer_state(trainer), config.out / "final-optimizer.pt")
     if config.strategy != "elan" and torch.distributed.is_initialized():
         # a plain Lightning comparison run: rank 0 hosts the store, so no rank may exit while another still uses it
         torch.distributed.barrier()

@@ -1,0 +1,288 @@
+"""Seeded failure storms: ``python -m tests.faults.storm --storms N --seed S``.
+
+One storm is one 3-worker float64 probe job under ``elan run --replace-failed --coordinate-every 1`` (98 steps) that
+receives a random event every 1.5–4 s until it ends: SIGKILL of a worker, SIGTERM of a worker, SIGKILL of the AM,
+``elan scale add 1``, ``elan scale remove 1``. Events are real signals to real processes and real CLI requests;
+nothing waits for an earlier event to settle, so adjustments, recoveries and AM restarts overlap.
+
+A storm *held* when the job exited 0 and its result is the static run's: the same last step, every sample trained
+exactly once per epoch, the members bit-identical at every step, the final parameters and optimizer state within
+1e-9 of a static 3-worker run. Prints one line per storm and ``held: H of N storms``; exit 0 only if all held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
+from tests.faults.checks import StormCheck, check_storm
+from tests.integration.elastic_runs import PROBE, RunResult, elan_env
+
+WORKERS = 3
+SAMPLES, EPOCHS, BATCH, GLOBAL_BATCH = 240, 7, 6, 18  # 14 steps per epoch, 98 steps
+STORM_ARGS = ["--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
+              "--global-batch", str(GLOBAL_BATCH), "--step-sleep", "0.1", "--progress"]
+EVENTS = ("kill_worker", "term_worker", "kill_am", "add", "remove")
+GAP_S = (1.5, 4.0)
+JOB_TIMEOUT_S = 900.0
+MAX_WORKERS = 5
+
+
+@dataclass
+class Storm:
+    """One storm's job and what was done to it."""
+
+    seed: int
+    directory: Path
+    events: list[str] = field(default_factory=list)
+    run: RunResult | None = None
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"storm{self.seed}"
+
+
+def job_command(directory: Path, name: str, nproc: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
+            "--coordinate-every", "1", "--state-dir", str(directory / f"{name}-state"), *extra,
+            "--", sys.executable, str(PROBE), "--out", str(directory / name), *STORM_ARGS]
+
+
+def run_static(directory: Path) -> RunResult:
+    """The static 3-worker run every storm is compared with."""
+    directory.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(job_command(directory, "static", WORKERS), env=elan_env(directory), capture_output=True,
+                          text=True, timeout=JOB_TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    (directory / "static.log").write_text(output)
+    run = RunResult(directory / "static", directory / "static-state", proc.returncode, output)
+    assert run.returncode == 0, run.excerpt()
+    return run
+
+
+def run_storm(root: Path, seed: int, launcher_args: tuple[str, ...] = ()) -> Storm:
+    """Run one storm to its end; the job's files stay under ``root/storm<seed>``."""
+    storm = Storm(seed, root / f"storm{seed}")
+    storm.directory.mkdir(parents=True, exist_ok=True)
+    env = elan_env(storm.directory)
+    log_path = storm.directory / f"{storm.name}.log"
+    command = job_command(storm.directory, storm.name, WORKERS, ("--replace-failed", *launcher_args))
+    with open(log_path, "w") as log_file:
+        launcher = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        try:
+            _Weather(storm, env, launcher, random.Random(seed)).blow()
+            launcher.wait(JOB_TIMEOUT_S)
+        except Exception as error:  # recorded: the storm did not hold
+            storm.error = f"{type(error).__name__}: {error}"
+        finally:
+            _stop(launcher)
+    storm.run = RunResult(storm.directory / storm.name, storm.directory / f"{storm.name}-state", launcher.returncode,
+                          log_path.read_text())
+    return storm
+
+
+def _stop(launcher: subprocess.Popen) -> None:
+    if launcher.poll() is None:
+        launcher.terminate()
+        try:
+            launcher.wait(60)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
+
+
+class _Weather:
+    """Sends one storm's random events to its job until the job ends."""
+
+    def __init__(self, storm: Storm, env: dict[str, str], launcher: subprocess.Popen, rng: random.Random) -> None:
+        self.storm, self.env, self.launcher, self.rng = storm, env, launcher, rng
+        self.deadline = time.monotonic() + JOB_TIMEOUT_S
+        self.signalled: set[int] = set()
+
+    def blow(self) -> None:
+        while self._sleep(self.rng.uniform(*GAP_S)):
+            event = self.rng.choice(EVENTS)
+            done = getattr(self, f"_{event}")()
+            self.storm.events.append(event if done else f"({event})")
+
+    def _kill_worker(self) -> bool:
+        return self._signal_worker(signal.SIGKILL)
+
+    def _term_worker(self) -> bool:
+        return self._signal_worker(signal.SIGTERM)
+
+    def _signal_worker(self, sig: signal.Signals) -> bool:
+        """Signal a random worker process (a member, a joiner warming up, a replacement) — but leave the job one
+        member that is neither signalled nor due to be removed: with no member left there is no state to go on from."""
+        workers = {pid: _worker_id(pid) for pid in self._children("worker") if pid not in self.signalled}
+        members, removals = self._membership()
+        if members is None:
+            return False  # the AM does not answer (restarting): who is a member is unknown
+        safe = [pid for pid, worker in workers.items() if worker in members]
+        victims = [pid for pid, worker in workers.items() if worker is not None]
+        if len(safe) - removals <= 1:
+            victims = [pid for pid in victims if pid not in safe]
+        if not victims:
+            return False
+        pid = self.rng.choice(victims)
+        self.signalled.add(pid)
+        return _send(pid, sig)
+
+    def _membership(self) -> tuple[set[str] | None, int]:
+        """The current members and the removals asked for but not yet applied, from the AM's status."""
+        try:
+            with AMClient(self._address(), self.storm.name, timeout_s=0.5, retries=0) as client:
+                status = client.status()
+        except (AMUnavailable, AMError, OSError, ValueError):
+            return None, 0
+        members = {member["worker_id"] for member in status.get("members") or []}
+        requests = [*(status.get("pending") or []), *([status["in_flight"]] if status.get("in_flight") else [])]
+        removals = sum(1 for request in requests if request.get("action") in ("remove", "migrate"))
+        return members, removals
+
+    def _address(self) -> str:
+        registry = Path(self.env["ELAN_HOME"]) / "jobs" / f"{self.storm.name}.json"
+        return json.loads(registry.read_text())["address"]
+
+    def _kill_am(self) -> bool:
+        ams = self._children("am")
+        return bool(ams) and _send(ams[0], signal.SIGKILL)
+
+    def _add(self) -> bool:
+        if len(self._children("worker")) >= MAX_WORKERS:
+            return False
+        return self._scale("add", "1")
+
+    def _remove(self) -> bool:
+        if len([p for p in self._children("worker") if p not in self.signalled]) <= 1:
+            return False
+        return self._scale("remove", "1")
+
+    def _scale(self, *request: str) -> bool:
+        """``elan scale``; a refusal (an adjustment in flight, the AM restarting) is an answer too: not sent."""
+        proc = subprocess.run([sys.executable, "-m", "lightning_elan.cli", "scale", "--job", self.storm.name,
+                               *request], env=self.env, capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in proc.stderr, proc.stderr
+        return proc.returncode == 0
+
+    def _children(self, kind: str) -> list[int]:
+        """Live children of the launcher: its workers (``worker``) or its AM (``am``)."""
+        return [pid for pid in _child_pids(self.launcher.pid) if _kind(_argv(pid)) == kind]
+
+    def _sleep(self, seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if self.launcher.poll() is not None:
+                return False
+            assert time.monotonic() < self.deadline, f"storm ran past {JOB_TIMEOUT_S} s"
+            time.sleep(0.02)
+        return self.launcher.poll() is None
+
+
+def _child_pids(pid: int) -> list[int]:
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return children
+
+
+def _argv(pid: int) -> list[bytes] | None:
+    """A live (not zombie) process's argv, else None."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return None if state == "Z" else argv
+
+
+def _worker_id(pid: int) -> str | None:
+    """The ``ELAN_WORKER_ID`` a worker process was started with."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"ELAN_WORKER_ID="):
+            return entry.split(b"=", 1)[1].decode()
+    return None
+
+
+def _kind(argv: list[bytes] | None) -> str | None:
+    """``worker`` for the probe script, ``am`` for ``elan am``, else None."""
+    if argv is None:
+        return None
+    if any(arg.endswith(b"probe_train.py") for arg in argv):
+        return "worker"
+    cli = argv.index(b"lightning_elan.cli") if b"lightning_elan.cli" in argv else -1
+    return "am" if cli >= 0 and argv[cli + 1 : cli + 2] == [b"am"] else None
+
+
+def _send(pid: int, sig: signal.Signals) -> bool:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def check(storm: Storm, static: RunResult) -> StormCheck:
+    """The storm's invariants (raises AssertionError naming the first that failed)."""
+    assert storm.error is None, storm.error
+    assert storm.run is not None
+    return check_storm(storm.run, static, SAMPLES, EPOCHS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--storms", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=1, help="storm i uses seed S + i")
+    parser.add_argument("--dir", type=Path, default=None, help="keep the jobs' files here (default: a temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the files of storms that held too")
+    args = parser.parse_args(argv)
+    root = args.dir or Path(tempfile.mkdtemp(prefix="elan-storms-"))
+    print(f"files in {root}", flush=True)
+    static = run_static(root / "static")
+    held, failed = 0, []
+    for seed in range(args.seed, args.seed + args.storms):
+        ok = _one(root, seed, static, args.keep)
+        held += ok
+        failed += [] if ok else [seed]
+    print(f"held: {held} of {args.storms} storms" + (f"; failed seeds: {failed}" if failed else ""), flush=True)
+    return 0 if held == args.storms else 1
+
+
+def _one(root: Path, seed: int, static: RunResult, keep: bool) -> bool:
+    started = time.monotonic()
+    storm = run_storm(root, seed)
+    try:
+        result = check(storm, static)
+        ok, detail = True, f"held ({result})"
+    except AssertionError as error:
+        ok, detail = False, f"FAILED: {str(error)[:600]}"
+        traceback.print_exc(file=sys.stderr)
+    events = Counter(e for e in storm.events if not e.startswith("("))
+    print(f"storm seed {seed}: {dict(events)} in {time.monotonic() - started:.0f} s: {detail}", flush=True)
+    if ok and not keep:
+        subprocess.run(["rm", "-rf", str(storm.directory)], check=False)
+    return ok
+
+
+if __name__ == "__main__":
+    sys.exit(main())

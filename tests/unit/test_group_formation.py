@@ -1,0 +1,43 @@
+"""Forming a generation when a member never arrives: the failure reported for it releases the others at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_elan.elastic.process_group import ElasticProcessGroup
+
+
+class Died(RuntimeError):
+    pass
+
+
+@pytest.fixture
+def group():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield ElasticProcessGroup(store, "gloo", timedelta(seconds=600), torch.device("cpu"))
+
+
+def test_a_failure_of_the_generation_being_formed_ends_the_wait(group):
+    failure = Died("rank 1 died before it arrived")
+    reported = threading.Timer(0.3, lambda: group.fail("gen/7/", failure))
+    reported.start()
+    started = time.monotonic()
+    with pytest.raises(Died):
+        group.configure("gen/7/", 0, 2)  # rank 1 never comes: gloo alone would wait out the 600 s timeout
+    waited = time.monotonic() - started
+    assert 0.3 <= waited < 5, waited
+    assert group.prefix is None  # not a member of the generation it could not form
+
+
+def test_a_failure_of_another_generation_does_not(group):
+    group.fail("gen/7/", Died("an older generation"))
+    group.configure("gen/8/", 0, 1)
+    tensor = torch.ones(1)
+    group.allreduce([tensor]).wait()
+    assert group.prefix == "gen/8/" and tensor.item() == 1.0
