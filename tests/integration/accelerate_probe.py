@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.tracking import GeneralTracker
+from hold_point import HoldPoint  # a sibling module (this script's folder is first on sys.path)
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -103,6 +104,9 @@ def parse_args() -> argparse.Namespace:
                              "the backward of the step's last micro-batch: the others wait in the all-reduce), "
                              "'accumulating' (in the backward of a micro-batch that does not all-reduce) or "
                              "'optimizer' (right after the step was applied)")
+    parser.add_argument("--hold-at", default=None,
+                        help="WORKER:STEP:PHASE — at that optimizer step's last micro-batch the members hold in PHASE "
+                             "while the test SIGKILLs WORKER (hold_point.py)")
     parser.add_argument("--sigterm-at", default=None, help="WORKER:STEP — that worker gets SIGTERM after that step's "
                         "backward (a preemption notice: it should leave the job at the next batch boundary)")
     return parser.parse_args()
@@ -192,6 +196,18 @@ def main() -> None:
         accelerator.load_state(str(args.load))
 
     kill = KillPoint(args.kill_at)
+    hold_point = HoldPoint.parse(args.out, args.hold_at)
+
+    def hold(phase: str) -> None:
+        """``--hold-at``: hold at that step's last micro-batch while the test SIGKILLs the victim."""
+        if not (elastic and accelerator.sync_gradients and hold_point.due(phase, step)):
+            return
+        if phase == "allreduce" and worker != hold_point.worker:
+            hold_point.mark(worker)  # go on into the all-reduce and wait there
+            return
+        hold_point.hold(worker, lambda: accelerator.engine.peer_failed)
+
+    optimizer.optimizer.register_step_pre_hook(lambda *_: hold("optimizer"))  # every member committed the step
     term = KillPoint(f"{args.sigterm_at}:term" if args.sigterm_at else None)
     batches_log = open(args.out / f"batches-{worker}.jsonl", "a")  # flushed per batch: a killed worker keeps them
     consumed: dict[int, list[int]] = {}
@@ -219,7 +235,12 @@ def main() -> None:
                 phase = "backward" if accelerator.sync_gradients else "accumulating"
                 if kill.due(worker, step, phase):
                     model.module[0].weight.register_hook(kill.now)  # dies in the middle of the backward pass
+                hold("forward")  # the loss is computed, the backward is next
+                for point in ("backward", "allreduce"):  # mid-backward, before any all-reduce of this worker
+                    if elastic and accelerator.sync_gradients and hold_point.due(point, step):
+                        model.module[0].weight.register_hook(lambda grad, point=point: hold(point))
                 accelerator.backward(loss)
+                hold("vote")  # the gradients are all-reduced, the commit vote (in optimizer.step) is next
                 if term.due(worker, step, "term") and accelerator.sync_gradients:
                     os.kill(os.getpid(), signal.SIGTERM)
                 if accelerator.sync_gradients:
@@ -244,6 +265,7 @@ def main() -> None:
                 accelerator.save_state(str(args.out / "checkpoint"))
                 if args.stop_after_save:
                     break
+            hold("batch_end")  # the step is applied; the next batch boundary follows
         if args.stop_after_save and args.save_at is not None and (args.out / "checkpoint").exists():
             break
 
