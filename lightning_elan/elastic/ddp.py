@@ -10,6 +10,11 @@ The hook reproduces DDP's own arithmetic (each gradient multiplied by ``1 / worl
 all-reduce), so training equals a DDP run of the same world size. Buffers (e.g. batch-norm statistics) are broadcast
 from rank 0 of the current generation before every forward, as DDP does with ``broadcast_buffers=True``.
 
+A member's death may interrupt an iteration anywhere between its forward and the end of its backward (the gradient
+all-reduce raised, or its bucket's hook found the generation failed and never launched it): the reducer then still
+holds that iteration, and the next forward would fail DDP's check that the previous reduction finished.
+:meth:`ElasticDistributedDataParallel.discard_iteration` puts the wrapper back where a fresh DDP starts.
+
 What a one-process reducer cannot do: ``find_unused_parameters`` detects parameters unused *on this process* only
 (their gradients are then zeros in the all-reduce, which is the same sum), and a user's own communication hook would
 replace the one that reaches the job, so :func:`ElasticDistributedDataParallel.register_comm_hook` refuses a second.
@@ -27,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
+
+from lightning_elan.elastic import torch_compat
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +86,19 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
         all-reduce its initial layout against the stayers' rebuilt one — sums of mismatched elements. Pushing every
         parameter as "rebuilt" and rebuilding now (what DDP's join hook does) settles the layout at construction.
         """
-        self.reducer._push_all_rebuilt_params()
-        self.reducer._rebuild_buckets()
+        torch_compat.settle_bucket_layout(self.reducer)
+
+    def discard_iteration(self) -> None:
+        """Forget an iteration a member's death interrupted (forward done, backward or all-reduce cut short): no
+        gradients, the reducer's pending reduction and per-iteration state cleared, gradient sync on, the buckets laid
+        out again in the job's one layout (in new memory, where DDP rebuilds buckets at all: an abandoned all-reduce
+        cannot write into them)."""
+        for parameter in self.module.parameters():
+            parameter.grad = None
+        self.require_backward_grad_sync = True  # a no_sync() left by the error restores it too; a redo syncs
+        torch_compat.reset_reducer(self.reducer)
+        self._fix_bucket_layout()
+        log.debug("elastic DDP: the interrupted iteration is discarded")
 
     def broadcast_module_state(self) -> None:
         """Rank 0's parameters and buffers on every process of the current generation (what DDP's constructor does
