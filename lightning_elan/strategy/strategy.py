@@ -30,6 +30,7 @@ from lightning_elan import compat
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
+from lightning_elan.elastic import torch_compat
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember
@@ -371,8 +372,19 @@ class ElanStrategy(DDPStrategy):
         discarded = rollback is not None and self.engine.step_uncommitted
         if discarded:
             rollback()
+            self._discard_interrupted_step()
         self.engine.recover(self.lightning_module.trainer.global_step)
         return discarded
+
+    def _discard_interrupted_step(self) -> None:
+        """Whatever phase the death cut short (forward, backward, all-reduce, vote), the redo starts clean: the elastic
+        DDP forgets the iteration (gradients, the reducer's pending reduction), a mixed-precision scaler the step's
+        stage. The optimizer and schedulers did not step: the vote comes before the update."""
+        if self._ddp is not None:
+            self._ddp.discard_iteration()
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            torch_compat.forget_scaler_step(scaler)
 
     # ------------------------------------------------------------------ collectives: local while a joiner starts up
 
