@@ -44,6 +44,7 @@ from lightning_elan.accelerate.scaling import AccelerateScaling
 from lightning_elan.accelerate.wrappers import ElasticOptimizer, ElasticScheduler
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
+from lightning_elan.elastic import torch_compat
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember
 from lightning_elan.protocol.contract import WorkerEnvironment
@@ -447,8 +448,17 @@ class ElasticAccelerator(Accelerator):
             self._discard_open_step()
 
     def _discard_open_step(self) -> None:
+        """Whatever phase the death cut short (a forward, a backward or its all-reduce, the vote), the redo starts
+        clean: no gradients, each elastic DDP without the interrupted iteration, the scaler without the step's stage,
+        Accelerate's micro-step counter where the step began (``sync_gradients`` follows from it). Optimizers and
+        schedulers did not step: a discarded step is not applied."""
         for optimizer in compat.prepared_optimizers(self):
             optimizer.optimizer.zero_grad(set_to_none=True)
+        for model in compat.prepared_models(self):
+            if isinstance(model, ElasticDistributedDataParallel):
+                model.discard_iteration()
+        if self.scaler is not None:
+            torch_compat.forget_scaler_step(self.scaler)
         self.step = self._step_counter_at_open
         self._step_open = False
 
