@@ -95,6 +95,7 @@ class ElasticAccelerator(Accelerator):
         self._batch_pending = False
         self._committed = False
         self._aborted = False  # a member died during this batch's step: the rest of it is a no-op, then redone
+        self._recovery_due = False  # a member died after this batch's step was committed: it stands, then recover
         self._step_open = False  # micro-batches were taken since the last committed optimizer step
         self._step_counter_at_open = 0  # Accelerate's micro-step counter when the open step began
         self.recoveries = 0  # member deaths this worker recovered from
@@ -307,8 +308,16 @@ class ElasticAccelerator(Accelerator):
 
     def _absorb_failure(self, error: BaseException) -> None:
         """``error`` came out of a collective of the current step: once a member's death is confirmed the step is
-        discarded and the loop goes on to the next batch boundary, where the survivors recover; else re-raised."""
+        discarded — unless every member committed it already: it stands (its scheduler step and the loop's side
+        effects too) — and the loop goes on to the next batch boundary, where the survivors recover; else
+        re-raised."""
         self.engine.confirm_peer_failure(error)
+        if self._committed:
+            if not self._recovery_due:
+                log.warning("worker %s: a member of generation %s died after step %d was committed: it stands",
+                            self.engine.worker_id, self.engine.generation, self.optimizer_steps + 1)
+            self._recovery_due = True
+            return
         if not self._aborted:
             log.warning("worker %s: a member of generation %s died; the step is discarded and redone",
                         self.engine.worker_id, self.engine.generation)
@@ -353,7 +362,7 @@ class ElasticAccelerator(Accelerator):
             self._committed = False
             if not self._aborted:
                 self._observe_step()
-        if self._aborted:
+        if self._aborted or self._recovery_due:
             self._recover()
         elif trained:
             self.engine.at_batch_boundary(self.optimizer_steps)
@@ -361,7 +370,7 @@ class ElasticAccelerator(Accelerator):
     def _recover(self) -> None:
         """Survivors of a member's death: the engine rewinds the data position to the open step's first batch,
         re-forms the job without the dead and serves survivors without state; the open step's gradients go."""
-        self._aborted = False
+        self._aborted = self._recovery_due = False
         self.recoveries += 1
         self.engine.recover(self.optimizer_steps)
 
