@@ -20,7 +20,7 @@ import zmq
 
 from lightning_elan.master import journal, registry, sizing
 from lightning_elan.master.enrolment import Enrolment
-from lightning_elan.master.narration import completed_line, decided_line
+from lightning_elan.master.narration import completed_line, decided_line, plural, workers_phrase
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore, StoreConflict, StoreUnavailable
 from lightning_elan.protocol.auth import AuthError, FrameSigner, is_signed, refuse_open_bind
@@ -173,7 +173,7 @@ class _WarningBudget:
         now = time.monotonic()
         if now - self._window_start >= self.window_s:
             if self.suppressed:
-                logger.warning("%d more refused message(s) in the last %.0f s were not logged", self.suppressed,
+                logger.warning("%s in the last %.0f s were not logged", plural(self.suppressed, "more refused message"),
                                self.window_s)
             self._window_start, self._logged, self.suppressed = now, 0, 0
         if self._logged < self.burst:
@@ -264,6 +264,11 @@ class ApplicationMaster:
         return self._state.finished
 
     @property
+    def finish_reason(self) -> str | None:
+        """Why the job finished (``shutdown``'s reason, or the AM's own), None while it runs."""
+        return self._state.finish_reason
+
+    @property
     def serving(self) -> bool:
         """True while the serving loop runs (false once stopped, or fenced by a refused state write)."""
         return self._serving
@@ -336,7 +341,7 @@ class ApplicationMaster:
             self._unregister()
             self._parked.clear()
             self._serving = False
-            logger.info("AM of job %r stopped", self.job)
+            logger.debug("AM of job %r stopped serving", self.job)  # `elan am` says why at info
 
     def _bind(self, socket: zmq.Socket) -> None:
         socket.setsockopt(zmq.LINGER, 0)
@@ -549,13 +554,10 @@ class ApplicationMaster:
     def _on_scale(self, body: dict[str, Any]) -> dict[str, Any]:
         fields = ("action", "count", "ranks", "size", "at_step")
         reply = self._state.scale(**{name: body.get(name) for name in fields})
-        logger.info(
-            "job %r: scale request %s %s → new workers %s",
-            self.job,
-            reply["request_id"],
-            {name: body[name] for name in fields if body.get(name) is not None},
-            reply["new_workers"],
-        )
+        asked = {name: body[name] for name in fields if body.get(name) is not None}
+        logger.info("%s", scale_line(self.job, reply["request_id"], asked, reply["new_workers"]))
+        logger.debug("job %r: scale request %s %s → new workers %s", self.job, reply["request_id"], json.dumps(asked),
+                     reply["new_workers"])
         return reply
 
     def _on_enrol(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -672,10 +674,10 @@ class ApplicationMaster:
         if self.state_dir is not None:  # a record the previous AM persisted but died before writing
             journal.repair(self.state_dir / ADJUSTMENTS_FILE, state.last_adjustment)
         logger.info(
-            "AM of job %r resumes generation %s with %d pending request(s) (AM restart %d)",
+            "AM of job %r resumes generation %s with %s (AM restart %d)",
             self.job,
             state.generation,
-            len(state.pending),
+            plural(len(state.pending), "pending request"),
             state.am_restarts,
         )
         return state, replies
@@ -704,6 +706,27 @@ class ApplicationMaster:
                     file.write(line + "\n")
                     file.flush()
                     os.fsync(file.fileno())
+
+
+def scale_line(job: str, request_id: str, asked: dict[str, Any], new_workers: list[str]) -> str:
+    """A queued scale request in words: ``job 'x' queues r1: add 1 worker at step 20 (new worker w3)``."""
+    text = f"job {job!r} queues {request_id}: {_asked(asked)}"
+    if asked.get("at_step") is not None:
+        text += f" at step {asked['at_step']}"
+    if new_workers:
+        text += f" ({'new worker' if len(new_workers) == 1 else 'new workers'} {workers_phrase(new_workers)})"
+    return text
+
+
+def _asked(asked: dict[str, Any]) -> str:
+    """``add 2 workers`` / ``remove ranks 1 and 2`` / ``migrate 1 worker`` / ``resize to 3 workers``."""
+    action = str(asked.get("action"))
+    if asked.get("ranks") is not None:
+        ranks = [str(rank) for rank in asked["ranks"]]
+        return f"{action} {'rank' if len(ranks) == 1 else 'ranks'} {workers_phrase(ranks)}"
+    if action == "to":
+        return f"resize to {plural(int(asked.get('size') or 0), 'worker')}"
+    return f"{action} {plural(int(asked.get('count') or 0), 'worker')}"
 
 
 def _document(job: str, state: JobState, replies: ReplyCache) -> dict[str, Any]:

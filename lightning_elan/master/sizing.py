@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lightning_elan.master.narration import plural
 from lightning_elan.scaling.autoscale import ThroughputAutoscaler, UtilityAutoscaler, UtilityFunction
 from lightning_elan.scaling.profile import ProfileRun
 from lightning_elan.scaling.throughput import ThroughputModel
@@ -252,7 +253,7 @@ def _profile_step(state: JobState, now: float) -> int:
     if target is None:
         _finish_profile(state, run, rates, now)
         return 0
-    cause = state.sizing.note("profile", f"to {target}", f"profile: measured {size} workers at "
+    cause = state.sizing.note("profile", f"to {target}", f"profile: measured {plural(size, 'worker')} at "
                               f"{rates.get(size, 0):.1f} samples/s; next size {target}", {"rates": rates}, now)
     return _resize(state, target, cause, now)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_elan.master.enrolment import Enrollee, Enrolment
 from lightning_elan.master.measure import Measurements
+from lightning_elan.master.narration import plural, workers_phrase
 from lightning_elan.master.recovery import CheckIn, Recovery, recovery_plan
 from lightning_elan.master.sizing import SizingState
 from lightning_elan.master.standby import STANDBY_REQUEST, StandbyPool
@@ -536,7 +537,7 @@ class JobState:
         if self.started:
             return self._enrol_joiner(request, _now(now))
         if self.enrolment.is_full():
-            raise StateError(f"job {self.job} has its {self.enrolment.max_workers} workers (--max-workers)")
+            raise StateError(f"job {self.job} has its {plural(self.enrolment.max_workers, 'worker')} (--max-workers)")
         worker_id = self._new_worker_ids(1)[0]
         self.enrolment.enrol(worker_id, request.host, request.pid, _now(now))
         logger.info("job %s: %s enrolled from %s (%d waiting, the job starts at %d)", self.job, worker_id,
@@ -547,8 +548,8 @@ class JobState:
     def _enrol_joiner(self, request: EnrolRequest, now: float) -> EnrolReply:
         assert self.enrolment is not None
         if self.projected_size() >= self.enrolment.max_workers:
-            raise StateError(f"job {self.job} has its {self.enrolment.max_workers} workers (--max-workers): this "
-                             "worker is not needed")
+            raise StateError(f"job {self.job} has its {plural(self.enrolment.max_workers, 'worker')} (--max-workers): "
+                             "this worker is not needed")
         queued = ScaleRequest(request_id="", action="add", count=1, size=None, at_step=None)
         queued.add_count = 1
         worker_id = self._queue(queued, now)["new_workers"][0]
@@ -598,7 +599,8 @@ class JobState:
         self.members = [_member_of(enrollee) for enrollee in enrollees]
         self.enrolment.waiting = []
         self.started = True
-        logger.info("job %s starts with %d enrolled worker(s): %s", self.job, len(self.members), self.member_ids)
+        logger.info("job %s starts with %s: %s", self.job, plural(len(self.members), "enrolled worker"),
+                    workers_phrase(self.member_ids))
 
     def _new_worker_ids(self, count: int) -> list[str]:
         ids = [f"w{self.next_worker + index}" for index in range(count)]
@@ -628,7 +630,7 @@ class JobState:
         for worker in taken:
             self.pending_workers[worker].request_id = request_id
         if taken:
-            logger.info("job %s: request %s takes standby worker(s) %s", self.job, request_id, ", ".join(taken))
+            logger.info("job %s: request %s takes standby %s", self.job, request_id, _named(taken))
         return taken
 
     def _refill_standby(self) -> None:
@@ -671,7 +673,7 @@ class JobState:
                 and pending.spawned_at is not None and now - pending.spawned_at > self.report_timeout_s
             ]
             if late:
-                reason = f"worker(s) {', '.join(late)} did not report ready within {self.report_timeout_s:.0f} s"
+                reason = f"{_named(late)} did not report ready within {self.report_timeout_s:.0f} s"
                 self._fail_request(request, reason)
                 stop += [worker for worker in request.new_workers if worker in self.pending_workers]
         return stop
@@ -907,8 +909,9 @@ class JobState:
         checked = max(c.at for c in recovery.checked_in.values())
         self.in_flight = Adjustment(plan, recovery.detected_at, checked, decided_at=now, failure=failure)
         self.recovery = None
-        logger.info("recovery plan %s: generation %d = %s (dead: %s)", recovery.failure_id, plan.generation,
-                    plan.members, recovery.dead)
+        logger.info("job %s recovers from %s (%s died): generation %d will train with %s", self.job,
+                    recovery.failure_id, workers_phrase(recovery.dead), plan.generation, workers_phrase(plan.members))
+        logger.debug("job %s: recovery plan %s: %s", self.job, recovery.failure_id, json.dumps(plan.to_dict()))
 
     def _replacements_for(self, recovery: Recovery, now: float) -> list[str] | None:
         """Ready joiners (of whole add requests) that bring the world up to ``min_workers`` ([] when not needed); None:
@@ -926,14 +929,14 @@ class JobState:
             if len(ready) >= needed:
                 return ready
         if now - recovery.detected_at > self.join_timeout_s:
-            self._fail_job(f"{len(recovery.survivors)} worker(s) left after {recovery.failure_id}, fewer than "
+            self._fail_job(f"{plural(len(recovery.survivors), 'worker')} left after {recovery.failure_id}, fewer than "
                            f"--min-workers {self.min_workers}, and no joiner came within {self.join_timeout_s:.0f} s",
                            now)
             return None
         if not recovery.waiting_logged:
             recovery.waiting_logged = True
-            logger.warning("job %s: %d worker(s) left, below --min-workers %d: waiting up to %.0f s for joiners",
-                           self.job, len(recovery.survivors), self.min_workers, self.join_timeout_s)
+            logger.warning("job %s: %s left, below --min-workers %d: waiting up to %.0f s for joiners",
+                           self.job, plural(len(recovery.survivors), "worker"), self.min_workers, self.join_timeout_s)
         return None
 
     def _fail_job(self, reason: str, now: float) -> None:
@@ -1096,7 +1099,7 @@ class JobState:
         stayers = [worker for worker in previous if worker not in leavers]
         joiners = sorted(request.new_workers, key=worker_number)
         if not stayers and not joiners:
-            raise StateError(f"cannot remove all {len(previous)} workers")
+            raise StateError(_cannot_remove_all(len(previous)))
         hosts = {worker: self._host_of(worker) for worker in previous + joiners}
         topologies = {worker: self._topology_of(worker) for worker in previous + joiners}
         sources, transfers = plan_replication(stayers, leavers, joiners, topologies)
@@ -1129,7 +1132,7 @@ class JobState:
                     )
             return [members[rank] for rank in sorted(request.ranks)]
         if request.remove_count > len(members):
-            raise StateError(f"cannot remove {request.remove_count} of the {len(members)} workers")
+            raise StateError(f"cannot remove {request.remove_count} of the {plural(len(members), 'worker')}")
         newest_first = sorted(self.members, key=lambda m: (m.joined_generation, worker_number(m.worker_id)))[::-1]
         leaving = {member.worker_id for member in newest_first[: request.remove_count]}
         return [worker for worker in members if worker in leaving]
@@ -1342,7 +1345,8 @@ class JobState:
         workers = request.workers or []
         leaving = [worker for worker in self.member_ids if worker in workers]
         if not leaving:
-            raise StateError(f"worker(s) {', '.join(workers)} asked to leave but are no longer members")
+            raise StateError(f"{_named(workers)} asked to leave but {'is' if len(workers) == 1 else 'are'} no "
+                             f"longer {'a member' if len(workers) == 1 else 'members'}")
         return leaving
 
 
@@ -1439,15 +1443,25 @@ def _positive_count(action: str, count: int | None) -> int:
 
 def _removable(count: int, projected: int) -> int:
     if count == projected:
-        raise StateError(f"cannot remove all {projected} workers")
+        raise StateError(_cannot_remove_all(projected))
     if count > projected:
-        raise StateError(f"cannot remove {count} workers: the job has only {projected}")
+        raise StateError(f"cannot remove {plural(count, 'worker')}: the job has only {projected}")
     return count
+
+
+def _cannot_remove_all(count: int) -> str:
+    """``cannot remove all 3 workers`` / ``cannot remove the only worker``."""
+    return f"cannot remove all {count} workers" if count != 1 else "cannot remove the only worker"
+
+
+def _named(workers: list[str]) -> str:
+    """``worker w3`` / ``workers w3 and w4``."""
+    return f"{'worker' if len(workers) == 1 else 'workers'} {workers_phrase(workers)}"
 
 
 def _migratable(count: int, projected: int) -> int:
     if count > projected:
-        raise StateError(f"cannot migrate {count} workers: the job has only {projected}")
+        raise StateError(f"cannot migrate {plural(count, 'worker')}: the job has only {projected}")
     return count
 
 
@@ -1456,7 +1470,8 @@ def _resize(request: ScaleRequest, size: int | None, projected: int) -> None:
     if size is None or size < 1:
         raise StateError(f"size must be ≥ 1, got {size}")
     if size == projected:
-        raise StateError(f"the job already has {projected} workers (counting pending requests); nothing to do")
+        raise StateError(f"the job already has {plural(projected, 'worker')} (counting pending requests); nothing to "
+                         "do")
     if size > projected:
         request.add_count = size - projected
     else:

@@ -74,5 +74,5 @@ def test_below_min_workers_without_a_joiner_the_job_stops_and_says_why(tmp_path:
                     launcher_args=("--min-workers", "2", "--join-timeout", "3"))
 
     assert run.returncode == 1, run.excerpt()
-    assert "1 worker(s) left after f1, fewer than --min-workers 2, and no joiner came within 3 s" in run.output
+    assert "1 worker left after f1, fewer than --min-workers 2, and no joiner came within 3 s" in run.output
     assert "waiting up to 3 s for joiners" in run.output  # the log line while it waited

@@ -152,7 +152,7 @@ def test_a_leave_whose_worker_is_gone_fails_instead_of_a_plan_that_changes_nothi
     assert coordinate(state, 5) is None
     (failure,) = state.failures
     assert failure["outcome"] == "failed" and failure["workers"] == ["w2"]
-    assert "asked to leave but are no longer members" in failure["reason"]
+    assert "worker w2 asked to leave but is no longer a member" in failure["reason"]
 
 
 def test_a_finished_job_has_nothing_to_leave() -> None:

@@ -582,7 +582,7 @@ def test_a_joiner_that_never_reports_ready_is_listed_as_a_failed_request_with_it
     assert failure["kind"] == "request" and failure["outcome"] == "failed"
     assert (failure["request_id"], failure["action"], failure["count"], failure["at_step"]) == ("r1", "add", 1, 5)
     assert failure["new_workers"] == ["w2"] and failure["step"] == 4
-    assert failure["reason"] == "worker(s) w2 did not report ready within 30 s"
+    assert failure["reason"] == "worker w2 did not report ready within 30 s"
     assert JobState.from_dict(json.loads(json.dumps(state.to_dict()))).failures == state.failures
 
 
