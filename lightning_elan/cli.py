@@ -37,6 +37,7 @@ from lightning_elan.cli_types import (
 )
 from lightning_elan.launcher.schedule import ScaleAction, ScheduleError, parse_action
 from lightning_elan.master import registry
+from lightning_elan.master.narration import plural
 from lightning_elan.protocol.addresses import ADDRESS_FORMS
 from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
@@ -450,7 +451,7 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     log.info("AM of job %s (pid %d) at %s: state in %s; Ctrl-C stops it", args.job, os.getpid(), am.address,
              state_dir)
     stopped = _wait_for_stop(args.parent_pid, done=lambda: am.finished if enrolment is not None else False)
-    log.info("%s: stopping the AM of job %s", stopped, args.job)
+    _log_stop(stop_line(args.job, stopped, am.finished, am.finish_reason))
     am.stop()
     return 0
 
@@ -495,7 +496,7 @@ def _enrolment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any
     if args.min_workers is None:
         given = [f"--{name.replace('_', '-')}" for name in enrolment_only if getattr(args, name) is not None]
         if given:
-            parser.error(f"{', '.join(given)} need(s) --min-workers")
+            parser.error(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --min-workers")
         return None
     maximum = args.max_workers or args.min_workers
     try:
@@ -597,13 +598,53 @@ def _am_in_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser, state
     runner.start()
     log.info("AM of job %s (pid %d): state in %s; Ctrl-C stops it", args.job, os.getpid(), locator.url())
     stopped = _wait_for_stop(args.parent_pid, done=elected.job_over if enrolment is not None else lambda: False)
-    log.info("%s: stopping the AM of job %s", stopped, args.job)
+    _log_stop(stop_line(args.job, stopped, elected.job_over(), None))
     stop.set()
     runner.join(30)
     return 1 if failed.is_set() else 0
 
 
-def _wait_for_stop(parent_pid: int | None = None, done: Callable[[], bool] = lambda: False) -> str:
+@dataclass(frozen=True)
+class Stop:
+    """Why ``elan am`` stopped waiting: a signal, its launcher gone (``--parent-pid``), or the job over."""
+
+    cause: str  # "signal", "parent" or "done"
+    signal: str | None = None  # the signal's name, when one came
+    parent_pid: int | None = None
+
+
+CLEAN_FINISHES = ("all members finished", "training complete: every member finished")
+"""The ``shutdown`` reasons of a job whose training completed: ``elan run``'s, and the AM's own (``elan worker``s)."""
+
+
+def stop_line(job: str, stop: Stop, finished: bool, reason: str | None) -> tuple[int, str]:
+    """The level and line ``elan am`` logs as it stops: the job's end, its launcher gone, or a signal from outside."""
+    if finished:
+        return logging.INFO, f"AM of job {job!r} stopped: {_job_end(reason)}"
+    if stop.cause == "parent":
+        return logging.WARNING, f"AM of job {job!r} stopped: its launcher (pid {stop.parent_pid}) is gone"
+    if stop.cause == "done":
+        return logging.INFO, f"AM of job {job!r} stopped: the job is over"
+    return logging.INFO, f"received {stop.signal}: stopping the AM of job {job!r}"
+
+
+def _log_stop(line: tuple[int, str]) -> None:
+    """Log a :func:`stop_line`."""
+    log.log(line[0], "%s", line[1])
+
+
+def _job_end(reason: str | None) -> str:
+    """``the job finished`` / ``the job failed: …`` / ``the job was stopped: …`` from the job's finish reason."""
+    if reason is None:
+        return "the job is over"
+    if reason in CLEAN_FINISHES:
+        return "the job finished"
+    if reason.startswith("failed: "):
+        return f"the job failed: {reason.removeprefix('failed: ')}"
+    return "the job was shut down" if reason == "shutdown" else f"the job was stopped: {reason}"
+
+
+def _wait_for_stop(parent_pid: int | None = None, done: Callable[[], bool] = lambda: False) -> Stop:
     """Block until SIGINT or SIGTERM (or until ``parent_pid`` is no longer our parent, or ``done()``); return why."""
     received: list[int] = []
     wake = threading.Event()
@@ -616,13 +657,16 @@ def _wait_for_stop(parent_pid: int | None = None, done: Callable[[], bool] = lam
     try:
         while not wake.wait(0.5):
             if parent_pid is not None and os.getppid() != parent_pid:
-                return f"parent process {parent_pid} is gone"
+                return Stop("parent", parent_pid=parent_pid)
             if done():
-                return "the job is over"
+                return Stop("done")
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    return f"received {signal.Signals(received[0]).name}"
+    name = signal.Signals(received[0]).name
+    if parent_pid is not None and os.getppid() != parent_pid:  # the kernel's SIGTERM as the launcher died
+        return Stop("parent", name, parent_pid)
+    return Stop("signal", name)
 
 
 # ---------------------------------------------------------------------- elan scale / status
@@ -646,8 +690,8 @@ def cmd_profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error(f"--min {args.min_size} is more than --max {args.max_size}")
     body = {"min": args.min_size, "max": args.max_size, "steps": args.steps, "settle": args.settle}
     client = connect(args.job, timeout_s=args.timeout, am=args.am)
-    _call(client, args.job, lambda: client.request("profile", body))
-    print(f"profile of job {args.job} started: world sizes {args.min_size}..{args.max_size}, {args.steps} steps each")
+    reply = _call(client, args.job, lambda: client.request("profile", body))
+    print(cli_sizing.describe_profile_start(args.job, reply.get("profile"), args.steps))
     if args.no_wait:
         return 0
     def status() -> dict[str, Any]:
@@ -668,7 +712,7 @@ def cmd_autoscale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     body = cli_sizing.autoscale_body(args, args.policy, args.min_workers, args.max_workers)
     client = connect(args.job, timeout_s=args.timeout, am=args.am)
     reply = _call(client, args.job, lambda: client.request("autoscale", body))
-    print(f"job {args.job}: autoscale {json.dumps(reply.get('autoscale'))}")
+    print(cli_sizing.describe_autoscale(args.job, reply.get("autoscale"), body.get("scale_out_command")))
     return 0
 
 
@@ -861,7 +905,8 @@ def format_status(status: Mapping[str, Any]) -> str:
     if status.get("scaling"):
         lines += format_summary(status["scaling"])
     if status.get("sizing"):
-        lines += cli_sizing.format_sizing(status["sizing"])
+        lines += cli_sizing.format_sizing(status["sizing"], [str(member.get("worker_id")) for member in
+                                                              _by_rank(members)])
     return "\n".join(lines)
 
 
@@ -875,7 +920,8 @@ def describe_standby(standby: Mapping[str, Any]) -> str:
 
 def describe_enrolment(enrolment: Mapping[str, Any]) -> str:
     """The `elan worker` line, e.g. ``enrolment: 2–4 workers; waiting for the start: w0 (node-a pid 7)``."""
-    text = f"enrolment: {enrolment.get('min_workers')}–{enrolment.get('max_workers')} workers"
+    low, high = enrolment.get("min_workers"), enrolment.get("max_workers")
+    text = f"enrolment: {plural(low, 'worker') if low == high else f'{low}–{high} workers'}"
     if enrolment.get("started"):
         return text + "; started"
     waiting = ", ".join(f"{w['worker_id']} ({w['host']} pid {w['pid']})" for w in enrolment.get("waiting") or [])
@@ -883,12 +929,12 @@ def describe_enrolment(enrolment: Mapping[str, Any]) -> str:
 
 
 def describe_am(am: Mapping[str, Any]) -> str:
-    """The AM process line, e.g. ``AM: pid 4242 at tcp://127.0.0.1:5555, restarted 1 time(s)``."""
+    """The AM process line, e.g. ``AM: pid 4242 at tcp://127.0.0.1:5555, restarted 1 time``."""
     text = f"AM: pid {_value(am, 'pid')}"
     if am.get("address"):
         text += f" at {am['address']}"
     restarts = am.get("restarts") or 0
-    return text + (f", restarted {restarts} time(s)" if restarts else ", never restarted")
+    return text + (f", restarted {plural(restarts, 'time')}" if restarts else ", never restarted")
 
 
 def describe_recovery(recovery: Mapping[str, Any]) -> str:
@@ -920,8 +966,13 @@ def describe_failure(failure: Mapping[str, Any]) -> str:
     return f"{what}: {failure.get('outcome', 'failed')}{when}: {failure.get('reason')}"
 
 
+def _by_rank(members: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The members in rank order (unranked last)."""
+    return sorted(members, key=lambda m: (m.get("rank") is None, m.get("rank") or 0))
+
+
 def _member_rows(members: list[Mapping[str, Any]]) -> list[list[str]]:
-    ordered = sorted(members, key=lambda m: (m.get("rank") is None, m.get("rank") or 0))
+    ordered = _by_rank(members)
     keys = ("rank", "worker_id", "host", "device", "pid", "last_step", "last_step_from")
     return [["-" if m.get(key) is None else str(m.get(key)) for key in keys] for m in ordered]
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning_elan.cli_types import fraction, job_name, non_negative_float, positive_float, positive_int, world_size
+from lightning_elan.master.narration import plural
 from lightning_elan.master.sizing import AUTOSCALE_POLICIES, SETTLE_MODES, STRAGGLER_MODES
+from lightning_elan.scaling.profile import ProfileRun
 
 PROFILE_POLL_S = 1.0
 
@@ -132,6 +133,31 @@ def _without_none(body: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in body.items() if value is not None}
 
 
+def describe_autoscale(job: str, autoscale: Mapping[str, Any] | None, scale_out_command: str | None = None) -> str:
+    """What ``elan autoscale`` did, in words: ``autoscaling of job 'x' is off`` / ``… is on: throughput policy, …``."""
+    growth = f"; growth runs {scale_out_command!r}" if scale_out_command else ""
+    if not autoscale:
+        return f"autoscaling of job {job!r} is off{growth}"
+    return f"autoscaling of job {job!r} is on: {describe_autoscale_config(autoscale)}{growth}"
+
+
+def describe_autoscale_config(autoscale: Mapping[str, Any]) -> str:
+    """``throughput policy, 1 to 4 workers, 1 worker a step, a decision every 20 measured steps, …``."""
+    config = autoscale.get("config") or {}
+    low, high = config.get("min_workers") or 1, config.get("max_workers")
+    parts = [f"{autoscale.get('policy')} policy",
+             f"{low} to {plural(high, 'worker')}" if high else f"at least {plural(low, 'worker')}",
+             f"{plural(config.get('step') or 1, 'worker')} a step",
+             f"a decision every {plural(config.get('every') or 0, 'measured step')}"]
+    if autoscale.get("policy") == "throughput" and config.get("threshold") is not None:
+        parts.append(f"grows while the scaling efficiency is above {config['threshold']:g}")
+    if config.get("price") is not None:
+        parts.append(f"{config['price']:g} per worker-second")
+    if config.get("cooldown_s"):
+        parts.append(f"at least {config['cooldown_s']:g} s between decisions")
+    return ", ".join(parts)
+
+
 def wait_for_profile(status: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str, Any]:
     """Poll the job's status until its profile has finished; returns the result (TimeoutError after timeout_s)."""
     deadline = time.monotonic() + timeout_s
@@ -156,27 +182,63 @@ def format_profile(result: Mapping[str, Any], state_dir: Path | None = None) -> 
     return "\n".join(lines)
 
 
-def format_sizing(sizing: Mapping[str, Any]) -> list[str]:
-    """``elan status`` lines: measured throughput, stragglers, profile and autoscaler state, recent decisions."""
+def format_sizing(sizing: Mapping[str, Any], members: Sequence[str] = ()) -> list[str]:
+    """``elan status`` lines: measured throughput, the current ``members``' compute scores, profile and autoscaler
+    state, recent decisions."""
     measured = sizing.get("measured") or {}
     lines = []
     rates = measured.get("samples_per_s") or {}
     if rates:
-        lines.append("throughput: " + ", ".join(f"{size} workers {rate:.1f}/s" for size, rate in rates.items()))
-    scores = measured.get("straggler_scores") or {}
-    if scores:
-        flagged = measured.get("stragglers") or []
-        lines.append(f"compute (EWMA of throughput / median, stragglers {sizing.get('stragglers', {}).get('mode')}): "
-                     + ", ".join(f"{w} {s:.2f}{' SLOW' if w in flagged else ''}" for w, s in scores.items()))
+        lines.append(f"throughput: {rates_phrase(rates)}")
+    compute = _compute_line(measured, sizing.get("stragglers") or {}, members)
+    if compute:
+        lines.append(compute)
     if sizing.get("profile"):
-        lines.append(f"profile running: measured {json.dumps(sizing['profile'].get('measured'))}")
+        lines.append(_profile_running(sizing["profile"]))
     if sizing.get("profile_result"):
-        lines.append(f"last profile: {json.dumps(sizing['profile_result'].get('rates'))}")
+        result = sizing["profile_result"]
+        best = f"; best {plural(int(result['best']), 'worker')}" if result.get("best") is not None else ""
+        lines.append(f"last profile: {rates_phrase(result.get('rates') or {}) or 'nothing measured'}{best}")
     if sizing.get("autoscale"):
-        lines.append(f"autoscale: {sizing['autoscale'].get('policy')} {json.dumps(sizing['autoscale'].get('config'))}")
+        lines.append(f"autoscale: {describe_autoscale_config(sizing['autoscale'])}")
     decisions = sizing.get("decisions") or []
     if decisions:
         lines.append("sizing decisions (newest last):")
     for decision in decisions:
         lines.append(f"  {decision.get('kind')}: {decision.get('decision')}: {decision.get('reason')}")
     return lines
+
+
+def rates_phrase(rates: Mapping[Any, float]) -> str:
+    """``1 worker 100.0/s, 2 workers 190.0/s`` (sizes ascending; JSON gives them as strings)."""
+    return ", ".join(f"{plural(size, 'worker')} {rate:.1f}/s"
+                     for size, rate in sorted((int(size), float(rate)) for size, rate in rates.items()))
+
+
+def _compute_line(measured: Mapping[str, Any], stragglers: Mapping[str, Any], members: Sequence[str]) -> str | None:
+    """The current members' compute scores (a worker that left is not listed; one that joined has no score yet)."""
+    scores = measured.get("straggler_scores") or {}
+    if not scores and not measured.get("compute_s"):
+        return None
+    flagged = set(measured.get("stragglers") or [])
+    workers = list(members) or list(scores)
+    listed = ", ".join(f"{worker} {scores[worker]:.2f}{' SLOW' if worker in flagged else ''}" if worker in scores
+                       else f"{worker} not scored yet" for worker in workers)
+    return f"compute (EWMA of throughput / median, stragglers {stragglers.get('mode')}): {listed}"
+
+
+def _profile_running(profile: Mapping[str, Any]) -> str:
+    """``profile running (2 → 1 → 3 → 2 workers): measured 2 workers 190.0/s``."""
+    run = profile.get("run") or {}
+    route = ""
+    if run:
+        route = f" ({' → '.join(str(size) for size in ProfileRun.from_dict(run).route())} workers)"
+    return f"profile running{route}: measured {rates_phrase(profile.get('measured') or {}) or 'nothing yet'}"
+
+
+def describe_profile_start(job: str, profile: Mapping[str, Any] | None, steps: int) -> str:
+    """``profile of job 'x' started: 2 → 1 → 3 → 2 workers, 20 steps measured at each size``."""
+    run = (profile or {}).get("run")
+    route = "" if not run else " → ".join(str(size) for size in ProfileRun.from_dict(run).route())
+    then = ", then the best size" if run and run.get("settle") == "best" else ""
+    return f"profile of job {job!r} started: {route} workers{then}, {plural(steps, 'step')} measured at each size"

@@ -149,6 +149,8 @@ def test_run_members_exit_zero(tmp_path: Path) -> None:
         assert "ELAN_DEVICE_INDEX" not in env
         assert env["OMP_NUM_THREADS"] == "1", "one OpenMP thread per worker unless the user set it (as torchrun)"
     assert not (tmp_path / "home" / "jobs" / "ok3.json").exists(), "the AM leaves its registry file behind"
+    assert "elan: AM of job 'ok3' stopped: the job finished" in result.stderr.splitlines(), result.stderr
+    assert "received SIGTERM" not in result.stderr, "the launcher's stop at the end reads as an outside kill"
 
 
 def test_a_death_the_job_cannot_recover_from_stops_it(tmp_path: Path) -> None:
@@ -228,6 +230,8 @@ def test_sigterm_to_launcher_is_forwarded(tmp_path: Path) -> None:
     assert launcher.returncode == 128 + signal.SIGTERM, stderr
     for worker_id in ("w0", "w1"):
         assert (out / f"{worker_id}.terminated.json").exists()
+    assert "elan: AM of job 'term' stopped: the job was stopped: the launcher received SIGTERM" in stderr, stderr
+    assert "stopping the AM" not in stderr, stderr
 
 
 def test_joiner_that_never_reports_fails_its_request_and_is_stopped(tmp_path: Path) -> None:

@@ -175,7 +175,7 @@ def test_parse_ranks() -> None:
         (["worker", "--am", "h:1", "--job", "j", "--iface", "no-such-if0", "--", "true"],
          "--iface 'no-such-if0': no such network interface here"),
         (["worker", "--am", "h:1", "--job", "j", "--enrol-timeout", "0", "--", "true"], "argument --enrol-timeout"),
-        (["am", "--job", "j", "--max-workers", "3"], "--max-workers need(s) --min-workers"),
+        (["am", "--job", "j", "--max-workers", "3"], "--max-workers needs --min-workers"),
         (["am", "--job", "j", "--min-workers", "3", "--max-workers", "2"],
          "--max-workers 2 is less than --min-workers 3"),
         (["am", "--job", "j", "--min-workers", "2", "--start-grace", "-1"], "argument --start-grace: must be a number"),
@@ -496,6 +496,7 @@ def test_am_command_serves_until_sigint(elan_home: Path) -> None:
         if am.poll() is None:
             am.kill()
     assert am.returncode == 0, stderr
+    assert "elan: received SIGINT: stopping the AM of job 'solo'" in stderr.splitlines(), stderr
     assert registry.read("solo") is None
     assert (elan_home / "jobs" / "solo").is_dir()
 
@@ -514,7 +515,7 @@ def test_format_status_shows_last_steps_the_am_and_failures_with_their_cause() -
         "failures": [
             {"kind": "request", "outcome": "failed", "request_id": "r2", "action": "add", "count": 1,
              "new_workers": ["w3"], "step": 35, "at": None,
-             "reason": "worker(s) w3 did not report ready within 600 s"},
+             "reason": "worker w3 did not report ready within 600 s"},
             {"kind": "adjustment", "outcome": "failed", "request_id": "r3", "action": "migrate", "generation": 2,
              "step": None, "reason": "joiner w4 exited with code 9 after its plan was decided"},
         ],
@@ -524,10 +525,10 @@ def test_format_status_shows_last_steps_the_am_and_failures_with_their_cause() -
 
     assert lines[3].split() == ["0", "w0", "box", "cpu", "11", "40", "coordinate"]
     assert lines[4].split() == ["1", "w2", "box", "cpu", "13", "31", "report"]
-    assert "AM: pid 4242 at tcp://127.0.0.1:5555, restarted 2 time(s)" in lines
+    assert "AM: pid 4242 at tcp://127.0.0.1:5555, restarted 2 times" in lines
     index = lines.index("failed or cancelled (2):")
     assert lines[index + 1] == (
-        "  r2: add 1 (new workers: w3): failed at step 35: worker(s) w3 did not report ready within 600 s"
+        "  r2: add 1 (new workers: w3): failed at step 35: worker w3 did not report ready within 600 s"
     )
     assert lines[index + 2] == (
         "  r3 migrate adjustment to generation 2: failed: joiner w4 exited with code 9 after its plan was decided"
