@@ -6,6 +6,7 @@ failure. Real processes, a real SIGTERM."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def test_a_sigterm_as_the_job_finishes_is_harmless(tmp_path: Path, order: str) -
     """sigtermed-first: w1 is signalled right after its fit returned while w0 is still in its post-fit work, so w1's
     death reaches the AM first and it starts a recovery nobody will check in to (issue 27: 'no survivor checked in',
     exit 1). sigtermed-last: w1 is signalled after w0 exited 0."""
-    post_fit = "w0=4,w1=4" if order == "sigtermed-first" else "w0=0,w1=120"
+    post_fit = "w0=8,w1=8" if order == "sigtermed-first" else "w0=0,w1=120"
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     env = elan_env(tmp_path)
@@ -99,7 +100,8 @@ def test_a_sigterm_as_the_job_finishes_is_harmless(tmp_path: Path, order: str) -
     job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = Output(job)
     try:
-        pid = int(output.wait_for("w1 fit done, pid").rsplit(" ", 1)[1])
+        line = output.wait_for("w1 fit done, pid")  # the workers' prints may share a line
+        pid = int(re.search(r"w1 fit done, pid (\d+)", line).group(1))
         if order == "sigtermed-last":
             output.wait_for("w0 (pid ")
         os.kill(pid, signal.SIGTERM)
