@@ -5,7 +5,8 @@ This module owns, once each:
 * the protocol version and the defaults every side shares (coordination interval, report and join timeouts);
 * the worker environment the launcher sets (``ELAN_*`` names, :class:`WorkerEnvironment`);
 * the request body schemas (``BODY_SCHEMAS``; :mod:`lightning_elan.protocol.messages` validates against them);
-* the worker ↔ AM messages as dataclasses, each next to its schema, and the :class:`AdjustmentPlan`.
+* the worker ↔ AM messages as dataclasses, each next to its schema, and the :class:`AdjustmentPlan` with its
+  :class:`Transfer` routes.
 
 Wire forms are the JSON of docs/architecture.md, unchanged: ``to_body()``/``to_dict()`` omit optional fields that are
 None where the protocol does, and ``from_body()``/``from_dict()`` ignore keys they do not know (as validation does).
@@ -16,11 +17,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
 from lightning_elan.protocol.addresses import am_address_list
-from lightning_elan.replication.planner import Transfer
 
 PROTOCOL_VERSION = 1
 CONTRACT_VERSION = PROTOCOL_VERSION  # the wire forms below are those of protocol version ``v``
@@ -199,6 +199,36 @@ def required_fields(cls: type) -> list[str]:
 
 
 # ---- the adjustment plan ---------------------------------------------------------------------------------------------
+
+TRANSPORT_CUDA_IPC = "cuda_ipc"
+TRANSPORT_SHM = "shm"
+TRANSPORT_COLLECTIVE = "collective"
+TRANSPORTS = (TRANSPORT_CUDA_IPC, TRANSPORT_SHM, TRANSPORT_COLLECTIVE)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One copy of the training state from ``source`` to ``joiner``, as the replication planner routes it."""
+
+    source: str
+    joiner: str
+    level: int
+    wave: int = 0
+    transport: str = TRANSPORT_COLLECTIVE
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Transfer:
+        """From :meth:`to_dict`'s form; keys this version does not know (an older plan's ``slice_*``) are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+    @classmethod
+    def coerce(cls, value: Transfer | Mapping[str, Any]) -> Transfer:
+        """``value`` itself, or the transfer its dict form describes."""
+        return value if isinstance(value, Transfer) else cls.from_dict(value)
 
 
 @dataclass(frozen=True)
@@ -907,6 +937,10 @@ __all__ = [
     "STATUS_PLAN",
     "STATUS_WAIT",
     "STRIPPED_ENV_VARS",
+    "TRANSPORTS",
+    "TRANSPORT_COLLECTIVE",
+    "TRANSPORT_CUDA_IPC",
+    "TRANSPORT_SHM",
     "TYPED_REQUESTS",
     "WORKER_ENV_VARS",
     "AdjustmentPlan",

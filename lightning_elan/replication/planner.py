@@ -22,9 +22,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from lightning_elan.protocol.contract import (
+    TRANSPORT_COLLECTIVE,
+    TRANSPORT_CUDA_IPC,
+    TRANSPORT_SHM,
+    TRANSPORTS,
+    Transfer,
+)
 from lightning_elan.replication.topology import (
         L1_P2P,
     L3_CROSS_SOCKET,
@@ -45,37 +51,7 @@ __all__ = [
     "wave_sizes",
 ]
 
-TRANSPORT_CUDA_IPC = "cuda_ipc"
-TRANSPORT_SHM = "shm"
-TRANSPORT_COLLECTIVE = "collective"
-TRANSPORTS = (TRANSPORT_CUDA_IPC, TRANSPORT_SHM, TRANSPORT_COLLECTIVE)
-
 LevelFn = Callable[[WorkerTopology, WorkerTopology], int]
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One copy of the training state from ``source`` to ``joiner``."""
-
-    source: str
-    joiner: str
-    level: int
-    wave: int = 0
-    transport: str = TRANSPORT_COLLECTIVE
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Transfer:
-        """From :meth:`to_dict`'s form; keys this version does not know (an older plan's ``slice_*``) are ignored."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in known})
-
-    @classmethod
-    def coerce(cls, value: Transfer | Mapping[str, Any]) -> Transfer:
-        """``value`` itself, or the transfer its dict form describes."""
-        return value if isinstance(value, Transfer) else cls.from_dict(value)
 
 
 def plan_transfers(
