@@ -12,12 +12,13 @@ import heapq
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_elan.sim.costs import CostModel
 from lightning_elan.sim.errors import SimulationError
-from lightning_elan.sim.jobmodel import BatchRule, JobSpec
+from lightning_elan.sim.jobmodel import JobSpec
+from lightning_elan.sim.view import ClusterView, JobState
 
 if TYPE_CHECKING:
     from lightning_elan.sim.policies.base import Policy
@@ -26,59 +27,6 @@ log = logging.getLogger(__name__)
 
 FINISH_TOLERANCE = 1e-9  # fraction of a job's samples left that still counts as done
 MAX_EVENTS_AT_ONE_TIME = 10_000
-
-
-@dataclass
-class JobState:
-    """A job as it runs; policies read these fields, only the engine writes them."""
-
-    spec: JobSpec
-    remaining: float
-    gpus: list[int] = field(default_factory=list)
-    rate: float = 0.0
-    paused_until: float = 0.0
-    first_start: float | None = None
-    finish: float | None = None
-    last_stop: float | None = None
-    attained_gpu_s: float = 0.0
-    samples_done: float = 0.0
-    adjustments: int = 0
-    preemptions: int = 0
-    pause_s: float = 0.0
-    pause_gpu_s: float = 0.0
-
-    @property
-    def job_id(self) -> int:
-        return self.spec.job_id
-
-    @property
-    def size(self) -> int:
-        return len(self.gpus)
-
-    def estimated_finish(self, now: float) -> float:
-        """When this job ends if nothing changes (only meaningful while it runs)."""
-        return max(now, self.paused_until) + self.remaining / self.rate
-
-
-@dataclass
-class ClusterView:
-    """What a policy sees at an event: jobs in submission order and the pause model."""
-
-    now: float
-    total_gpus: int
-    running: list[JobState]
-    pending: list[JobState]
-    rule: BatchRule
-    costs: CostModel
-
-    @property
-    def free_gpus(self) -> int:
-        return self.total_gpus - sum(job.size for job in self.running)
-
-    def runtime_s(self, job: JobState, gpus: int) -> float | None:
-        """Time to finish ``job``'s remaining samples on ``gpus`` GPUs (no pause), None when infeasible."""
-        rate = job.spec.rate(gpus, self.rule)
-        return None if rate is None else job.remaining / rate
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from lightning_elan.sim.jobmodel import BatchRule
 
 if TYPE_CHECKING:
-    from lightning_elan.sim.engine import ClusterView, JobState
+    from lightning_elan.sim.view import ClusterView, JobState
 
 
 class Policy(ABC):

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lightning_elan.sim.engine import ClusterView, JobState
 from lightning_elan.sim.jobmodel import BatchRule
 from lightning_elan.sim.policies.base import Policy, keep_running
+from lightning_elan.sim.view import ClusterView, JobState
 
 Values = Sequence[float | None]  # values[k-1]: scaling factor on k GPUs, None when infeasible
 

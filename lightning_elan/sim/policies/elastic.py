@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import heapq
 
-from lightning_elan.sim.engine import ClusterView, JobState
 from lightning_elan.sim.jobmodel import BatchRule
 from lightning_elan.sim.policies.base import Policy
+from lightning_elan.sim.view import ClusterView, JobState
 
 BACKFILL_DEPTH = 64  # E-BF looks this far past a blocked head
 

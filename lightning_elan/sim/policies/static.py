@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_elan.sim.engine import ClusterView
 from lightning_elan.sim.policies.base import Policy, keep_running, static_runtime_s
+from lightning_elan.sim.view import ClusterView
 
 
 class Fifo(Policy):

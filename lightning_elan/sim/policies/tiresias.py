@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import bisect
 
-from lightning_elan.sim.engine import ClusterView, JobState
 from lightning_elan.sim.jobmodel import BatchRule
 from lightning_elan.sim.policies.base import Policy
+from lightning_elan.sim.view import ClusterView, JobState
 
 DEFAULT_THRESHOLDS = (500.0, 10_000.0)
 DEFAULT_STARVATION_FACTOR = 8.0
