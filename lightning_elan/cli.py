@@ -418,7 +418,7 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning_elan.master import ApplicationMaster, FileStore
 
     _reject_command(args, parser)
-    from lightning_elan.master.etcd_store import is_etcd_url
+    from lightning_elan.etcd import is_etcd_url
     from lightning_elan.protocol.auth import AuthError, secret_from_env
 
     state_dir = Path(args.state_dir or registry.default_state_dir(args.job))
@@ -559,10 +559,9 @@ def _am_in_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser, state
     ``elan worker``s, the job is over). The rendezvous store of such a job is in etcd too (no TCPStore): it outlives
     every AM process, so the workers' next rendezvous survives a fail-over."""
     from lightning_elan.elastic.etcd_rendezvous import rendezvous_url
+    from lightning_elan.etcd import StoreError, parse_etcd_url
     from lightning_elan.master.elected import ElectedAM
-    from lightning_elan.master.etcd_store import parse_etcd_url
     from lightning_elan.master.leadership import DEFAULT_LEASE_TTL_S
-    from lightning_elan.master.store import StoreError
     from lightning_elan.protocol.auth import AuthError, refuse_open_bind, secret_from_env
 
     try:

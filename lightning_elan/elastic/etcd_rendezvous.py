@@ -29,17 +29,17 @@ from urllib.parse import parse_qs
 
 import torch.distributed as dist
 
-from lightning_elan.master.etcd_store import (
+from lightning_elan.etcd import (
     EtcdConnection,
     EtcdLocator,
     KeyValue,
+    StoreError,
     compare_mod_revision,
     is_etcd_url,
     parse_etcd_url,
     put,
     range_results,
 )
-from lightning_elan.master.store import StoreError
 
 __all__ = ["EtcdRendezvousStore", "open_rendezvous_store", "parse_rendezvous_url", "rendezvous_url"]
 

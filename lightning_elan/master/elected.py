@@ -25,8 +25,9 @@ from typing import Any
 
 import zmq
 
+from lightning_elan.etcd import EtcdLocator
 from lightning_elan.master.enrolment import Enrolment
-from lightning_elan.master.etcd_store import EtcdLocator, EtcdStore
+from lightning_elan.master.etcd_store import EtcdStore
 from lightning_elan.master.leadership import DEFAULT_LEASE_TTL_S, Leadership
 from lightning_elan.master.server import ApplicationMaster
 from lightning_elan.master.store import StoreConflict, StoreUnavailable

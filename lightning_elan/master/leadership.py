@@ -17,10 +17,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from lightning_elan.master.etcd_store import (
+from lightning_elan.etcd import (
     EtcdConnection,
     EtcdLocator,
-    Fence,
+    StoreError,
+    StoreUnavailable,
     compare_create_revision,
     compare_lease,
     delete,
@@ -28,7 +29,7 @@ from lightning_elan.master.etcd_store import (
     put,
     range_results,
 )
-from lightning_elan.master.store import StoreError, StoreUnavailable
+from lightning_elan.master.etcd_store import Fence
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,9 @@
-"""Where the AM persists its state: a ``StateStore`` saves and loads one JSON-ready dict."""
+"""Where the AM persists its state: a ``StateStore`` saves and loads one JSON-ready dict.
+
+A store in etcd (:mod:`lightning_elan.master.etcd_store`) may also fail a save: ``StoreUnavailable`` (nothing is known
+to be written: the AM does not reply to the request that needed the write, its client resends the same id, and the AM
+tries again later) or ``StoreConflict`` (the AM is fenced), both ``StoreError``s.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from lightning_elan.etcd import StoreError, StoreUnavailable
 
-class StoreError(RuntimeError):
-    """The store could not save or load the AM's state."""
-
-
-class StoreUnavailable(StoreError):
-    """The store did not answer within its retry budget; nothing is known to be written. The AM does not reply to the
-    request that needed the write (its client resends the same id) and tries again later."""
+__all__ = ["FileStore", "MemoryStore", "StateStore", "StoreConflict", "StoreError", "StoreUnavailable"]
 
 
 class StoreConflict(StoreError):
@@ -98,19 +98,6 @@ class MemoryStore(StateStore):
     def save(self, state: dict[str, Any]) -> None:
         json.dumps(state, allow_nan=False)  # same contract as FileStore: JSON-serialisable
         self._state = copy.deepcopy(state)
-
-
-def store_from_url(url_or_path: str | Path, job: str, **options: Any) -> StateStore:
-    """The store named by ``url_or_path``: ``etcd://HOST:PORT[,HOST:PORT…]/PREFIX`` → ``EtcdStore`` of ``job``
-    (``options`` go to it), a plain path → ``FileStore`` of that file."""
-    text = str(url_or_path)
-    if "://" in text:
-        from lightning_elan.master.etcd_store import EtcdStore, is_etcd_url
-
-        if not is_etcd_url(text):
-            raise ValueError(f"unsupported store URL {text!r}: expected etcd://HOST:PORT[,HOST:PORT…]/PREFIX or a path")
-        return EtcdStore.from_url(text, job, **options)
-    return FileStore(text)
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_elan.master.etcd_store import EtcdStore, LeadershipLost, parse_etcd_url
 from lightning_elan.master.leadership import Leadership, current_leader
-from lightning_elan.master.store import StoreConflict, StoreUnavailable, store_from_url
+from lightning_elan.master.store import StoreConflict, StoreUnavailable
 from tests.integration.etcd_server import EtcdServer, require_etcd
 
 pytest.importorskip("etcd3gw")
@@ -25,7 +25,7 @@ def etcd(tmp_path):
 
 
 def test_state_round_trips_under_the_project_prefix(etcd):
-    store = store_from_url(etcd.url("rt"), "job1")
+    store = EtcdStore.from_url(etcd.url("rt"), "job1")
     assert isinstance(store, EtcdStore)
     assert store.load() is None
     document = {"format": 1, "job": "job1", "state": {"generation": 3, "members": ["w0", "w1"]}, "replies": []}

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_elan.master.etcd_store import (
-    KEY_ROOT,
-    EtcdLocator,
-    decode_document,
-    encode_document,
-    parse_etcd_url,
-)
-from lightning_elan.master.store import FileStore, store_from_url
+from lightning_elan.etcd import KEY_ROOT, EtcdLocator, parse_etcd_url
+from lightning_elan.master.etcd_store import EtcdStore, decode_document, encode_document
 
 
 def test_one_endpoint_and_prefix():
@@ -49,15 +43,9 @@ def test_garbage_is_refused_with_the_reason(url, reason):
         parse_etcd_url(url)
 
 
-def test_store_from_url_picks_the_store(tmp_path):
-    assert isinstance(store_from_url(tmp_path / "state.json", "j"), FileStore)
-    with pytest.raises(ValueError, match="unsupported store URL"):
-        store_from_url("redis://h:1/p", "j")
-
-
-def test_store_from_url_builds_an_etcd_store_without_contacting_etcd():
+def test_an_etcd_store_is_built_from_its_url_without_contacting_etcd():
     pytest.importorskip("etcd3gw")
-    store = store_from_url("etcd://127.0.0.1:1/p", "job1")
+    store = EtcdStore.from_url("etcd://127.0.0.1:1/p", "job1")
     assert store.key == f"{KEY_ROOT}/p/job1/state"
     assert "etcd://127.0.0.1:1/p" in repr(store)
 
