@@ -21,9 +21,7 @@ server does, outside the state transaction: :func:`tick` returns how many worker
 
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_elan.master.narration import plural
@@ -34,12 +32,9 @@ from lightning_elan.scaling.throughput import ThroughputModel
 if TYPE_CHECKING:
     from lightning_elan.master.state import JobState
 
-logger = logging.getLogger(__name__)
-
 STRAGGLER_MODES = ("off", "replace", "remove")
 AUTOSCALE_POLICIES = ("throughput", "utility", "off")
 SETTLE_MODES = ("return", "best")
-MAX_DECISIONS = 50
 DEFAULT_AUTOSCALE_EVERY = 20
 DEFAULT_COOLDOWN_S = 0.0
 PROFILE_FILE = "profile.json"
@@ -49,45 +44,6 @@ BACKWARD_RATIO = 2.0  # backward ≈ 2 forwards (StepTimer's default) when a pro
 
 class SizingError(ValueError):
     """A sizing request that cannot be carried out (the message says why)."""
-
-
-@dataclass
-class SizingState:
-    """The durable part: what the AM was asked to do, how far it got, and the decisions it made."""
-
-    profile: dict[str, Any] | None = None  # {"run": ProfileRun, "measured": {size: rate}, "started_at"}
-    profile_result: dict[str, Any] | None = None  # the last finished profile
-    autoscale: dict[str, Any] | None = None  # {"policy", "config", "state", "last_size_at"}
-    stragglers: dict[str, Any] = field(default_factory=lambda: {"mode": "off"})
-    replacing: dict[str, Any] | None = None  # {"straggler", "request_id", "size"}: a replacement under way
-    scale_out_command: str | None = None
-    scale_out: dict[str, Any] | None = None  # {"target", "at"}: the last time the scale-out command was run
-    decisions: list[dict[str, Any]] = field(default_factory=list)  # the last MAX_DECISIONS, oldest first
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> SizingState:
-        return cls(**data) if data else cls()
-
-    def note(self, kind: str, decision: str, reason: str, inputs: dict[str, Any], now: float) -> dict[str, Any]:
-        """Record one decision (also those that change nothing); returns the record."""
-        record = {"at": now, "kind": kind, "decision": decision, "reason": reason, "inputs": inputs}
-        self.decisions = [*self.decisions, record][-MAX_DECISIONS:]
-        logger.info("sizing: %s → %s: %s", kind, decision, reason)
-        return record
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "profile": None if self.profile is None else {key: self.profile[key] for key in ("run", "measured")},
-            "profile_result": self.profile_result,
-            "autoscale": None if self.autoscale is None else {
-                "policy": self.autoscale["policy"], "config": self.autoscale["config"]},
-            "stragglers": {key: value for key, value in self.stragglers.items() if key != "detector"},
-            "replacing": self.replacing,
-            "decisions": self.decisions[-10:],
-        }
 
 
 # ---- requests (from `elan profile`, `elan autoscale`, `--stragglers`) ------------------------------------------------

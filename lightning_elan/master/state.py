@@ -17,7 +17,7 @@ from lightning_elan.master.enrolment import Enrollee, Enrolment
 from lightning_elan.master.measure import Measurements
 from lightning_elan.master.narration import plural, workers_phrase
 from lightning_elan.master.recovery import CheckIn, Recovery, recovery_plan
-from lightning_elan.master.sizing import SizingState
+from lightning_elan.master.sizing_state import SizingState
 from lightning_elan.master.standby import STANDBY_REQUEST, StandbyPool
 from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
