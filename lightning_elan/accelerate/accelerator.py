@@ -147,7 +147,7 @@ class ElasticAccelerator(Accelerator):
         epoch: int | None = None
         while not self.has_left:
             try:
-                self._batch_boundary()  # a loop left early: its last batch ends first
+                self.batch_boundary()  # a loop left early: its last batch ends first
             except LeftTheJob:
                 break
             epoch = self._next_epoch(epoch)
@@ -159,7 +159,7 @@ class ElasticAccelerator(Accelerator):
     def _next_epoch(self, previous: int | None) -> int:
         data = self.engine.data
         if previous is None:
-            return data.epoch + (1 if self._epoch_complete() else 0)
+            return data.epoch + (1 if self.epoch_complete() else 0)
         if self._train_loader is not None and data.epoch <= previous:
             self._train_loader.set_epoch(previous + 1)
         return previous + 1
@@ -270,7 +270,7 @@ class ElasticAccelerator(Accelerator):
         compat.prepared_schedulers(self).append(prepared)
         return prepared
 
-    # ------------------------------------------------------------------ the training step
+    # ------------------------------------------------------------------ the training step (StepCommit: the wrappers')
 
     @override
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -290,7 +290,7 @@ class ElasticAccelerator(Accelerator):
             self._absorb_failure(error)
         timer.after_backward(time.perf_counter())
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> tuple[bool, ScaledParamGroups | None]:
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> tuple[bool, ScaledParamGroups | None]:
         """Every synchronised optimizer step: commit it with every member (once per batch), scale it by the LR ramp.
         Returns whether to apply it (not when it is discarded) and the scaled param groups to restore after it."""
         if not self._committed and not self._aborted:
@@ -323,22 +323,22 @@ class ElasticAccelerator(Accelerator):
                         self.engine.worker_id, self.engine.generation)
         self._aborted = True
 
-    # ------------------------------------------------------------------ batch boundaries (from the training loader)
+    # ------------------------------------------------------------------ batch boundaries (BatchBoundaries: the loader)
 
-    def _start_iteration(self, loader: ElasticTrainLoader) -> None:
+    def start_iteration(self, loader: ElasticTrainLoader) -> None:
         """A new pass over the training loader: the last batch of a loop left early ends first; an epoch that is
         complete gives way to the next one."""
-        self._batch_boundary()
-        if self._epoch_complete():
+        self.batch_boundary()
+        if self.epoch_complete():
             loader.set_epoch(self.engine.data.epoch + 1)
 
-    def _epoch_complete(self) -> bool:
+    def epoch_complete(self) -> bool:
         data = self.engine.data
         if self._train_loader is None or data.global_batch is None:
             return False
         return data.position >= self._train_loader.sampler.epoch_end()
 
-    def _take_global_batch(self, loader: ElasticTrainLoader) -> None:
+    def take_global_batch(self, loader: ElasticTrainLoader) -> None:
         data = self.engine.data
         opens_step = not self._step_open
         if opens_step:
@@ -350,7 +350,7 @@ class ElasticAccelerator(Accelerator):
         policy.track_global_batch(data.global_batch)
         policy.timer.batch_start(time.perf_counter(), self._share.size, self.engine.world_size)
 
-    def _batch_boundary(self) -> None:
+    def batch_boundary(self) -> None:
         """After the last batch's work (at the next batch or the end of the loop): report, coordinate, adjust — or,
         when a member died, recover (the discarded step's batches are redone next)."""
         if self.has_left:

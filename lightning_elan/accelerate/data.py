@@ -1,11 +1,12 @@
 """The loaders ``ElasticAccelerator.prepare()`` returns: the training loader follows the job's serial position, an
-evaluation loader is sharded over the world of the moment it is iterated."""
+evaluation loader is sharded over the world of the moment it is iterated. The training loader drives its loop's batch
+boundaries through :class:`BatchBoundaries`, which the accelerator implements."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from accelerate.utils import send_to_device
@@ -14,16 +15,29 @@ from torch.utils.data import DataLoader
 from lightning_elan.accelerate import compat
 from lightning_elan.data.loader import ElasticDataLoader
 
-if TYPE_CHECKING:
-    from lightning_elan.accelerate.accelerator import ElasticAccelerator
-
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticTrainLoader", "EvaluationLoader", "LeftTheJob", "refuse_unsupported"]
+__all__ = ["BatchBoundaries", "ElasticTrainLoader", "EvaluationLoader", "LeftTheJob", "refuse_unsupported"]
 
 
 class LeftTheJob(Exception):
     """Raised by the accelerator when this worker left the job at a batch boundary; ends the training loop."""
+
+
+class BatchBoundaries(Protocol):
+    """What the training loader asks of the loop it belongs to (``ElasticAccelerator`` implements it)."""
+
+    def start_iteration(self, loader: ElasticTrainLoader) -> None:
+        """A new pass over ``loader`` begins: end a batch left open, start the next epoch when this one is complete."""
+
+    def batch_boundary(self) -> None:
+        """Between two batches: report, coordinate, adjust or recover; ``LeftTheJob`` once this worker left."""
+
+    def epoch_complete(self) -> bool:
+        """Every global batch of the epoch has been taken."""
+
+    def take_global_batch(self, loader: ElasticTrainLoader) -> None:
+        """This worker takes its share of the next global batch (the job's position moves on)."""
 
 
 def refuse_unsupported(loader: DataLoader, dispatch_batches: bool | None) -> None:
@@ -47,7 +61,7 @@ class ElasticTrainLoader:
     Adjustments happen here, between two batches: the previous batch's boundary runs before the next is taken.
     """
 
-    def __init__(self, loader: ElasticDataLoader, accelerator: ElasticAccelerator, device: torch.device | None,
+    def __init__(self, loader: ElasticDataLoader, accelerator: BatchBoundaries, device: torch.device | None,
                  non_blocking: bool) -> None:
         self.base = loader
         self._accelerator = accelerator
@@ -77,7 +91,7 @@ class ElasticTrainLoader:
     def __iter__(self) -> Iterator[Any]:
         accelerator = self._accelerator
         try:
-            accelerator._start_iteration(self)
+            accelerator.start_iteration(self)
         except LeftTheJob:
             return
         self.end_of_dataloader = False
@@ -87,18 +101,18 @@ class ElasticTrainLoader:
         finally:
             compat.leave_dataloader(self)
 
-    def _batches(self, accelerator: ElasticAccelerator) -> Iterator[Any]:
+    def _batches(self, accelerator: BatchBoundaries) -> Iterator[Any]:
         inner = iter(self.base)
         while True:
             try:
-                accelerator._batch_boundary()
+                accelerator.batch_boundary()
             except LeftTheJob:
                 return
-            if accelerator._epoch_complete():
+            if accelerator.epoch_complete():
                 return
             batch = next(inner)  # first: a fresh or rebuilt iterator starts at the position of this batch
-            accelerator._take_global_batch(self)
-            self.end_of_dataloader = accelerator._epoch_complete()
+            accelerator.take_global_batch(self)
+            self.end_of_dataloader = accelerator.epoch_complete()
             yield batch if self.device is None else send_to_device(batch, self.device, non_blocking=self.non_blocking)
 
     def rebuild(self) -> None:

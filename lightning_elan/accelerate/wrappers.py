@@ -1,9 +1,10 @@
 """Accelerate's optimizer and scheduler wrappers, elastic: a step is committed by every member before it is applied,
-the LR ramp scales the step, and the LR schedule does not depend on the world of the moment."""
+the LR ramp scales the step, and the LR schedule does not depend on the world of the moment. They reach the
+accelerator through :class:`StepCommit`, which it implements."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
@@ -12,15 +13,30 @@ from typing_extensions import override
 from lightning_elan.accelerate import compat
 
 if TYPE_CHECKING:
-    from lightning_elan.accelerate.accelerator import ElasticAccelerator
+    import torch
 
-__all__ = ["ElasticOptimizer", "ElasticScheduler"]
+    from lightning_elan.scaling.lr import ScaledParamGroups
+
+__all__ = ["ElasticOptimizer", "ElasticScheduler", "StepCommit"]
+
+
+class StepCommit(Protocol):
+    """What the wrappers ask of the accelerator at a synchronised step (``ElasticAccelerator`` implements it)."""
+
+    launch_world_size: int  # the LR schedule steps this many times per optimizer step, whatever the world of the moment
+
+    @property
+    def step_discarded(self) -> bool:
+        """A member died during the current step: nothing of it is applied."""
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> tuple[bool, ScaledParamGroups | None]:
+        """Commit the step with every member; whether to apply it, and the param groups to restore after it."""
 
 
 class ElasticOptimizer(AcceleratedOptimizer):
     """``AcceleratedOptimizer`` whose synchronised steps go through the elastic accelerator first."""
 
-    def __init__(self, optimizer: Any, accelerator: ElasticAccelerator, device_placement: bool = True,
+    def __init__(self, optimizer: Any, accelerator: StepCommit, device_placement: bool = True,
                  scaler: Any = None) -> None:
         super().__init__(optimizer, device_placement=device_placement, scaler=scaler)
         self.elastic_accelerator = accelerator
@@ -29,7 +45,7 @@ class ElasticOptimizer(AcceleratedOptimizer):
     def step(self, closure: Any = None) -> None:
         if not self.gradient_state.sync_gradients:
             return super().step(closure)
-        apply, scaled = self.elastic_accelerator._before_optimizer_step(self.optimizer)
+        apply, scaled = self.elastic_accelerator.before_optimizer_step(self.optimizer)
         if not apply:
             return None  # the step is discarded (a member died): nothing is applied, the batch is redone
         try:
@@ -51,7 +67,7 @@ class ElasticScheduler(AcceleratedScheduler):
     """``AcceleratedScheduler`` stepping ``launch_world_size`` times per optimizer step (Accelerate steps it once per
     process of the world of the moment; with a changing world the schedule would change with it)."""
 
-    def __init__(self, scheduler: Any, optimizers: Any, accelerator: ElasticAccelerator, **kwargs: Any) -> None:
+    def __init__(self, scheduler: Any, optimizers: Any, accelerator: StepCommit, **kwargs: Any) -> None:
         super().__init__(scheduler, optimizers, **kwargs)
         self.elastic_accelerator = accelerator
 
