@@ -141,6 +141,7 @@ class ElasticWorker:
         self.data = DataPosition(global_batch=global_batch)
         self.group: ElasticProcessGroup | None = None
         self.generation: int | None = None
+        self._launch_generation: int | None = None  # the generation formed at start (None for a joiner)
         self.has_left = False
         self._frontend: FrontEnd | None = None
         self._scaling = ScalingLink()
@@ -219,12 +220,40 @@ class ElasticWorker:
         if self.environment.joiner:
             return
         env = self.environment
-        self.group.configure(generation_prefix(env.generation), env.rank, env.world_size)
+        self.generation = self._form_launch_generation(env.generation, env.rank, env.world_size)
+        self._launch_generation = self.generation
         install_default_group(self.group)
-        self.generation = env.generation
         self._generation_formed()
         if self._link is not None:
             self._link.register(str(self.device), self._topology())
+
+    @property
+    def in_launch_generation(self) -> bool:
+        """This worker is in the generation it formed when the job started, into which no state was replicated: its
+        members start from rank 0's initial weights."""
+        return self.generation is not None and self.generation == self._launch_generation
+
+    def _form_launch_generation(self, generation: int, rank: int, world_size: int) -> int:
+        """Form the job's first generation; if a member dies before it is formed (killed while it started), form
+        the survivors' generation instead, as the AM's recovery plan says. Returns the generation formed."""
+        while True:
+            if self._watch is not None:
+                self._watch.watch(generation)  # before it is formed: a member that dies meanwhile fails it
+            try:
+                self._group().configure(generation_prefix(generation), rank, world_size)
+            except PeerFailure:
+                self._timeline.adjustment_started()
+                plan = self._recovery_plan_for(generation, 0)
+                log.warning("worker %s: a member of generation %d died before it was formed; forming generation %d "
+                            "with %s", self.worker_id, generation, plan.generation, ", ".join(plan.members))
+                if plan.joiners:  # none before the first step: an adjustment is only decided at a batch boundary
+                    raise RuntimeError(f"worker {self.worker_id}: the recovery plan of generation {generation} has "
+                                       f"joiners {plan.joiners} before any state exists") from None
+                generation, rank, world_size = plan.generation, plan.rank_of(self.worker_id), plan.world_size
+                continue
+            if generation != self.environment.generation:  # the recovery is complete once every member reports
+                self._pending_report = AdjustmentReport(self.worker_id, generation, "stayer", bytes_sent=0)
+            return generation
 
     def join(self) -> None:
         """A joiner, warmed up: report ready, wait for the adjustment, enter the generation, take the state."""

@@ -189,8 +189,9 @@ class ElanStrategy(DDPStrategy):
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         """One elastic DDP for the life of the process: its gradient all-reduce follows the current generation, so a
-        resize rebuilds nothing (no bucket reallocation, no shape verification). Generation 0 starts like DDP (rank 0's
-        weights broadcast); every later generation was formed by a replication, so all members hold the same weights."""
+        resize rebuilds nothing (no bucket reallocation, no shape verification). The launch generation starts like DDP
+        (rank 0's weights broadcast); every later one was formed by a replication, so all members hold the same
+        weights."""
         if self._ddp is None or self._ddp.module is not model:
             kwargs = dict(self._ddp_kwargs)
             for unsupported in ("process_group", "static_graph"):
@@ -199,7 +200,7 @@ class ElanStrategy(DDPStrategy):
                                      "its group at every generation and settles its buckets at construction")
             self._ddp = ElasticDistributedDataParallel(model, self._current_group,
                                                        device_ids=self.determine_ddp_device_ids(), **kwargs)
-            if self.engine.generation == 0:
+            if self.engine.in_launch_generation:
                 self._ddp.broadcast_module_state()
         return self._ddp
 

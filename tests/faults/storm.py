@@ -55,17 +55,18 @@ class Storm:
         return f"storm{self.seed}"
 
 
-def job_command(directory: Path, name: str, nproc: int, extra: tuple[str, ...] = ()) -> list[str]:
+def job_command(directory: Path, name: str, nproc: int, extra: tuple[str, ...] = (),
+                probe_args: list[str] = STORM_ARGS) -> list[str]:
     return [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
             "--coordinate-every", "1", "--state-dir", str(directory / f"{name}-state"), *extra,
-            "--", sys.executable, str(PROBE), "--out", str(directory / name), *STORM_ARGS]
+            "--", sys.executable, str(PROBE), "--out", str(directory / name), *probe_args]
 
 
-def run_static(directory: Path) -> RunResult:
+def run_static(directory: Path, probe_args: list[str] = STORM_ARGS) -> RunResult:
     """The static 3-worker run every storm is compared with."""
     directory.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(job_command(directory, "static", WORKERS), env=elan_env(directory), capture_output=True,
-                          text=True, timeout=JOB_TIMEOUT_S)
+    proc = subprocess.run(job_command(directory, "static", WORKERS, probe_args=probe_args), env=elan_env(directory),
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     output = proc.stdout + proc.stderr
     (directory / "static.log").write_text(output)
     run = RunResult(directory / "static", directory / "static-state", proc.returncode, output)
