@@ -381,9 +381,12 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         try:
             store.set(f"{ARRIVED_KEY}/{rank}", b"1")
             keys = [f"{ARRIVED_KEY}/{member}" for member in range(world_size)]
-            pause = ARRIVAL_POLL_MIN_S
+            pause, deadline = ARRIVAL_POLL_MIN_S, time.monotonic() + self.timeout.total_seconds()
             while not store.check(keys):  # check(): a TCPStore wait() that times out leaves its socket out of step
                 forming.raise_if_failed()
+                if time.monotonic() > deadline:  # what gloo's own rendezvous would have waited
+                    missing = [key for key in keys if not store.check([key])]
+                    raise RuntimeError(f"generation {prefix!r}: {missing} did not arrive within {self.timeout}")
                 time.sleep(pause)
                 pause = min(ARRIVAL_POLL_MAX_S, pause * 2)
         finally:

@@ -267,10 +267,10 @@ class ElasticWorker:
                 raise NotAMember(f"worker {self.worker_id} is not needed ({reply.reason})")
             plan = reply.plan
             phases = PhaseClock()
-            self._enter(plan)
-            install_default_group(self._group())
-            phases.mark("group")
             try:
+                self._enter(plan)
+                install_default_group(self._group())
+                phases.mark("group")
                 state, got, route = self._receive(plan)
                 break
             except Exception as error:
@@ -373,6 +373,8 @@ class ElasticWorker:
         return reply.plan
 
     def _confirm_peer_failure(self, error: BaseException) -> None:
+        if isinstance(error, PeerFailure):
+            return  # raised because the watch saw a generation fail (one being formed, too)
         if self._watch is None:
             raise error
         deadline = time.monotonic() + FAILURE_NOTICE_S
@@ -583,6 +585,8 @@ class ElasticWorker:
 
     def _enter(self, plan: AdjustmentPlan) -> None:
         previous = self.rank if self.is_member else None
+        if self._watch is not None:
+            self._watch.watch(plan.generation)  # before it is formed: a member that dies meanwhile fails it
         self._group().configure(generation_prefix(plan.generation), plan.rank_of(self.worker_id), plan.world_size)
         self.generation = plan.generation
         self._keys_to_delete = generation_prefix(plan.previous_generation)
