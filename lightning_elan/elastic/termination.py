@@ -42,6 +42,19 @@ itself, with or without a live launcher. (A C++ call that blocks *holding the GI
 orchestrator's SIGKILL stays the backstop for that.) A forked child (a DataLoader worker) drops the inherited wakeup fd
 at once (``os.register_at_fork``), so its signals are not taken for the worker's. When another wakeup fd is already set
 (an asyncio loop on the main thread) it is left alone and the handler alone starts the watch, as before.
+
+SIGTERM during start-up: ``elan run`` and ``elan worker`` start the worker with SIGTERM blocked
+(``launcher/lifeline.py``), so a SIGTERM that comes while it imports torch and Lightning waits, pending, and
+:meth:`TerminationWatch.install` unblocks it right after the handler (and the watch's thread, which keeps it blocked)
+is installed: one that came meanwhile is delivered then, to the handler, and is a leave like any other (a joiner
+still warming up is cancelled, a member of generation 0 leaves at its first batch boundary). The grace period starts
+at that delivery, and ``install`` returns once the AM has answered the leave (at most :data:`HELD_ANSWER_WAIT_S`), so
+a joiner's cancellation is decided before it can report ready. Until the watch is installed only SIGKILL ends the
+worker; one that never installs it (a command that never starts the engine, an engine started off the main thread)
+keeps SIGTERM blocked, and the launcher SIGKILLs it ``ELAN_TERM_GRACE`` seconds after the SIGTERM
+(``lifeline.sigterm_held``). A child forked meanwhile (a DataLoader worker) unblocks SIGTERM at once: the launcher's
+hold is the worker's alone. A process ``exec``'d by the worker before the watch is installed (a ``subprocess``, a
+``spawn`` multiprocessing context) inherits the blocked mask.
 """
 
 from __future__ import annotations
@@ -62,7 +75,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
-from lightning_elan.protocol.contract import LEAVE_FINISHED, LEAVE_QUEUED, WorkerEnvironment
+from lightning_elan.protocol.contract import ENV_AM_ADDRESS, LEAVE_FINISHED, LEAVE_QUEUED, WorkerEnvironment
 from lightning_elan.protocol.messages import new_message_id
 
 log = logging.getLogger(__name__)
@@ -76,6 +89,10 @@ REPEAT_WINDOW_S = 1.0
 """A SIGTERM this soon after the first is the same notice, not the second that takes the crash path: Slurm's
 ``scancel``/``srun`` signal every process of a job step, so the training process gets the signal directly and again
 from the ``elan worker`` that forwards it (as under an init process that forwards to its process group)."""
+
+HELD_ANSWER_WAIT_S = 5.0
+"""How long :meth:`TerminationWatch.install` waits for the AM's answer to the leave of a SIGTERM held since the start:
+the AM knows of the leave before the worker goes on (a joiner is cancelled before it can report ready)."""
 
 WAKEUP_POLL_S = 0.5
 """How often the watch's thread, waiting for the first SIGTERM on the wakeup socket, looks whether it was disarmed."""
@@ -98,6 +115,7 @@ class TerminationWatch:
         self.outcome: str | None = None  # the AM's answer to leave (contract.LEAVE_*), None until it answered
         self.refusal: str | None = None  # why the AM refused, if it did
         self.fell_back: str | None = None  # why the crash path was taken, if it was
+        self.held_at_start = False  # a SIGTERM came while the worker started: held until the watch was installed
         self._kill = kill
         self._pid = os.getpid()
         self._previous: Any = None
@@ -107,6 +125,7 @@ class TerminationWatch:
         self._wakeup: _WakeupSocket | None = None
         self._wake = threading.Event()
         self._disarmed = threading.Event()
+        self._answered = threading.Event()  # the leave was answered (or given up on)
         self._thread = threading.Thread(target=self._run, name="elan-sigterm", daemon=True)
 
     @classmethod
@@ -134,8 +153,13 @@ class TerminationWatch:
             return False
         self._wakeup = _WakeupSocket.install()
         self._previous = signal.signal(signal.SIGTERM, self.handle)
-        self._thread.start()
+        self._thread.start()  # before the unblock: the thread keeps SIGTERM blocked and the main thread takes it
         self._installed = True
+        self.held_at_start = _held_sigterm_pending()
+        _unblock_sigterm()  # a SIGTERM held since the start runs the handler now
+        if self.held_at_start and not self._answered.wait(HELD_ANSWER_WAIT_S):
+            log.warning("the application master has not answered worker %s's leave in %g s: it starts meanwhile",
+                        self.environment.worker_id, HELD_ANSWER_WAIT_S)
         return True
 
     def disarm(self) -> None:
@@ -179,9 +203,13 @@ class TerminationWatch:
             return
         assert self._received_at is not None
         deadline = self._received_at + self.grace_s
-        log.warning("worker %s received SIGTERM: it asks to leave the job and leaves at the next batch boundary "
-                    "(the crash path if it has not left in %g s)", self.environment.worker_id, self.grace_s)
-        self._ask_to_leave(deadline)
+        when = " while it started" if self.held_at_start else ""
+        log.warning("worker %s received SIGTERM%s: it asks to leave the job and leaves at the next batch boundary "
+                    "(the crash path if it has not left in %g s)", self.environment.worker_id, when, self.grace_s)
+        try:
+            self._ask_to_leave(deadline)
+        finally:
+            self._answered.set()
         if self._disarmed.is_set():
             return
         if self.outcome == LEAVE_FINISHED:
@@ -303,6 +331,37 @@ def _drop_wakeup_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_wakeup_in_child)
+
+
+def _held_sigterm_pending() -> bool:
+    """A SIGTERM waits for this thread to unblock it (it came while the worker started)."""
+    return _sigterm_blocked() and signal.SIGTERM in signal.sigpending()
+
+
+def _unblock_sigterm() -> None:
+    """Unblock SIGTERM on this thread (the launcher started the worker with it blocked): one that came during the
+    start-up is delivered now, to the handler just installed (``pthread_sigmask`` runs it before returning)."""
+    if _sigterm_blocked():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _sigterm_blocked() -> bool:
+    """Whether this thread has SIGTERM blocked (never where there are no signal masks)."""
+    return hasattr(signal, "pthread_sigmask") and signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, ())
+
+
+_HELD_BY_LAUNCHER = ENV_AM_ADDRESS in os.environ and _sigterm_blocked()
+"""This worker was started with SIGTERM blocked (``launcher/lifeline.py``): its forked children must not be."""
+
+
+def _unblock_sigterm_in_child() -> None:
+    """A forked child (a DataLoader worker) dies of SIGTERM as usual: the launcher's hold is for the worker alone (the
+    child starts with no pending signal, so none is delivered by this)."""
+    if _HELD_BY_LAUNCHER:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+os.register_at_fork(after_in_child=_unblock_sigterm_in_child)
 
 
 def _flush_logs() -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
 
-from lightning_elan.launcher.lifeline import die_with_parent
+from lightning_elan.launcher.lifeline import die_with_parent, sigterm_held
 from lightning_elan.protocol.addresses import am_address_list
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
@@ -128,14 +128,35 @@ class EnrolledWorker:
 
     def _run_command(self, enrolment: EnrolReply) -> int:
         env = self._command_env(enrolment)
-        self._child = subprocess.Popen(self.config.command, env=env, preexec_fn=die_with_parent(signal.SIGTERM))
+        self._child = subprocess.Popen(self.config.command, env=env,
+                                       preexec_fn=die_with_parent(signal.SIGTERM, hold_sigterm=True))
         where = f"rank {enrolment.rank} of {enrolment.world_size}" if enrolment.role == ROLE_MEMBER else "joiner"
         log.info("%s (%s) started: pid %d", enrolment.worker_id, where, self._child.pid)
         previous = signal.signal(signal.SIGTERM, self._forward)
         try:
-            return self._child.wait()
+            return self._wait(self._child)
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+    def _wait(self, child: subprocess.Popen[bytes]) -> int:
+        """The command's exit code. It starts with SIGTERM blocked (``launcher/lifeline.py``) until its SIGTERM watch
+        is installed; one that holds a SIGTERM ``--term-grace`` seconds (it never starts the elan engine) is SIGKILLed,
+        as the watch's crash path would have done."""
+        held_since: float | None = None
+        while True:
+            try:
+                return child.wait(timeout=self.config.poll_s)
+            except subprocess.TimeoutExpired:
+                pass
+            if not sigterm_held(child.pid):
+                held_since = None
+                continue
+            held_since = time.monotonic() if held_since is None else held_since
+            if time.monotonic() - held_since >= self.config.term_grace_s:
+                log.warning("the worker (pid %d) has held a SIGTERM for %.0f s without installing its handler (does "
+                            "the command start the elan engine?): killing it", child.pid, self.config.term_grace_s)
+                child.kill()
+                return child.wait()
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         """SIGTERM from the scheduler: the command leaves the job gracefully (it exits 0 once it has left)."""

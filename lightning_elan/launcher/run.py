@@ -15,7 +15,9 @@ with the same message id until the (possibly restarted) AM answers, so none appl
 
 Every child dies with the launcher (``launcher/lifeline.py``): a SIGKILLed ``elan run`` leaves no worker, standby,
 joiner or AM behind (the workers get SIGKILL from the kernel, the AM SIGTERM); the workers' DataLoader processes
-follow within torch's 5 s watchdog interval.
+follow within torch's 5 s watchdog interval. Every worker starts with SIGTERM blocked until its SIGTERM watch is
+installed, so a SIGTERM during its start-up is a leave, not a crash; one it holds is SIGKILLed ``--term-grace`` seconds
+later (a command that never starts the engine), or at once when the launcher itself stops the worker.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from types import FrameType
 from typing import Any
 
 from lightning_elan.launcher.am_process import DEFAULT_MAX_RESTARTS, AMFailed, AMProcess, describe_status
-from lightning_elan.launcher.lifeline import die_with_parent
+from lightning_elan.launcher.lifeline import die_with_parent, sigterm_held
 from lightning_elan.launcher.schedule import ScaleAction, format_schedule_item
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
@@ -100,6 +102,8 @@ class Worker:
     returncode: int | None = None
     stranded: bool = False  # a joiner of a plan whose old members all finished: stopped by the launcher
     left_as_planned: bool = False  # the AM expected this exit (a leaver of a plan, a cancelled joiner)
+    terminated: bool = False  # the launcher sent it SIGTERM (to stop it, not to make it leave)
+    held_since: float | None = None  # when the launcher first saw it hold a SIGTERM (blocked: no handler yet)
 
     @property
     def alive(self) -> bool:
@@ -161,6 +165,7 @@ class JobLauncher:
         self._exit_seen = False
         self._last_status_check = 0.0
         self._last_status: dict[str, Any] | None = None
+        self._last_held_check = 0.0
 
     # ------------------------------------------------------------------ public
 
@@ -330,7 +335,8 @@ class JobLauncher:
         worker = self._workers.get(worker_id)
         if worker is not None and worker.process.poll() is None:
             log.warning("stopping %s: it never reported ready, its request failed", worker_id)
-            worker.process.terminate()
+            self._send_signal(worker, signal.SIGTERM)
+            self._end_held_sigterms([worker])
 
     def _spawn(self, worker_id: str, role: str, *, rank: int = -1, world_size: int = 0, detail: str) -> Worker:
         device_index = self._next_device()
@@ -347,7 +353,8 @@ class JobLauncher:
             term_grace_s=self.config.term_grace_s,
         )
         env = self._worker_env(description)
-        process = subprocess.Popen(self.config.command, env=env, preexec_fn=die_with_parent(signal.SIGKILL))
+        process = subprocess.Popen(self.config.command, env=env,
+                                   preexec_fn=die_with_parent(signal.SIGKILL, hold_sigterm=True))
         worker = Worker(worker_id, role, process, device_index)
         self._workers[worker_id] = worker
         where = "" if device_index is None else f", device {device_index}"
@@ -395,6 +402,7 @@ class JobLauncher:
         while True:
             self._check_signals()
             self._am.check()
+            self._check_held_sigterms()
             finished = self._spawn_requested()
             failed = self._reap()
             if failed is not None:
@@ -517,6 +525,7 @@ class JobLauncher:
         for worker in stranded:
             worker.stranded = True
             self._send_signal(worker, signal.SIGTERM)
+        self._end_held_sigterms(stranded)
         deadline = time.monotonic() + self.config.kill_grace_s
         while time.monotonic() < deadline and any(self._poll_quietly(worker) for worker in stranded):
             time.sleep(self.config.poll_interval_s)
@@ -613,6 +622,7 @@ class JobLauncher:
             return
         for worker in live:
             self._send_signal(worker, signal.SIGTERM)
+        self._end_held_sigterms(live)
         deadline = time.monotonic() + self.config.kill_grace_s
         while time.monotonic() < deadline and len(self._signals) < 2:
             live = [worker for worker in live if self._poll_quietly(worker)]
@@ -630,10 +640,40 @@ class JobLauncher:
 
     @staticmethod
     def _send_signal(worker: Worker, signum: int) -> None:
+        worker.terminated = worker.terminated or signum == signal.SIGTERM
         try:
             worker.process.send_signal(signum)
         except ProcessLookupError:
             pass
+
+    # ------------------------------------------------------------------ SIGTERMs a worker holds
+
+    def _check_held_sigterms(self) -> None:
+        """Every ``status_interval_s``: :meth:`_end_held_sigterms` for every live worker."""
+        now = time.monotonic()
+        if now - self._last_held_check >= self.config.status_interval_s:
+            self._last_held_check = now
+            self._end_held_sigterms(self._live_workers())
+
+    def _end_held_sigterms(self, workers: list[Worker]) -> None:
+        """SIGKILL each of ``workers`` that holds a SIGTERM (it started with SIGTERM blocked, ``launcher/lifeline.py``,
+        and has not installed its handler): at once when the launcher sent it to stop the worker, ``--term-grace``
+        seconds after one from elsewhere (the worker's own crash path, for a command that never starts the engine)."""
+        now = time.monotonic()
+        for worker in workers:
+            if not sigterm_held(worker.process.pid):
+                worker.held_since = None
+                continue
+            worker.held_since = now if worker.held_since is None else worker.held_since
+            if worker.terminated:
+                log.info("%s has not installed its SIGTERM handler yet: killing it", worker.worker_id)
+            elif now - worker.held_since >= self.config.term_grace_s:
+                log.warning("%s has held a SIGTERM for %.0f s without installing its handler (does the command start "
+                            "the elan engine?): killing it, as a worker that has not left in time", worker.worker_id,
+                            now - worker.held_since)
+            else:
+                continue
+            self._send_signal(worker, signal.SIGKILL)
 
     @staticmethod
     def _poll_quietly(worker: Worker) -> bool:

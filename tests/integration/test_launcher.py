@@ -50,6 +50,7 @@ WORKER = textwrap.dedent(
 
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # the launcher starts workers with it blocked
     if mode == "joiner-silent" and env["ELAN_ROLE"] == "joiner":
         time.sleep(300)  # hangs before it ever reports ready
     client = AMClient(env["ELAN_AM_ADDRESS"], env["ELAN_JOB"])
