@@ -38,6 +38,9 @@ EVENTS = ("kill_worker", "term_worker", "kill_am", "add", "remove")
 GAP_S = (1.5, 4.0)
 JOB_TIMEOUT_S = 900.0
 MAX_WORKERS = 5
+SPARED_MEMBERS = 2
+"""Members no event may take: with no member left there is no state to go on from, and the driver's view of the
+membership (the AM's status) lags a leaver's exit, so one more than the minimum is kept."""
 
 
 @dataclass
@@ -126,15 +129,15 @@ class _Weather:
         return self._signal_worker(signal.SIGTERM)
 
     def _signal_worker(self, sig: signal.Signals) -> bool:
-        """Signal a random worker process (a member, a joiner warming up, a replacement) — but leave the job one
-        member that is neither signalled nor due to be removed: with no member left there is no state to go on from."""
+        """Signal a random worker process (a member, a joiner warming up, a replacement) — but leave the job
+        ``SPARED_MEMBERS`` members that are neither signalled nor due to be removed."""
         workers = {pid: _worker_id(pid) for pid in self._children("worker") if pid not in self.signalled}
         members, removals = self._membership()
         if members is None:
             return False  # the AM does not answer (restarting): who is a member is unknown
         safe = [pid for pid, worker in workers.items() if worker in members]
         victims = [pid for pid, worker in workers.items() if worker is not None]
-        if len(safe) - removals <= 1:
+        if len(safe) - removals < SPARED_MEMBERS + 1:
             victims = [pid for pid in victims if pid not in safe]
         if not victims:
             return False
