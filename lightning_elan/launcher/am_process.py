@@ -25,6 +25,7 @@ from pathlib import Path
 
 from lightning_elan.launcher.lifeline import die_with_parent
 from lightning_elan.master import registry
+from lightning_elan.master.narration import plural
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class AMProcess:
         """Start the AM on a free port and wait until it has registered its address; returns the address."""
         process = self._spawn(FIRST_BIND)
         self._address = self._await_registration(process)
-        log.info("job %s: AM process %d listening on %s", self.job, process.pid, self._address)
+        log.debug("job %s: AM process %d listening on %s", self.job, process.pid, self._address)
         return self._address
 
     def check(self) -> bool:
@@ -88,8 +89,8 @@ class AMProcess:
         how = describe_status(process.returncode)
         if self.restarts >= self.max_restarts:
             raise AMFailed(
-                f"the AM of job {self.job} (pid {process.pid}) {how}; it was already restarted {self.restarts} "
-                f"time(s), the most allowed: giving up"
+                f"the AM of job {self.job} (pid {process.pid}) {how}; it was already restarted "
+                f"{plural(self.restarts, 'time')}, the most allowed: giving up"
             )
         self.restarts += 1
         log.warning(

@@ -21,6 +21,7 @@ from datetime import timedelta
 from types import FrameType
 
 from lightning_elan.launcher.lifeline import die_with_parent, sigterm_held
+from lightning_elan.launcher.run import generations_phrase
 from lightning_elan.protocol.addresses import am_address_list
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
@@ -206,5 +207,5 @@ class EnrolledWorker:
         store = open_rendezvous_store(self.store_address(enrolment), timedelta(seconds=ANNOUNCE_TIMEOUT_S))
         for generation in generations:
             store.set(failure_key(generation), enrolment.worker_id)
-        log.warning("%s died: the survivors of generation(s) %s recover without it", enrolment.worker_id,
-                    ", ".join(map(str, generations)))
+        log.warning("%s died: the survivors of %s recover without it", enrolment.worker_id,
+                    generations_phrase(generations))

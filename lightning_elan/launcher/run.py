@@ -39,6 +39,7 @@ from typing import Any
 from lightning_elan.launcher.am_process import DEFAULT_MAX_RESTARTS, AMFailed, AMProcess, describe_status
 from lightning_elan.launcher.lifeline import die_with_parent, sigterm_held
 from lightning_elan.launcher.schedule import ScaleAction, format_schedule_item
+from lightning_elan.master.narration import plural, workers_phrase
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
@@ -286,7 +287,8 @@ class JobLauncher:
             },
         )
         members = [str(worker_id) for worker_id in reply["members"]]
-        log.info("job %s: generation %s with %d member(s)", self.config.job, reply.get("generation"), len(members))
+        log.info("job %s: generation %s starts with %s (%s)", self.config.job, reply.get("generation"),
+                 plural(len(members), "member"), workers_phrase(members))
         return members
 
     def _submit_schedule(self) -> None:
@@ -301,8 +303,9 @@ class JobLauncher:
 
     def _submit_sizing(self) -> None:
         for msg_type, body in self.config.sizing:
-            self._request(msg_type, body)
-            log.info("job %s: %s %s", self.config.job, msg_type, json.dumps(body))
+            reply = self._request(msg_type, body)
+            log.info("%s", describe_sizing(self.config.job, msg_type, body, reply))
+            log.debug("job %s: %s %s", self.config.job, msg_type, json.dumps(body))
 
     def _status(self) -> dict[str, Any]:
         return self._request("status")
@@ -464,8 +467,8 @@ class JobLauncher:
         """Set the failure keys the survivors' watch threads poll: their collectives are released at once."""
         for generation in generations:
             self._store.set(failure_key(generation), worker.worker_id)
-        log.warning("%s died (%s): the survivors of generation(s) %s recover without it", worker.worker_id,
-                    describe_exit(worker.returncode or 0, False), ", ".join(map(str, generations)))
+        log.warning("%s died (%s): the survivors of %s recover without it", worker.worker_id,
+                    describe_exit(worker.returncode or 0, False), generations_phrase(generations))
 
     def _finished_by_am(self) -> int:
         """The AM ended the job: normally (shutdown) or because it could not go on (no survivor, too few workers)."""
@@ -520,8 +523,9 @@ class JobLauncher:
         stranded = [worker for worker in joiners if worker.alive]
         if not stranded:
             return
-        log.warning("job %s: the members finished before adjustment %s was carried out; stopping its joiner(s) %s",
-                    self.config.job, in_flight.get("request_id"), ", ".join(w.worker_id for w in stranded))
+        log.warning("job %s: the members finished before adjustment %s was carried out; stopping its %s %s",
+                    self.config.job, in_flight.get("request_id"), "joiner" if len(stranded) == 1 else "joiners",
+                    workers_phrase(w.worker_id for w in stranded))
         for worker in stranded:
             worker.stranded = True
             self._send_signal(worker, signal.SIGTERM)
@@ -742,6 +746,31 @@ def describe_exit(returncode: int, expected: bool, note: str | None = None) -> s
     return f"{text} ({note})" if note else text
 
 
+def generations_phrase(generations: list[int]) -> str:
+    """``generation 3``, ``generations 2 and 3``."""
+    noun = "generation" if len(generations) == 1 else "generations"
+    return f"{noun} {workers_phrase(map(str, generations))}"
+
+
+def describe_sizing(job: str, msg_type: str, body: Mapping[str, Any], reply: Mapping[str, Any]) -> str:
+    """The launcher's line for an ``autoscale`` or ``stragglers`` request it submitted, in words."""
+    if msg_type == "autoscale":
+        from lightning_elan.cli_sizing import describe_autoscale  # the CLI's words for `elan autoscale`
+
+        return describe_autoscale(job, reply.get("autoscale"), body.get("scale_out_command"))
+    stragglers = reply.get("stragglers") or body
+    mode = stragglers.get("mode", "off")
+    fate = _STRAGGLER_FATES.get(mode, mode)
+    threshold, window = stragglers.get("threshold"), stragglers.get("window")
+    if threshold is None or window is None:
+        return f"stragglers of job {job!r} are {fate}"
+    return (f"stragglers of job {job!r} are {fate}: a worker whose throughput stays below {threshold:g} of the "
+            f"median for {plural(int(window), 'round')}")
+
+
+_STRAGGLER_FATES = {"off": "only reported", "replace": "replaced", "remove": "removed"}
+
+
 def _on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
@@ -754,5 +783,7 @@ __all__ = [
     "Worker",
     "archive_previous_run",
     "describe_exit",
+    "describe_sizing",
+    "generations_phrase",
     "pick_device",
 ]

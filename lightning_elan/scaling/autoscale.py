@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_elan.master.narration import plural
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -106,6 +108,16 @@ def _extrapolate_down(rates: Mapping[int, float], above: list[int], size: int) -
     return rates[a] / (1.0 + (a - size) * s / size)
 
 
+def _workers(count: int) -> str:
+    """``1 worker``, ``3 workers``."""
+    return plural(count, "worker")
+
+
+def _sizes_phrase(sizes: list[int]) -> str:
+    """``1 worker``, ``3 workers``, ``1, 3 workers``."""
+    return _workers(sizes[0]) if len(sizes) == 1 else f"{', '.join(map(str, sizes))} workers"
+
+
 def _bounds_error(min_workers: int, max_workers: int | None, step: int) -> str | None:
     """The problem with the size limits and step, if any."""
     if step < 1:
@@ -163,7 +175,7 @@ class ThroughputAutoscaler:
         if self.settled or current not in rates:
             return None
         if current != self._clamp(current):
-            reason = f"{current} workers is outside [{self.min_workers}, {self.max_workers}]"
+            reason = f"{_workers(current)} is outside [{self.min_workers}, {self.max_workers}]"
             return self._move(current, self._clamp(current), reason, rates, restart=True)
         if self.pending is not None and current == self.origin:
             return self._waiting(rates)
@@ -179,7 +191,7 @@ class ThroughputAutoscaler:
         """The job is still where it asked from: the same request again."""
         assert self.pending is not None
         return SizeDecision(
-            self.pending, f"still waiting for {self.pending} workers", self._inputs(self.pending, rates)
+            self.pending, f"still waiting for {_workers(self.pending)}", self._inputs(self.pending, rates)
         )
 
     def _start(self, current: int) -> None:
@@ -196,17 +208,17 @@ class ThroughputAutoscaler:
             if self.phase == "grow":
                 nxt = min(anchor + self.step, self._upper())
                 if nxt == anchor:
-                    self._settle(anchor, f"{anchor} workers is the upper limit and the last addition paid")
+                    self._settle(anchor, f"{_workers(anchor)} is the upper limit and the last addition paid")
                 elif nxt not in rates:
-                    return self._move(current, nxt, f"try {nxt} workers (from {anchor})", rates)
+                    return self._move(current, nxt, f"try {_workers(nxt)} (from {anchor})", rates)
                 else:
                     self._judge_growth(anchor, nxt, rates)
             else:
                 lower = max(anchor - self.step, self.min_workers)
                 if lower == anchor:
-                    self._settle(anchor, f"{anchor} workers is the lower limit")
+                    self._settle(anchor, f"{_workers(anchor)} is the lower limit")
                 elif lower not in rates:
-                    reason = f"look below {anchor} workers: try {lower}"
+                    reason = f"look below {_workers(anchor)}: try {lower}"
                     return self._move(current, lower, reason, rates)
                 else:
                     self._judge_descent(lower, anchor, rates)
@@ -237,7 +249,7 @@ class ThroughputAutoscaler:
         return s
 
     def _settle(self, size: int, reason: str) -> None:
-        self.phase, self.settled_size, self.settle_reason = "settled", size, f"settled at {size} workers: {reason}"
+        self.phase, self.settled_size, self.settle_reason = "settled", size, f"settled at {_workers(size)}: {reason}"
         log.info(self.settle_reason)
 
     def _settled_decision(self, current: int, rates: Mapping[int, float]) -> SizeDecision | None:
@@ -495,7 +507,7 @@ class UtilityAutoscaler:
         if self._clamp(current) != current:
             target = self._clamp(current)
             bounds = f"[{self.min_workers}, {self.max_workers}]"
-            return SizeDecision(target, f"{current} workers is outside {bounds}", {"policy": "utility"})
+            return SizeDecision(target, f"{_workers(current)} is outside {bounds}", {"policy": "utility"})
         candidates = sorted({self._clamp(current - self.step), self._clamp(current + self.step)} - {current})
         values = {k: self._evaluate(k, rates, remaining_samples, elapsed_s) for k in [current, *candidates]}
         best = max(candidates, key=lambda k: (values[k]["net"], -k), default=current)
@@ -544,13 +556,13 @@ class UtilityAutoscaler:
         verb = "add" if target > current else "remove"
         estimated = sorted(k for k, v in values.items() if v["estimated"])
         reason = (
-            f"{verb} {abs(target - current)} worker(s), {current} -> {target}: utility {here['utility']:.4g} -> "
+            f"{verb} {_workers(abs(target - current))}, {current} -> {target}: utility {here['utility']:.4g} -> "
             f"{there['utility']:.4g} (T {here['completion_s']:.0f} s -> {there['completion_s']:.0f} s), "
             f"remaining cost {here['cost']:.4g} -> {there['cost']:.4g}; utility change {gain:.4g} > cost change "
             f"{extra:.4g}"
         )
         if estimated:
-            reason += f" (rate at {', '.join(map(str, estimated))} workers estimated: {there['rate']:.4g} samples/s)"
+            reason += f" (rate at {_sizes_phrase(estimated)} estimated: {there['rate']:.4g} samples/s)"
         inputs = {
             "policy": "utility",
             "rates": {int(k): float(v) for k, v in sorted(rates.items())},

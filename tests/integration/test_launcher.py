@@ -262,4 +262,4 @@ def test_am_dying_past_its_restart_budget_fails_the_job(tmp_path: Path) -> None:
     result = elan_run(tmp_path, "amgone", 2, "kill-am", "--am-max-restarts", "1")
     assert result.returncode == 1, result.stderr
     assert "restart 1 of at most 1" in result.stderr
-    assert "it was already restarted 1 time(s), the most allowed: giving up: stopping job amgone" in result.stderr
+    assert "it was already restarted 1 time, the most allowed: giving up: stopping job amgone" in result.stderr
