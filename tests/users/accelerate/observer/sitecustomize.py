@@ -1,0 +1,139 @@
+"""Test-only (on ``PYTHONPATH`` of the Accelerate corpus' jobs, never imported by a script): what the harness sees of
+a worker, and the two things it does to one. Inactive unless ``$USERS_OBSERVE`` names a directory.
+
+When ``lightning_elan.accelerate.accelerator`` is imported, ``ElasticAccelerator.backward`` (which every script calls
+once per micro-batch) is wrapped. Before each backward it appends to ``$USERS_OBSERVE/observe-<pid>.jsonl`` (one
+flushed line: a worker SIGKILLed later keeps what it wrote) the optimizer step being trained, the world size, the rank
+and a bitwise digest of every prepared model's parameters and buffers and every prepared optimizer's state: members
+must agree bit for bit at every step. Before the backward of a step's last micro-batch:
+
+* ``$USERS_HOLD=1``: rank 0 holds until every scale request due at the next step has its joiners ready, so a scheduled
+  adjustment lands at its step whatever the joiners' start-up time (a replacement for a dead worker is due at once);
+* ``$USERS_KILL=STEP``: the process that is rank 1 at optimizer step STEP writes its worker id and pid to
+  ``$USERS_OBSERVE/victim.json`` (once per job) and waits there: the harness SIGKILLs it (``os.kill``) while the
+  other members go on into the step's gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+TARGET = "lightning_elan.accelerate.accelerator"
+HOLD_LIMIT_S = 240.0
+VICTIM_WAIT_S = 60.0
+
+
+def _observe_dir() -> str | None:
+    return os.environ.get("USERS_OBSERVE") or None
+
+
+def _write(record: dict[str, Any]) -> None:
+    record["at"] = time.time()
+    with open(os.path.join(_observe_dir() or ".", f"observe-{os.getpid()}.jsonl"), "a") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def _digest(accelerator: Any) -> str:
+    """Parameters and buffers of every prepared model, then every prepared optimizer's per-parameter state."""
+    import torch
+
+    digest = hashlib.sha256()
+    tensors: list[tuple[str, Any]] = []
+    for number, model in enumerate(accelerator._models):
+        tensors += [(f"model{number}.{k}", v) for k, v in accelerator.unwrap_model(model).state_dict().items()]
+    for number, optimizer in enumerate(accelerator._optimizers):
+        state = optimizer.state_dict()["state"]
+        tensors += [(f"opt{number}.{slot}.{key}", value) for slot in sorted(state)
+                    for key, value in sorted(state[slot].items())]
+    for name, value in tensors:
+        digest.update(name.encode())
+        tensor = torch.as_tensor(value).detach().cpu().contiguous().reshape(-1)
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _hold_for_joiners(step: int) -> None:
+    """Rank 0: wait until the requests due at ``step`` have every new worker ready."""
+    from lightning_elan.protocol.client import AMClient
+
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    with AMClient(os.environ["ELAN_AM_ADDRESS"], os.environ["ELAN_JOB"]) as client:
+        while True:
+            due = [request for request in client.status()["pending"] if (request.get("at_step") or 0) <= step]
+            if all(state == "ready" for request in due for state in request["worker_status"].values()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"joiners of {due} not ready after {HOLD_LIMIT_S} s")
+            time.sleep(0.05)
+
+
+def _offer_as_victim(step: int) -> None:
+    """Write this process's worker id and pid, then wait for the harness's SIGKILL (SIGKILL itself if none comes)."""
+    try:
+        file = open(os.path.join(_observe_dir() or ".", "victim.json"), "x")  # the job's first victim only
+    except FileExistsError:
+        return
+    with file:
+        file.write(json.dumps({"worker": os.environ["ELAN_WORKER_ID"], "pid": os.getpid(), "step": step}))
+    time.sleep(VICTIM_WAIT_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _before_backward(accelerator: Any) -> None:
+    if "ELAN_WORKER_ID" not in os.environ or accelerator.has_left:
+        return
+    step, rank = accelerator.optimizer_steps, accelerator.process_index
+    if accelerator.sync_gradients:
+        if rank == 0 and os.environ.get("USERS_HOLD") == "1":
+            _hold_for_joiners(step + 1)
+        if rank == 1 and os.environ.get("USERS_KILL") == str(step):
+            _offer_as_victim(step)
+    _write({"step": step, "world": accelerator.num_processes, "rank": rank, "worker": os.environ["ELAN_WORKER_ID"],
+            "digest": _digest(accelerator)})
+
+
+def _instrument(module: Any) -> None:
+    accelerator_class = module.ElasticAccelerator
+    original = accelerator_class.backward
+
+    @functools.wraps(original)
+    def backward(self: Any, loss: Any, **kwargs: Any) -> None:
+        _before_backward(self)
+        return original(self, loss, **kwargs)
+
+    accelerator_class.backward = backward
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        _instrument(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+if _observe_dir() is not None:
+    sys.meta_path.insert(0, _Finder())
