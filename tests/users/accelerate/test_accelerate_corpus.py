@@ -6,7 +6,7 @@ checked and why: README.md in this folder."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,7 +94,7 @@ class Corpus:
         return self._run(script, "elastic", lambda: Job(f"{_stem(script)}-elastic", script.file, args,
                                                         script.elastic_nproc, script.schedule, script.kill_step))
 
-    def _run(self, script: Script, kind: str, job: Any) -> Run:
+    def _run(self, script: Script, kind: str, job: Callable[[], Job]) -> Run:
         key = (script.file, kind)
         if key not in self.runs:
             self.runs[key] = run_job(self.root / f"{_stem(script)}-{kind}", job())
@@ -106,8 +106,8 @@ def _stem(script: Script) -> str:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corpus]:
-    yield Corpus(tmp_path_factory.mktemp("accelerate-corpus"))
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
+    return Corpus(tmp_path_factory.mktemp("accelerate-corpus"))
 
 
 def trained_lines(corpus: Corpus, script: Script) -> list[dict[str, Any]]:
