@@ -1,0 +1,221 @@
+"""Test-only (on ``PYTHONPATH`` of the corpus' jobs, never imported by a user script): what the harness sees of a
+worker, and the two things it does to one. Inactive unless ``$USERS_OBSERVE`` names a directory.
+
+When ``lightning.pytorch`` or ``pytorch_lightning`` is imported, every ``Trainer`` built afterwards gets one more
+callback (the scripts are not changed), which appends to ``$USERS_OBSERVE/observe-<pid>.jsonl``, one flushed line per
+event, so a worker SIGKILLed later keeps what it wrote:
+
+* ``start``: at every training batch's start, the step, world size, rank and a bitwise digest of the parameters
+  and every optimizer's state (members must agree bit for bit at every step);
+* ``trained``: at every trained batch's end (its step applied), the epoch and the samples this process trained —
+  the ``index`` of a dict batch, the first element of a tuple batch when it holds integers, else a digest of each
+  row of the first tensor (a dataset that cannot return its index, like the demo transformer's) — minus the stand-in
+  sample of a rank that had none (weight 0);
+* ``final``: at the end of ``fit`` on rank 0, ``final-<pid>.pt``: the parameters, buffers and optimizer states.
+
+``$USERS_HOLD=1``: rank 0 holds each batch until every scale request due at its step has its joiners ready, so a
+scheduled adjustment lands at its step whatever the joiners' start-up time (it touches ``holding-<pid>`` every second
+meanwhile: the harness takes a job whose files stop changing for a long time as hung).
+
+``$USERS_KILL=STEP[:PHASE]``: the process that is rank 1 in the training batch that starts at global step STEP
+SIGKILLs itself (once per job, written first to ``$USERS_OBSERVE/kills.log``). ``start`` (default): as the batch
+starts, so the others meet its death inside ``training_step`` (the forward's collectives, the gradient all-reduce) and
+redo the step without it; ``end``: after the batch's step is applied and its samples recorded, so the others meet it
+at the batch boundary.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+TRAINER_MODULES = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer")
+HOLD_LIMIT_S = 240.0
+
+
+def _observe_dir() -> str | None:
+    return os.environ.get("USERS_OBSERVE") or None
+
+
+# ---------------------------------------------------------------------- what a worker records
+
+
+def _write(record: dict[str, Any]) -> None:
+    record["at"] = time.time()
+    path = os.path.join(_observe_dir() or ".", f"observe-{os.getpid()}.jsonl")
+    with open(path, "a") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def _tensors(module: Any, optimizers: list[Any], buffers: bool = True) -> dict[str, Any]:
+    """The parameters (and buffers) by name, then every optimizer's per-parameter state (``opt<i>.<slot>.<key>``)."""
+    import torch
+
+    if buffers:
+        tensors = {name: value.detach() for name, value in module.state_dict().items()}
+    else:
+        tensors = {name: value.detach() for name, value in module.named_parameters()}
+    for number, optimizer in enumerate(optimizers):
+        state = optimizer.state_dict()["state"]
+        for slot in sorted(state):
+            for key, value in sorted(state[slot].items()):
+                tensors[f"opt{number}.{slot}.{key}"] = value.detach() if torch.is_tensor(value) else torch.tensor(value)
+    return tensors
+
+
+def _digest(module: Any, optimizers: list[Any]) -> str:
+    """Of the parameters and optimizer states: buffers (BatchNorm's running statistics) are each process's own
+    between forwards (DDP broadcasts rank 0's at the next forward)."""
+    digest = hashlib.sha256()
+    for name, tensor in _tensors(module, optimizers, buffers=False).items():
+        digest.update(name.encode())
+        digest.update(_raw_bytes(tensor))
+    return digest.hexdigest()
+
+
+def _raw_bytes(tensor: Any) -> bytes:
+    import torch
+
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _sample_ids(batch: Any) -> list[Any]:
+
+    if isinstance(batch, dict) and "index" in batch:
+        return batch["index"].tolist()
+    first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    if isinstance(batch, (list, tuple)) and first.dim() == 1 and not first.is_floating_point():
+        return first.tolist()
+    rows = first.reshape(len(first), -1).cpu()
+    return [hashlib.sha1(_raw_bytes(row)).hexdigest()[:16] for row in rows]
+
+
+def _sample_weight(trainer: Any) -> float:
+    return float(getattr(trainer.strategy, "sample_weight", 1.0))
+
+
+# ---------------------------------------------------------------------- what the harness does to a worker
+
+
+def _hold_for_joiners(step: int) -> None:
+    """Rank 0: wait until the requests due at ``step`` have every new worker ready (as the probes' flag does)."""
+    address = os.environ.get("ELAN_AM_ADDRESS")
+    if not address or os.environ.get("USERS_HOLD") != "1":
+        return
+    from lightning_elan.protocol.client import AMClient
+
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    heartbeat = os.path.join(_observe_dir() or ".", f"holding-{os.getpid()}")
+    with AMClient(address, os.environ["ELAN_JOB"]) as client:
+        while True:
+            due = [request for request in client.status()["pending"] if (request.get("at_step") or 0) <= step]
+            if all(state == "ready" for request in due for state in request["worker_status"].values()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"joiners of {due} not ready after {HOLD_LIMIT_S} s")
+            with open(heartbeat, "w") as file:
+                file.write(str(time.time()))
+            time.sleep(0.5)
+
+
+def _kill_if_due(step: int, rank: int, phase: str) -> None:
+    """SIGKILL this process if ``$USERS_KILL`` names this batch's step and ``phase``, and it is rank 1."""
+    plan = os.environ.get("USERS_KILL")
+    if not plan or rank != 1 or "ELAN_WORKER_ID" not in os.environ:
+        return
+    kill_step, _, kill_phase = plan.partition(":")
+    if step != int(kill_step) or phase != (kill_phase or "start"):
+        return
+    try:
+        log = open(os.path.join(_observe_dir() or ".", "kills.log"), "x")  # the job's first kill only
+    except FileExistsError:
+        return
+    with log:
+        log.write(json.dumps({"worker": os.environ["ELAN_WORKER_ID"], "pid": os.getpid(), "step": step,
+                              "phase": phase}) + "\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------- the callback
+
+
+def _observer_class(callback_base: type) -> type:
+    class CorpusObserver(callback_base):  # type: ignore[misc, valid-type]
+        batch_step = -1  # the global step at which the current training batch started
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            step, rank = trainer.global_step, trainer.global_rank
+            self.batch_step = step
+            if rank == 0:
+                _hold_for_joiners(step + 1)
+            _kill_if_due(step, rank, "start")
+            _write({"event": "start", "step": step, "world": trainer.world_size, "rank": rank,
+                    "worker": os.environ.get("ELAN_WORKER_ID"), "digest": _digest(pl_module, trainer.optimizers)})
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            samples = _sample_ids(batch) if _sample_weight(trainer) > 0 else []
+            _write({"event": "trained", "epoch": trainer.current_epoch, "step": trainer.global_step,
+                    "batch_idx": batch_idx, "rank": trainer.global_rank, "world": trainer.world_size,
+                    "samples": samples})
+            _kill_if_due(self.batch_step, trainer.global_rank, "end")
+
+        def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+            import torch
+
+            if trainer.global_rank != 0:
+                return
+            path = os.path.join(_observe_dir() or ".", f"final-{os.getpid()}.pt")
+            torch.save({name: t.clone() for name, t in _tensors(pl_module, trainer.optimizers).items()}, path)
+            _write({"event": "final", "step": trainer.global_step, "epoch": trainer.current_epoch,
+                    "world": trainer.world_size, "path": path})
+
+    return CorpusObserver
+
+
+def _instrument(module: Any) -> None:
+    package = module.__name__.split(".trainer.")[0]
+    callback_base = importlib.import_module(f"{package}.callbacks").Callback
+    trainer_class = module.Trainer
+    observer = _observer_class(callback_base)
+    original = trainer_class.__init__
+
+    @functools.wraps(original)  # LightningCLI reads the Trainer's arguments from this signature
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.callbacks.append(observer())
+
+    trainer_class.__init__ = __init__
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        _instrument(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name not in TRAINER_MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+if _observe_dir() is not None:
+    sys.meta_path.insert(0, _Finder())
