@@ -118,18 +118,21 @@ class ExitVerdict:
     expected: bool = False  # an exit 0 the AM waited for: a leaver, a cancelled joiner, a member after the end
     recovering: bool = False  # a death the survivors recover from: the job goes on without it
     after_training: bool = False  # a non-zero exit once another member's exit 0 showed the training complete
+    left: bool = False  # killed after it had left the job (or while it left, serving nobody): the job goes on
 
     @classmethod
     def from_reply(cls, reply: Mapping[str, Any], returncode: int) -> ExitVerdict:
         if reply.get("recovering"):
             return cls(recovering=True)
+        if reply.get("left"):
+            return cls(left=True)
         expected = bool(reply.get("expected"))
         return cls(expected=expected and returncode == 0, after_training=expected and returncode != 0)
 
     @property
     def tolerated(self) -> bool:
         """Not a failure of the job."""
-        return self.expected or self.recovering or self.after_training
+        return self.expected or self.recovering or self.after_training or self.left
 
     @property
     def note(self) -> str | None:
@@ -138,6 +141,8 @@ class ExitVerdict:
             return "the job recovers without it"
         if self.after_training:
             return "after the job's training completed"
+        if self.left:
+            return "after it left the job: the job goes on"
         return None
 
 

@@ -959,7 +959,11 @@ class JobState:
         """A worker exited; ``expected``: a leaver, a cancelled joiner or (after shutdown) a member, exiting 0."""
         clean = returncode == 0
         if worker_id in self.left_workers or (self.in_flight and worker_id in self.in_flight.plan.leavers):
-            return {"expected": clean}
+            if clean:
+                return {"expected": True}
+            if not self._serves_a_joiner(worker_id):
+                return {"expected": False, "left": True}  # killed after it left: the job goes on
+            return self._member_failed(worker_id, returncode, time.time())
         if clean and self.member(worker_id) is not None and worker_id not in self.trained_out:
             self.trained_out.append(worker_id)
         if not clean and not self.finished and self._takes_part(worker_id):
@@ -976,6 +980,10 @@ class JobState:
                 logger.warning("member %s of generation %s exited with code %s", worker_id, self.generation, returncode)
             return {"expected": clean and self.finished}
         raise StateError(f"unknown worker {worker_id}")
+
+    def _serves_a_joiner(self, worker_id: str) -> bool:
+        """A leaver of the plan in flight that is a joiner's replication source (a migration): its joiner needs it."""
+        return self.in_flight is not None and worker_id in self.in_flight.plan.sources.values()
 
     def _training_over(self) -> bool:
         """A member of the current generation exited 0 outside any adjustment: ``fit`` returned on it, and every

@@ -205,3 +205,27 @@ def test_leave_over_the_wire_wakes_a_cancelled_joiners_wait_plan(am: Application
         thread.join(5.0)
 
     assert answers and answers[0].status == "cancelled" and time.monotonic() - woken < 1.0
+
+
+def test_a_leaver_killed_after_it_left_does_not_fail_the_job() -> None:
+    """Found by the failure storms: a removed worker SIGKILLed after it left stopped the job ('w2 failed (was
+    killed by SIGKILL): stopping job'), in flight or after the generation without it was formed."""
+    state = started(3)
+    state.scale("remove", count=1)
+    plan = coordinate(state, 3)
+    (leaver,) = plan.leavers
+    assert state.worker_exit(leaver, -9) == {"expected": False, "left": True}  # in flight, serving nobody
+    commit(state, plan, 3)
+    assert state.worker_exit(leaver, -9) == {"expected": False, "left": True}  # after it left
+    assert state.recovery is None and not state.finished
+
+
+def test_a_migrating_leaver_killed_while_it_serves_its_joiner_is_a_failure() -> None:
+    state = started(1)
+    state.scale("migrate", count=1)
+    ready(state, ["w1"])
+    plan = coordinate(state, 3)
+    (leaver,) = plan.leavers
+    assert plan.sources == {"w1": leaver}  # the only member: the joiner's source
+    reply = state.worker_exit(leaver, -9)
+    assert reply.get("recovering") is True and state.recovery is not None
