@@ -39,7 +39,7 @@ TOLERANCE = 1e-9
 RUN_TIMEOUT_S = 400.0
 STALL_S = 75.0
 """A job none of whose files changed for this long is hung: it is killed (the observer writes at every batch, and a
-rank 0 holding for joiners touches a file every second)."""
+rank 0 holding for joiners touches a file every half second)."""
 
 
 def shifted(schedule: str, offset: int) -> str:
@@ -118,8 +118,8 @@ class Run:
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def job_env(home: Path, job: Job) -> dict[str, str]:
-    env = elan_env(home)
+def job_env(home: Path, job: Job, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**elan_env(home), **(extra or {})}
     env["USERS_OBSERVE"] = str(home / "observe")
     env["PYTHONPATH"] = os.pathsep.join([str(OBSERVER), *filter(None, [os.environ.get("PYTHONPATH")])])
     if job.schedule:
@@ -137,14 +137,14 @@ def elan_command(home: Path, job: Job) -> list[str]:
     return [*command, "--", sys.executable, *job.argv(home / "out")]
 
 
-def run_job(home: Path, job: Job) -> Run:
+def run_job(home: Path, job: Job, env: dict[str, str] | None = None) -> Run:
     """Run ``job`` to its end in ``home`` (its working directory; the script's outputs go to ``home/out``, what
-    ``elan run`` prints to ``home/output.log``). A job that outlives ``RUN_TIMEOUT_S`` or stalls for ``STALL_S`` is
-    killed, with everything it started (one session)."""
+    ``elan run`` prints to ``home/output.log``), with ``env`` added to its environment. A job that outlives
+    ``RUN_TIMEOUT_S`` or stalls for ``STALL_S`` is killed, with everything it started (one session)."""
     (home / "observe").mkdir(parents=True, exist_ok=True)
     log = home / "output.log"
-    with log.open("w") as output:
-        proc = subprocess.Popen(elan_command(home, job), cwd=home, env=job_env(home, job), stdout=output,
+    with log.open("a") as output:  # appending: the launcher, the AM and the workers share it
+        proc = subprocess.Popen(elan_command(home, job), cwd=home, env=job_env(home, job, env), stdout=output,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             verdict = wait_for_job(proc, home)
@@ -152,8 +152,7 @@ def run_job(home: Path, job: Job) -> Run:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    if verdict:
-        with log.open("a") as output:
+        if verdict:
             output.write(f"\n[harness] {verdict}: killed\n")
     records = []
     for path in sorted((home / "observe").glob("observe-*.jsonl")):

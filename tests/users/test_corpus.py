@@ -149,8 +149,9 @@ def corpus_params(xfails: dict[str, tuple[str, str]]) -> list[object]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool], Run]:
     """``runs(name, elastic)``: that run of a corpus script, run once per module (the static runs are the
-    references of the elastic ones)."""
+    references of the elastic ones). torch.compile's cache is the module's own: nothing is left outside it."""
     done: dict[tuple[str, bool], Run] = {}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor-cache"))}
 
     def get(name: str, elastic: bool) -> Run:
         if (name, elastic) not in done:
@@ -159,7 +160,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool], Run]
             home = tmp_path_factory.mktemp(f"{name}-{'elastic' if elastic else 'static'}")
             if name == "transformer_cli":
                 write_wikitext(home)
-            done[name, elastic] = run_job(home, CORPUS[name].job(name, elastic))
+            done[name, elastic] = run_job(home, CORPUS[name].job(name, elastic), env)
         return done[name, elastic]
 
     return get

@@ -14,8 +14,8 @@ event, so a worker SIGKILLed later keeps what it wrote:
 * ``final``: at the end of ``fit`` on rank 0, ``final-<pid>.pt``: the parameters, buffers and optimizer states.
 
 ``$USERS_HOLD=1``: rank 0 holds each batch until every scale request due at its step has its joiners ready, so a
-scheduled adjustment lands at its step whatever the joiners' start-up time (it touches ``holding-<pid>`` every second
-meanwhile: the harness takes a job whose files stop changing for a long time as hung).
+scheduled adjustment lands at its step whatever the joiners' start-up time (meanwhile it touches ``holding-<pid>``
+every half second: the harness takes a job whose files stop changing for a long time as hung).
 
 ``$USERS_KILL=STEP[:PHASE]``: the process that is rank 1 in the training batch that starts at global step STEP
 SIGKILLs itself (once per job, written first to ``$USERS_OBSERVE/kills.log``). ``start`` (default): as the batch
