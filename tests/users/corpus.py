@@ -37,7 +37,7 @@ ADJUSTMENTS = [("add", 3), ("remove", 2), ("migrate", 2), ("failure", 1)]
 """The AM's records of every elastic run: (action, world size after it), in order."""
 TOLERANCE = 1e-9
 RUN_TIMEOUT_S = 400.0
-STALL_S = 75.0
+STALL_S = 90.0
 """A job none of whose files changed for this long is hung: it is killed (the observer writes at every batch, and a
 rank 0 holding for joiners touches a file every half second)."""
 

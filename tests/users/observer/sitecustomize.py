@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 TRAINER_MODULES = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer")
-HOLD_LIMIT_S = 240.0
+HOLD_LIMIT_S = 300.0
 
 
 def _observe_dir() -> str | None:
