@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.failures import PeerFailure
-from lightning_elan.elastic.process_group import ElasticProcessGroup
+from lightning_elan.elastic.process_group import ElasticProcessGroup, install_default_group
 
 SCENARIOS = ("forward", "backward", "allreduce", "no_sync", "complete")
 """Where the failure reaches the survivors: after the forward (the first bucket's hook finds the generation failed and
@@ -56,6 +56,7 @@ class Job:
     def form(self, prefix: str, rank: int, world_size: int) -> None:
         self.group.configure(prefix, rank, world_size)
         self.view, self.prefix = self.group.generation_view(), prefix
+        install_default_group(self.group)  # as the engine does: at exit, abandoned generations are disarmed
 
     def fail(self) -> None:
         self.group.fail(self.prefix, PeerFailure(0, "simulated"))
