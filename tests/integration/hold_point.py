@@ -24,6 +24,9 @@ PHASES = ("forward", "backward", "allreduce", "vote", "optimizer", "batch_end")
 ``backward``: in the backward pass, some gradients computed, no all-reduce started; ``allreduce``: the survivors wait
 in the gradient all-reduce; ``vote``: gradients all-reduced, the commit vote not cast; ``optimizer``: every member
 committed the step, the optimizer is applying it; ``batch_end``: the step is applied, the batch-end hooks run."""
+METRIC = "metric"
+"""Lightning probe only: in ``training_step``, before its metric is synced over the job (``self.log(sync_dist=True)``):
+the failure surfaces inside the forward, between DDP's pre- and post-forward."""
 RELEASED = "hold-released"
 HOLD_LIMIT_S = 120.0  # a hold that outlives this is a broken test: the worker fails loudly instead of hanging the job
 
@@ -42,8 +45,8 @@ class HoldPoint:
         if not text:
             return cls(out)
         worker, step, phase = text.split(":")
-        if phase not in PHASES:
-            raise ValueError(f"unknown hold phase {phase!r} (one of {', '.join(PHASES)})")
+        if phase not in (METRIC, *PHASES):
+            raise ValueError(f"unknown hold phase {phase!r} (one of {METRIC}, {', '.join(PHASES)})")
         return cls(out, worker, int(step), phase)
 
     def due(self, phase: str, step: int) -> bool:

@@ -92,6 +92,7 @@ class ProbeModel(pl.LightningModule):
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         if self.kill.due(self, "backward"):  # in the backward pass: the others wait in the gradient all-reduce
             self.net[0].weight.register_hook(lambda grad: self.kill.now())
+        self.hold("metric")  # the loss is computed; its sync over the job (a collective) is next
         self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)
         self.trained.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size])
         if self.progress is not None:  # what this worker is training now: a worker killed after its commit vote

@@ -2,7 +2,8 @@
 discard the step if it was not committed, reset their elastic DDP and redo it (or keep it, once committed), and the job
 ends exactly as the static run — exit 0, every sample once per epoch, bit-identical survivors, final parameters within
 1e-9. Lightning (3 workers, ``--replace-failed``) and Accelerate (gradient accumulation 1 and 2), every phase of
-``hold_point.PHASES``; the harness is ``hold_point.py`` (in the workers) and ``held_faults.py`` (the kill)."""
+``hold_point.PHASES`` (Lightning also ``METRIC``: the failure raised inside ``training_step``); the harness is
+``hold_point.py`` (in the workers) and ``held_faults.py`` (the kill)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.integration.elastic_runs import (
     assert_states_close,
 )
 from tests.integration.held_faults import HeldKill, held_accelerate_run, held_lightning_run
-from tests.integration.hold_point import PHASES
+from tests.integration.hold_point import METRIC, PHASES
 from tests.integration.worker_faults import check_fault_run
 
 pytestmark = pytest.mark.integration
@@ -36,7 +37,7 @@ def expected_redone(phase: str, step: int) -> int:
     return step + (2 if phase in COMMITTED else 1)
 
 
-@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("phase", [METRIC, *PHASES])
 def test_lightning_member_killed_while_the_others_are_in(tmp_path: Path, static_run: RunResult, phase: str) -> None:
     run, kill = held_lightning_run(tmp_path, "held", 3, f"w1:{HOLD_STEP}:{phase}", members=3,
                                    launcher_args=("--replace-failed",), probe_args=("--wait-for-joiners",))
