@@ -8,7 +8,8 @@ user holds (``model = accelerator.prepare(model)``) keeps working after the job 
 
 The hook reproduces DDP's own arithmetic (each gradient multiplied by ``1 / world_size`` into its bucket, then a sum
 all-reduce), so training equals a DDP run of the same world size. Buffers (e.g. batch-norm statistics) are broadcast
-from rank 0 of the current generation before every forward, as DDP does with ``broadcast_buffers=True``.
+from rank 0 of the current generation before a forward where DDP would (``broadcast_buffers=True``) and before the
+first forward of every generation.
 
 A member's death may interrupt an iteration anywhere between its forward and the end of its backward (the gradient
 all-reduce raised, or its bucket's hook found the generation failed and never launched it): the reducer then still
@@ -72,6 +73,7 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
             warnings.simplefilter("ignore", FutureWarning)
             super().__init__(module, process_group=_private_group(), broadcast_buffers=False, **kwargs)
         self._current_group = current_group
+        self._buffers_generation: object = None  # the generation the buffers were last broadcast in
         self._fix_bucket_layout()
         super().register_comm_hook(self, _allreduce_on_current_group)
         if self._broadcast_live_buffers and any(True for _ in module.buffers()):
@@ -134,9 +136,24 @@ def _allreduce_on_current_group(model, bucket):  # no annotations: DDP checks th
 
 
 def _broadcast_buffers_from_rank0(model: ElasticDistributedDataParallel, inputs: Any) -> None:
+    """Rank 0's buffers before a forward where DDP would broadcast them, and before the first one of a generation.
+
+    DDP broadcasts before a forward when the previous one synchronised gradients (``require_forward_param_sync``:
+    grad enabled, no ``no_sync``); the wrapper's ``training`` flag plays no part (Lightning's evaluation loops leave
+    it in eval mode). A generation's first forward broadcasts on every member: a joiner has no previous forward, the
+    others' may have been a validation one, and the decision must be the same on all of them or they hang.
+    """
     group = model.current_group()
-    if group is not None and model.training:
+    generation = _generation_of(group)
+    first_of_generation = generation is not model._buffers_generation
+    model._buffers_generation = generation
+    if group is not None and (model.require_forward_param_sync or first_of_generation):
         _broadcast_from_rank0(group, list(model.module.buffers()))
+
+
+def _generation_of(group: dist.ProcessGroup | None) -> object:
+    """What identifies the generation of ``group`` (every view of one generation gives the same object)."""
+    return getattr(group, "generation", group)
 
 
 def _broadcast_from_rank0(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:

@@ -566,6 +566,11 @@ class GenerationGroup(_ForwardingCollectives, ProcessGroup):
         self._set_default_backend(backend_type)
         _register_backends_of(generation.group, self)
 
+    @property
+    def generation(self) -> object:
+        """The generation this view shows (the same object for every view of it)."""
+        return self._generation
+
     def _target(self) -> ProcessGroup:
         return self._generation.group
 
