@@ -18,7 +18,7 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -176,6 +176,29 @@ class ElanStrategy(DDPStrategy):
             rank, world_size = max(self.engine.environment.rank, 0), max(self.engine.environment.world_size, 1)
         self.cluster_environment.assign(rank, world_size)
         self.set_world_ranks()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """A worker that left the job during ``fit`` evaluates nothing afterwards (see :meth:`_setup_as_leaver`)."""
+        if self.engine.has_left and trainer.state.fn != TrainerFn.FITTING:
+            self._setup_as_leaver(trainer)
+        else:
+            super().setup(trainer)
+
+    def _setup_as_leaver(self, trainer: pl.Trainer) -> None:
+        """``validate``/``test``/``predict`` after this worker left: skipped, with one info line. Its model stopped
+        training when it left, so its results would be a stale model's; the job's final workers evaluate. The model is
+        set up as DDP's would be, without the state sync that needs the job (``DDPStrategy.setup``'s order)."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.setup_precision_plugin()
+        stage = _LIMIT_OF_STAGE.get(trainer.state.fn)
+        if stage is not None:
+            setattr(trainer, stage, 0)  # Lightning's own skip: the loop runs no hook and loads no data
+        log.info("worker %s left the job during fit: trainer.%s is skipped here (the job's workers evaluate)",
+                 self.engine.worker_id, trainer.state.fn.value)
 
     # ------------------------------------------------------------------ DDP on the elastic group
 
@@ -389,24 +412,36 @@ class ElanStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ collectives: local while a joiner starts up
 
+    def _alone(self) -> bool:
+        """Collectives stay in this process: a joiner starting up, or a worker that left the job."""
+        return self._collectives_local or self.engine.has_left
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not self._collectives_local:
+        if not self._alone():
             super().barrier(*args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj if self._collectives_local else super().broadcast(obj, src)
+        return obj if self._alone() else super().broadcast(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        return tensor if self._collectives_local else super().reduce(tensor, group, reduce_op)
+        return tensor if self._alone() else super().reduce(tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        if self._collectives_local:
+        if self._alone():
             return tensor.unsqueeze(0)
         return super().all_gather(tensor, group, sync_grads)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """A worker that left the job saves nothing (its model stopped training when it left): one info line."""
+        if self.engine.has_left:
+            log.info("worker %s left the job: no checkpoint saved to %s", self.engine.worker_id, filepath)
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     # ------------------------------------------------------------------ teardown
 
@@ -442,6 +477,10 @@ class _ElanCoordinator(Callback):
 def _install_coordinator(trainer: pl.Trainer, strategy: ElanStrategy) -> None:
     if not any(isinstance(callback, _ElanCoordinator) for callback in trainer.callbacks):
         trainer.callbacks.append(_ElanCoordinator(strategy))
+
+
+_LIMIT_OF_STAGE = {TrainerFn.VALIDATING: "limit_val_batches", TrainerFn.TESTING: "limit_test_batches",
+                   TrainerFn.PREDICTING: "limit_predict_batches"}
 
 
 def _has_iterable_dataset(dataloader: DataLoader) -> bool:

@@ -42,11 +42,6 @@ pytestmark = pytest.mark.integration
 
 # ---------------------------------------------------------------------- library bugs the corpus found (README.md)
 
-LEAVER_EVALUATES = (
-    "a worker that left during fit (scale-in, migration) and then calls trainer.validate/test/predict fails "
-    "(strategy.setup broadcasts on a group it is not part of: 'the elastic process group is not part of any "
-    "generation'), and its exit 1 makes elan run stop the whole job"
-)
 TOGGLED_REDO = (
     "a step discarded by a member's death inside a toggle_optimizer block is redone without untoggling: the other "
     "optimizer's parameters stay requires_grad=False and the redo fails ('element 0 of tensors does not require grad')"
@@ -128,7 +123,6 @@ CORPUS: dict[str, Script] = {
                               epochs(2, WIKITEXT_SAMPLES), tuple(range(2 * -(-WIKITEXT_SAMPLES // 2)))),
 }
 XFAIL_ELASTIC = {  # script: (the bug, the symptom its elastic run prints)
-    "evaluate_after_fit": (LEAVER_EVALUATES, "the elastic process group is not part of any generation"),
 }
 
 
