@@ -12,9 +12,11 @@ import csv
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tests import processes
 from tests.integration.elastic_runs import elan_env
 
 HERE = Path(__file__).parent
@@ -143,8 +146,10 @@ def run_job(home: Path, job: Job, env: dict[str, str] | None = None) -> Run:
     ``RUN_TIMEOUT_S`` or stalls for ``STALL_S`` is killed, with everything it started (one session)."""
     (home / "observe").mkdir(parents=True, exist_ok=True)
     log = home / "output.log"
+    shm = shm_dir(home)  # the job's shared-memory segments: a killed source cannot unlink its own
+    environment = job_env(home, job, {**(env or {}), "ELAN_SHM_DIR": str(shm)})
     with log.open("a") as output:  # appending: the launcher, the AM and the workers share it
-        proc = subprocess.Popen(elan_command(home, job), cwd=home, env=job_env(home, job, env), stdout=output,
+        proc = subprocess.Popen(elan_command(home, job), cwd=home, env=environment, stdout=output,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             verdict = wait_for_job(proc, home)
@@ -152,12 +157,30 @@ def run_job(home: Path, job: Job, env: dict[str, str] | None = None) -> Run:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            end_every_process_of(home)
+            shutil.rmtree(shm, ignore_errors=True)
         if verdict:
             output.write(f"\n[harness] {verdict}: killed\n")
     records = []
     for path in sorted((home / "observe").glob("observe-*.jsonl")):
         records += [json.loads(line) for line in path.read_text().splitlines()]
     return Run(job, home, proc.returncode, log.read_text(), records)
+
+
+def end_every_process_of(home: Path, grace_s: float = 15.0) -> None:
+    """Wait for the job's processes (the AM, workers, their loader workers: all have ``home`` in their environment)
+    to end after their launcher; SIGKILL those still there after ``grace_s``."""
+    left = processes.wait_gone(processes.mentioning(f"{home}{os.sep}"), grace_s)
+    processes.kill(left)
+    processes.wait_gone(left, grace_s)
+
+
+def shm_dir(home: Path) -> Path:
+    """A directory of the job's own in ``/dev/shm`` (a tmpfs, as the library's default), else in ``home``."""
+    if os.access("/dev/shm", os.W_OK):
+        return Path(tempfile.mkdtemp(prefix="elan-users-", dir="/dev/shm"))
+    (home / "shm").mkdir()
+    return home / "shm"
 
 
 def wait_for_job(proc: subprocess.Popen, home: Path) -> str | None:
