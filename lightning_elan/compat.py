@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
+from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from packaging.version import Version
 
@@ -247,7 +248,9 @@ def train_dataloaders(trainer: pl.Trainer) -> list[Any]:
 def refetch_prefetched_batch(trainer: pl.Trainer) -> None:
     """Replace the batch ``_PrefetchDataFetcher`` already fetched for the old world with one for the new world.
 
-    The fetcher keeps one batch ahead in ``batches`` and counts ``fetched`` to compute ``done``.
+    The fetcher keeps batches ahead in ``batches`` only for a loader without a length (Lightning 2.6's
+    ``_PrefetchDataFetcher.__iter__``; the elastic loader has one, so nothing is kept) and counts ``fetched`` to
+    compute ``done``; ``_DataFetcher.__next__`` fetches one batch and counts it (2.6 has no ``_fetch_next_batch``).
     """
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is None or not getattr(fetcher, "batches", None):
@@ -256,7 +259,11 @@ def refetch_prefetched_batch(trainer: pl.Trainer) -> None:
     fetcher.batches.clear()
     fetcher.fetched -= stale
     for _ in range(stale):
-        fetcher._fetch_next_batch(fetcher.iterator)
+        try:
+            fetcher.batches.append(_DataFetcher.__next__(fetcher))
+        except StopIteration:
+            fetcher.done = not fetcher.batches
+            return
 
 
 def reset_evaluation_dataloaders(trainer: pl.Trainer) -> None:

@@ -310,7 +310,10 @@ class ElanStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING:
             return self._shard_for_evaluation(trainer, dataloader)
-        if not isinstance(dataloader, DataLoader) or _has_iterable_dataset(dataloader):
+        if isinstance(dataloader, DataLoader) and _has_iterable_dataset(dataloader):
+            raise NotImplementedError("ElanStrategy's training DataLoader needs a map-style dataset (exactly once per "
+                                      "epoch is kept by sample index); an IterableDataset is not supported yet")
+        if not isinstance(dataloader, DataLoader):
             log.warning("%s is not a map-style DataLoader: it is not made elastic", type(dataloader).__name__)
             return dataloader
         if self.data_position.global_batch is None:

@@ -1,0 +1,39 @@
+"""What ``strategy="elan"`` refuses at the start of ``fit``, with one clear error (standalone: no ``elan run``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+import lightning_elan  # noqa: F401  (registers strategy="elan")
+
+
+class _Stream(IterableDataset):
+    """64 samples, streamed."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.randn(64, 3))
+
+
+class _Model(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(3, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.net(batch).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_iterable_dataset_training_loader_is_refused_at_start() -> None:
+    """Exactly once needs sample indices: refused before the first batch, not at the first resize."""
+    trainer = pl.Trainer(strategy="elan", accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(NotImplementedError, match="IterableDataset"):
+        trainer.fit(_Model(), DataLoader(_Stream(), batch_size=8))
