@@ -24,6 +24,7 @@ import atexit
 import ctypes
 import hashlib
 import logging
+import socket
 import threading
 import time
 import weakref
@@ -345,6 +346,8 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         self.timeout = timeout
         self.device = device
         self.prefix: str | None = None
+        self.hosts: list[str] = [socket.gethostname()]
+        """The host name of each member of the current generation, by rank."""
         self._rank = 0
         self._size = 1
         self._current: ProcessGroup | None = None
@@ -361,7 +364,7 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         started = time.perf_counter()
         self.shutdown()
         group_store = dist.PrefixStore(prefix, self.store)
-        self._await_members(prefix, group_store, rank, world_size)
+        self.hosts = self._await_members(prefix, group_store, rank, world_size)
         self._current = self._create(group_store, rank, world_size)
         self._generation = _Generation(self._current, prefix, rank, world_size)
         self.prefix, self._rank, self._size = prefix, rank, world_size
@@ -370,8 +373,9 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         log.debug("process group %s: rank %d of %d in %.1f ms", prefix, rank, world_size, elapsed * 1e3)
         return elapsed
 
-    def _await_members(self, prefix: str, store: dist.Store, rank: int, world_size: int) -> None:
-        """Wait until every member of the generation has arrived, or raise the failure :meth:`fail` reports for it.
+    def _await_members(self, prefix: str, store: dist.Store, rank: int, world_size: int) -> list[str]:
+        """Wait until every member of the generation has arrived, or raise the failure :meth:`fail` reports for it;
+        returns each member's host name, by rank (an arrival key holds its member's host).
 
         gloo's rendezvous waits for a missing peer for the whole collective timeout; a member that dies before it
         arrives (killed while it started, or during an adjustment) would hold the others that long. Arrival is a key
@@ -379,7 +383,7 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         forming = _Forming(prefix)
         self._forming = forming
         try:
-            store.set(f"{ARRIVED_KEY}/{rank}", b"1")
+            store.set(f"{ARRIVED_KEY}/{rank}", socket.gethostname().encode())
             keys = [f"{ARRIVED_KEY}/{member}" for member in range(world_size)]
             pause, deadline = ARRIVAL_POLL_MIN_S, time.monotonic() + self.timeout.total_seconds()
             while not store.check(keys):  # check(): a TCPStore wait() that times out leaves its socket out of step
@@ -389,6 +393,7 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
                     raise RuntimeError(f"generation {prefix!r}: {missing} did not arrive within {self.timeout}")
                 time.sleep(pause)
                 pause = min(ARRIVAL_POLL_MAX_S, pause * 2)
+            return [store.get(key).decode() for key in keys]
         finally:
             self._forming = None
 

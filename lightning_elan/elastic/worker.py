@@ -200,6 +200,11 @@ class ElasticWorker:
         return self._group().generation_view()
 
     @property
+    def hosts(self) -> list[str]:
+        """The host name of each member of the current generation, by rank."""
+        return self._group().hosts
+
+    @property
     def worker_id(self) -> str:
         return self.environment.worker_id
 

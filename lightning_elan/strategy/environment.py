@@ -16,6 +16,8 @@ class ElanEnvironment(ClusterEnvironment):
     def __init__(self, rank: int = 0, world_size: int = 1, main_address: str = "127.0.0.1", main_port: int = 0) -> None:
         self._rank = rank
         self._world_size = world_size
+        self._local_rank = 0
+        self._node_rank = 0
         self._main_address = main_address
         self._main_port = main_port
 
@@ -57,13 +59,22 @@ class ElanEnvironment(ClusterEnvironment):
 
     @override
     def local_rank(self) -> int:
-        return 0
+        return self._local_rank
 
     @override
     def node_rank(self) -> int:
-        return 0
+        return self._node_rank
 
-    def assign(self, rank: int, world_size: int) -> None:
-        """Take the rank and world size of a new generation."""
+    def assign(self, rank: int, world_size: int, local_rank: int = 0, node_rank: int = 0) -> None:
+        """Take the rank, world size and place on the hosts of a new generation."""
         self._rank = rank
         self._world_size = world_size
+        self._local_rank = local_rank
+        self._node_rank = node_rank
+
+
+def host_placement(hosts: list[str], rank: int) -> tuple[int, int]:
+    """``(local rank, node rank)`` of ``rank`` among the members on ``hosts`` (by rank): its order among the members on
+    its host, and its host's order by each host's first member."""
+    host = hosts[rank]
+    return hosts[:rank].count(host), list(dict.fromkeys(hosts)).index(host)

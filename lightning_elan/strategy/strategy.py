@@ -36,7 +36,7 @@ from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember
 from lightning_elan.protocol.contract import DEFAULT_JOIN_TIMEOUT_S, WorkerEnvironment
 from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
-from lightning_elan.strategy.environment import ElanEnvironment
+from lightning_elan.strategy.environment import ElanEnvironment, host_placement
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # a joiner warming up is no one's rank 0 (loggers and checkpoints stay quiet) until its generation forms
 _PROVISIONAL_RANK, _PROVISIONAL_WORLD = 1, 2
+# nor the job's first host: its prepare_data runs as on a host of its own if per node, not if once per job
+_PROVISIONAL_NODE = 1
 _LEFT_RANK = -1
 
 
@@ -102,7 +104,10 @@ class ElanStrategy(DDPStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        device = super().root_device
+        """The worker's device: ``elan run``'s device index, not the local rank (DDP's choice; the members on a host
+        change while a process keeps its device)."""
+        assert self.parallel_devices is not None
+        device = self.parallel_devices[0]
         index = self.engine.environment.device_index
         if device.type == "cuda" and index is not None:
             return torch.device("cuda", index)
@@ -165,16 +170,20 @@ class ElanStrategy(DDPStrategy):
         self._sync_environment()
 
     def _sync_environment(self) -> None:
-        """The cluster environment's rank and world size from the engine (provisional for a joiner, -1 once left)."""
+        """The cluster environment's rank, world size and place on the hosts from the engine (provisional for a
+        joiner, -1 once left)."""
+        local_rank, node_rank = 0, 0
         if self.engine.has_left:
             rank, world_size = _LEFT_RANK, 0
         elif self.engine.is_member:
             rank, world_size = self.engine.rank, self.engine.world_size
+            local_rank, node_rank = host_placement(self.engine.hosts, rank)
         elif self.engine.environment.joiner:
             rank, world_size = _PROVISIONAL_RANK, _PROVISIONAL_WORLD
+            node_rank = _PROVISIONAL_NODE
         else:
             rank, world_size = max(self.engine.environment.rank, 0), max(self.engine.environment.world_size, 1)
-        self.cluster_environment.assign(rank, world_size)
+        self.cluster_environment.assign(rank, world_size, local_rank, node_rank)
         self.set_world_ranks()
 
     @override

@@ -46,10 +46,6 @@ TOGGLED_REDO = (
     "a step discarded by a member's death inside a toggle_optimizer block is redone without untoggling: the other "
     "optimizer's parameters stay requires_grad=False and the redo fails ('element 0 of tensors does not require grad')"
 )
-PREPARE_EVERYWHERE = (
-    "ElanEnvironment.local_rank() and node_rank() always return 0: every worker runs prepare_data, whatever "
-    "prepare_data_per_node says"
-)
 EPOCH_AGGREGATES = (
     "epoch-level values accumulated in each process (self.log(on_epoch=True), torchmetrics states) lose what a "
     "leaver accumulated, start empty on a joiner, and keep the updates of a discarded step's first attempt: they "
@@ -172,7 +168,6 @@ def test_elastic_run(runs: Callable[[str, bool], Run], name: str) -> None:
     OUTPUT_CHECKS[name](run, static)
 
 
-@known_bug(PREPARE_EVERYWHERE)
 @pytest.mark.parametrize("name", ["datamodule_callbacks", "cli_classifier"])
 def test_prepare_data_runs_once_on_one_host(runs: Callable[[str, bool], Run], name: str) -> None:
     """One host: ``prepare_data`` runs in one process, per node (``datamodule_callbacks``) or for the job
@@ -180,8 +175,6 @@ def test_prepare_data_runs_once_on_one_host(runs: Callable[[str, bool], Run], na
     run = runs(name, False)
     assert_ok(run)
     calls = (run.out / "data" / "prepared.log").read_text().split()
-    if len(calls) == run.job.nproc:
-        raise KnownBug(f"prepare_data ran in each of the {len(calls)} processes")
     assert len(calls) == 1, f"prepare_data ran in {len(calls)} processes"
 
 
