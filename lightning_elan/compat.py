@@ -266,6 +266,21 @@ def refetch_prefetched_batch(trainer: pl.Trainer) -> None:
             return
 
 
+def undo_toggled_optimizer(module: pl.LightningModule) -> None:
+    """Every parameter's ``requires_grad`` as before a ``toggle_optimizer`` a discarded step did not undo.
+
+    ``LightningModule.toggle_optimizer`` keeps each parameter's flag before the toggle in ``_param_requires_grad_state``
+    (parameter → flag) and sets the other optimizers' parameters to ``False``; ``untoggle_optimizer`` restores them and
+    empties the dict (so an empty one: nothing is toggled).
+    """
+    state = getattr(module, "_param_requires_grad_state", None)
+    if not state:
+        return
+    for parameter, requires_grad in state.items():
+        parameter.requires_grad = requires_grad
+    module._param_requires_grad_state = {}
+
+
 def reset_evaluation_dataloaders(trainer: pl.Trainer) -> None:
     """Make the validation loop rebuild its loaders (and shards) at its next run: ``_EvaluationLoop.setup_data``
     returns early while ``_combined_loader`` is set."""

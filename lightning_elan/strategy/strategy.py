@@ -415,9 +415,11 @@ class ElanStrategy(DDPStrategy):
     def _discard_interrupted_step(self) -> None:
         """Whatever phase the death cut short (forward, backward, all-reduce, vote), the redo starts clean: the elastic
         DDP forgets the iteration (gradients, the reducer's pending reduction), a mixed-precision scaler the step's
-        stage. The optimizer and schedulers did not step: the vote comes before the update."""
+        stage, the LightningModule a ``toggle_optimizer`` the step did not undo. The optimizer and schedulers did not
+        step: the vote comes before the update."""
         if self._ddp is not None:
             self._ddp.discard_iteration()
+        compat.undo_toggled_optimizer(self.lightning_module)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             torch_compat.forget_scaler_step(scaler)

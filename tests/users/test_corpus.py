@@ -42,10 +42,6 @@ pytestmark = pytest.mark.integration
 
 # ---------------------------------------------------------------------- library bugs the corpus found (README.md)
 
-TOGGLED_REDO = (
-    "a step discarded by a member's death inside a toggle_optimizer block is redone without untoggling: the other "
-    "optimizer's parameters stay requires_grad=False and the redo fails ('element 0 of tensors does not require grad')"
-)
 EPOCH_AGGREGATES = (
     "epoch-level values accumulated in each process (self.log(on_epoch=True), torchmetrics states) lose what a "
     "leaver accumulated, start empty on a joiner, and keep the updates of a discarded step's first attempt: they "
@@ -204,7 +200,6 @@ def test_epoch_aggregates_match_the_static_run(runs: Callable[[str, bool], Run])
             raise KnownBug(f"{column} (run, static) at the epochs' last steps: {differ}")
 
 
-@known_bug(TOGGLED_REDO)
 def test_manual_optimization_redoes_a_step_cut_inside_training_step(runs: Callable[[str, bool], Run],
                                                                      tmp_path: Path) -> None:
     """The GAN loses a worker as a batch starts, so the survivor meets the death inside ``training_step`` (within
