@@ -550,6 +550,9 @@ class JobState:
         if self.projected_size() >= self.enrolment.max_workers:
             raise StateError(f"job {self.job} has its {plural(self.enrolment.max_workers, 'worker')} (--max-workers): "
                              "this worker is not needed")
+        if self._training_over():
+            raise StateError(f"job {self.job} has finished training (a member of generation {self.generation} "
+                             "completed it): this worker is not needed")
         queued = ScaleRequest(request_id="", action="add", count=1, size=None, at_step=None)
         queued.add_count = 1
         worker_id = self._queue(queued, now)["new_workers"][0]

@@ -101,6 +101,18 @@ def test_a_job_of_elan_run_takes_no_enrolment_and_a_finished_job_none_either() -
         enrol(state, 2.0)
 
 
+def test_once_a_member_finished_training_a_new_worker_is_refused() -> None:
+    """A member exited 0: the job's training is complete (the AM finishes it at its next housekeeping); a worker
+    enrolling in between is refused, not queued as a joiner the AM would leave behind (found by the etcd storms)."""
+    state = enrolling(minimum=2, maximum=3, grace=0.0)
+    enrol(state, 0.0)
+    enrol(state, 0.0)
+    state.worker_exit("w0", 0)
+    with pytest.raises(StateError, match="has finished training"):
+        enrol(state, 1.0)
+    assert not state.pending
+
+
 def test_enrolment_survives_a_round_trip_of_the_state() -> None:
     state = enrolling(minimum=3, maximum=3)
     enrol(state, 0.0)
