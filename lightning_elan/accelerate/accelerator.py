@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from lightning_elan.accelerate import compat
 from lightning_elan.accelerate.data import ElasticTrainLoader, EvaluationLoader, LeftTheJob, refuse_unsupported
+from lightning_elan.accelerate.objects import CHECKPOINTED, ReplicatedObjects
 from lightning_elan.accelerate.plugin import ElasticPlugin
 from lightning_elan.accelerate.scaling import AccelerateScaling
 from lightning_elan.accelerate.wrappers import ElasticOptimizer, ElasticScheduler
@@ -89,7 +90,7 @@ class ElasticAccelerator(Accelerator):
         self.engine.register_scaling(self.elastic_scaling)
         self._train_loader: ElasticTrainLoader | None = None
         self._joined_running_job = False  # admitted in prepare(): holds the job's current state
-        self._elastic_objects: list[Any] = []
+        self._objects = ReplicatedObjects(lambda: compat.checkpointed_objects(self))
         self._tracker_args: dict[str, Any] | None = None
         self._share: LocalShare | None = None
         self._batch_pending = False
@@ -166,11 +167,16 @@ class ElasticAccelerator(Accelerator):
 
     def register_for_elastic_state(self, *objects: Any) -> None:
         """Objects with ``state_dict``/``load_state_dict`` (an EMA, a metric) that joiners receive with the model
-        (objects registered with ``register_for_checkpointing`` are received too; only those are checkpointed)."""
-        for obj in objects:
-            if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
-                raise ValueError(f"{type(obj).__name__} has no state_dict/load_state_dict: it cannot be replicated")
-        self._elastic_objects.extend(objects)
+        (objects registered with ``register_for_checkpointing`` are received too; only those are checkpointed).
+        Before or after ``prepare()``: a joiner loads the job's state of an object when it registers it."""
+        self._objects.register_elastic(objects)
+
+    @override
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Accelerate's; a joiner that registers an object after ``prepare()`` loads the job's state of it then."""
+        start = len(compat.checkpointed_objects(self))
+        super().register_for_checkpointing(*objects)
+        self._objects.registered(CHECKPOINTED, start)
 
     # ------------------------------------------------------------------ preparing
 
@@ -392,7 +398,7 @@ class ElasticAccelerator(Accelerator):
             "optimizers": [optimizer.state_dict() for optimizer in compat.prepared_optimizers(self)],
             "schedulers": [scheduler.state_dict() for scheduler in compat.prepared_schedulers(self)],
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "objects": [obj.state_dict() for obj in self._replicated_objects()],
+            "objects": self._objects.state_dict(),
             "loop": {**self._loop_state(), "trackers": self._tracker_args},
         }
 
@@ -405,8 +411,7 @@ class ElasticAccelerator(Accelerator):
             scheduler.load_state_dict(scheduler_state)
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
-        for obj, obj_state in zip(self._replicated_objects(), state["objects"], strict=True):
-            obj.load_state_dict(obj_state)
+        self._objects.load_state_dict(state["objects"])
         self._load_loop_state(state["loop"])
         self._tracker_args = state["loop"].get("trackers")
         if self.is_main_process:
@@ -422,14 +427,6 @@ class ElasticAccelerator(Accelerator):
     def state_nbytes_beyond_model(self) -> int:
         return tensor_nbytes([getattr(optimizer, "optimizer", optimizer).state
                               for optimizer in compat.prepared_optimizers(self)])
-
-    def _replicated_objects(self) -> list[Any]:
-        """Objects registered for checkpointing or for the elastic state (each once)."""
-        objects: list[Any] = []
-        for obj in [*compat.checkpointed_objects(self), *self._elastic_objects]:
-            if not any(obj is seen for seen in objects):
-                objects.append(obj)
-        return objects
 
     def _loop_state(self) -> dict[str, Any]:
         return {"optimizer_steps": self.optimizer_steps, "accelerate_step": self.step,
