@@ -90,7 +90,9 @@ class ElasticAccelerator(Accelerator):
         self.engine.register_scaling(self.elastic_scaling)
         self._train_loader: ElasticTrainLoader | None = None
         self._joined_running_job = False  # admitted in prepare(): holds the job's current state
+        self._awaiting_first_batch = False  # a joiner before its first batch: its position is the job's
         self._objects = ReplicatedObjects(lambda: compat.checkpointed_objects(self))
+        self._position_at_open: dict[str, Any] | None = None  # the data position where the open step began
         self._tracker_args: dict[str, Any] | None = None
         self._share: LocalShare | None = None
         self._batch_pending = False
@@ -191,7 +193,7 @@ class ElasticAccelerator(Accelerator):
     def _join(self) -> None:
         try:
             self.engine.join()
-            self._joined_running_job = True
+            self._joined_running_job = self._awaiting_first_batch = True
         except NotAMember as reason:
             log.info("%s; leaving", reason)
             self._refresh_membership()
@@ -349,6 +351,8 @@ class ElasticAccelerator(Accelerator):
         opens_step = not self._step_open
         if opens_step:
             self._step_counter_at_open = self.step
+            self._position_at_open = data.state_dict()
+        self._awaiting_first_batch = False
         self._share = self.engine.take_global_batch(loader.sampler.epoch_end(), opens_step=opens_step)
         self._batch_pending = self._step_open = True
         policy = self.elastic_scaling.policy
@@ -399,7 +403,8 @@ class ElasticAccelerator(Accelerator):
             "schedulers": [scheduler.state_dict() for scheduler in compat.prepared_schedulers(self)],
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "objects": self._objects.state_dict(),
-            "loop": {**self._loop_state(), "trackers": self._tracker_args},
+            "loop": {**self._loop_state(), "trackers": self._tracker_args,
+                     "save_iteration": self.project_configuration.iteration},
         }
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -414,6 +419,7 @@ class ElasticAccelerator(Accelerator):
         self._objects.load_state_dict(state["objects"])
         self._load_loop_state(state["loop"])
         self._tracker_args = state["loop"].get("trackers")
+        self.project_configuration.iteration = int(state["loop"]["save_iteration"])  # automatic checkpoint names
         if self.is_main_process:
             self._start_trackers_here()
 
@@ -445,7 +451,12 @@ class ElasticAccelerator(Accelerator):
         """Every member already holds what rank 0 would share (tracker arguments are recorded on every process)."""
 
     def adjustment_blocker(self) -> str | None:
-        return None if self.sync_gradients else "gradients are being accumulated"
+        """Not while gradients accumulate, and not after the epoch's last batch: the loop's code after the epoch
+        (evaluation, ``save_state``, their collectives) runs next on the members, and a joiner would start at the next
+        epoch without it."""
+        if not self.sync_gradients:
+            return "gradients are being accumulated"
+        return "the epoch's last batch" if self.epoch_complete() else None
 
     def before_resize(self) -> None:
         """Nothing to detach (the elastic DDP follows the generation by itself); in a recovery, the gradients of a
@@ -551,13 +562,44 @@ class ElasticAccelerator(Accelerator):
     @override
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
         """Accelerate's checkpoint plus ``elan_state.json``: the data position and loop state, so ``load_state``
-        continues at the right sample whatever the world size then."""
+        continues at the right sample whatever the world size then. Nothing (None) on a worker that left the job."""
+        if self._left_the_job("save_state"):
+            return None
+        data, loop = self._checkpoint_progress()
         location = super().save_state(output_dir, safe_serialization, **kwargs)
         if self.is_main_process:
-            loop = self._loop_state()
-            state = {"data": self.engine.data.state_dict(), "loop": loop}
-            Path(location, ELAN_STATE_FILE).write_text(json.dumps(state))
+            Path(location, ELAN_STATE_FILE).write_text(json.dumps({"data": data, "loop": loop}))
         return location
+
+    def _checkpoint_progress(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The data position and loop state a checkpoint saved now resumes from: those after the last applied step. A
+        step committed in this batch counts (``save_state`` right after ``optimizer.step()``); the batches of a step
+        not applied yet (before ``optimizer.step()``, or accumulating) are trained again."""
+        loop = self._loop_state()
+        if self._step_open and self._position_at_open is not None:
+            loop["accelerate_step"] = self._step_counter_at_open
+            return dict(self._position_at_open), loop
+        loop["optimizer_steps"] = self.optimizer_steps + int(self._committed)
+        return self.engine.data.state_dict(), loop
+
+    @override
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """Accelerate's; nothing on a worker that left the job."""
+        if not self._left_the_job("save_model"):
+            super().save_model(model, save_directory, *args, **kwargs)
+
+    @override
+    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
+        """Accelerate's; nothing on a worker that left the job."""
+        if not self._left_the_job("save"):
+            super().save(obj, f, safe_serialization=safe_serialization)
+
+    def _left_the_job(self, call: str) -> bool:
+        """Whether this worker left the job: then ``call`` writes nothing (the job's files are its members')."""
+        if self.has_left:
+            log.info("worker %s left the job: %s() writes nothing (the job's members write its files)",
+                     self.engine.worker_id, call)
+        return self.has_left
 
     @override
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
@@ -584,9 +626,15 @@ class ElasticAccelerator(Accelerator):
     @override
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """For the training loader: the epoch continues at global batch ``num_batches`` (a position, the same on
-        every worker whatever the world size); other loaders as Accelerate does."""
+        every worker whatever the world size); other loaders as Accelerate does. Skipped on a worker that joined the
+        running job, before its first batch: like ``load_state`` (the usual resume code), its position is the
+        job's."""
         if dataloader is not self._train_loader or self._train_loader is None:
             return super().skip_first_batches(dataloader, num_batches)
+        if self._awaiting_first_batch:
+            log.info("worker %s joined the running job at its data position: skip_first_batches(%d) skipped",
+                     self.engine.worker_id, num_batches)
+            return self._train_loader
         data = self.engine.data
         if data.global_batch is None or num_batches < data.steps_before:
             raise ValueError(f"cannot skip to global batch {num_batches} of epoch {data.epoch}: "

@@ -93,7 +93,9 @@ def test_save_state_at_3_workers_load_state_at_2_continues_at_the_right_sample(t
     first = accelerate_run(tmp_path, "first", 3, ["--save-at", "5", "--stop-after-save"])
     assert first.returncode == 0, first.excerpt()
     checkpoint = first.out / "checkpoint"
-    assert json.loads((checkpoint / "elan_state.json").read_text())["data"]["position"] == 5 * 18
+    saved = json.loads((checkpoint / "elan_state.json").read_text())
+    assert saved["data"]["position"] == 5 * 18
+    assert saved["loop"]["optimizer_steps"] == 5, "saved right after the 5th step: it counts"
     resumed = accelerate_run(tmp_path, "resumed", 2, ["--load", str(checkpoint), "--wait-for-joiners"],
                              schedule="8:add=1")
     reference = accelerate_run(tmp_path, "reference", 3, [])

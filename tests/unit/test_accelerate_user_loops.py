@@ -1,7 +1,14 @@
 """What an Accelerate user's loop may do under the elastic accelerator, without a job: registered objects matched by
-position whenever registered."""
+position whenever registered, a standalone run's checkpoints."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +77,48 @@ def test_objects_beyond_the_received_state_keep_their_own():
 def test_an_object_without_state_dict_is_refused_with_its_type():
     with pytest.raises(ValueError, match="int has no state_dict"):
         ReplicatedObjects(lambda: []).register_elastic((3,))
+
+
+STANDALONE_SAVES = textwrap.dedent("""
+    import json, sys
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from lightning_elan.accelerate import ElasticAccelerator
+
+    out = sys.argv[1]
+    accelerator = ElasticAccelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = DataLoader(TensorDataset(torch.randn(40, 2), torch.randn(40, 1)), batch_size=2)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    for epoch in range(1):  # a plain run (no `elan run`) may loop as it likes
+        for batch, (x, y) in enumerate(data):
+            with accelerator.accumulate(model):
+                if batch == 8:
+                    accelerator.save_state(f"{out}/before_step")  # a step of micro-batches 8, 9 is open
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+            if batch == 9:
+                accelerator.save_state(f"{out}/after_step")  # right after the 5th step
+    """)
+
+
+def test_save_state_records_the_steps_applied_with_the_data_position_after_them(tmp_path: Path):
+    """Right after ``optimizer.step()`` the step just applied counts (it used to be counted at the next batch, so a
+    resumed job counted from one step behind); while a step is being accumulated, the checkpoint resumes at its first
+    micro-batch (its gradients are not saved)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("ELAN_")}
+    script = tmp_path / "saves.py"
+    script.write_text(STANDALONE_SAVES)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240,
+                          env={**env, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _saved_progress(tmp_path / "after_step") == (5, 20, 10)
+    assert _saved_progress(tmp_path / "before_step") == (4, 16, 8)
+
+
+def _saved_progress(folder: Path) -> tuple[int, int, int]:
+    """``(optimizer steps, data position, Accelerate's micro-step counter)`` of a ``save_state`` folder."""
+    saved = json.loads((folder / "elan_state.json").read_text())
+    return saved["loop"]["optimizer_steps"], saved["data"]["position"], saved["loop"]["accelerate_step"]
