@@ -321,6 +321,8 @@ def _sigterm_end(text: str) -> str:
         return "still starting after --term-grace, SIGKILLed by its elan worker (a failure, recovered)"
     if "the job is finished or shutting down" in text:
         return "a joiner the job finished without: its leave took the crash path"
+    if "does not answer worker" in text and "has not left the job 30 s after SIGTERM" in text:
+        return "a joiner the job finished without: no AM left to answer its leave, the crash path after 30 s"
     return "see its log"
 
 
