@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from lightning_elan.accelerate import compat
 from lightning_elan.accelerate.data import ElasticTrainLoader, EvaluationLoader, LeftTheJob, refuse_unsupported
+from lightning_elan.accelerate.loop_end import LoopEndWatch, announce_loop_end
 from lightning_elan.accelerate.objects import CHECKPOINTED, ReplicatedObjects
 from lightning_elan.accelerate.plugin import ElasticPlugin
 from lightning_elan.accelerate.scaling import AccelerateScaling
@@ -47,7 +48,8 @@ from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.elastic import torch_compat
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
-from lightning_elan.elastic.worker import ElasticWorker, NotAMember
+from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
+from lightning_elan.elastic.worker import ElasticWorker, NotAMember, generation_prefix
 from lightning_elan.protocol.contract import WorkerEnvironment
 from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
 from lightning_elan.scaling.lr import ScaledParamGroups
@@ -58,6 +60,14 @@ __all__ = ["ELAN_STATE_FILE", "ElasticAccelerator"]
 
 ELAN_STATE_FILE = "elan_state.json"
 """What ``save_state`` adds to Accelerate's checkpoint folder: the job's data position and loop state (JSON)."""
+
+EPOCH_LOOP_REQUIRED = (
+    "ElasticAccelerator: iterate the training DataLoader inside `for epoch in accelerator.epochs(num_epochs):`, not "
+    "`range(num_epochs)` or a loop of your own: a worker that joins the running job starts at the job's epoch and "
+    "position, so its own range() would train epochs the other workers never train and the job would hang. Count "
+    "optimizer steps with `accelerator.optimizer_steps` (or an object registered with `register_for_checkpointing`), "
+    "not a local variable: a joiner's starts at 0. (A plain `python train.py` run, without `elan run`, may loop as "
+    "it likes.)")
 
 # a joiner warming up is no one's main process until its generation forms
 _PROVISIONAL_RANK, _PROVISIONAL_WORLD = 1, 2
@@ -91,6 +101,11 @@ class ElasticAccelerator(Accelerator):
         self._train_loader: ElasticTrainLoader | None = None
         self._joined_running_job = False  # admitted in prepare(): holds the job's current state
         self._awaiting_first_batch = False  # a joiner before its first batch: its position is the job's
+        self._in_epoch_loop = False  # inside `for epoch in accelerator.epochs(n)` (the training loader's place)
+        self._epoch_loops = 0  # the epochs() loops entered
+        self._loop_left_after: tuple[int, int] | None = None  # (loop, optimizer steps) when epochs() was left early
+        self._loop_end_announced = False
+        self._loop_end_watch: LoopEndWatch | None = None  # a joiner: the job's loop may end before its own
         self._objects = ReplicatedObjects(lambda: compat.checkpointed_objects(self))
         self._position_at_open: dict[str, Any] | None = None  # the data position where the open step began
         self._tracker_args: dict[str, Any] | None = None
@@ -148,6 +163,7 @@ class ElasticAccelerator(Accelerator):
         the replicated one, mid-epoch at the job's position). Each later epoch starts at its beginning, also when the
         loop over the previous one was left early (``break``). Ends on a worker that left the job."""
         epoch: int | None = None
+        self._epoch_loops += 1
         while not self.has_left:
             try:
                 self.batch_boundary()  # a loop left early: its last batch ends first
@@ -156,7 +172,15 @@ class ElasticAccelerator(Accelerator):
             epoch = self._next_epoch(epoch)
             if epoch >= num_epochs:
                 break
-            yield epoch
+            self._in_epoch_loop = True
+            try:
+                yield epoch
+            except GeneratorExit:  # the loop was left (break, return, an exception)
+                steps = self.optimizer_steps + int(self._committed)
+                self._loop_left_after = None if self.has_left else (self._epoch_loops, steps)
+                raise
+            finally:
+                self._in_epoch_loop = False
         self._training_over()
 
     def _next_epoch(self, previous: int | None) -> int:
@@ -194,9 +218,37 @@ class ElasticAccelerator(Accelerator):
         try:
             self.engine.join()
             self._joined_running_job = self._awaiting_first_batch = True
+            self._watch_loop_end()
         except NotAMember as reason:
             log.info("%s; leaving", reason)
             self._refresh_membership()
+
+    def _watch_loop_end(self) -> None:
+        """A joiner: stop with a clear error if the job's other members end their loop before this one does."""
+        engine = self.engine
+        if engine.environment.standalone or engine.group is None:
+            return
+        group = engine.group
+        self._loop_end_watch = LoopEndWatch(
+            lambda: open_rendezvous_store(engine.environment.store_address or "", engine.timeout),
+            lambda: engine.generation,
+            lambda loop, steps: self._in_epoch_loop and self._epoch_loops == loop and self.optimizer_steps >= steps,
+            lambda generation, error: group.fail(generation_prefix(generation), error))
+
+    def _announce_loop_end(self) -> None:
+        """A member that left its ``epochs()`` loop early goes on (a collective, a save, ``end_training``): joiners
+        still training past its last step stop (see :mod:`~lightning_elan.accelerate.loop_end`)."""
+        if self._loop_left_after is None or self._loop_end_announced or not self.engine.is_member:
+            return
+        self._loop_end_announced = True
+        if not self.engine.environment.standalone and self.engine.group is not None:
+            announce_loop_end(self.engine.group.store, self.engine.generation or 0, *self._loop_left_after)
+
+    def _raise_if_loop_ended(self, cause: BaseException | None = None) -> None:
+        """This joiner trains past the step the job's loop ended after: stop with the reason."""
+        error = None if self._loop_end_watch is None else self._loop_end_watch.error_if_past()
+        if error is not None:
+            raise error from cause
 
     @override
     def prepare_data_loader(self, data_loader: Any, device_placement: bool | None = None,
@@ -318,7 +370,8 @@ class ElasticAccelerator(Accelerator):
         """``error`` came out of a collective of the current step: once a member's death is confirmed the step is
         discarded — unless every member committed it already: it stands (its scheduler step and the loop's side
         effects too) — and the loop goes on to the next batch boundary, where the survivors recover; else
-        re-raised."""
+        re-raised (or :class:`LoopEnded`, on a joiner training past the step the job's loop ended after)."""
+        self._raise_if_loop_ended(error)
         self.engine.confirm_peer_failure(error)
         if self._committed:
             if not self._recovery_due:
@@ -335,8 +388,9 @@ class ElasticAccelerator(Accelerator):
 
     def start_iteration(self, loader: ElasticTrainLoader) -> None:
         """A new pass over the training loader: the last batch of a loop left early ends first; an epoch that is
-        complete gives way to the next one."""
+        complete gives way to the next one. Under `elan run`, only inside :meth:`epochs`."""
         self.batch_boundary()
+        self._require_epoch_loop()
         if self.epoch_complete():
             loader.set_epoch(self.engine.data.epoch + 1)
 
@@ -346,7 +400,14 @@ class ElasticAccelerator(Accelerator):
             return False
         return data.position >= self._train_loader.sampler.epoch_end()
 
+    def _require_epoch_loop(self) -> None:
+        """A pass over the training loader outside ``accelerator.epochs(n)`` is refused at once under `elan run`: a
+        joiner's ``range(n)`` would train epochs the job's other members never train (they would hang)."""
+        if not (self._in_epoch_loop or self.engine.environment.standalone):
+            raise RuntimeError(EPOCH_LOOP_REQUIRED)
+
     def take_global_batch(self, loader: ElasticTrainLoader) -> None:
+        self._raise_if_loop_ended()
         data = self.engine.data
         opens_step = not self._step_open
         if opens_step:
@@ -375,7 +436,11 @@ class ElasticAccelerator(Accelerator):
         if self._aborted or self._recovery_due:
             self._recover()
         elif trained:
-            self.engine.at_batch_boundary(self.optimizer_steps)
+            try:
+                self.engine.at_batch_boundary(self.optimizer_steps)
+            except Exception as error:
+                self._raise_if_loop_ended(error)
+                raise
 
     def _recover(self) -> None:
         """Survivors of a member's death: the engine rewinds the data position to the open step's first batch,
@@ -392,6 +457,8 @@ class ElasticAccelerator(Accelerator):
 
     def _training_over(self) -> None:
         """The loop is over: same-host joiners finish copying, the link to the AM closes (the group stays)."""
+        if self._loop_end_watch is not None:
+            self._loop_end_watch.close()
         self.engine.close()
 
     # ------------------------------------------------------------------ FrontEnd: what the engine asks of Accelerate
@@ -509,6 +576,7 @@ class ElasticAccelerator(Accelerator):
     @override
     def gather(self, tensor: Any) -> Any:
         """Accelerate's ``gather``; when a member just died, this worker's own values (the step is discarded)."""
+        self._announce_loop_end()
         try:
             return super().gather(tensor)
         except Exception as error:
@@ -518,6 +586,7 @@ class ElasticAccelerator(Accelerator):
     @override
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Accelerate's ``reduce``; when a member just died, this worker's own values (the step is discarded)."""
+        self._announce_loop_end()
         try:
             return super().reduce(tensor, reduction, scale)
         except Exception as error:
@@ -527,6 +596,7 @@ class ElasticAccelerator(Accelerator):
     @override
     def wait_for_everyone(self) -> None:
         """Accelerate's barrier; when a member just died, it returns (the survivors recover at the next batch)."""
+        self._announce_loop_end()
         try:
             super().wait_for_everyone()
         except Exception as error:
@@ -554,6 +624,7 @@ class ElasticAccelerator(Accelerator):
     @override
     def end_training(self) -> None:
         """Trackers finish and the elastic link closes; the job's group stays until the process exits."""
+        self._announce_loop_end()
         self._training_over()
         self._finish_trackers()
 
@@ -565,6 +636,7 @@ class ElasticAccelerator(Accelerator):
         continues at the right sample whatever the world size then. Nothing (None) on a worker that left the job."""
         if self._left_the_job("save_state"):
             return None
+        self._announce_loop_end()
         data, loop = self._checkpoint_progress()
         location = super().save_state(output_dir, safe_serialization, **kwargs)
         if self.is_main_process:

@@ -1,6 +1,8 @@
 """Accelerate loops written the ways users write them (``accelerate_user_loop.py``), under the real `elan run`: what
 the user corpus (``tests/users/accelerate``) found breaking, each in a small job of a 64-sample dataset, 8 global
 batches per epoch, 3 epochs.
+
+A job that must fail fails fast with the reason: each such run is bounded well below gloo's 300 s collective timeout.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.integration
 
 LOOP = Path(__file__).with_name("accelerate_user_loop.py")
 SAMPLES, EPOCHS, STEPS = 64, 3, 24
+FAIL_FAST_S = 240  # a hang would wait out the 300 s collective timeout first
 
 
 def user_loop_run(tmp: Path, name: str, ways: str, schedule: str, *launcher_args: str,
@@ -82,3 +85,25 @@ def test_skip_first_batches_on_a_joiner_keeps_the_jobs_position(tmp_path):
     per_epoch = trained_per_epoch(run)
     assert per_epoch[0] == Counter(range(16, SAMPLES)), "the first 2 global batches (of 8 samples) skipped, once"
     assert per_epoch[1] == per_epoch[2] == Counter(range(SAMPLES))
+
+
+def test_a_range_epoch_loop_is_refused_at_the_start_on_every_worker(tmp_path):
+    """``for epoch in range(3)``: a joiner in epoch 1 would train an epoch more than the others (and hang them); the
+    loop is refused at its first batch, with what to write instead."""
+    run = user_loop_run(tmp_path, "range", "range", "10:add=1", timeout=FAIL_FAST_S)
+    assert run.returncode != 0
+    assert run.output.count("RuntimeError: ElasticAccelerator: iterate the training DataLoader inside "
+                            "`for epoch in accelerator.epochs(num_epochs):`") == 2, run.excerpt()
+    assert not any(record["trained"] for record in run.records()), "nothing trained (the joiner is not needed)"
+
+
+def test_a_joiner_whose_local_step_counter_trains_on_stops_with_the_reason(tmp_path):
+    """``run_*_no_trainer.py``'s ``completed_steps`` local, both loops left with ``break`` at 20 steps: the joiner of
+    step 10 counts from 0 and would train on alone (the others wait for it in ``wait_for_everyone``: a 300 s hang);
+    it stops at once with the reason instead, and the others' loops ended after 20 steps."""
+    run = user_loop_run(tmp_path, "counter", "counter", "10:add=1", timeout=FAIL_FAST_S)
+    assert run.returncode != 0
+    assert "LoopEnded: the job's other workers ended their training loop after 20 optimizer steps" in run.output
+    assert "accelerator.optimizer_steps" in run.output
+    members = [record for record in run.records() if record["counter"] == 20]
+    assert len(members) == 2, run.records()

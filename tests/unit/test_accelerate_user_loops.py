@@ -1,5 +1,5 @@
 """What an Accelerate user's loop may do under the elastic accelerator, without a job: registered objects matched by
-position whenever registered, a standalone run's checkpoints."""
+position whenever registered, the announcement that the job's loop ended, a standalone run's checkpoints."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+from lightning_elan.accelerate.loop_end import LoopEnded, LoopEndWatch, announce_loop_end, loop_ended_key
 from lightning_elan.accelerate.objects import CHECKPOINTED, ReplicatedObjects
 
 
@@ -77,6 +81,42 @@ def test_objects_beyond_the_received_state_keep_their_own():
 def test_an_object_without_state_dict_is_refused_with_its_type():
     with pytest.raises(ValueError, match="int has no state_dict"):
         ReplicatedObjects(lambda: []).register_elastic((3,))
+
+
+def test_a_joiner_past_the_step_the_jobs_loop_ended_after_is_released_with_a_clear_error():
+    """Only once it trains past the announced step of the same ``epochs()`` loop (a joiner that ends with the others
+    is not stopped, nor one in a later loop of the script)."""
+    store = dist.HashStore()
+    steps = {"loop": 2, "now": 19}
+    released = threading.Event()
+    errors: list[tuple[int, LoopEnded]] = []
+
+    def release(generation: int, error: LoopEnded) -> None:
+        errors.append((generation, error))
+        released.set()
+
+    def trains_past(loop: int, ended: int) -> bool:
+        return steps["loop"] == loop and steps["now"] >= ended
+
+    watch = LoopEndWatch(lambda: store, lambda: 3, trains_past, release)
+    try:
+        announce_loop_end(store, 3, 1, 20)  # the first epochs() loop ended after 20 steps
+        assert store.get(loop_ended_key(3)) == b"1:20"
+        time.sleep(0.6)
+        assert watch.ended_after == (1, 20)
+        steps["now"] = 25  # in the second epochs() loop of the script: not past the first
+        time.sleep(0.6)
+        assert not released.is_set() and watch.error_if_past() is None
+        steps["loop"], steps["now"] = 1, 19
+        time.sleep(0.6)
+        assert not released.is_set()
+        steps["now"] = 20
+        assert released.wait(5)
+    finally:
+        watch.close()
+    ((generation, error),) = errors
+    assert generation == 3 and error.steps == 20
+    assert "accelerator.optimizer_steps" in str(error) and "accelerator.epochs(num_epochs)" in str(error)
 
 
 STANDALONE_SAVES = textwrap.dedent("""
