@@ -46,8 +46,6 @@ log = logging.getLogger(__name__)
 
 # a joiner warming up is no one's rank 0 (loggers and checkpoints stay quiet) until its generation forms
 _PROVISIONAL_RANK, _PROVISIONAL_WORLD = 1, 2
-# nor the job's first host: its prepare_data runs as on a host of its own if per node, not if once per job
-_PROVISIONAL_NODE = 1
 _LEFT_RANK = -1
 
 
@@ -179,8 +177,8 @@ class ElanStrategy(DDPStrategy):
             rank, world_size = self.engine.rank, self.engine.world_size
             local_rank, node_rank = host_placement(self.engine.hosts, rank)
         elif self.engine.environment.joiner:
+            # local rank 0 of node 0: it runs prepare_data, as it cannot wait for the members' (its barrier is its own)
             rank, world_size = _PROVISIONAL_RANK, _PROVISIONAL_WORLD
-            node_rank = _PROVISIONAL_NODE
         else:
             rank, world_size = max(self.engine.environment.rank, 0), max(self.engine.environment.world_size, 1)
         self.cluster_environment.assign(rank, world_size, local_rank, node_rank)
