@@ -20,8 +20,9 @@ every half second: the harness takes a job whose files stop changing for a long 
 ``$USERS_KILL=STEP[:PHASE]``: the process that is rank 1 in the training batch that starts at global step STEP
 SIGKILLs itself (once per job, written first to ``$USERS_OBSERVE/kills.log``). ``start`` (default): as the batch
 starts, so the others meet its death inside ``training_step`` (the forward's collectives, the gradient all-reduce) and
-redo the step without it; ``end``: after the batch's step is applied and its samples recorded, so the others meet it
-at the batch boundary.
+redo the step without it; ``optimizer``: at the batch's first optimizer step, after every member committed it (with
+two optimizers, the others apply the first step and meet the death in the second); ``end``: after the batch's step is
+applied and its samples recorded, so the others meet it at the batch boundary.
 """
 
 from __future__ import annotations
@@ -166,6 +167,9 @@ def _observer_class(callback_base: type) -> type:
                     "batch_idx": batch_idx, "rank": trainer.global_rank, "world": trainer.world_size,
                     "samples": samples})
             _kill_if_due(self.batch_step, trainer.global_rank, "end")
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            _kill_if_due(self.batch_step, trainer.global_rank, "optimizer")
 
         def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
             import torch
