@@ -101,7 +101,8 @@ class ElasticAccelerator(Accelerator):
         self._train_loader: ElasticTrainLoader | None = None
         self._joined_running_job = False  # admitted in prepare(): holds the job's current state
         self._awaiting_first_batch = False  # a joiner before its first batch: its position is the job's
-        self._in_epoch_loop = False  # inside `for epoch in accelerator.epochs(n)` (the training loader's place)
+        self._loop_epoch: int | None = None  # the epoch `for epoch in accelerator.epochs(n)` is in (its body runs)
+        self._between_passes = False  # a boundary where a pass over the training loader or an epoch starts
         self._epoch_loops = 0  # the epochs() loops entered
         self._loop_left_after: tuple[int, int] | None = None  # (loop, optimizer steps) when epochs() was left early
         self._loop_end_announced = False
@@ -160,19 +161,21 @@ class ElasticAccelerator(Accelerator):
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """The epochs still to train, like ``range(num_epochs)`` but from the job's current epoch (a joiner starts at
-        the replicated one, mid-epoch at the job's position). Each later epoch starts at its beginning, also when the
-        loop over the previous one was left early (``break``). Ends on a worker that left the job."""
+        the replicated one, mid-epoch at the job's position; one that joined after the epoch's last batch starts with
+        that epoch, its pass over the training loader empty, so it runs the code after the loop over the batches with
+        the members). Each later epoch starts at its beginning, also when the loop over the previous one was left
+        early (``break``). Ends on a worker that left the job."""
         epoch: int | None = None
         self._epoch_loops += 1
         while not self.has_left:
             try:
-                self.batch_boundary()  # a loop left early: its last batch ends first
+                self._boundary_between_passes()  # a loop left early: its last batch ends first
             except LeftTheJob:
                 break
             epoch = self._next_epoch(epoch)
             if epoch >= num_epochs:
                 break
-            self._in_epoch_loop = True
+            self._loop_epoch = epoch
             try:
                 yield epoch
             except GeneratorExit:  # the loop was left (break, return, an exception)
@@ -180,13 +183,13 @@ class ElasticAccelerator(Accelerator):
                 self._loop_left_after = None if self.has_left else (self._epoch_loops, steps)
                 raise
             finally:
-                self._in_epoch_loop = False
+                self._loop_epoch = None
         self._training_over()
 
     def _next_epoch(self, previous: int | None) -> int:
         data = self.engine.data
-        if previous is None:
-            return data.epoch + (1 if self.epoch_complete() else 0)
+        if previous is None:  # a joiner is where the members are: in the job's epoch, complete or not
+            return data.epoch + (1 if self.epoch_complete() and not self._awaiting_first_batch else 0)
         if self._train_loader is not None and data.epoch <= previous:
             self._train_loader.set_epoch(previous + 1)
         return previous + 1
@@ -232,7 +235,8 @@ class ElasticAccelerator(Accelerator):
         self._loop_end_watch = LoopEndWatch(
             lambda: open_rendezvous_store(engine.environment.store_address or "", engine.timeout),
             lambda: engine.generation,
-            lambda loop, steps: self._in_epoch_loop and self._epoch_loops == loop and self.optimizer_steps >= steps,
+            lambda loop, steps: self._loop_epoch is not None and self._epoch_loops == loop
+            and self.optimizer_steps >= steps,
             lambda generation, error: group.fail(generation_prefix(generation), error))
 
     def _announce_loop_end(self) -> None:
@@ -388,11 +392,23 @@ class ElasticAccelerator(Accelerator):
 
     def start_iteration(self, loader: ElasticTrainLoader) -> None:
         """A new pass over the training loader: the last batch of a loop left early ends first; an epoch that is
-        complete gives way to the next one. Under `elan run`, only inside :meth:`epochs`."""
-        self.batch_boundary()
+        complete gives way to the next one, unless :meth:`epochs` is in it (then the pass is empty: a joiner after
+        the epoch's last batch, a second pass in one epoch). Under `elan run`, only inside :meth:`epochs`."""
+        self._boundary_between_passes()
         self._require_epoch_loop()
-        if self.epoch_complete():
-            loader.set_epoch(self.engine.data.epoch + 1)
+        data = self.engine.data
+        if self.epoch_complete() and self._loop_epoch != data.epoch:
+            loader.set_epoch(data.epoch + 1)
+
+    def _boundary_between_passes(self) -> None:
+        """The boundary of a batch whose loop was left early (``break``), run where the next pass or epoch starts:
+        no adjustment there (the members are past the code after their loop over the batches; a joiner would start
+        before it)."""
+        self._between_passes = True
+        try:
+            self.batch_boundary()
+        finally:
+            self._between_passes = False
 
     def epoch_complete(self) -> bool:
         data = self.engine.data
@@ -403,7 +419,7 @@ class ElasticAccelerator(Accelerator):
     def _require_epoch_loop(self) -> None:
         """A pass over the training loader outside ``accelerator.epochs(n)`` is refused at once under `elan run`: a
         joiner's ``range(n)`` would train epochs the job's other members never train (they would hang)."""
-        if not (self._in_epoch_loop or self.engine.environment.standalone):
+        if self._loop_epoch is None and not self.engine.environment.standalone:
             raise RuntimeError(EPOCH_LOOP_REQUIRED)
 
     def take_global_batch(self, loader: ElasticTrainLoader) -> None:
@@ -518,12 +534,10 @@ class ElasticAccelerator(Accelerator):
         """Every member already holds what rank 0 would share (tracker arguments are recorded on every process)."""
 
     def adjustment_blocker(self) -> str | None:
-        """Not while gradients accumulate, and not after the epoch's last batch: the loop's code after the epoch
-        (evaluation, ``save_state``, their collectives) runs next on the members, and a joiner would start at the next
-        epoch without it."""
+        """Not while gradients accumulate, and not where a loop left early starts its next pass or epoch."""
         if not self.sync_gradients:
             return "gradients are being accumulated"
-        return "the epoch's last batch" if self.epoch_complete() else None
+        return "a loop left early starts its next pass" if self._between_passes else None
 
     def before_resize(self) -> None:
         """Nothing to detach (the elastic DDP follows the generation by itself); in a recovery, the gradients of a

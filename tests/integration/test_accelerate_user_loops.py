@@ -50,23 +50,24 @@ def trained_per_epoch(run: RunResult) -> dict[int, Counter]:
 
 def test_registered_after_prepare_autonamed_saves_and_a_leaver_that_saves(tmp_path):
     """``register_for_checkpointing`` after ``prepare()``, ``save_state()`` with automatic checkpoint naming after every
-    epoch; 2 → 3 at step 2, rank 0 leaves at step 4, a worker joins at step 8 — the epoch's last, after which the
-    members save ``checkpoint_0`` (a collective): the join waits for step 9. Every joiner receives the registered
-    counter and the checkpoint counter; the leaver writes nothing into the job's folders and is no main process; each
-    checkpoint holds one RNG state per process of the world that saved it."""
-    run = user_loop_run(tmp_path, "objects", "register_after,autoname", "2:add=1,4:remove=rank:0,8:add=1")
+    epoch; 2 → 3 at step 2, rank 0 leaves at step 4, a worker joins at step 8 — after the epoch's last batch: it
+    saves ``checkpoint_0`` with the members (a collective) before epoch 1 —, another at step 12 (after
+    ``checkpoint_0``). Every joiner receives the registered counter and the checkpoint counter; the leaver writes
+    nothing into the job's folders and is no main process; each checkpoint holds one RNG state per process of the
+    world that saved it."""
+    run = user_loop_run(tmp_path, "objects", "register_after,autoname", "2:add=1,4:remove=rank:0,8:add=1,12:add=1")
     assert run.returncode == 0, run.excerpt()
-    assert [len(adjustment["members"]) for adjustment in run.adjustments()] == [3, 2, 3]
-    assert run.adjustments()[2]["step"] == 9, "not after the epoch's last batch"
+    assert [len(adjustment["members"]) for adjustment in run.adjustments()] == [3, 2, 3, 4]
+    assert [adjustment["step"] for adjustment in run.adjustments()] == [2, 4, 8, 12]
     (leaver,) = run.adjustments()[1]["leavers"]
     by_worker = records(run)
     assert by_worker[leaver]["left"] and not by_worker[leaver]["main"] and not by_worker[leaver]["local_main"]
     stayers = [record for worker, record in by_worker.items() if worker != leaver]
-    assert len(stayers) == 3 and all(record["counter"] == STEPS for record in stayers), by_worker
+    assert len(stayers) == 4 and all(record["counter"] == STEPS for record in stayers), by_worker
     assert sum(record["main"] for record in stayers) == 1
     assert all(counts == Counter(range(SAMPLES)) for counts in trained_per_epoch(run).values())
     checkpoints = run.out / "checkpoints"
-    worlds = {"checkpoint_0": 2, "checkpoint_1": 3, "checkpoint_2": 3}
+    worlds = {"checkpoint_0": 3, "checkpoint_1": 4, "checkpoint_2": 4}
     assert sorted(path.name for path in checkpoints.iterdir()) == sorted(worlds)
     for name, world in worlds.items():
         states = sorted(path.name for path in (checkpoints / name).glob("random_states_*.pkl"))
