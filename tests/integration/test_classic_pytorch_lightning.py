@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -30,6 +31,7 @@ def test_classic_pytorch_lightning_grows_and_shrinks_exactly(static_run, tmp_pat
     assert "lightning.pytorch" not in source
     probe = tmp_path / "classic_probe.py"
     probe.write_text(source)
+    shutil.copy(PROBE.with_name("hold_point.py"), tmp_path)  # the probe's sibling module
     schedule = "3:add=1,9:remove=rank:0,14:to=3"
     command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "2", "--job", "classic",
                "--coordinate-every", "1", "--state-dir", str(tmp_path / "classic-state"), "--schedule", schedule,
