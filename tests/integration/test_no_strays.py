@@ -126,7 +126,7 @@ class Job:
         return int(path.read_text()) if path.exists() and path.read_text() else None
 
     def am_pid(self) -> int:
-        match = re.search(r"AM process (\d+) listening", self.text())
+        match = re.search(r"AM of job \S+ \(pid (\d+)\)", self.text())  # what `elan am` says as it starts
         assert match is not None, self.text()[-4000:]
         return int(match.group(1))
 
