@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning_elan.cli_types import fraction, job_name, non_negative_float, positive_float, positive_int, world_size
-from lightning_elan.master.narration import plural
 from lightning_elan.master.sizing import AUTOSCALE_POLICIES, SETTLE_MODES, STRAGGLER_MODES
 from lightning_elan.scaling.profile import ProfileRun
+from lightning_elan.words import describe_autoscale, describe_autoscale_config, plural
+
+__all__ = ["describe_autoscale"]  # re-exported: `elan autoscale` prints it
 
 PROFILE_POLL_S = 1.0
 
@@ -131,31 +133,6 @@ def autoscale_body(args: argparse.Namespace, policy: str, low: int | None, high:
 
 def _without_none(body: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in body.items() if value is not None}
-
-
-def describe_autoscale(job: str, autoscale: Mapping[str, Any] | None, scale_out_command: str | None = None) -> str:
-    """What ``elan autoscale`` did, in words: ``autoscaling of job 'x' is off`` / ``… is on: throughput policy, …``."""
-    growth = f"; growth runs {scale_out_command!r}" if scale_out_command else ""
-    if not autoscale:
-        return f"autoscaling of job {job!r} is off{growth}"
-    return f"autoscaling of job {job!r} is on: {describe_autoscale_config(autoscale)}{growth}"
-
-
-def describe_autoscale_config(autoscale: Mapping[str, Any]) -> str:
-    """``throughput policy, 1 to 4 workers, 1 worker a step, a decision every 20 measured steps, …``."""
-    config = autoscale.get("config") or {}
-    low, high = config.get("min_workers") or 1, config.get("max_workers")
-    parts = [f"{autoscale.get('policy')} policy",
-             f"{low} to {plural(high, 'worker')}" if high else f"at least {plural(low, 'worker')}",
-             f"{plural(config.get('step') or 1, 'worker')} a step",
-             f"a decision every {plural(config.get('every') or 0, 'measured step')}"]
-    if autoscale.get("policy") == "throughput" and config.get("threshold") is not None:
-        parts.append(f"grows while the scaling efficiency is above {config['threshold']:g}")
-    if config.get("price") is not None:
-        parts.append(f"{config['price']:g} per worker-second")
-    if config.get("cooldown_s"):
-        parts.append(f"at least {config['cooldown_s']:g} s between decisions")
-    return ", ".join(parts)
 
 
 def wait_for_profile(status: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str, Any]:

@@ -39,7 +39,6 @@ from typing import Any
 from lightning_elan.launcher.am_process import DEFAULT_MAX_RESTARTS, AMFailed, AMProcess, describe_status
 from lightning_elan.launcher.lifeline import die_with_parent, sigterm_held
 from lightning_elan.launcher.schedule import ScaleAction, format_schedule_item
-from lightning_elan.master.narration import plural, workers_phrase
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
@@ -53,6 +52,7 @@ from lightning_elan.protocol.contract import (
     failure_key,
 )
 from lightning_elan.protocol.messages import new_message_id
+from lightning_elan.words import describe_autoscale, plural, workers_phrase
 
 log = logging.getLogger(__name__)
 
@@ -760,8 +760,6 @@ def generations_phrase(generations: list[int]) -> str:
 def describe_sizing(job: str, msg_type: str, body: Mapping[str, Any], reply: Mapping[str, Any]) -> str:
     """The launcher's line for an ``autoscale`` or ``stragglers`` request it submitted, in words."""
     if msg_type == "autoscale":
-        from lightning_elan.cli_sizing import describe_autoscale  # the CLI's words for `elan autoscale`
-
         return describe_autoscale(job, reply.get("autoscale"), body.get("scale_out_command"))
     stragglers = reply.get("stragglers") or body
     mode = stragglers.get("mode", "off")

@@ -6,26 +6,15 @@ a user reads what changed, at which step, and what it cost, the way the demo's c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
+
+from lightning_elan.words import plural, workers_phrase
 
 __all__ = ["completed_line", "decided_line", "plural", "workers_phrase"]
 
 _VERBS = {"add": "grows", "remove": "shrinks", "migrate": "migrates", "to": "resizes", "failure": "recovers",
           "leave": "lets a worker leave", "replace": "replaces a straggler"}
-
-
-def plural(count: int, noun: str) -> str:
-    """``1 worker``, ``2 workers``."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def workers_phrase(workers: Iterable[str]) -> str:
-    """``w1``, ``w1 and w2``, ``w1, w2 and w3``."""
-    names = list(workers)
-    if len(names) <= 1:
-        return "".join(names)
-    return f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def decided_line(job: str, plan: Mapping[str, Any]) -> str:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_elan.master.narration import plural
+from lightning_elan.words import plural
 
 log = logging.getLogger(__name__)
 
