@@ -21,6 +21,7 @@ work is an :class:`AbortableWork`, completed by the backend or by the failure, w
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import hashlib
 import logging
@@ -86,7 +87,7 @@ class AbortableWork(dist.Work):
         self._work = inner
         self._inner = inner.get_future()
         self._relay = torch._C._collect_all([self._inner])
-        self._relay.add_done_callback(self._relay_done)
+        self._relay.add_done_callback(_RelayCallback(self))
 
     def _relay_done(self, relay: torch.futures.Future) -> None:
         try:
@@ -143,6 +144,43 @@ class AbortableWork(dist.Work):
 
     def is_completed(self) -> bool:
         return self._future.done()
+
+
+class _RelayCallback:
+    """A work's relay callback that says when the backend's thread has let go of it.
+
+    The backend runs the callback on its own thread and frees it there afterwards, taking the GIL to do so: after the
+    collective's waiter has been woken. Were the interpreter finalizing by then, Python 3.11 ends that thread with
+    ``pthread_exit``, whose unwinding through a C++ destructor is ``std::terminate`` ("terminate called without an
+    active exception": a worker that had finished training, seen in CI). The exit hook waits for the recent ones
+    (:func:`_await_released_callbacks`)."""
+
+    def __init__(self, work: AbortableWork) -> None:
+        self._work = work
+        self.released = threading.Event()
+        _recent_callbacks.append(self.released)
+
+    def __call__(self, relay: torch.futures.Future) -> None:
+        self._work._relay_done(relay)
+
+    def __del__(self) -> None:
+        self.released.set()
+
+
+RECENT_CALLBACKS = 256
+"""How many of the latest collectives' callbacks the exit hook checks were freed (a backend lags a few at most)."""
+_recent_callbacks: collections.deque[threading.Event] = collections.deque(maxlen=RECENT_CALLBACKS)
+
+
+def _await_released_callbacks(timeout_s: float) -> None:
+    """Before the interpreter finalizes: every recent collective's callback is freed by its backend's thread, and
+    that thread had time to drop the work (which may free Python tensors, with the GIL): see :class:`_RelayCallback`."""
+    if not _recent_callbacks:
+        return
+    deadline = time.monotonic() + timeout_s
+    for released in list(_recent_callbacks):
+        released.wait(max(0.0, deadline - time.monotonic()))
+    time.sleep(CALLBACK_RELEASE_S)
 
 
 _blocked_s = 0.0
@@ -214,11 +252,12 @@ class _Generation:
         for work in outstanding:
             work.abort(failure)
 
-    def disarm(self, timeout_s: float) -> bool:
-        """Disarm every outstanding work (see :meth:`AbortableWork.disarm`); whether a callback was under way."""
+    def disarm(self, timeout_s: float) -> None:
+        """Disarm every outstanding work (see :meth:`AbortableWork.disarm`)."""
         with self._lock:
             outstanding = list(self._outstanding)
-        return any([work.disarm(timeout_s) for work in outstanding])
+        for work in outstanding:
+            work.disarm(timeout_s)
 
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -770,6 +809,6 @@ def _disarm_all() -> None:
     world = dist.group.WORLD if dist.is_initialized() else None
     if isinstance(world, ElasticProcessGroup) and world._generation is not None:
         generations.append(world._generation)
-    under_way = any([generation.disarm(DISARM_WAIT_S) for generation in generations])
-    if under_way:
-        time.sleep(CALLBACK_RELEASE_S)  # the backend's thread frees a callback it ran (with the GIL) after it returned
+    for generation in generations:
+        generation.disarm(DISARM_WAIT_S)
+    _await_released_callbacks(DISARM_WAIT_S)

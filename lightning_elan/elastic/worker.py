@@ -41,6 +41,7 @@ from lightning_elan.elastic.process_group import (
 )
 from lightning_elan.elastic.rng import rng_state, set_rng_state
 from lightning_elan.elastic.scaling import ScalingLink
+from lightning_elan.elastic.script_end import mark_script_end_at_exit
 from lightning_elan.elastic.state_size import StateSizeNotice, fault_in_for_joiner
 from lightning_elan.elastic.termination import TerminationWatch, any_rank_leaving
 from lightning_elan.elastic.timeline import PhaseClock, StepTimeline
@@ -217,8 +218,10 @@ class ElasticWorker:
             return
         self.backend, self.device, self.timeout = backend, device, timeout
         bind_transfer_interface()  # before the first gloo/NCCL group: bind the interface that reaches the other hosts
-        self.group = ElasticProcessGroup(self._connect_store(), self.backend, self.timeout, self.device)
+        store = self._connect_store()
+        self.group = ElasticProcessGroup(store, self.backend, self.timeout, self.device)
         if not self.environment.standalone:
+            mark_script_end_at_exit(store, self.worker_id)
             self._link = AMLink(self.environment)
             self._watch = FailureWatch(self.environment.store_address or "", self._on_generation_failed, timeout)
             self._termination = TerminationWatch.watch(self.environment)

@@ -50,6 +50,7 @@ from lightning_elan.protocol.contract import (
     STRIPPED_ENV_VARS,
     WorkerEnvironment,
     failure_key,
+    script_ended_key,
 )
 from lightning_elan.protocol.messages import new_message_id
 from lightning_elan.words import describe_autoscale, plural, workers_phrase
@@ -430,7 +431,7 @@ class JobLauncher:
             returncode = worker.process.poll()
             if returncode is None:
                 continue
-            worker.returncode = returncode
+            worker.returncode = returncode = self._counted_exit(worker, returncode)
             self._exit_seen = True
             verdict = self._report_exit(worker)
             worker.left_as_planned = verdict.expected
@@ -443,6 +444,15 @@ class JobLauncher:
                 continue
             failed = worker
         return failed
+
+    def _counted_exit(self, worker: Worker, returncode: int) -> int:
+        """A worker killed by a signal after its script had ended (see ``script_ended_key``) finished: 0, with a
+        warning (the crash is in the interpreter's teardown; its training and everything after it ran)."""
+        if returncode >= 0 or self._store is None or not self._store.check([script_ended_key(worker.worker_id)]):
+            return returncode
+        log.warning("%s (pid %d) %s after its script had ended (a crash while the interpreter shut down): "
+                    "counted as finished", worker.worker_id, worker.process.pid, describe_status(returncode))
+        return 0
 
     def _is_undecided_joiner(self, worker: Worker) -> bool:
         """A joiner that is neither a member nor part of the plan in flight: its failure only fails its request."""

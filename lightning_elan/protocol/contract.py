@@ -43,6 +43,12 @@ def failure_key(generation: int) -> str:
     """The rendezvous-store key whose existence tells ``generation``'s members that one of them died."""
     return f"elan/failed/gen{generation}"
 
+
+def script_ended_key(worker_id: str) -> str:
+    """The rendezvous-store key a worker sets at interpreter exit once its script ended without an uncaught exception:
+    a signal that kills it after that is a crash in the interpreter's teardown, not in training."""
+    return f"elan/script_ended/{worker_id}"
+
 DEFAULT_TERM_GRACE_S = 30.0
 """A worker that received SIGTERM and has not left the job this long after falls back to the crash path."""
 MAX_WORLD_SIZE = 4096
@@ -961,6 +967,7 @@ __all__ = [
     "WorkerEnvironment",
     "failure_key",
     "required_fields",
+    "script_ended_key",
     "split_host_port",
     "worker_number",
 ]

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lightning_elan.elastic import process_group
 from lightning_elan.elastic.process_group import AbortableWork
 
 
@@ -63,3 +64,18 @@ def test_disarming_a_work_the_backend_completed_waits_for_its_callback_and_keeps
     work.wait()  # may return while the callback on gloo's thread is still finishing: disarm then waits for it
     work.disarm(timeout_s=5.0)
     assert work._relayed.is_set() and work.get_future().value()[0].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_the_exit_hook_waits_until_the_backend_thread_let_go_of_every_callback():
+    """The backend frees a work's callback on its own thread after the waiter woke: the exit hook waits for that
+    (a thread taking the GIL while the interpreter finalizes aborts the process)."""
+    rank0, rank1 = two_ranks()
+    works = [AbortableWork(rank0.allreduce([torch.ones(3)])) for _ in range(4)]
+    released = list(process_group._recent_callbacks)[-4:]
+    for _ in works:
+        rank1.allreduce([torch.ones(3)]).wait()
+    for work in works:
+        work.wait()
+    del works
+    process_group._await_released_callbacks(timeout_s=5.0)
+    assert all(event.is_set() for event in released)

@@ -1,0 +1,33 @@
+"""Tells the launcher, at interpreter exit, that this worker's script ran to its end.
+
+A signal that kills the process after that (a C++ destructor or a library's thread crashing while the interpreter
+finalizes) is then told apart from a death in training: the launcher counts such a worker as finished, with a warning.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+
+import torch.distributed as dist
+
+from lightning_elan.protocol.contract import script_ended_key
+
+log = logging.getLogger(__name__)
+
+__all__ = ["mark_script_end_at_exit"]
+
+
+def mark_script_end_at_exit(store: dist.Store, worker_id: str) -> None:
+    """Register the exit hook; registered before the process group's own, it runs after it (``atexit`` is LIFO)."""
+    atexit.register(_mark_script_end, store, worker_id)
+
+
+def _mark_script_end(store: dist.Store, worker_id: str) -> None:
+    if getattr(sys, "last_value", None) is not None:  # an uncaught exception ended the script: not a finished worker
+        return
+    try:
+        store.set(script_ended_key(worker_id), b"1")
+    except Exception as error:  # the job's store is gone (the launcher ended first): nobody is left to tell
+        log.debug("worker %s could not record that its script ended: %s", worker_id, error)
