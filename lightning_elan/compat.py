@@ -207,6 +207,40 @@ def redo_interrupted_batches(
     epoch_loop._elan_recover = recover
 
 
+def redo_batch_end_hooks_cut_by_a_death(
+    trainer: pl.Trainer, recover: Callable[[BaseException, Callable[[], None] | None], bool]
+) -> None:
+    """A member's death inside an ``on_train_batch_end`` hook (a callback's collective: ``ModelCheckpoint``'s save
+    barrier and broadcasts, a user callback's ``all_gather``) comes after the batch's step was committed: the job
+    recovers and that hook runs again in the new generation; the hooks after it then run as usual.
+
+    ``_TrainingEpochLoop.advance`` calls ``call._call_callback_hooks(trainer, "on_train_batch_end", ...)`` (each
+    callback's hook looked up with ``getattr`` at call time) and then the LightningModule's hook the same way, so an
+    instance attribute of that name replaces the method for this trainer's objects only. An error that is not a
+    member's death is re-raised by ``recover``."""
+    for owner in [*trainer.callbacks, trainer.lightning_module]:
+        _retry_after_recovery(owner, "on_train_batch_end", recover)
+
+
+def _retry_after_recovery(owner: Any, name: str,
+                          recover: Callable[[BaseException, Callable[[], None] | None], bool]) -> None:
+    hook = getattr(owner, name)
+    if getattr(hook, "_elan_retried_by", None) is recover:
+        return
+
+    def run_again_after_recovery(*args: Any, **kwargs: Any) -> Any:
+        while True:
+            try:
+                return hook(*args, **kwargs)
+            except Exception as error:
+                recover(error, None)
+                log.warning("a member died during %s.%s: it runs again in the new generation",
+                            type(owner).__name__, name)
+
+    run_again_after_recovery._elan_retried_by = recover  # type: ignore[attr-defined]
+    setattr(owner, name, run_again_after_recovery)
+
+
 def _abandon_validation(trainer: pl.Trainer) -> None:
     """Undo what an interrupted validation run left: ``_TrainingEpochLoop.on_advance_end`` sets
     ``trainer.validating`` and resets ``trainer.training`` only after ``val_loop.run()`` returns; the run's

@@ -851,7 +851,8 @@ class JobState:
         if interrupted is not None:
             plan = interrupted.plan
             failed.append(plan.generation)
-            survivors = [w for w in survivors if w not in plan.leavers] + [w for w in plan.joiners]
+            # the plan's members: not its leavers, nor members that died before it (a recovery plan in flight)
+            survivors = [w for w in survivors if w in plan.members and w not in plan.leavers] + list(plan.joiners)
             previous = list(plan.members)
             self._record_adjustment_failure(interrupted, plan.request_id, "interrupted by a worker's death")
             self.in_flight = None

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tests.integration.accelerate_runs import PROBE as ACCELERATE_PROBE
 from tests.integration.elastic_runs import PROBE, PROBE_ARGS, RunResult, elan_env
@@ -28,30 +29,39 @@ ARRIVAL_LIMIT_S = 240.0
 
 @dataclass
 class HeldKill:
-    """What the killer thread did: the victim's pid and when it was killed (None: the members never all arrived)."""
+    """Whom the killer thread kills and what it did: the victim's pid and when it was killed (None: the members never
+    all arrived). ``also``: members killed too, ``also_after_s`` after the victim (two deaths within a second)."""
 
     victim: str
     members: int
+    settle_s: float = SETTLE_S
+    also: tuple[str, ...] = ()
+    also_after_s: float = 0.5
     pid: int | None = None
     killed_at: float | None = None
     arrived: list[str] = field(default_factory=list)
 
+    @property
+    def dead(self) -> list[str]:
+        return [self.victim, *self.also]
+
 
 def held_lightning_run(tmp: Path, name: str, nproc: int, hold: str, members: int, launcher_args: tuple[str, ...] = (),
-                       probe_args: tuple[str, ...] = ()) -> tuple[RunResult, HeldKill]:
-    """``elan run`` of the Lightning probe (global batch 12, as the static run) holding at ``hold``."""
+                       probe_args: tuple[str, ...] = (), **kill: Any) -> tuple[RunResult, HeldKill]:
+    """``elan run`` of the Lightning probe (global batch 12, as the static run) holding at ``hold``; ``kill``: the
+    other fields of :class:`HeldKill`."""
     command = [*_elan_run(tmp, name, nproc, launcher_args), sys.executable, str(PROBE), "--out", str(tmp / name),
                *PROBE_ARGS, "--global-batch", "12", "--hold-at", hold, *probe_args]
-    return run_with_hold(tmp, name, command, hold, members)
+    return run_with_hold(tmp, name, command, HeldKill(hold.split(":")[0], members, **kill))
 
 
 def held_accelerate_run(tmp: Path, name: str, nproc: int, hold: str, members: int, args: list[str],
-                        schedule: str | None = None) -> tuple[RunResult, HeldKill]:
+                        schedule: str | None = None, **kill: Any) -> tuple[RunResult, HeldKill]:
     """``elan run`` of the Accelerate probe holding at ``hold``."""
     launcher = ("--schedule", schedule) if schedule else ()
     command = [*_elan_run(tmp, name, nproc, launcher), sys.executable, str(ACCELERATE_PROBE), "--out",
                str(tmp / name), *args, "--hold-at", hold]
-    return run_with_hold(tmp, name, command, hold, members)
+    return run_with_hold(tmp, name, command, HeldKill(hold.split(":")[0], members, **kill))
 
 
 def _elan_run(tmp: Path, name: str, nproc: int, launcher_args: tuple[str, ...]) -> list[str]:
@@ -59,18 +69,21 @@ def _elan_run(tmp: Path, name: str, nproc: int, launcher_args: tuple[str, ...]) 
             "--coordinate-every", "1", "--state-dir", str(tmp / f"{name}-state"), *launcher_args, "--"]
 
 
-def run_with_hold(tmp: Path, name: str, command: list[str], hold: str, members: int,
+def run_with_hold(tmp: Path, name: str, command: list[str], kill: HeldKill,
                   timeout: float = 300) -> tuple[RunResult, HeldKill]:
-    """Run ``command`` (its probe writes to ``tmp/name``) while a thread SIGKILLs the victim of ``hold``."""
+    """Run ``command`` (its probe writes to ``tmp/name``) while a thread SIGKILLs ``kill``'s victims."""
     out = tmp / name
     out.mkdir(parents=True, exist_ok=True)
-    kill = HeldKill(hold.split(":")[0], members)
     stop = threading.Event()
     killer = threading.Thread(target=_kill_when_held, args=(out, kill, stop), daemon=True)
     job = subprocess.Popen(command, env=elan_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killer.start()
     try:
         output, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hang: the job is stopped, its output kept, and the run fails
+        job.send_signal(signal.SIGINT)
+        output, _ = job.communicate(timeout=60)
+        output += f"\n[the test stopped the job: still running after {timeout:.0f} s]\n"
     finally:
         stop.set()
         if job.poll() is None:
@@ -78,7 +91,7 @@ def run_with_hold(tmp: Path, name: str, command: list[str], hold: str, members: 
             job.communicate()
         killer.join(timeout=5)
     (tmp / f"{name}.log").write_text(output)
-    return RunResult(out, tmp / f"{name}-state", job.returncode, output), kill
+    return RunResult(out, tmp / f"{name}-state", job.returncode if job.returncode is not None else -9, output), kill
 
 
 def _kill_when_held(out: Path, kill: HeldKill, stop: threading.Event) -> None:
@@ -90,12 +103,21 @@ def _kill_when_held(out: Path, kill: HeldKill, stop: threading.Event) -> None:
         time.sleep(0.02)
     else:
         return
-    time.sleep(SETTLE_S)
+    time.sleep(kill.settle_s)
     (out / RELEASED).write_text(str(time.time()))  # first: the survivors' redo of the step holds no more
-    pid = json.loads((out / f"held-{kill.victim}.json").read_text())["pid"]
-    _check_is_worker(pid, kill.victim)
+    kill.pid = _kill_worker(out, kill.victim)
+    kill.killed_at = time.time()
+    if kill.also:
+        time.sleep(kill.also_after_s)
+        for worker in kill.also:
+            _kill_worker(out, worker)
+
+
+def _kill_worker(out: Path, worker: str) -> int:
+    pid = json.loads((out / f"held-{worker}.json").read_text())["pid"]
+    _check_is_worker(pid, worker)
     os.kill(pid, signal.SIGKILL)
-    kill.pid, kill.killed_at = pid, time.time()
+    return pid
 
 
 def _check_is_worker(pid: int, worker: str) -> None:

@@ -27,6 +27,11 @@ committed the step, the optimizer is applying it; ``batch_end``: the step is app
 METRIC = "metric"
 """Lightning probe only: in ``training_step``, before its metric is synced over the job (``self.log(sync_dist=True)``):
 the failure surfaces inside the forward, between DDP's pre- and post-forward."""
+LIGHTNING_PHASES = ("data", "validation", "checkpoint")
+"""Lightning probe only. ``data``: the batch is fetched and the step not started, the DataLoader's worker processes
+alive (``--num-workers``); ``validation``: in ``validation_step`` of the validation that follows step STEP, before its
+metric is synced over the job (``--val``); ``checkpoint``: ``ModelCheckpoint`` saving after step STEP, in the
+module's ``on_save_checkpoint`` (``--full-lightning``)."""
 RELEASED = "hold-released"
 HOLD_LIMIT_S = 120.0  # a hold that outlives this is a broken test: the worker fails loudly instead of hanging the job
 
@@ -45,8 +50,8 @@ class HoldPoint:
         if not text:
             return cls(out)
         worker, step, phase = text.split(":")
-        if phase not in (METRIC, *PHASES):
-            raise ValueError(f"unknown hold phase {phase!r} (one of {METRIC}, {', '.join(PHASES)})")
+        if phase not in (METRIC, *PHASES, *LIGHTNING_PHASES):
+            raise ValueError(f"unknown hold phase {phase!r} (one of {', '.join((METRIC, *PHASES, *LIGHTNING_PHASES))})")
         return cls(out, worker, int(step), phase)
 
     def due(self, phase: str, step: int) -> bool:

@@ -104,14 +104,15 @@ class ProbeModel(pl.LightningModule):
             self.net[0].weight.register_hook(lambda grad: self.hold("allreduce"))
         return loss
 
-    def hold(self, phase: str) -> None:
+    def hold(self, phase: str, step: int | None = None) -> None:
         """``--hold-at``: at that step and phase, hold while the test SIGKILLs the victim (``hold_point.py``)."""
-        if not self.hold_point.due(phase, self.batch_step) or self.trainer.sanity_checking:
+        step = self.batch_step if step is None else step
+        if not self.hold_point.due(phase, step) or self.trainer.sanity_checking:
             return
         if phase == "allreduce" and self.worker != self.hold_point.worker:
             self.hold_point.mark(self.worker)  # go on into the all-reduce and wait there
             return
-        if phase == "optimizer" and self.worker == self.hold_point.worker:
+        if phase in ("optimizer", "checkpoint") and self.worker == self.hold_point.worker:
             self.log_completed()  # every member committed this step: the victim's samples count
         self.hold_point.hold(self.worker, lambda: self.trainer.strategy.engine.peer_failed)
 
@@ -138,6 +139,8 @@ class ProbeModel(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         _, x, y = batch
+        if batch_idx == 1:
+            self.hold("validation", self.trainer.global_step)
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def on_train_batch_start(self, batch, batch_idx):
@@ -146,6 +149,10 @@ class ProbeModel(pl.LightningModule):
             wait_for_joiners_due_at(trainer.global_step + 1)
         self.digests.append([trainer.global_step, trainer.world_size, trainer.global_rank, state_digest(self)])
         self.batch_step = trainer.global_step  # the step this batch trains (global_step grows during the batch)
+        self.hold("data")  # the batch is fetched, the loader's workers (--num-workers) prefetch the next ones
+
+    def on_save_checkpoint(self, checkpoint):
+        self.hold("checkpoint", self.trainer.global_step)  # every rank dumps the checkpoint, rank 0 writes it
 
     def on_after_backward(self):
         if self.kill.due(self, "vote"):  # the gradients are all-reduced; its commit vote follows

@@ -219,3 +219,20 @@ def test_the_join_timeout_holds_even_when_a_survivor_never_checks_in() -> None:
     state.launcher_poll(now=state.recovery.detected_at + 6)
 
     assert state.finished and "--min-workers 3" in state.status()["failed_reason"]
+
+
+def test_a_death_while_the_recovery_plan_is_in_flight_waits_only_for_the_living() -> None:
+    """w1 died, the recovery plan (w0, w2) is formed, and w2 dies before it reported: the new recovery waits for w0
+    only — not for w1, a member of the failed generation 0 that died first (it waited the whole check-in deadline)."""
+    state = started(3)
+    state.worker_exit("w1", -9)
+    check_in(state, "w0")
+    check_in(state, "w2")
+
+    reply = state.worker_exit("w2", -9)
+
+    assert reply["recovering"] and reply["failed_generations"] == [0, 1]
+    assert state.status()["recovery"]["survivors"] == ["w0"]
+    check_in(state, "w0", generation=1)
+    plan = state.wait_plan("w0").plan
+    assert plan is not None and plan.members == ["w0"] and plan.generation == 2

@@ -1,0 +1,209 @@
+"""The fault matrix: ``python -m tests.faults.matrix --trials N``.
+
+A cell is a phase of the training at which a member is SIGKILLed (a real signal, sent from outside once every member
+holds at that phase: ``tests/integration/hold_point.py``), a victim (``w1``, rank 0 ``w0``, or ``w1+w2``: a second
+member killed 0.1-1 s after the first, while the survivor recovers) and a front-end (Lightning; Accelerate with
+gradient accumulation 1 and 2). Each trial jitters the step it holds at and how long the members stay held before the
+kill. A trial *held* when the job exited 0, every sample counted once per epoch, the survivors stayed bit-identical at
+every step, the final parameters (and optimizer state) equal the static run within 1e-9, the failure was recovered for
+exactly the dead, and the step redone is the one the phase implies. Prints one line per trial and a table
+phase x victim: held/trials; exit 0 only if every trial held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import traceback
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests import processes
+from tests.integration.accelerate_runs import EPOCHS as ACC_EPOCHS
+from tests.integration.accelerate_runs import JOB_ARGS, committed_batches, plain_accelerate_run, total_steps
+from tests.integration.accelerate_runs import SAMPLES as ACC_SAMPLES
+from tests.integration.elastic_runs import (
+    PROBE_ARGS,
+    STEPS_PER_EPOCH,
+    TOLERANCE,
+    RunResult,
+    assert_counted_once,
+    assert_ranks_agree,
+    assert_states_close,
+    check_static_run,
+    elan_env,
+    elan_run,
+)
+from tests.integration.held_faults import held_accelerate_run, held_lightning_run
+from tests.integration.hold_point import METRIC, PHASES
+from tests.integration.worker_faults import check_fault_run
+
+COMMITTED = ("optimizer", "batch_end")
+"""Phases after every member committed the step: it stands, the next one is the first redone."""
+AFTER_STEP = ("validation", "checkpoint")
+"""Phases that follow step STEP (its hold step counts the steps done): the next step is the first redone."""
+VICTIMS = ("w1", "w0", "w1+w2")
+
+
+@dataclass(frozen=True)
+class Cell:
+    front: str  # "lightning", "accelerate1", "accelerate2"
+    phase: str
+    victim: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.front}:{self.phase}:{self.victim}"
+
+
+def expected_redone(phase: str, step: int) -> int:
+    """The step (counted from 1) a recovery redoes: the held one, the next once it was committed or done."""
+    if phase in AFTER_STEP:
+        return step + 1
+    return step + (2 if phase in COMMITTED else 1)
+
+
+def lightning_cells() -> list[Cell]:
+    phases = ["data", METRIC, *PHASES, "validation", "checkpoint"]
+    return [Cell("lightning", phase, victim) for phase in phases for victim in VICTIMS]
+
+
+def accelerate_cells() -> list[Cell]:
+    return [Cell(f"accelerate{accumulation}", phase, victim)
+            for accumulation in (1, 2) for phase in PHASES for victim in ("w1", "w0")]
+
+
+def lightning_hold_step(phase: str, rng: random.Random) -> int:
+    """A jittered step to hold at: validation follows an epoch's last step, ModelCheckpoint saves every 4 steps."""
+    if phase == "validation":
+        return rng.choice([STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH])
+    if phase == "checkpoint":
+        return rng.choice([4, 8, 12])
+    return rng.randint(2, 2 * STEPS_PER_EPOCH - 2)
+
+
+def lightning_probe_args(phase: str) -> tuple[str, ...]:
+    extra = {"data": ("--num-workers", "2"), "validation": ("--val",), "checkpoint": ("--full-lightning",)}
+    return ("--wait-for-joiners", *extra.get(phase, ()))
+
+
+def kill_options(victim: str, rng: random.Random) -> tuple[str, dict]:
+    first, *also = victim.split("+")
+    return first, {"settle_s": rng.uniform(0.1, 1.0), "also": tuple(also), "also_after_s": rng.uniform(0.1, 1.0)}
+
+
+def run_lightning(cell: Cell, tmp: Path, static: RunResult, rng: random.Random) -> str:
+    step = lightning_hold_step(cell.phase, rng)
+    first, options = kill_options(cell.victim, rng)
+    run, kill = held_lightning_run(tmp, "held", 3, f"{first}:{step}:{cell.phase}", members=3,
+                                   launcher_args=("--replace-failed",), probe_args=lightning_probe_args(cell.phase),
+                                   **options)
+    assert kill.killed_at is not None, f"the members never all held (arrived: {kill.arrived})\n{run.excerpt()}"
+    failures = check_fault_run(run, static, dead=kill.dead)
+    assert failures[0]["failure"]["step_redone"] == expected_redone(cell.phase, step), failures
+    return f"step {step}, settle {options['settle_s']:.2f} s"
+
+
+def run_accelerate(cell: Cell, tmp: Path, plain: dict[int, RunResult], rng: random.Random) -> str:
+    accumulation = int(cell.front.removeprefix("accelerate"))
+    step = rng.randint(3, 5)  # after the join at step 1
+    first, options = kill_options(cell.victim, rng)
+    args = [*JOB_ARGS[accumulation], "--wait-for-joiners"]
+    run, kill = held_accelerate_run(tmp, f"held{accumulation}", 2, f"{first}:{step}:{cell.phase}", members=3,
+                                    args=args, schedule="1:add=1", **options)
+    assert kill.killed_at is not None, f"the members never all held (arrived: {kill.arrived})\n{run.excerpt()}"
+    assert run.returncode == 0, run.excerpt()
+    assert_counted_once(committed_batches(run), ACC_SAMPLES, ACC_EPOCHS)
+    assert assert_ranks_agree(run.records()) == total_steps(accumulation)
+    assert_states_close(run.final_state(), plain[accumulation].final_state(), TOLERANCE)
+    failure = next(a for a in run.adjustments() if a["action"] == "failure")
+    assert failure["failure"]["dead"] == kill.dead, failure
+    assert failure["failure"]["step_redone"] == expected_redone(cell.phase, step), failure
+    assert not {record["worker"] for record in run.records()} & set(kill.dead), "the dead left a record"
+    return f"step {step}, settle {options['settle_s']:.2f} s"
+
+
+def references(root: Path, fronts: set[str]) -> tuple[RunResult | None, dict[int, RunResult]]:
+    """The static runs the trials are compared with."""
+    for folder in ("static", "plain"):
+        (root / folder).mkdir(exist_ok=True)
+    static = check_static_run(elan_run(root / "static", "static", 2, PROBE_ARGS)) if "lightning" in fronts else None
+    plain = {accumulation: plain_accelerate_run(root / "plain", f"plain{accumulation}", 2, args)
+             for accumulation, args in JOB_ARGS.items() if f"accelerate{accumulation}" in fronts}
+    return static, plain
+
+
+def trial(cell: Cell, tmp: Path, static: RunResult | None, plain: dict[int, RunResult],
+          rng: random.Random) -> tuple[bool, str]:
+    run: Callable[[], str]
+    if cell.front == "lightning":
+        def run() -> str:
+            return run_lightning(cell, tmp, static, rng)
+    else:
+        def run() -> str:
+            return run_accelerate(cell, tmp, plain, rng)
+    try:
+        held, detail = True, run()
+    except Exception as error:  # an assertion of the checks, or the harness failing: the trial did not hold
+        lines = "".join(traceback.format_exception_only(error)).strip().splitlines()
+        held, detail = False, " | ".join(lines[:1] + lines[-6:])
+    strays = processes.wait_gone(processes.mentioning(elan_env(tmp)["ELAN_HOME"]), 15.0)
+    if strays:  # a process of the job outlived it (e.g. a killed worker's DataLoader workers)
+        processes.kill(strays)
+        return False, f"{detail}; left behind: {', '.join(processes.command_line(pid)[:80] for pid in strays)}"
+    return held, detail
+
+
+def table(results: dict[Cell, list[bool]]) -> str:
+    """phase x victim, per front-end: held/trials."""
+    lines = []
+    for front in sorted({cell.front for cell in results}):
+        cells = {cell: held for cell, held in results.items() if cell.front == front}
+        victims = [v for v in VICTIMS if any(cell.victim == v for cell in cells)]
+        lines.append(f"{front:<12}" + "".join(f"{v:>8}" for v in victims))
+        for phase in dict.fromkeys(cell.phase for cell in cells):
+            row = [cells.get(Cell(front, phase, v)) for v in victims]
+            lines.append(f"  {phase:<10}" + "".join(f"{sum(r)}/{len(r)}".rjust(8) if r else " " * 8 for r in row))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=5, help="trials per cell")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--front", action="append", choices=["lightning", "accelerate1", "accelerate2"],
+                        help="only these front-ends (default: all)")
+    parser.add_argument("--phase", action="append", help="only these phases (default: all)")
+    parser.add_argument("--victim", action="append", choices=VICTIMS, help="only these victims (default: all)")
+    parser.add_argument("--dir", type=Path, default=None, help="keep the trials' files here (default: a temp dir)")
+    args = parser.parse_args(argv)
+    cells = [cell for cell in lightning_cells() + accelerate_cells()
+             if (not args.front or cell.front in args.front) and (not args.phase or cell.phase in args.phase)
+             and (not args.victim or cell.victim in args.victim)]
+    if not cells:
+        parser.error("no cell matches the --front/--phase/--victim given")
+    root = Path(tempfile.mkdtemp(prefix="elan-matrix-")) if args.dir is None else args.dir
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"{len(cells)} cells x {args.trials} trials, files in {root}", flush=True)
+    static, plain = references(root, {cell.front for cell in cells})
+    rng = random.Random(args.seed)
+    results: dict[Cell, list[bool]] = defaultdict(list)
+    for number in range(args.trials):
+        for cell in cells:
+            tmp = root / f"{cell.name.replace(':', '-').replace('+', '_')}-{number}"
+            held, detail = trial(cell, tmp, static, plain, rng)
+            results[cell].append(held)
+            print(f"{cell.name:<32} trial {number}: {'held' if held else 'FAILED'} ({detail})", flush=True)
+    print(table(results))
+    held = sum(sum(r) for r in results.values())
+    total = sum(len(r) for r in results.values())
+    print(f"held: {held} of {total} trials")
+    return 0 if held == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
