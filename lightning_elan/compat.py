@@ -207,7 +207,7 @@ def redo_interrupted_batches(
     epoch_loop._elan_recover = recover
 
 
-def redo_batch_end_hooks_cut_by_a_death(
+def redo_end_hooks_cut_by_a_death(
     trainer: pl.Trainer, recover: Callable[[BaseException, Callable[[], None] | None], bool]
 ) -> None:
     """A member's death inside an ``on_train_batch_end`` hook (a callback's collective: ``ModelCheckpoint``'s save
@@ -217,13 +217,22 @@ def redo_batch_end_hooks_cut_by_a_death(
     ``_TrainingEpochLoop.advance`` calls ``call._call_callback_hooks(trainer, "on_train_batch_end", ...)`` (each
     callback's hook looked up with ``getattr`` at call time) and then the LightningModule's hook the same way, so an
     instance attribute of that name replaces the method for this trainer's objects only. An error that is not a
-    member's death is re-raised by ``recover``."""
+    member's death is re-raised by ``recover``.
+
+    The same holds at an epoch's end, after its last step: ``_FitLoop.on_advance_end`` calls the callbacks' and the
+    LightningModule's ``on_train_epoch_end`` (``ModelCheckpoint`` saves there by default, a user's hook may
+    ``all_gather``), then ``trainer._logger_connector.on_epoch_end()`` and ``update_train_epoch_metrics()``, which
+    sync the epoch's ``sync_dist`` aggregates (``on_epoch_end`` also ends evaluation epochs: only a training epoch's
+    end is redone there)."""
     for owner in [*trainer.callbacks, trainer.lightning_module]:
         _retry_after_recovery(owner, "on_train_batch_end", recover)
+        _retry_after_recovery(owner, "on_train_epoch_end", recover)
+    for name in ("on_epoch_end", "update_train_epoch_metrics"):
+        _retry_after_recovery(trainer._logger_connector, name, recover, when=lambda: trainer.training)
 
 
-def _retry_after_recovery(owner: Any, name: str,
-                          recover: Callable[[BaseException, Callable[[], None] | None], bool]) -> None:
+def _retry_after_recovery(owner: Any, name: str, recover: Callable[[BaseException, Callable[[], None] | None], bool],
+                          when: Callable[[], bool] = lambda: True) -> None:
     hook = getattr(owner, name)
     if getattr(hook, "_elan_retried_by", None) is recover:
         return
@@ -233,6 +242,8 @@ def _retry_after_recovery(owner: Any, name: str,
             try:
                 return hook(*args, **kwargs)
             except Exception as error:
+                if not when():
+                    raise
                 recover(error, None)
                 log.warning("a member died during %s.%s: it runs again in the new generation",
                             type(owner).__name__, name)

@@ -847,8 +847,9 @@ class JobState:
     def _begin_recovery(self, now: float) -> Recovery:
         """Fail the current generation and the plan in flight (its joiners survive without state)."""
         failed, survivors, previous = [self.generation], list(self.member_ids), list(self.member_ids)
-        interrupted = self.in_flight
+        interrupted, dead = self.in_flight, []
         if interrupted is not None:
+            dead = list(interrupted.failure["dead"]) if interrupted.failure else []  # a recovery's, not carried out
             plan = interrupted.plan
             failed.append(plan.generation)
             # the plan's members: not its leavers, nor members that died before it (a recovery plan in flight)
@@ -858,7 +859,7 @@ class JobState:
             self.in_flight = None
         self.recovery = Recovery(
             failure_id=f"f{self.next_failure}", failed_generations=failed, previous_members=previous,
-            survivors=survivors, detected_at=now, deadline=now + DEFAULT_RECOVERY_TIMEOUT_S,
+            survivors=survivors, detected_at=now, deadline=now + DEFAULT_RECOVERY_TIMEOUT_S, dead=dead,
             interrupted_request=None if interrupted is None else interrupted.plan.request_id,
         )
         self.next_failure += 1

@@ -44,7 +44,7 @@ from tests.integration.worker_faults import check_fault_run
 
 COMMITTED = ("optimizer", "batch_end")
 """Phases after every member committed the step: it stands, the next one is the first redone."""
-AFTER_STEP = ("validation", "checkpoint")
+AFTER_STEP = ("validation", "checkpoint", "epoch_end")
 """Phases that follow step STEP (its hold step counts the steps done): the next step is the first redone."""
 VICTIMS = ("w1", "w0", "w1+w2")
 
@@ -68,7 +68,7 @@ def expected_redone(phase: str, step: int) -> int:
 
 
 def lightning_cells() -> list[Cell]:
-    phases = ["data", METRIC, *PHASES, "validation", "checkpoint"]
+    phases = ["data", METRIC, *PHASES, "validation", "checkpoint", "epoch_end"]
     return [Cell("lightning", phase, victim) for phase in phases for victim in VICTIMS]
 
 
@@ -79,7 +79,7 @@ def accelerate_cells() -> list[Cell]:
 
 def lightning_hold_step(phase: str, rng: random.Random) -> int:
     """A jittered step to hold at: validation follows an epoch's last step, ModelCheckpoint saves every 4 steps."""
-    if phase == "validation":
+    if phase in ("validation", "epoch_end"):
         return rng.choice([STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH])
     if phase == "checkpoint":
         return rng.choice([4, 8, 12])

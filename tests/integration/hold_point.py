@@ -27,11 +27,12 @@ committed the step, the optimizer is applying it; ``batch_end``: the step is app
 METRIC = "metric"
 """Lightning probe only: in ``training_step``, before its metric is synced over the job (``self.log(sync_dist=True)``):
 the failure surfaces inside the forward, between DDP's pre- and post-forward."""
-LIGHTNING_PHASES = ("data", "validation", "checkpoint")
+LIGHTNING_PHASES = ("data", "validation", "checkpoint", "epoch_end")
 """Lightning probe only. ``data``: the batch is fetched and the step not started, the DataLoader's worker processes
 alive (``--num-workers``); ``validation``: in ``validation_step`` of the validation that follows step STEP, before its
 metric is synced over the job (``--val``); ``checkpoint``: ``ModelCheckpoint`` saving after step STEP, in the
-module's ``on_save_checkpoint`` (``--full-lightning``)."""
+module's ``on_save_checkpoint`` (``--full-lightning``); ``epoch_end``: the module's ``on_train_epoch_end`` of the epoch
+that ended with step STEP (its ``sync_dist`` aggregates are synced next)."""
 RELEASED = "hold-released"
 HOLD_LIMIT_S = 120.0  # a hold that outlives this is a broken test: the worker fails loudly instead of hanging the job
 

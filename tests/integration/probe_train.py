@@ -173,6 +173,9 @@ class ProbeModel(pl.LightningModule):
             self.kill.now()
         self.hold("optimizer")
 
+    def on_train_epoch_end(self):
+        self.hold("epoch_end", self.trainer.global_step)  # the epoch's sync_dist aggregates are synced after this
+
     def on_validation_epoch_end(self):
         if not self.trainer.sanity_checking:
             self.validations.append([self.trainer.current_epoch, self.trainer.global_step])

@@ -1,8 +1,8 @@
 """One trial of each fault-matrix cell beyond ``tests/integration/test_held_faults.py`` (which holds every step phase
 with w1 as the victim): the phases only the Lightning front-end has (data loading with the loader's workers alive,
-validation with ``sync_dist`` logging, ``ModelCheckpoint`` saving), rank 0 as the victim, and two members killed
-within a second (the second during the recovery from the first). The full matrix, several jittered trials per cell:
-``python -m tests.faults.matrix --trials N``."""
+validation with ``sync_dist`` logging, ``ModelCheckpoint`` saving, the epoch end), rank 0 as the victim, and two
+members killed within a second (the second during the recovery from the first). The full matrix, several jittered
+trials per cell: ``python -m tests.faults.matrix --trials N``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.integration.elastic_runs import RunResult
 pytestmark = pytest.mark.integration
 
 LIGHTNING_CELLS = [("data", "w1"), ("validation", "w1"), ("checkpoint", "w1"), ("checkpoint", "w0"), ("forward", "w0"),
-                   ("vote", "w0"), ("validation", "w0"), ("forward", "w1+w2")]
+                   ("vote", "w0"), ("validation", "w0"), ("epoch_end", "w1"), ("forward", "w1+w2")]
 
 
 @pytest.mark.parametrize(("phase", "victim"), LIGHTNING_CELLS, ids=[f"{p}-{v}" for p, v in LIGHTNING_CELLS])

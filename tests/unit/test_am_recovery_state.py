@@ -236,3 +236,5 @@ def test_a_death_while_the_recovery_plan_is_in_flight_waits_only_for_the_living(
     check_in(state, "w0", generation=1)
     plan = state.wait_plan("w0").plan
     assert plan is not None and plan.members == ["w0"] and plan.generation == 2
+    record = state.report(AdjustmentReport("w0", 2, "stayer", pause_s=0.1, step=8))
+    assert record is not None and record["failure"]["dead"] == ["w1", "w2"]  # the plan recovers from both deaths
