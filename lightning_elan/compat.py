@@ -189,14 +189,21 @@ def redo_interrupted_batches(
     optimizer loop's ``optim_progress``: step ``ready`` before the optimizer step, ``completed`` after it), then
     ``increment_processed``, the step's LR schedulers, the ``on_train_batch_end`` hooks and ``increment_completed``.
     A discarded batch also skips its ``on_advance_end`` (validation, ``_batches_that_stepped``, logger save).
+
+    With ``accumulate_grad_batches`` > 1 the batch rolled back to is the first of the interrupted step's accumulation
+    window: ``_AutomaticOptimization`` opens a window (zeroes the gradients) at a ``batch_idx`` divisible by it, and the
+    upcoming batch's ``batch_idx`` is ``batch_progress.current.ready`` (``advance`` computes ``self.batch_idx + 1``).
     """
     epoch_loop = trainer.fit_loop.epoch_loop
     if getattr(epoch_loop, "_elan_recover", None) is recover:
         return
     run_batch = type(epoch_loop).advance
+    window: dict[str, Any] = {}
 
     def advance(data_fetcher: Any) -> None:
-        saved = _progress_state(epoch_loop, data_fetcher)
+        if not window or epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
+            window.update(_progress_state(epoch_loop, data_fetcher))
+        saved = dict(window)
         epoch_loop._elan_discarded = False
         try:
             run_batch(epoch_loop, data_fetcher)
@@ -333,6 +340,17 @@ def reset_evaluation_dataloaders(trainer: pl.Trainer) -> None:
     val_loop._combined_loader = None
 
 
+def opens_optimizer_step(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether the training batch ``batch_idx`` is the first of its optimizer step: ``_AutomaticOptimization``
+    zeroes the gradients at a ``batch_idx`` divisible by ``accumulate_grad_batches`` (1 with manual optimization)."""
+    return batch_idx % trainer.accumulate_grad_batches == 0
+
+
+def accumulating(trainer: pl.Trainer) -> bool:
+    """After a training batch: its optimizer step is still open (``_TrainingEpochLoop._should_accumulate``)."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
+
+
 def adjustment_blocker(trainer: pl.Trainer) -> str | None:
     """Why the job cannot change size after this batch, or None.
 
@@ -341,7 +359,7 @@ def adjustment_blocker(trainer: pl.Trainer) -> str | None:
     a checkpoint saved in ``on_train_batch_end`` and would skip that validation.
     """
     epoch_loop = trainer.fit_loop.epoch_loop
-    if epoch_loop._should_accumulate():
+    if accumulating(trainer):
         return "accumulating gradients"
     if epoch_loop.batch_progress.is_last_batch:
         return "last batch of the epoch"

@@ -353,7 +353,11 @@ class ElanStrategy(DDPStrategy):
             self._collectives_local = False
             compat.reset_evaluation_dataloaders(self.lightning_module.trainer)
         loader = self._elastic_train_loader()
-        self._current_share = None if loader is None else self.engine.take_global_batch(loader.sampler.epoch_end())
+        if loader is not None:
+            opens = compat.opens_optimizer_step(self.lightning_module.trainer, batch_idx)
+            self._current_share = self.engine.take_global_batch(loader.sampler.epoch_end(), opens_step=opens)
+        else:
+            self._current_share = None
 
     def _elastic_train_loader(self) -> ElasticDataLoader | None:
         loaders = compat.train_dataloaders(self.lightning_module.trainer)
@@ -380,7 +384,11 @@ class ElanStrategy(DDPStrategy):
             compat.refresh_epoch_length(trainer)
 
     def on_batch_end(self, trainer: pl.Trainer) -> None:
-        self.engine.at_batch_boundary(trainer.global_step)
+        """A batch boundary once the optimizer step is over: inside an accumulation window a member's death is
+        noticed by the window's next collective, which rewinds the whole window (``compat.redo_interrupted_batches``);
+        a boundary there would recover without the loop going back."""
+        if not compat.accumulating(trainer):
+            self.engine.at_batch_boundary(trainer.global_step)
 
     # ------------------------------------------------------------------ worker failures
 

@@ -61,6 +61,7 @@ class ProbeModel(pl.LightningModule):
         self.worker = os.environ.get("ELAN_WORKER_ID", "w0")
         self.completed_log = config.out / f"completed-{self.worker}.jsonl"
         self.current_indices: list[int] = []
+        self.window_indices: list[int] = []  # the samples of the optimizer step being accumulated
         self.batch_step = -1
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
         self.consumed: dict[int, list[int]] = {}
@@ -89,6 +90,7 @@ class ProbeModel(pl.LightningModule):
         if getattr(self.trainer.strategy, "sample_weight", 1.0) > 0:
             self.consumed.setdefault(self.current_epoch, []).extend(index.tolist())
         self.current_indices = index.tolist() if getattr(self.trainer.strategy, "sample_weight", 1.0) > 0 else []
+        self.window_indices += self.current_indices
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         if self.kill.due(self, "backward"):  # in the backward pass: the others wait in the gradient all-reduce
             self.net[0].weight.register_hook(lambda grad: self.kill.now())
@@ -118,7 +120,8 @@ class ProbeModel(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.batch_ends.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size])
-        self.log_completed()
+        if self.trainer.global_step > self.batch_step:  # this batch applied its step (accumulation: the window's last)
+            self.log_completed()
         self.hold("batch_end")
         if self.progress is not None:  # the last step this worker completed, readable while the job runs
             partial = self.progress.with_suffix(".tmp")
@@ -132,8 +135,8 @@ class ProbeModel(pl.LightningModule):
             file.write(json.dumps(line) + "\n")
 
     def log_completed(self) -> None:
-        """Append the samples of a batch whose step is applied (flushed: a worker killed later keeps them)."""
-        line = {"epoch": self.current_epoch, "step": self.trainer.global_step, "indices": self.current_indices}
+        """Append the samples of a step that is applied (flushed: a worker killed later keeps them)."""
+        line = {"epoch": self.current_epoch, "step": self.trainer.global_step, "indices": self.window_indices}
         with open(self.completed_log, "a") as file:
             file.write(json.dumps(line) + "\n")
 
@@ -149,6 +152,8 @@ class ProbeModel(pl.LightningModule):
             wait_for_joiners_due_at(trainer.global_step + 1)
         self.digests.append([trainer.global_step, trainer.world_size, trainer.global_rank, state_digest(self)])
         self.batch_step = trainer.global_step  # the step this batch trains (global_step grows during the batch)
+        if batch_idx % trainer.accumulate_grad_batches == 0:  # the first batch of an optimizer step
+            self.window_indices = []
         self.hold("data")  # the batch is fetched, the loader's workers (--num-workers) prefetch the next ones
 
     def on_save_checkpoint(self, checkpoint):
@@ -254,6 +259,7 @@ class ProbeConfig:
     batch_size: int = 6  # per worker (the DataLoader's batch_size)
     epochs: int = 3
     num_workers: int = 0
+    accumulate: int = 1  # Trainer(accumulate_grad_batches=...)
     global_batch: int | None = None  # ElanStrategy(global_batch_size=...)
     no_shuffle: bool = False
     val: bool = False
@@ -345,6 +351,7 @@ def main() -> None:
         accelerator=config.accelerator,
         devices=int(config.devices) if config.devices.isdigit() else config.devices,
         max_epochs=config.epochs,
+        accumulate_grad_batches=config.accumulate,
         default_root_dir=config.out,
         logger=CSVLogger(config.out / "logs", flush_logs_every_n_steps=1) if full else False,
         log_every_n_steps=1,
