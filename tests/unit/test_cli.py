@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_elan.cli import describe_request, format_status, main
+from lightning_elan.cli import main
+from lightning_elan.cli_status import describe_request, format_status
 from lightning_elan.launcher.schedule import (
     ScaleAction,
     ScheduleError,

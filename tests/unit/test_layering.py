@@ -30,7 +30,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),  # the `elan` command line
     ("__init__", "pytorch_lightning"),  # the package's faces: `import lightning_elan` registers the strategy
 )
-UNIT_OF = {"cli_sizing": "cli", "cli_types": "cli"}  # top-level modules that belong to a unit of another name
+# top-level modules that belong to a unit of another name
+UNIT_OF = {"cli_sizing": "cli", "cli_status": "cli", "cli_types": "cli"}
 
 FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate")
 FRAMEWORK_UNITS = frozenset({"strategy", "accelerate", "callbacks", "compat", "pytorch_lightning"})

@@ -10,7 +10,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from lightning_elan.callbacks import HybridScaling, ProgressiveLinearLR
-from lightning_elan.cli import format_status
+from lightning_elan.cli_status import format_status
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import epoch_end_position, epoch_steps, global_batch_size_at, local_share
 from lightning_elan.data.sampler import DataPosition

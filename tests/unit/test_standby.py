@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lightning_elan.cli import format_status
+from lightning_elan.cli_status import format_status
 from lightning_elan.master.standby import STANDBY_REQUEST, StandbyPool
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.protocol.contract import CoordinateRequest, RegisterRequest, WaitPlanReply

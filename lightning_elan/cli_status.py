@@ -1,0 +1,206 @@
+"""``elan status`` and the other replies of the AM, in words: what the CLI prints."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_elan import cli_sizing
+from lightning_elan.launcher.schedule import ScaleAction
+from lightning_elan.protocol.contract import AdjustmentPlan
+from lightning_elan.scaling.report import format_summary
+from lightning_elan.words import plural
+
+__all__ = ["describe_adjustment", "describe_am", "describe_enrolment", "describe_failure", "describe_plan",
+           "describe_recovery", "describe_request", "describe_scale_reply", "describe_standby", "format_status"]
+
+
+def describe_scale_reply(action: ScaleAction, reply: Mapping[str, Any]) -> str:
+    new_workers = ", ".join(reply.get("new_workers") or []) or "none"
+    return f"request {reply.get('request_id')}: {action} (new workers: {new_workers})"
+
+
+def describe_request(request: Mapping[str, Any]) -> str:
+    """One pending request from the status reply, e.g. ``r2: add 1 at step 20 (new workers: w3)``."""
+    action = str(request.get("action", "?"))
+    if request.get("ranks") is not None:
+        arg = "rank:" + ",".join(str(rank) for rank in request["ranks"])
+    elif request.get("workers") is not None:  # a leave (a worker that received SIGTERM)
+        arg = ", ".join(request["workers"])
+    elif action == "to":
+        arg = str(request.get("size"))
+    else:
+        arg = str(request.get("count"))
+    text = f"{request.get('request_id', request.get('id', '?'))}: {action} {arg}"
+    if request.get("at_step") is not None:
+        text += f" at step {request['at_step']}"
+    new_workers = request.get("new_workers")
+    if new_workers:
+        text += f" (new workers: {', '.join(new_workers)})"
+    return text
+
+
+def describe_plan(plan: AdjustmentPlan) -> str:
+    return (
+        f"{plan.request_id} {plan.action} at step {plan.step}: generation "
+        f"{plan.previous_generation} → {plan.generation}, members {_ids(plan.members)}, "
+        f"joiners {_ids(plan.joiners)}, leavers {_ids(plan.leavers)}"
+    )
+
+
+def describe_adjustment(record: Mapping[str, Any]) -> str:
+    text = (
+        f"{record.get('request_id')} {record.get('action')} at step {record.get('step')} → generation "
+        f"{record.get('generation')}, joiners {_ids(record.get('joiners'))}, leavers {_ids(record.get('leavers'))}"
+    )
+    pauses = [float(value) for value in (record.get("pause_s") or {}).values()]
+    if pauses:
+        text += f", pause max {max(pauses):.3f} s"
+    if record.get("bytes_replicated") is not None:
+        text += f", {_bytes(record['bytes_replicated'])} replicated"
+    if record.get("global_batch") is not None:
+        text += f", global batch {record['global_batch']}"
+    decision = record.get("scaling")
+    if decision:
+        text += f" (lr x{decision.get('lr_scale')}: {decision.get('reason')})"
+    start, end = record.get("requested_at"), record.get("completed_at")
+    if start is not None and end is not None:
+        text += f", {float(end) - float(start):.2f} s from request to completion"
+    if end is not None:
+        text += f" (completed {time.strftime('%H:%M:%S', time.localtime(float(end)))})"
+    return text
+
+
+def format_status(status: Mapping[str, Any]) -> str:
+    """The human ``elan status`` text."""
+    members = list(status.get("members") or [])
+    state = "finished" if status.get("finished") else "running"
+    if status.get("failed_reason"):
+        state = f"failed: {status['failed_reason']}"
+    lines = [f"job {status.get('job')}: generation {status.get('generation')}, {state}"]
+    lines.append(f"members ({len(members)}):")
+    header = ["RANK", "WORKER", "HOST", "DEVICE", "PID", "LAST_STEP", "FROM"]
+    lines += ["  " + row for row in _table(header, _member_rows(members))]
+    lines.append("  (LAST_STEP: the step of the member's last coordinate (rank 0) or adjustment report)")
+    lines.append(
+        f"progress: step {_value(status, 'step')}, epoch {_value(status, 'epoch')}, "
+        f"position {_value(status, 'position')}, global batch {_value(status, 'global_batch')}"
+    )
+    if status.get("am"):
+        lines.append(describe_am(status["am"]))
+    pending = list(status.get("pending") or [])
+    lines.append(f"pending requests ({len(pending)}):" if pending else "pending requests: none")
+    lines += [f"  {describe_request(request)}" for request in pending]
+    in_flight = status.get("in_flight")
+    lines.append(f"in flight: {describe_plan(AdjustmentPlan.from_dict(in_flight)) if in_flight else 'none'}")
+    if status.get("recovery"):
+        lines.append(describe_recovery(status["recovery"]))
+    if status.get("enrolment"):
+        lines.append(describe_enrolment(status["enrolment"]))
+    if status.get("standby"):
+        lines.append(describe_standby(status["standby"]))
+    last = status.get("last_adjustment")
+    lines.append(f"last adjustment: {describe_adjustment(last) if last else 'none'}")
+    failures = list(status.get("failures") or [])
+    lines.append(f"failed or cancelled ({len(failures)}):" if failures else "failed or cancelled: none")
+    lines += [f"  {describe_failure(failure)}" for failure in failures]
+    if status.get("scaling"):
+        lines += format_summary(status["scaling"])
+    if status.get("sizing"):
+        lines += cli_sizing.format_sizing(status["sizing"], [str(member.get("worker_id")) for member in
+                                                              _by_rank(members)])
+    return "\n".join(lines)
+
+
+def describe_standby(standby: Mapping[str, Any]) -> str:
+    """The pool line, e.g. ``standby: 1 of 2 ready (w4 ready, w5 spawned)``."""
+    workers = list(standby.get("workers") or [])
+    ready = sum(1 for worker in workers if worker.get("status") == "ready")
+    listed = ", ".join(f"{worker['worker_id']} {worker['status']}" for worker in workers) or "none"
+    return f"standby: {ready} of {standby.get('target')} ready ({listed})"
+
+
+def describe_enrolment(enrolment: Mapping[str, Any]) -> str:
+    """The `elan worker` line, e.g. ``enrolment: 2–4 workers; waiting for the start: w0 (node-a pid 7)``."""
+    low, high = enrolment.get("min_workers"), enrolment.get("max_workers")
+    text = f"enrolment: {plural(low, 'worker') if low == high else f'{low}–{high} workers'}"
+    if enrolment.get("started"):
+        return text + "; started"
+    waiting = ", ".join(f"{w['worker_id']} ({w['host']} pid {w['pid']})" for w in enrolment.get("waiting") or [])
+    return text + f"; waiting for the start: {waiting or 'none enrolled yet'}"
+
+
+def describe_am(am: Mapping[str, Any]) -> str:
+    """The AM process line, e.g. ``AM: pid 4242 at tcp://127.0.0.1:5555, restarted 1 time``."""
+    text = f"AM: pid {_value(am, 'pid')}"
+    if am.get("address"):
+        text += f" at {am['address']}"
+    restarts = am.get("restarts") or 0
+    return text + (f", restarted {plural(restarts, 'time')}" if restarts else ", never restarted")
+
+
+def describe_recovery(recovery: Mapping[str, Any]) -> str:
+    """The recovery in progress, e.g. ``recovering (f1): w1 died; checked in: w0 of w0, w2``."""
+    dead = ", ".join(recovery.get("dead") or []) or "nobody"
+    survivors = ", ".join(recovery.get("survivors") or []) or "none"
+    checked = ", ".join(recovery.get("checked_in") or []) or "none"
+    return f"recovering ({recovery.get('failure_id')}): {dead} died; checked in: {checked} of {survivors}"
+
+
+def describe_failure(failure: Mapping[str, Any]) -> str:
+    """One failed or cancelled request or adjustment with its cause, e.g.
+    ``r2: add 1 (new workers: w3): failed at step 40 (12:00:01): worker(s) w3 did not report ready within 600 s``."""
+    if failure.get("kind") == "worker":
+        what = f"worker {failure.get('worker_id')} (generation {failure.get('generation')}, exit code " \
+               f"{failure.get('returncode')})"
+        failure = {**failure, "reason": failure.get("reason") or f"recovered by {failure.get('failure_id')}"}
+    elif failure.get("kind") == "job":
+        what = "job"
+    elif failure.get("kind") == "adjustment":
+        what = f"{failure.get('request_id')} {failure.get('action') or ''} adjustment".replace("  ", " ")
+        if failure.get("generation") is not None:
+            what += f" to generation {failure['generation']}"
+    else:
+        what = describe_request(failure)
+    when = f" at step {failure['step']}" if failure.get("step") is not None else ""
+    if failure.get("at") is not None:
+        when += f" ({time.strftime('%H:%M:%S', time.localtime(float(failure['at'])))})"
+    return f"{what}: {failure.get('outcome', 'failed')}{when}: {failure.get('reason')}"
+
+
+def _by_rank(members: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The members in rank order (unranked last)."""
+    return sorted(members, key=lambda m: (m.get("rank") is None, m.get("rank") or 0))
+
+
+def _member_rows(members: list[Mapping[str, Any]]) -> list[list[str]]:
+    ordered = _by_rank(members)
+    keys = ("rank", "worker_id", "host", "device", "pid", "last_step", "last_step_from")
+    return [["-" if m.get(key) is None else str(m.get(key)) for key in keys] for m in ordered]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def _value(data: Mapping[str, Any], key: str) -> str:
+    value = data.get(key)
+    return "-" if value is None else str(value)
+
+
+def _ids(ids: Any) -> str:
+    return ",".join(str(i) for i in ids) if ids else "none"
+
+
+def _bytes(count: Any) -> str:
+    value = float(count)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"
