@@ -13,9 +13,7 @@ import logging
 import os
 import re
 import shutil
-import signal
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -387,7 +385,12 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     if args.min_workers is not None and args.min_workers > args.nproc:
         parser.error(f"--min-workers {args.min_workers} is more than --nproc {args.nproc}")
-    _make_state_dir(state_dir)
+    from lightning_elan.master.main import AMStartError, make_state_dir
+
+    try:
+        make_state_dir(state_dir)
+    except AMStartError as error:
+        raise CLIError(str(error), code=error.code) from None
     try:
         launcher = JobLauncher(config)
     except LaunchError as exc:
@@ -412,77 +415,33 @@ def _worker_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 
 def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning_elan.master import ApplicationMaster, FileStore
+    from lightning_elan.etcd import is_etcd_url, parse_etcd_url
+    from lightning_elan.master.main import AMOptions, AMStartError, serve
 
     _reject_command(args, parser)
-    from lightning_elan.etcd import is_etcd_url
-    from lightning_elan.protocol.auth import AuthError, secret_from_env
-
-    state_dir = Path(args.state_dir or registry.default_state_dir(args.job))
     enrolment = _enrolment(args, parser)
     sizing = cli_sizing.sizing_requests(args, parser)
-    if args.store is not None and is_etcd_url(args.store):
+    in_etcd = args.store is not None and is_etcd_url(args.store)
+    if in_etcd:
         if sizing:
             parser.error("--autoscale, --stragglers and --scale-out-command need the file store for now; with etcd, "
                          "use `elan autoscale` once the job runs")
-        return _am_in_etcd(args, parser, state_dir, enrolment)
-    if args.lease_ttl is not None:
-        parser.error("--lease-ttl needs --store etcd://…")
-    refuse_if_running(args.job, parser)
-    _make_state_dir(state_dir)
-    store = FileStore(args.store or state_dir / "state.json")
-    rendezvous = None if enrolment is None else _serve_rendezvous_store(args)
+        try:
+            parse_etcd_url(args.store)
+        except ValueError as error:
+            parser.error(str(error))
+    else:
+        if args.lease_ttl is not None:
+            parser.error("--lease-ttl needs --store etcd://…")
+        refuse_if_running(args.job, parser)
+    options = AMOptions(job=args.job, state_dir=Path(args.state_dir or registry.default_state_dir(args.job)),
+                        bind=args.bind, store=args.store, parent_pid=args.parent_pid, enrolment=enrolment,
+                        coordinate_every=args.coordinate_every, join_timeout_s=args.join_timeout,
+                        lease_ttl_s=args.lease_ttl, rdzv_port=args.rdzv_port, sizing=sizing)
     try:
-        store.discard_partial_writes()
-        am = ApplicationMaster(args.job, store, state_dir=state_dir, bind=args.bind, secret=secret_from_env(),
-                               rendezvous=None if rendezvous is None else (_advertised_host(args.bind),
-                                                                           rendezvous.port))
-    except AuthError as error:
-        raise CLIError(str(error), code=2) from None
-    except (OSError, ValueError) as error:
-        raise CLIError(f"cannot use the store {store.path}: {_reason(error)}", code=2) from None
-    if enrolment is not None:
-        am.accept_enrolments(enrolment, coordinate_every=args.coordinate_every, join_timeout_s=args.join_timeout)
-    _start_am(am, args.bind)
-    _configure_sizing(am.address, args.job, sizing)
-    log.info("AM of job %s (pid %d) at %s: state in %s; Ctrl-C stops it", args.job, os.getpid(), am.address,
-             state_dir)
-    stopped = _wait_for_stop(args.parent_pid, done=lambda: am.finished if enrolment is not None else False)
-    _log_stop(stop_line(args.job, stopped, am.finished, am.finish_reason))
-    am.stop()
-    return 0
-
-
-def _make_state_dir(state_dir: Path) -> None:
-    """Create the job's state directory; one that cannot be made (a file there, no permission) → CLIError (exit 2)."""
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise CLIError(f"cannot create the state directory {state_dir}: {_reason(error)}", code=2) from None
-
-
-def _reason(error: Exception) -> str:
-    """An OSError's ``strerror`` (``File exists``), else the error's own message."""
-    return getattr(error, "strerror", None) or str(error)
-
-
-def _start_am(am: Any, bind: str) -> None:
-    """Bind and serve; an address the system refuses (port taken, unknown host or interface) → CLIError (exit 2)."""
-    import zmq
-
-    try:
-        am.start()
-    except zmq.ZMQError as error:
-        raise CLIError(f"cannot bind the AM to {bind}: {error.strerror}", code=2) from None
-
-
-def _configure_sizing(address: str, job: str, requests: list[tuple[str, dict[str, Any]]]) -> None:
-    """Send the sizing options to the AM this process serves (the state keeps them across restarts)."""
-    from lightning_elan.protocol.client import AMClient
-
-    for msg_type, body in requests:
-        client = AMClient(address.replace("0.0.0.0", "127.0.0.1"), job)
-        _call(client, job, lambda: client.request(msg_type, body))  # noqa: B023 (called at once)
+        return serve(options)
+    except AMStartError as error:
+        raise CLIError(str(error), code=error.code) from None
 
 
 def _enrolment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
@@ -501,23 +460,6 @@ def _enrolment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any
                          else args.start_grace)
     except ValueError as error:
         parser.error(str(error))
-
-
-def _serve_rendezvous_store(args: argparse.Namespace) -> Any:
-    """The job's TCPStore (joiners' rendezvous, failure keys), served by this AM process for enrolled workers."""
-    from torch.distributed import TCPStore
-
-    try:
-        return TCPStore("0.0.0.0", args.rdzv_port, is_master=True, wait_for_workers=False)
-    except RuntimeError as error:
-        raise CLIError(f"cannot serve the rendezvous store on port {args.rdzv_port}: {error}", code=2) from None
-
-
-def _advertised_host(bind: str) -> str | None:
-    """The host enrolled workers reach the store at: the AM's bind host, unless it is a wildcard (then the host each
-    worker reaches the AM at)."""
-    host = bind.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    return None if host in ("*", "0.0.0.0", "::", "") else host
 
 
 # ---------------------------------------------------------------------- elan worker
@@ -549,120 +491,6 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except NotEnrolled as error:
         log.error("%s", error)
         return EXIT_NOT_ENROLLED
-
-
-def _am_in_etcd(args: argparse.Namespace, parser: argparse.ArgumentParser, state_dir: Path, enrolment: Any) -> int:
-    """``elan am --store etcd://…``: lead or stand by until SIGINT/SIGTERM (or the parent is gone, or, for a job of
-    ``elan worker``s, the job is over). The rendezvous store of such a job is in etcd too (no TCPStore): it outlives
-    every AM process, so the workers' next rendezvous survives a fail-over."""
-    from lightning_elan.elastic.etcd_rendezvous import rendezvous_url
-    from lightning_elan.etcd import StoreError, parse_etcd_url
-    from lightning_elan.master.elected import ElectedAM
-    from lightning_elan.master.leadership import DEFAULT_LEASE_TTL_S
-    from lightning_elan.protocol.auth import AuthError, refuse_open_bind, secret_from_env
-
-    try:
-        locator = parse_etcd_url(args.store)
-        secret = secret_from_env()
-        refuse_open_bind(args.bind, secret)
-        elected = ElectedAM(args.job, locator, args.bind, state_dir=state_dir, secret=secret,
-                            ttl_s=args.lease_ttl or DEFAULT_LEASE_TTL_S, enrolment=enrolment,
-                            enrolment_options={"coordinate_every": args.coordinate_every,
-                                               "join_timeout_s": args.join_timeout},
-                            rendezvous=None if enrolment is None else rendezvous_url(locator, args.job))
-    except ValueError as error:
-        parser.error(str(error))
-    except (AuthError, StoreError) as error:
-        raise CLIError(str(error), code=2) from None
-    stop, failed = threading.Event(), threading.Event()
-
-    def run() -> None:
-        import zmq
-
-        try:
-            elected.run(stop)
-        except zmq.ZMQError as error:  # the leader's bind: a port taken, an unknown host or interface
-            log.error("the AM of job %s cannot bind %s: %s", args.job, args.bind, error.strerror)
-        except BaseException:
-            log.exception("the AM of job %s failed", args.job)
-        else:
-            return
-        failed.set()
-        signal.raise_signal(signal.SIGTERM)  # wakes _wait_for_stop on the main thread
-
-    runner = threading.Thread(target=run, name="elan-elected-am", daemon=True)
-    runner.start()
-    log.info("AM of job %s (pid %d): state in %s; Ctrl-C stops it", args.job, os.getpid(), locator.url())
-    stopped = _wait_for_stop(args.parent_pid, done=elected.job_over if enrolment is not None else lambda: False)
-    _log_stop(stop_line(args.job, stopped, elected.job_over(), None))
-    stop.set()
-    runner.join(30)
-    return 1 if failed.is_set() else 0
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Why ``elan am`` stopped waiting: a signal, its launcher gone (``--parent-pid``), or the job over."""
-
-    cause: str  # "signal", "parent" or "done"
-    signal: str | None = None  # the signal's name, when one came
-    parent_pid: int | None = None
-
-
-CLEAN_FINISHES = ("all members finished", "training complete: every member finished")
-"""The ``shutdown`` reasons of a job whose training completed: ``elan run``'s, and the AM's own (``elan worker``s)."""
-
-
-def stop_line(job: str, stop: Stop, finished: bool, reason: str | None) -> tuple[int, str]:
-    """The level and line ``elan am`` logs as it stops: the job's end, its launcher gone, or a signal from outside."""
-    if finished:
-        return logging.INFO, f"AM of job {job!r} stopped: {_job_end(reason)}"
-    if stop.cause == "parent":
-        return logging.WARNING, f"AM of job {job!r} stopped: its launcher (pid {stop.parent_pid}) is gone"
-    if stop.cause == "done":
-        return logging.INFO, f"AM of job {job!r} stopped: the job is over"
-    return logging.INFO, f"received {stop.signal}: stopping the AM of job {job!r}"
-
-
-def _log_stop(line: tuple[int, str]) -> None:
-    """Log a :func:`stop_line`."""
-    log.log(line[0], "%s", line[1])
-
-
-def _job_end(reason: str | None) -> str:
-    """``the job finished`` / ``the job failed: …`` / ``the job was stopped: …`` from the job's finish reason."""
-    if reason is None:
-        return "the job is over"
-    if reason in CLEAN_FINISHES:
-        return "the job finished"
-    if reason.startswith("failed: "):
-        return f"the job failed: {reason.removeprefix('failed: ')}"
-    return "the job was shut down" if reason == "shutdown" else f"the job was stopped: {reason}"
-
-
-def _wait_for_stop(parent_pid: int | None = None, done: Callable[[], bool] = lambda: False) -> Stop:
-    """Block until SIGINT or SIGTERM (or until ``parent_pid`` is no longer our parent, or ``done()``); return why."""
-    received: list[int] = []
-    wake = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        received.append(signum)
-        wake.set()
-
-    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not wake.wait(0.5):
-            if parent_pid is not None and os.getppid() != parent_pid:
-                return Stop("parent", parent_pid=parent_pid)
-            if done():
-                return Stop("done")
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    name = signal.Signals(received[0]).name
-    if parent_pid is not None and os.getppid() != parent_pid:  # the kernel's SIGTERM as the launcher died
-        return Stop("parent", name, parent_pid)
-    return Stop("signal", name)
 
 
 # ---------------------------------------------------------------------- elan scale / status

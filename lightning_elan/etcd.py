@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,10 @@ __all__ = [
     "get",
     "is_etcd_url",
     "parse_etcd_url",
+    "parse_rendezvous_url",
     "put",
     "range_results",
+    "rendezvous_url",
     "revision_of",
 ]
 
@@ -275,3 +278,17 @@ def _b64(text: str) -> str:
 
 def _b64decode(text: str) -> bytes:
     return base64.b64decode(text)
+
+
+def rendezvous_url(locator: EtcdLocator, job: str) -> str:
+    """The rendezvous store address of ``job``: ``etcd://HOST:PORT/PREFIX?job=JOB``."""
+    return f"{locator.url()}?job={job}"
+
+
+def parse_rendezvous_url(url: str) -> tuple[EtcdLocator, str]:
+    """``etcd://HOST:PORT/PREFIX?job=JOB`` → (locator, job); ``ValueError`` says what is wrong."""
+    base, _, query = url.partition("?")
+    jobs = parse_qs(query).get("job", [])
+    if len(jobs) != 1 or not jobs[0]:
+        raise ValueError(f"rendezvous URL {url!r} names no job (etcd://HOST:PORT/PREFIX?job=JOB)")
+    return parse_etcd_url(base), jobs[0]

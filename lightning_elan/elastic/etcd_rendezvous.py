@@ -25,7 +25,6 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
-from urllib.parse import parse_qs
 
 import torch.distributed as dist
 
@@ -36,9 +35,10 @@ from lightning_elan.etcd import (
     StoreError,
     compare_mod_revision,
     is_etcd_url,
-    parse_etcd_url,
+    parse_rendezvous_url,
     put,
     range_results,
+    rendezvous_url,
 )
 
 __all__ = ["EtcdRendezvousStore", "open_rendezvous_store", "parse_rendezvous_url", "rendezvous_url"]
@@ -49,20 +49,6 @@ POLL_MAX_S = 0.05
 POLL_GROWTH = 1.5
 REQUEST_TIMEOUT_S = 2.0
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-
-
-def rendezvous_url(locator: EtcdLocator, job: str) -> str:
-    """The rendezvous store address of ``job``: ``etcd://HOST:PORT/PREFIX?job=JOB``."""
-    return f"{locator.url()}?job={job}"
-
-
-def parse_rendezvous_url(url: str) -> tuple[EtcdLocator, str]:
-    """``etcd://HOST:PORT/PREFIX?job=JOB`` → (locator, job); ``ValueError`` says what is wrong."""
-    base, _, query = url.partition("?")
-    jobs = parse_qs(query).get("job", [])
-    if len(jobs) != 1 or not jobs[0]:
-        raise ValueError(f"rendezvous URL {url!r} names no job (etcd://HOST:PORT/PREFIX?job=JOB)")
-    return parse_etcd_url(base), jobs[0]
 
 
 def open_rendezvous_store(address: str, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.Store:

@@ -42,10 +42,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_elan.cli import CLEAN_FINISHES
 from lightning_elan.etcd import parse_etcd_url
 from lightning_elan.launcher.enrolled import EXIT_NOT_ENROLLED
 from lightning_elan.master.etcd_store import EtcdStore
+from lightning_elan.master.main import CLEAN_FINISHES
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from tests.faults.checks import StormCheck, check_storm
 from tests.faults.storm import (

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from lightning_elan import cli_sizing
-from lightning_elan.cli import CLEAN_FINISHES, Stop, main, stop_line
+from lightning_elan.cli import main
 from lightning_elan.cli_status import describe_am, describe_enrolment, format_status
+from lightning_elan.master.main import CLEAN_FINISHES, Stop, stop_line
 from lightning_elan.master.server import scale_line
 from lightning_elan.master.state import JobState, StateError
 
