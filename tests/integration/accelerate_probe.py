@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -156,15 +157,16 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: EMA) -
     return sha.hexdigest()
 
 
-def wait_for_joiners_due_at(step: int, timeout_s: float = 240.0) -> None:
-    """Hold the main process until every queued request due at ``step`` has its new workers ready."""
+def wait_for_joiners_due_at(step: int, failed: Callable[[], bool], timeout_s: float = 240.0) -> None:
+    """Hold the main process until every queued request due at ``step`` has its new workers ready; not once a member
+    of its generation died (a replacement is queued then: the recovery must not wait for it)."""
     from lightning_elan.protocol.client import AMClient
 
     deadline = time.monotonic() + timeout_s
     with AMClient(os.environ["ELAN_AM_ADDRESS"], os.environ["ELAN_JOB"]) as client:
         while True:
             due = [request for request in client.status()["pending"] if (request.get("at_step") or 0) <= step]
-            if all(state == "ready" for request in due for state in request["worker_status"].values()):
+            if failed() or all(state == "ready" for request in due for state in request["worker_status"].values()):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"joiners of {due} not ready after {timeout_s} s")
@@ -227,7 +229,7 @@ def main() -> None:
                 batches_log.write(json.dumps(line) + "\n")
                 batches_log.flush()
             if args.wait_for_joiners and elastic and accelerator.is_main_process:
-                wait_for_joiners_due_at(step + 1)
+                wait_for_joiners_due_at(step + 1, lambda: accelerator.engine.peer_failed)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             with accelerator.accumulate(model):

@@ -149,7 +149,7 @@ class ProbeModel(pl.LightningModule):
     def on_train_batch_start(self, batch, batch_idx):
         trainer = self.trainer
         if self.wait_for_joiners and trainer.global_rank == 0:
-            wait_for_joiners_due_at(trainer.global_step + 1)
+            wait_for_joiners_due_at(trainer.global_step + 1, lambda: trainer.strategy.engine.peer_failed)
         self.digests.append([trainer.global_step, trainer.world_size, trainer.global_rank, state_digest(self)])
         self.batch_step = trainer.global_step  # the step this batch trains (global_step grows during the batch)
         if batch_idx % trainer.accumulate_grad_batches == 0:  # the first batch of an optimizer step
@@ -219,9 +219,10 @@ class KillPoint:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def wait_for_joiners_due_at(step: int, timeout_s: float = 240.0) -> None:
+def wait_for_joiners_due_at(step: int, failed: typing.Callable[[], bool], timeout_s: float = 240.0) -> None:
     """Hold rank 0 until every queued request due at ``step`` has all its new workers ready (registered), so that it
-    applies at the first coordination at or after its scheduled step, whatever the joiners' start-up time."""
+    applies at the first coordination at or after its scheduled step, whatever the joiners' start-up time; not once
+    a member of its generation died (a replacement is queued then: the recovery must not wait for it)."""
     address = os.environ.get("ELAN_AM_ADDRESS")
     if not address:
         return
@@ -231,7 +232,7 @@ def wait_for_joiners_due_at(step: int, timeout_s: float = 240.0) -> None:
     with AMClient(address, os.environ["ELAN_JOB"]) as client:
         while True:
             due = [request for request in client.status()["pending"] if (request.get("at_step") or 0) <= step]
-            if all(state == "ready" for request in due for state in request["worker_status"].values()):
+            if failed() or all(state == "ready" for request in due for state in request["worker_status"].values()):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"joiners of {due} not ready after {timeout_s} s")
