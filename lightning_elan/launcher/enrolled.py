@@ -31,6 +31,7 @@ from lightning_elan.protocol.contract import (
     EnrolReply,
     EnrolRequest,
     WorkerEnvironment,
+    WorkerExitRequest,
     failure_key,
     split_host_port,
 )
@@ -191,9 +192,9 @@ class EnrolledWorker:
 
     def _report_exit(self, enrolment: EnrolReply, returncode: int) -> None:
         """Tell the AM (resent until it answers); a death it recovers from is announced to the survivors."""
-        body = {"worker_id": enrolment.worker_id, "returncode": returncode}
+        message = WorkerExitRequest(enrolment.worker_id, returncode)
         try:
-            reply = self._client.request("worker_exit", body, timeout_s=1.0, retries=30)
+            reply = self._client.request(message.TYPE, message.to_body(), timeout_s=1.0, retries=30)
         except (AMError, AMUnavailable) as error:
             log.warning("could not report the exit of %s (code %d) to the AM: %s", enrolment.worker_id, returncode,
                         error)

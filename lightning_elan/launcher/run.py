@@ -44,11 +44,18 @@ from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
     DEFAULT_REPORT_TIMEOUT_S,
     DEFAULT_TERM_GRACE_S,
+    MESSAGES,
     ROLE_JOINER,
     ROLE_MEMBER,
     STANDBY_REQUEST,
     STRIPPED_ENV_VARS,
+    LauncherPollRequest,
+    ScaleCommand,
+    ShutdownRequest,
+    StartJobRequest,
+    StatusRequest,
     WorkerEnvironment,
+    WorkerExitRequest,
     failure_key,
     script_ended_key,
 )
@@ -265,14 +272,15 @@ class JobLauncher:
 
     # ------------------------------------------------------------------ AM requests
 
-    def _request(self, type_: str, body: dict[str, Any] | None = None, *, patient: bool = True) -> dict[str, Any]:
-        """Send one request; resend it with the same id (restarting a dead AM) until answered, unless not patient."""
+    def _request(self, message: Any, *, patient: bool = True) -> dict[str, Any]:
+        """Send one request (a message dataclass of ``contract.MESSAGES``); resend it with the same id (restarting a
+        dead AM) until answered, unless not patient."""
         assert self._client is not None and self._am is not None, "services are not started"
         msg_id = new_message_id()
         deadline = time.monotonic() + self.config.am_patience_s
         while True:
             try:
-                return self._client.request(type_, body, msg_id=msg_id)
+                return self._client.request(message.TYPE, message.to_body(), msg_id=msg_id)
             except AMUnavailable:
                 if not patient or time.monotonic() >= deadline:
                     raise
@@ -280,18 +288,12 @@ class JobLauncher:
                 self._am.check()
 
     def _start_job(self) -> list[str]:
-        reply = self._request(
-            "start_job",
-            {
-                "nproc": self.config.nproc,
-                "coordinate_every": self.config.coordinate_every,
-                "report_timeout_s": self.config.report_timeout_s,
-                "replace_failed": self.config.replace_failed,
-                **({"min_workers": self.config.min_workers} if self.config.min_workers else {}),
-                **({"join_timeout_s": self.config.join_timeout_s} if self.config.join_timeout_s else {}),
-                **({"standby": self.config.standby} if self.config.standby else {}),
-            },
-        )
+        config = self.config
+        reply = self._request(StartJobRequest(
+            config.nproc, config.coordinate_every, report_timeout_s=config.report_timeout_s,
+            replace_failed=config.replace_failed, min_workers=config.min_workers or None,
+            join_timeout_s=config.join_timeout_s or None, standby=config.standby or None,
+        ))
         members = [str(worker_id) for worker_id in reply["members"]]
         log.info("job %s: generation %s starts with %s (%s)", self.config.job, reply.get("generation"),
                  plural(len(members), "member"), workers_phrase(members))
@@ -299,9 +301,8 @@ class JobLauncher:
 
     def _submit_schedule(self) -> None:
         for item in self.config.schedule:
-            body = {name: value for name, value in item.request_kwargs().items() if value is not None}
             try:
-                reply = self._request("scale", body)
+                reply = self._request(ScaleCommand(**item.request_kwargs()))
             except AMError as exc:
                 raise AMError(f"schedule item {format_schedule_item(item)!r} refused: {exc}", "scale") from exc
             new_workers = ", ".join(reply.get("new_workers") or []) or "none"
@@ -309,12 +310,12 @@ class JobLauncher:
 
     def _submit_sizing(self) -> None:
         for msg_type, body in self.config.sizing:
-            reply = self._request(msg_type, body)
+            reply = self._request(MESSAGES[msg_type].body.from_body(body))
             log.info("%s", describe_sizing(self.config.job, msg_type, body, reply))
             log.debug("job %s: %s %s", self.config.job, msg_type, json.dumps(body))
 
     def _status(self) -> dict[str, Any]:
-        return self._request("status")
+        return self._request(StatusRequest())
 
     # ------------------------------------------------------------------ spawning
 
@@ -326,7 +327,7 @@ class JobLauncher:
 
     def _spawn_requested(self) -> bool:
         """Start every joiner the AM asks for; return the AM's ``finished`` flag."""
-        reply = self._request("launcher_poll")
+        reply = self._request(LauncherPollRequest())
         for item in reply.get("spawn") or []:
             worker_id = str(item["worker_id"])
             if worker_id in self._workers:
@@ -469,7 +470,7 @@ class JobLauncher:
         not an expected exit either)."""
         returncode = worker.returncode or 0
         try:
-            reply = self._request("worker_exit", {"worker_id": worker.worker_id, "returncode": worker.returncode})
+            reply = self._request(WorkerExitRequest(worker.worker_id, worker.returncode or 0))
         except AMError as exc:
             log.warning("AM refused worker_exit for %s: %s", worker.worker_id, exc)
             return ExitVerdict()
@@ -578,7 +579,7 @@ class JobLauncher:
     def _shutdown(self, *, send: bool) -> int:
         """Normal end: tell the AM, let the remaining joiners exit (they get ``cancelled``), kill stragglers."""
         if send:
-            self._request("shutdown", {"reason": "all members finished"})
+            self._request(ShutdownRequest("all members finished"))
         failed = self._wait_children(self.config.shutdown_grace_s)
         stragglers = self._live_workers()
         if stragglers:
@@ -629,7 +630,7 @@ class JobLauncher:
         """Best-effort ``shutdown`` (so parked ``wait_plan``s end), then stop every child."""
         if self._client is not None:
             try:
-                self._request("shutdown", {"reason": reason}, patient=False)
+                self._request(ShutdownRequest(reason), patient=False)
             except (AMError, AMUnavailable) as exc:
                 log.debug("shutdown after failure not acknowledged: %s", exc)
         self._terminate_children()

@@ -10,7 +10,7 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -25,6 +25,7 @@ from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore, StoreConflict, StoreUnavailable
 from lightning_elan.protocol.auth import AuthError, FrameSigner, is_signed, refuse_open_bind
 from lightning_elan.protocol.contract import (
+    MESSAGES,
     MUTATING_TYPES,
     AdjustmentReport,
     CoordinateRequest,
@@ -32,8 +33,12 @@ from lightning_elan.protocol.contract import (
     LeaveRequest,
     RecoverRequest,
     RegisterRequest,
+    ScaleCommand,
+    ShutdownRequest,
+    StartJobRequest,
     WaitPlanReply,
     WaitPlanRequest,
+    WorkerExitRequest,
     WorkerStats,
 )
 from lightning_elan.protocol.messages import (
@@ -228,8 +233,8 @@ class ApplicationMaster:
             "scale": self._on_scale,
             "status": lambda body: self._status(),
             "launcher_poll": lambda body: self._state.launcher_poll(),
-            "worker_exit": lambda body: self._state.worker_exit(body["worker_id"], body["returncode"]),
-            "shutdown": lambda body: self._state.shutdown(body.get("reason")),
+            "worker_exit": self._on_worker_exit,
+            "shutdown": lambda body: self._state.shutdown(ShutdownRequest.from_body(body).reason),
             "register": self._on_register,
             "coordinate": self._on_coordinate,
             "wait_plan": self._on_wait_plan,
@@ -242,6 +247,7 @@ class ApplicationMaster:
             "autoscale": lambda body: sizing.set_autoscale(self._state, body, time.time()),
             "stragglers": lambda body: sizing.set_stragglers(self._state, body, time.time()),
         }
+        _check_handlers(self._handlers)
         self._next_sizing = 0.0
         self._profile_written: float | None = None
 
@@ -545,16 +551,21 @@ class ApplicationMaster:
     # ---- handlers ------------------------------------------------------------------------------------------------
 
     def _on_start_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        start = StartJobRequest.from_body(body)
         return self._state.start_job(
-            body["nproc"], body.get("coordinate_every"), body.get("hosts"), body.get("report_timeout_s"),
-            bool(body.get("replace_failed")), body.get("min_workers"), body.get("join_timeout_s"),
-            body.get("standby") or 0,
+            start.nproc, start.coordinate_every, start.hosts, start.report_timeout_s, bool(start.replace_failed),
+            start.min_workers, start.join_timeout_s, start.standby or 0,
         )
 
+    def _on_worker_exit(self, body: dict[str, Any]) -> dict[str, Any]:
+        exit_ = WorkerExitRequest.from_body(body)
+        return self._state.worker_exit(exit_.worker_id, exit_.returncode)
+
     def _on_scale(self, body: dict[str, Any]) -> dict[str, Any]:
-        fields = ("action", "count", "ranks", "size", "at_step")
-        reply = self._state.scale(**{name: body.get(name) for name in fields})
-        asked = {name: body[name] for name in fields if body.get(name) is not None}
+        command = ScaleCommand.from_body(body)
+        reply = self._state.scale(command.action, count=command.count, ranks=command.ranks, size=command.size,
+                                  at_step=command.at_step)
+        asked = command.to_body()
         logger.info("%s", scale_line(self.job, reply["request_id"], asked, reply["new_workers"]))
         logger.debug("job %r: scale request %s %s → new workers %s", self.job, reply["request_id"], json.dumps(asked),
                      reply["new_workers"])
@@ -761,3 +772,12 @@ def _durable(state: dict[str, Any]) -> dict[str, Any]:
     (throughput, compute times) are refreshed by every ``coordinate`` and ``worker_stats`` and are only informational,
     so they alone never cost an fsync on rank 0's hot path."""
     return {key: value for key, value in state.items() if key not in ("progress", "measured")}
+
+
+def _check_handlers(handlers: Mapping[str, Any]) -> None:
+    """The AM handles exactly the protocol's message types (``contract.MESSAGES``): a type added on one side only
+    fails here, when the AM is built, not when a worker first sends it."""
+    missing, unknown = set(MESSAGES) - set(handlers), set(handlers) - set(MESSAGES)
+    if missing or unknown:
+        raise RuntimeError(f"the AM's handlers and contract.MESSAGES differ: no handler for {sorted(missing)}, "
+                           f"handlers of unknown types {sorted(unknown)}")

@@ -23,6 +23,8 @@ from lightning_elan.protocol.contract import (
     LeaveReply,
     LeaveRequest,
     RegisterRequest,
+    ScaleCommand,
+    StatusRequest,
     WaitPlanReply,
     WaitPlanRequest,
 )
@@ -131,12 +133,12 @@ class AMClient:
         at_step: int | None = None,
     ) -> dict[str, Any]:
         """Ask for an adjustment; returns ``{request_id, new_workers}``."""
-        fields = {"action": action, "count": count, "ranks": ranks, "size": size, "at_step": at_step}
-        return self.request("scale", {name: value for name, value in fields.items() if value is not None})
+        command = ScaleCommand(action, count, ranks, size, at_step)
+        return self.request(command.TYPE, command.to_body())
 
     def status(self) -> dict[str, Any]:
         """The job's status (see docs/architecture.md, *Status*)."""
-        return self.request("status")
+        return self.request(StatusRequest.TYPE)
 
     def register(self, request: RegisterRequest, *, timeout_s: float | None = None, retries: int | None = None) -> None:
         """Tell the AM where a worker lives; for a joiner this is *report ready*."""

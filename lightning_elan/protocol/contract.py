@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
@@ -697,70 +697,186 @@ class LeaveReply:
         return _from_wire(cls, body, "leave reply")
 
 
-# ---- the request schemas by type -------------------------------------------------------------------------------------
+# ---- launcher and command-line requests -----------------------------------------------------------------------------
 
-TYPED_REQUESTS: tuple[type, ...] = (
-    RegisterRequest, CoordinateRequest, WaitPlanRequest, AdjustmentReport, RecoverRequest, LeaveRequest, EnrolRequest,
-    WorkerStats,
-)
-"""The requests with a dataclass: their ``SCHEMA`` is the one ``BODY_SCHEMAS`` holds for their ``TYPE``."""
 
-BODY_SCHEMAS: dict[str, dict[str, Field]] = {
-    "start_job": {
-        "nproc": Field(_INT, required=True),
-        "coordinate_every": Field(_INT),
-        "hosts": Field((list, dict)),
-        "report_timeout_s": Field(_NUMBER),
-        "replace_failed": Field((bool,)),
-        "min_workers": Field(_INT),
-        "join_timeout_s": Field(_NUMBER),
-        "standby": Field(_INT),
-    },
-    "scale": {
-        "action": Field(_STR, required=True),
-        "count": Field(_INT),
-        "ranks": Field((list,), item_type=int),
-        "size": Field(_INT),
-        "at_step": Field(_INT),
-    },
-    "status": {},
-    "launcher_poll": {},
-    "worker_exit": {"worker_id": Field(_STR, required=True), "returncode": Field(_INT, required=True)},
-    "shutdown": {"reason": Field(_STR)},
-    "profile": {
-        "min": Field(_INT, required=True),
-        "max": Field(_INT, required=True),
-        "steps": Field(_INT),
-        "settle": Field(_STR),
-    },
-    "autoscale": {
-        "policy": Field(_STR, required=True),
-        "every": Field(_INT),
-        "step": Field(_INT),
-        "threshold": Field(_NUMBER),
-        "min_workers": Field(_INT),
-        "max_workers": Field(_INT),
-        "cooldown_s": Field(_NUMBER),
-        "price": Field(_NUMBER),
-        "utility": Field((dict,)),
-        "scale_out_command": Field(_STR),
-    },
-    "stragglers": {
-        "mode": Field(_STR, required=True),
-        "threshold": Field(_NUMBER),
-        "window": Field(_INT),
-        "alpha": Field(_NUMBER),
-    },
-    **{message.TYPE: message.SCHEMA for message in TYPED_REQUESTS},  # type: ignore[attr-defined]
+def _request(type_name: str, schema: dict[str, Field], doc: str) -> Callable[[type[_T]], type[_T]]:
+    """Give a request dataclass its ``TYPE``, ``SCHEMA``, ``to_body`` and ``from_body`` (the workers' requests spell
+    them out; these bodies are plain records of their fields)."""
+
+    def decorate(cls: type[_T]) -> type[_T]:
+        cls.TYPE = type_name  # type: ignore[attr-defined]
+        cls.SCHEMA = schema  # type: ignore[attr-defined]
+        cls.to_body = _wire  # type: ignore[attr-defined]
+        cls.from_body = classmethod(lambda c, body: _from_wire(c, body, type_name))  # type: ignore[attr-defined]
+        cls.__doc__ = doc
+        return cls
+
+    return decorate
+
+
+@_request("start_job", {
+    "nproc": Field(_INT, required=True),
+    "coordinate_every": Field(_INT),
+    "hosts": Field((list, dict)),
+    "report_timeout_s": Field(_NUMBER),
+    "replace_failed": Field((bool,)),
+    "min_workers": Field(_INT),
+    "join_timeout_s": Field(_NUMBER),
+    "standby": Field(_INT),
+}, "``start_job``: the launcher starts the job with ``nproc`` members and its failure policy.")
+@dataclass(frozen=True)
+class StartJobRequest:
+    nproc: int
+    coordinate_every: int | None = None
+    hosts: list[Any] | dict[str, Any] | None = None
+    report_timeout_s: float | None = None
+    replace_failed: bool | None = None
+    min_workers: int | None = None
+    join_timeout_s: float | None = None
+    standby: int | None = None
+
+
+@_request("scale", {
+    "action": Field(_STR, required=True),
+    "count": Field(_INT),
+    "ranks": Field((list,), item_type=int),
+    "size": Field(_INT),
+    "at_step": Field(_INT),
+}, "``scale``: ``elan scale`` (or a schedule, or the autoscaler) asks to add, remove, migrate or resize to ``size``.")
+@dataclass(frozen=True)
+class ScaleCommand:
+    action: str
+    count: int | None = None
+    ranks: list[int] | None = None
+    size: int | None = None
+    at_step: int | None = None
+
+
+@_request("status", {}, "``status``: the job's state for ``elan status`` and the launcher.")
+@dataclass(frozen=True)
+class StatusRequest:
+    pass
+
+
+@_request("launcher_poll", {}, "``launcher_poll``: the launcher asks which workers to spawn or stop.")
+@dataclass(frozen=True)
+class LauncherPollRequest:
+    pass
+
+
+@_request("worker_exit", {"worker_id": Field(_STR, required=True), "returncode": Field(_INT, required=True)},
+          "``worker_exit``: the launcher reports a worker process that exited, and how.")
+@dataclass(frozen=True)
+class WorkerExitRequest:
+    worker_id: str
+    returncode: int
+
+
+@_request("shutdown", {"reason": Field(_STR)}, "``shutdown``: the job ends (every member finished, or it is stopped).")
+@dataclass(frozen=True)
+class ShutdownRequest:
+    reason: str | None = None
+
+
+@_request("profile", {
+    "min": Field(_INT, required=True),
+    "max": Field(_INT, required=True),
+    "steps": Field(_INT),
+    "settle": Field(_STR),
+}, "``profile``: ``elan profile`` measures the job's throughput at each world size from ``min`` to ``max``.")
+@dataclass(frozen=True)
+class ProfileRequest:
+    min: int
+    max: int
+    steps: int | None = None
+    settle: str | None = None
+
+
+@_request("autoscale", {
+    "policy": Field(_STR, required=True),
+    "every": Field(_INT),
+    "step": Field(_INT),
+    "threshold": Field(_NUMBER),
+    "min_workers": Field(_INT),
+    "max_workers": Field(_INT),
+    "cooldown_s": Field(_NUMBER),
+    "price": Field(_NUMBER),
+    "utility": Field((dict,)),
+    "scale_out_command": Field(_STR),
+}, "``autoscale``: the autoscaling policy the AM applies from now on (``off`` stops it).")
+@dataclass(frozen=True)
+class AutoscaleRequest:
+    policy: str
+    every: int | None = None
+    step: int | None = None
+    threshold: float | None = None
+    min_workers: int | None = None
+    max_workers: int | None = None
+    cooldown_s: float | None = None
+    price: float | None = None
+    utility: dict[str, Any] | None = None
+    scale_out_command: str | None = None
+
+
+@_request("stragglers", {
+    "mode": Field(_STR, required=True),
+    "threshold": Field(_NUMBER),
+    "window": Field(_INT),
+    "alpha": Field(_NUMBER),
+}, "``stragglers``: how the AM treats a member much slower than the others (``off``, ``report``, ``replace``).")
+@dataclass(frozen=True)
+class StragglersRequest:
+    mode: str
+    threshold: float | None = None
+    window: int | None = None
+    alpha: float | None = None
+
+
+# ---- the message registry --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MessageKind:
+    """What the AM accepts under one message type: the dataclass of its body (``TYPE``, ``SCHEMA``, ``to_body``,
+    ``from_body``) and whether it changes the AM's state (its successful replies are then cached, and persisted, by
+    request id, so a retried request is answered without being applied twice)."""
+
+    body: type
+    mutating: bool
+
+
+MESSAGES: dict[str, MessageKind] = {
+    kind.body.TYPE: kind  # type: ignore[attr-defined]
+    for kind in (
+        MessageKind(StartJobRequest, mutating=True),
+        MessageKind(ScaleCommand, mutating=True),
+        MessageKind(StatusRequest, mutating=False),
+        MessageKind(LauncherPollRequest, mutating=True),
+        MessageKind(WorkerExitRequest, mutating=True),
+        MessageKind(ShutdownRequest, mutating=True),
+        MessageKind(RegisterRequest, mutating=True),
+        MessageKind(EnrolRequest, mutating=True),
+        MessageKind(CoordinateRequest, mutating=True),
+        MessageKind(WaitPlanRequest, mutating=False),
+        MessageKind(AdjustmentReport, mutating=True),
+        MessageKind(RecoverRequest, mutating=True),
+        MessageKind(LeaveRequest, mutating=True),
+        MessageKind(WorkerStats, mutating=False),  # informational, never cached
+        MessageKind(ProfileRequest, mutating=True),
+        MessageKind(AutoscaleRequest, mutating=True),
+        MessageKind(StragglersRequest, mutating=True),
+    )
 }
+"""Every message type of the protocol; the AM's handler table has exactly these keys (checked when it starts)."""
 
-# Requests that change the AM's state: their successful replies are cached (and persisted) by request id.
-MUTATING_TYPES = frozenset(
-    {"start_job", "scale", "launcher_poll", "worker_exit", "shutdown", "register", "coordinate", "report", "recover",
-     "leave", "enrol", "profile", "autoscale", "stragglers"}
-)
-READ_ONLY_TYPES = frozenset({"status", "wait_plan", "worker_stats"})  # worker_stats: informational, never cached
-MESSAGE_TYPES = MUTATING_TYPES | READ_ONLY_TYPES
+TYPED_REQUESTS: tuple[type, ...] = tuple(kind.body for kind in MESSAGES.values())
+BODY_SCHEMAS: dict[str, dict[str, Field]] = {
+    name: kind.body.SCHEMA for name, kind in MESSAGES.items()  # type: ignore[attr-defined]
+}
+MUTATING_TYPES = frozenset(name for name, kind in MESSAGES.items() if kind.mutating)
+READ_ONLY_TYPES = frozenset(name for name, kind in MESSAGES.items() if not kind.mutating)
+MESSAGE_TYPES = frozenset(MESSAGES)
 
 
 # ---- the worker environment ------------------------------------------------------------------------------------------
@@ -927,6 +1043,7 @@ __all__ = [
     "LEAVE_OUTCOMES",
     "LEAVE_QUEUED",
     "MAX_WORLD_SIZE",
+    "MESSAGES",
     "MESSAGE_TYPES",
     "MUTATING_TYPES",
     "PROTOCOL_VERSION",
@@ -951,20 +1068,30 @@ __all__ = [
     "WORKER_ENV_VARS",
     "AdjustmentPlan",
     "AdjustmentReport",
+    "AutoscaleRequest",
     "CoordinateReply",
     "CoordinateRequest",
     "EnrolReply",
     "EnrolRequest",
     "Field",
+    "LauncherPollRequest",
     "LeaveReply",
     "LeaveRequest",
+    "MessageKind",
+    "ProfileRequest",
     "ProtocolError",
     "RecoverRequest",
     "RegisterRequest",
+    "ScaleCommand",
+    "ShutdownRequest",
+    "StartJobRequest",
+    "StatusRequest",
+    "StragglersRequest",
     "Transfer",
     "WaitPlanReply",
     "WaitPlanRequest",
     "WorkerEnvironment",
+    "WorkerExitRequest",
     "failure_key",
     "required_fields",
     "script_ended_key",

@@ -12,6 +12,10 @@ import pytest
 from lightning_elan.protocol import contract
 from lightning_elan.protocol.contract import (
     BODY_SCHEMAS,
+    MESSAGE_TYPES,
+    MESSAGES,
+    MUTATING_TYPES,
+    READ_ONLY_TYPES,
     TYPED_REQUESTS,
     AdjustmentPlan,
     AdjustmentReport,
@@ -19,12 +23,17 @@ from lightning_elan.protocol.contract import (
     CoordinateRequest,
     ProtocolError,
     RegisterRequest,
+    ScaleCommand,
+    ShutdownRequest,
+    StartJobRequest,
+    StatusRequest,
     Transfer,
     WaitPlanReply,
     WaitPlanRequest,
+    WorkerExitRequest,
     required_fields,
 )
-from lightning_elan.protocol.messages import decode_request, encode_request
+from lightning_elan.protocol.messages import decode_request, encode_request, validate_body
 
 # the plan of docs/architecture.md, *Plan*, with the planner's transfers: the wire form the AM has always sent
 WIRE_PLAN = {
@@ -199,3 +208,28 @@ def test_the_contract_imports_no_torch_lightning_or_zmq() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
 
     assert result.stdout.strip() == "[]"
+
+
+def test_one_registry_names_every_message_type_its_body_and_whether_it_is_cached() -> None:
+    assert set(MESSAGES) == MESSAGE_TYPES == MUTATING_TYPES | READ_ONLY_TYPES
+    assert not MUTATING_TYPES & READ_ONLY_TYPES
+    assert READ_ONLY_TYPES == {"status", "wait_plan", "worker_stats"}  # never cached: repeating them is harmless
+    for name, kind in MESSAGES.items():
+        assert kind.body.TYPE == name and BODY_SCHEMAS[name] is kind.body.SCHEMA
+
+
+@pytest.mark.parametrize("message", [WorkerExitRequest("w3", -9), ShutdownRequest("all members finished"),
+                                     ScaleCommand("remove", ranks=[0]), StartJobRequest(3, 1, replace_failed=True),
+                                     StatusRequest()], ids=lambda m: m.TYPE)
+def test_a_launcher_request_crosses_the_wire_unchanged(message: object) -> None:
+    body = message.to_body()  # type: ignore[attr-defined]
+    validate_body(message.TYPE, body)  # type: ignore[attr-defined]
+    assert type(message).from_body(json.loads(json.dumps(body))) == message  # type: ignore[attr-defined]
+
+
+def test_the_am_refuses_to_start_with_handlers_out_of_step_with_the_registry() -> None:
+    from lightning_elan.master.server import _check_handlers
+
+    with pytest.raises(RuntimeError, match=r"no handler for \['worker_exit'\], handlers of unknown types \['reboot'\]"):
+        _check_handlers({**{name: None for name in MESSAGES if name != "worker_exit"}, "reboot": None})
+    _check_handlers(dict.fromkeys(MESSAGES))
