@@ -41,6 +41,9 @@ from lightning_elan.protocol.contract import (
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_REPORT_TIMEOUT_S,
     DEFAULT_TERM_GRACE_S,
+    ENV_AM,
+    ENV_IFACE,
+    ENV_JOB,
     MAX_STANDBY,
 )
 
@@ -208,9 +211,9 @@ def _add_worker(sub: Any) -> argparse.ArgumentParser:
         description="Enrol with the job's AM (`elan am --min-workers N`), then run CMD as a member of the first "
                     "generation or, once the job runs, as a joiner. SIGTERM makes CMD leave the job gracefully.",
     )
-    worker.add_argument("--am", type=am_address_list, default=os.environ.get("ELAN_AM"), metavar="HOST:PORT",
+    worker.add_argument("--am", type=am_address_list, default=os.environ.get(ENV_AM), metavar="HOST:PORT",
                         help="the AM's address, or a comma list of a leader and its standbys (default: $ELAN_AM)")
-    worker.add_argument("--job", type=job_name, default=os.environ.get("ELAN_JOB"), metavar="NAME",
+    worker.add_argument("--job", type=job_name, default=os.environ.get(ENV_JOB), metavar="NAME",
                         help="default: $ELAN_JOB")
     worker.add_argument("--device-index", type=non_negative_int, default=_local_rank(), metavar="I",
                         help="the GPU of this worker (default: $LOCAL_RANK or $SLURM_LOCALID when set)")
@@ -483,7 +486,7 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("the job's name is needed: --job NAME (or $ELAN_JOB)")
     if args.iface is not None:
         _check_interface(args.iface, parser)
-        os.environ["ELAN_IFACE"] = args.iface  # inherited by the training command
+        os.environ[ENV_IFACE] = args.iface  # inherited by the training command
     config = WorkerConfig(args.am, args.job, command, device_index=args.device_index, term_grace_s=args.term_grace,
                           enrol_timeout_s=args.enrol_timeout)
     try:

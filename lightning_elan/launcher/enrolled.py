@@ -26,6 +26,7 @@ from lightning_elan.protocol.addresses import am_address_list
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
     DEFAULT_TERM_GRACE_S,
+    ENV_AM,
     ROLE_MEMBER,
     STRIPPED_ENV_VARS,
     EnrolReply,
@@ -39,10 +40,6 @@ from lightning_elan.protocol.messages import new_message_id
 
 log = logging.getLogger(__name__)
 
-ENV_AM = "ELAN_AM"
-"""``elan worker``'s ``--am`` from the environment (a pod spec or an ``srun`` line sets it)."""
-ENV_WORKER_JOB = "ELAN_JOB"
-"""``elan worker``'s ``--job`` from the environment."""
 ENROL_ATTEMPT_S = 1.0
 ANNOUNCE_TIMEOUT_S = 60.0
 """How long announcing a death may wait for the rendezvous store (e.g. an etcd outage)."""

@@ -25,6 +25,9 @@ from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore, StoreConflict, StoreUnavailable
 from lightning_elan.protocol.auth import AuthError, FrameSigner, is_signed, refuse_open_bind
 from lightning_elan.protocol.contract import (
+    ENV_AM_ADDRESS,
+    ENV_JOB,
+    ENV_SCALE_OUT_COUNT,
     MESSAGES,
     MUTATING_TYPES,
     AdjustmentReport,
@@ -427,8 +430,7 @@ class ApplicationMaster:
         command = self._state.sizing.scale_out_command
         if not command:
             return
-        env = {**os.environ, "ELAN_JOB": self.job, "ELAN_SCALE_OUT_COUNT": str(count),
-               "ELAN_AM_ADDRESS": self._address or ""}
+        env = {**os.environ, ENV_JOB: self.job, ENV_SCALE_OUT_COUNT: str(count), ENV_AM_ADDRESS: self._address or ""}
         for _ in range(count):
             logger.info("job %r: asking for a worker: %s", self.job, command)
             subprocess.Popen(command, shell=True, env=env, start_new_session=True, stdin=subprocess.DEVNULL)

@@ -23,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+from lightning_elan.protocol.contract import ENV_SECRET_FILE
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -36,7 +38,6 @@ __all__ = [
     "secret_from_env",
 ]
 
-ENV_SECRET_FILE = "ELAN_SECRET_FILE"
 MAGIC = b"ELAN-HMAC-SHA256\n"
 DEFAULT_WINDOW_S = 60.0
 MAX_REMEMBERED_NONCES = 200_000  # at ~3,300 frames/s for a minute: beyond that the oldest are forgotten early

@@ -114,11 +114,17 @@ ENV_NO_CUDA_EXT = ENV_PREFIX + "NO_CUDA_EXT"  # "1": never load the CUDA extensi
 ENV_CUDA_EXT_DIR = ENV_PREFIX + "CUDA_EXT_DIR"  # where the CUDA extension is built and looked for
 ENV_CUDA_ARCHS = ENV_PREFIX + "CUDA_ARCHS"  # GPU architectures the CUDA extension is built for
 ENV_IFACE = ENV_PREFIX + "IFACE"  # the network interface collectives bind (default: the one towards the AM)
+ENV_SECRET_FILE = ENV_PREFIX + "SECRET_FILE"  # the shared secret authenticating every message to and from the AM
+ENV_AM = ENV_PREFIX + "AM"  # `elan worker --am` from the environment (a pod spec or an `srun` line sets it)
+ENV_SCALE_OUT_COUNT = ENV_PREFIX + "SCALE_OUT_COUNT"  # the workers a `--scale-out-command` is asked to start
 USER_ENV_VARS: tuple[str, ...] = (
     ENV_REPLICATION, ENV_SHM_DIR, ENV_HOME, ENV_BUILD_CUDA_EXT, ENV_NO_CUDA_EXT, ENV_CUDA_EXT_DIR, ENV_CUDA_ARCHS,
-    ENV_IFACE,
+    ENV_IFACE, ENV_SECRET_FILE,
 )
 """The user's settings: inherited by every worker (never stripped by the launcher)."""
+COMMAND_ENV_VARS: tuple[str, ...] = (ENV_AM, ENV_SCALE_OUT_COUNT)
+"""Read by a command, not by a worker: ``elan worker``'s ``--am`` (not passed on to its training command), and what the
+AM tells a ``--scale-out-command``."""
 
 ROLE_MEMBER = "member"
 ROLE_JOINER = "joiner"
@@ -1013,6 +1019,7 @@ def split_host_port(address: str) -> tuple[str, int]:
 __all__ = [
     "ACTION_FAILURE",
     "BODY_SCHEMAS",
+    "COMMAND_ENV_VARS",
     "CONTRACT_VERSION",
     "DECISION_ADJUST",
     "DECISION_NONE",
@@ -1021,6 +1028,7 @@ __all__ = [
     "DEFAULT_RECOVERY_TIMEOUT_S",
     "DEFAULT_REPORT_TIMEOUT_S",
     "DEFAULT_TERM_GRACE_S",
+    "ENV_AM",
     "ENV_AM_ADDRESS",
     "ENV_COORDINATE_EVERY",
     "ENV_DEVICE_INDEX",
@@ -1032,6 +1040,8 @@ __all__ = [
     "ENV_RANK",
     "ENV_REPLICATION",
     "ENV_ROLE",
+    "ENV_SCALE_OUT_COUNT",
+    "ENV_SECRET_FILE",
     "ENV_SHM_DIR",
     "ENV_SPAWN_TIME",
     "ENV_STORE_ADDRESS",

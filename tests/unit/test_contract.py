@@ -189,7 +189,7 @@ def test_every_environment_variable_has_the_one_prefix() -> None:
     names = [value for name, value in vars(contract).items() if name.startswith("ENV_") and name != "ENV_PREFIX"]
 
     assert len(names) == len(set(names))
-    assert sorted(names) == sorted(contract.WORKER_ENV_VARS + contract.USER_ENV_VARS)
+    assert sorted(names) == sorted(contract.WORKER_ENV_VARS + contract.USER_ENV_VARS + contract.COMMAND_ENV_VARS)
     assert all(name.startswith(contract.ENV_PREFIX) for name in names)
     assert set(contract.USER_ENV_VARS).isdisjoint(contract.WORKER_ENV_VARS)
 
