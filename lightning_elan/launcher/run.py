@@ -44,6 +44,7 @@ from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
     DEFAULT_REPORT_TIMEOUT_S,
     DEFAULT_TERM_GRACE_S,
+    FINISHED_BY_LAUNCHER,
     MESSAGES,
     ROLE_JOINER,
     ROLE_MEMBER,
@@ -579,7 +580,7 @@ class JobLauncher:
     def _shutdown(self, *, send: bool) -> int:
         """Normal end: tell the AM, let the remaining joiners exit (they get ``cancelled``), kill stragglers."""
         if send:
-            self._request(ShutdownRequest("all members finished"))
+            self._request(ShutdownRequest(FINISHED_BY_LAUNCHER))
         failed = self._wait_children(self.config.shutdown_grace_s)
         stragglers = self._live_workers()
         if stragglers:

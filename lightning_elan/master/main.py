@@ -15,13 +15,12 @@ from typing import Any
 
 from lightning_elan.etcd import is_etcd_url, parse_etcd_url, rendezvous_url
 from lightning_elan.master.enrolment import Enrolment
+from lightning_elan.protocol.contract import CLEAN_FINISHES
 
 log = logging.getLogger("lightning_elan.cli")  # the lines `elan am` prints (its log format names no module)
 
 __all__ = ["CLEAN_FINISHES", "AMOptions", "AMStartError", "Stop", "serve", "stop_line"]
 
-CLEAN_FINISHES = ("all members finished", "training complete: every member finished")
-"""The ``shutdown`` reasons of a job whose training completed: ``elan run``'s, and the AM's own (``elan worker``s)."""
 
 
 class AMStartError(Exception):

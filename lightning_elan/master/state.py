@@ -24,6 +24,7 @@ from lightning_elan.protocol.contract import (
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_RECOVERY_TIMEOUT_S,
     DEFAULT_REPORT_TIMEOUT_S,
+    FINISHED_BY_AM,
     LEAVE_CANCELLED,
     LEAVE_FINISHED,
     LEAVE_QUEUED,
@@ -589,7 +590,7 @@ class JobState:
         dead = self._fail_unreported(now) + self._declare_silent_survivors_dead(now)
         self._form_recovery_plan_if_ready(now)
         if self.in_flight is None and self.members and all(w in self.trained_out for w in self.member_ids):
-            self.shutdown("training complete: every member finished")
+            self.shutdown(FINISHED_BY_AM)
         return dead
 
     def _start_if_enrolled(self, now: float) -> None:

@@ -779,6 +779,14 @@ class WorkerExitRequest:
     returncode: int
 
 
+FINISHED_BY_LAUNCHER = "all members finished"
+"""The ``shutdown`` reason ``elan run`` sends once every member exited having finished training."""
+FINISHED_BY_AM = "training complete: every member finished"
+"""The reason the AM finishes a job of ``elan worker``s with, once every member reported the end of its training."""
+CLEAN_FINISHES = (FINISHED_BY_LAUNCHER, FINISHED_BY_AM)
+"""The ``shutdown`` reasons of a job whose training completed."""
+
+
 @_request("shutdown", {"reason": Field(_STR)}, "``shutdown``: the job ends (every member finished, or it is stopped).")
 @dataclass(frozen=True)
 class ShutdownRequest:
@@ -1019,6 +1027,7 @@ def split_host_port(address: str) -> tuple[str, int]:
 __all__ = [
     "ACTION_FAILURE",
     "BODY_SCHEMAS",
+    "CLEAN_FINISHES",
     "COMMAND_ENV_VARS",
     "CONTRACT_VERSION",
     "DECISION_ADJUST",
@@ -1048,6 +1057,8 @@ __all__ = [
     "ENV_TERM_GRACE",
     "ENV_WORKER_ID",
     "ENV_WORLD_SIZE",
+    "FINISHED_BY_AM",
+    "FINISHED_BY_LAUNCHER",
     "LEAVE_CANCELLED",
     "LEAVE_FINISHED",
     "LEAVE_OUTCOMES",

@@ -23,6 +23,7 @@ from lightning_elan.cli_status import describe_am, describe_enrolment, format_st
 from lightning_elan.master.main import CLEAN_FINISHES, Stop, stop_line
 from lightning_elan.master.server import scale_line
 from lightning_elan.master.state import JobState, StateError
+from lightning_elan.protocol.contract import FINISHED_BY_AM, FINISHED_BY_LAUNCHER
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,12 +85,10 @@ def test_the_am_says_why_it_stops(stop: Stop, finished: bool, reason: str | None
 
 
 def test_the_clean_finishes_are_the_ones_the_launcher_and_the_am_send() -> None:
-    """The shutdown reasons read as "the job finished" are the literal ones of ``elan run`` and of the AM itself."""
-    launcher = (REPO / "lightning_elan" / "launcher" / "run.py").read_text()
-    assert '"shutdown", {"reason": "all members finished"}' in launcher
-    state = JobState("x")
-    state.shutdown("training complete: every member finished")
-    assert state.finish_reason in CLEAN_FINISHES and "all members finished" in CLEAN_FINISHES
+    """The shutdown reasons read as "the job finished" are the ones ``elan run`` and the AM itself send."""
+    assert CLEAN_FINISHES == (FINISHED_BY_LAUNCHER, FINISHED_BY_AM)
+    assert stop_line("x", Stop("done"), True, FINISHED_BY_LAUNCHER)[1] == "AM of job 'x' stopped: the job finished"
+    assert stop_line("x", Stop("done"), True, FINISHED_BY_AM)[1] == "AM of job 'x' stopped: the job finished"
 
 
 def _env(home: Path) -> dict[str, str]:
