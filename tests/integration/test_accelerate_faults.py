@@ -56,7 +56,8 @@ def test_sigterm_makes_a_worker_leave_at_the_next_batch_boundary(plain_runs, tmp
     assert_states_close(run.final_state(), plain_runs[1].final_state(), TOLERANCE)
     grow, leave = run.adjustments()
     assert grow["step"] == 5 and grow["joiners"] == ["w2"]
-    # the leave request reaches the AM asynchronously: the step of the SIGTERM or the next one, not a coordination
-    assert leave["leavers"] == ["w2"] and leave["step"] in (7, 8) and "failure" not in leave
+    # the leave request reaches the AM asynchronously (a step or two later on a loaded machine): the leave comes at the
+    # first batch boundary after that, before the next coordination due (step 10)
+    assert leave["leavers"] == ["w2"] and 7 <= leave["step"] < 10 and "failure" not in leave
     (leaver,) = [record for record in records if record["worker"] == "w2"]
     assert leaver["left"] and leaver["optimizer_steps"] == leave["step"]
