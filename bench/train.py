@@ -3,7 +3,8 @@
     --launcher elan      strategy="elan" (an ``ElanStrategy`` with a fixed global batch); started by ``elan run``
     --launcher ddp       Lightning's strategy="ddp", processes started by the harness with MASTER_ADDR/PORT, RANK,
                          WORLD_SIZE; ``--stop-at-step S`` saves a full checkpoint (fsync) at step S and stops,
-                         ``--resume PATH`` loads one (stop-and-restart)
+                         ``--resume PATH`` loads one (stop-and-restart); with ``--ckpt-dir`` it checkpoints every
+                         ``--ckpt-every`` steps and resumes from the latest, as under torchrun (bench/goodput.py)
     --launcher torchrun  strategy="ddp" under torchrun elastic: a checkpoint every ``--ckpt-every`` steps, resumed
                          from at start, as torchrun's documentation prescribes
 
@@ -128,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stop-at-step", type=int, default=None)
     parser.add_argument("--checkpoint", type=Path, default=None, help="ddp: file written at --stop-at-step")
     parser.add_argument("--resume", type=Path, default=None, help="ddp: checkpoint to start from")
-    parser.add_argument("--ckpt-dir", type=Path, default=None, help="torchrun: folder of the periodic checkpoint")
+    parser.add_argument("--ckpt-dir", type=Path, default=None, help="torchrun, ddp: folder of the periodic checkpoint")
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--epoch-steps", type=int, default=1000, help="global batches per epoch")
     parser.add_argument("--stop-file", type=Path, default=None, help="stop at the step this file names, once it exists")
@@ -197,7 +198,7 @@ def build_callbacks(args: argparse.Namespace) -> tuple[list[Callback], Path | No
         if args.checkpoint is None:
             raise SystemExit("--stop-at-step needs --checkpoint")
         callbacks.append(StopAtStep(args.stop_at_step, args.checkpoint))
-    if args.launcher == "torchrun":
+    if args.launcher == "torchrun" or (args.launcher == "ddp" and args.ckpt_dir is not None):
         if args.ckpt_dir is None:
             raise SystemExit("--launcher torchrun needs --ckpt-dir")
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
