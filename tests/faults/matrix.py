@@ -2,12 +2,14 @@
 
 A cell is a phase of the training at which a member is SIGKILLed (a real signal, sent from outside once every member
 holds at that phase: ``tests/integration/hold_point.py``), a victim (``w1``, rank 0 ``w0``, or ``w1+w2``: a second
-member killed 0.1-1 s after the first, while the survivor recovers) and a front-end (Lightning; Accelerate with
-gradient accumulation 1 and 2). Each trial jitters the step it holds at and how long the members stay held before the
-kill. A trial *held* when the job exited 0, every sample counted once per epoch, the survivors stayed bit-identical at
-every step, the final parameters (and optimizer state) equal the static run within 1e-9, the failure was recovered for
-exactly the dead, and the step redone is the one the phase implies. Prints one line per trial and a table
-phase x victim: held/trials; exit 0 only if every trial held.
+member killed 0.1-1 s after the first, while the survivor recovers) and a front-end (Lightning; Accelerate with gradient
+accumulation 1 and 2). Each trial jitters the step it holds at and how long the members stay held before the kill. The
+Lightning front-end has cells for kills inside the library too (the worker SIGKILLs itself there:
+``tests/integration/fault_kill/``): at a coordination point, with an adjustment agreed, as a replication source, as a
+joiner receiving its state and as a joiner still warming up. A trial *held* when the job exited 0, every sample counted
+once per epoch, the survivors stayed bit-identical at every step, the final parameters (and optimizer state) equal the
+static run within 1e-9, the failure was recovered for exactly the dead, and the step redone is the one the phase
+implies. Prints one line per trial and a table phase x victim: held/trials; exit 0 only if every trial held.
 """
 
 from __future__ import annotations
@@ -40,13 +42,21 @@ from tests.integration.elastic_runs import (
 )
 from tests.integration.held_faults import held_accelerate_run, held_lightning_run
 from tests.integration.hold_point import METRIC, PHASES
-from tests.integration.worker_faults import check_fault_run
+from tests.integration.worker_faults import check_fault_run, fault_run
 
 COMMITTED = ("optimizer", "batch_end")
 """Phases after every member committed the step: it stands, the next one is the first redone."""
 AFTER_STEP = ("validation", "checkpoint", "epoch_end")
 """Phases that follow step STEP (its hold step counts the steps done): the next step is the first redone."""
-VICTIMS = ("w1", "w0", "w1+w2")
+VICTIMS = ("w1", "w0", "w1+w2", "source", "joiner")
+LIBRARY_CELLS = (("coordination", "w1"), ("coordination", "w0"), ("adjusting", "w1"), ("adjusting", "w0"),
+                 ("replication", "source"), ("receiving", "joiner"), ("warming", "joiner"))
+"""Kills inside the library (the worker SIGKILLs itself: ``tests/integration/fault_kill/``) around an adjustment: at
+the coordination point, with the AM's plan agreed (``adjusting``), a replication source sending, a joiner receiving
+and a joiner still warming up (its receive buffer prefaulting, before it reported ready)."""
+LIBRARY_KILLS = {"coordination": "coordinate", "adjusting": "adjusting", "replication": "send",
+                 "receiving": "receive", "warming": "warming"}
+JOINER = "w3"  # the first worker the launcher starts after the 3 it launched with
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,8 @@ def expected_redone(phase: str, step: int) -> int:
 
 def lightning_cells() -> list[Cell]:
     phases = ["data", METRIC, *PHASES, "validation", "checkpoint", "epoch_end"]
-    return [Cell("lightning", phase, victim) for phase in phases for victim in VICTIMS]
+    return ([Cell("lightning", phase, victim) for phase in phases for victim in VICTIMS[:3]]
+            + [Cell("lightning", phase, victim) for phase, victim in LIBRARY_CELLS])
 
 
 def accelerate_cells() -> list[Cell]:
@@ -108,6 +119,25 @@ def run_lightning(cell: Cell, tmp: Path, static: RunResult, rng: random.Random) 
     return f"step {step}, settle {options['settle_s']:.2f} s"
 
 
+def run_library(cell: Cell, tmp: Path, static: RunResult, rng: random.Random) -> str:
+    """A 3-worker job (``--replace-failed``) that adds a worker after a jittered step; the victim kills itself at the
+    cell's point in the library (``coordination``: at the jittered step itself, no adjustment due)."""
+    step = rng.randint(2, 2 * STEPS_PER_EPOCH - 2)
+    target = {"source": "*", "joiner": JOINER}.get(cell.victim, cell.victim)
+    kill = f"{target}:{LIBRARY_KILLS[cell.phase]}" + (f":{step}" if cell.phase == "coordination" else "")
+    schedule = None if cell.phase == "coordination" else f"{step}:add=1"
+    run = fault_run(tmp, "library", 3, ["--wait-for-joiners"], schedule=schedule, launcher_args=("--replace-failed",),
+                    library_kill=kill)
+    log = tmp / "elan-home" / "fault-kills.log"
+    assert log.exists(), f"nobody was killed at {kill}\n{run.excerpt()}"
+    dead = log.read_text().split()[:1]
+    failures = check_fault_run(run, static, dead=[] if cell.phase == "warming" else dead)
+    if failures:  # the add is requested at ``step`` and planned once its joiner is ready: a later step
+        redone = failures[0]["failure"]["step_redone"]
+        assert redone == step + 1 if cell.phase == "coordination" else redone > step, failures
+    return f"step {step}, {dead[0]} killed" + (f", step {redone} redone" if failures else "")
+
+
 def run_accelerate(cell: Cell, tmp: Path, plain: dict[int, RunResult], rng: random.Random) -> str:
     accumulation = int(cell.front.removeprefix("accelerate"))
     step = rng.randint(3, 5)  # after the join at step 1
@@ -140,7 +170,10 @@ def references(root: Path, fronts: set[str]) -> tuple[RunResult | None, dict[int
 def trial(cell: Cell, tmp: Path, static: RunResult | None, plain: dict[int, RunResult],
           rng: random.Random) -> tuple[bool, str]:
     run: Callable[[], str]
-    if cell.front == "lightning":
+    if cell.front == "lightning" and cell.phase in LIBRARY_KILLS:
+        def run() -> str:
+            return run_library(cell, tmp, static, rng)
+    elif cell.front == "lightning":
         def run() -> str:
             return run_lightning(cell, tmp, static, rng)
     else:
@@ -164,10 +197,10 @@ def table(results: dict[Cell, list[bool]]) -> str:
     for front in sorted({cell.front for cell in results}):
         cells = {cell: held for cell, held in results.items() if cell.front == front}
         victims = [v for v in VICTIMS if any(cell.victim == v for cell in cells)]
-        lines.append(f"{front:<12}" + "".join(f"{v:>8}" for v in victims))
+        lines.append(f"{front:<14}" + "".join(f"{v:>8}" for v in victims))
         for phase in dict.fromkeys(cell.phase for cell in cells):
             row = [cells.get(Cell(front, phase, v)) for v in victims]
-            lines.append(f"  {phase:<10}" + "".join(f"{sum(r)}/{len(r)}".rjust(8) if r else " " * 8 for r in row))
+            lines.append(f"  {phase:<12}" + "".join(f"{sum(r)}/{len(r)}".rjust(8) if r else " " * 8 for r in row))
     return "\n".join(lines)
 
 

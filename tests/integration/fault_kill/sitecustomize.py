@@ -1,6 +1,13 @@
-"""Test-only (on PYTHONPATH of the worker-fault jobs): a worker SIGKILLs itself at a phase inside the library, as
-``$ELAN_TEST_KILL=WORKER:PHASE`` says (``WORKER`` may be ``*``): ``send`` — a replication source, right before it
-publishes the state for its joiner; ``receive`` — a joiner, in its new generation, right before it reads its state.
+"""Test-only (on PYTHONPATH of the worker-fault jobs): a worker SIGKILLs itself at a point inside the library, as
+``$ELAN_TEST_KILL=WORKER:PHASE[:STEP]`` says (``WORKER`` may be ``*``):
+
+* ``send`` — a replication source, right before it publishes the state for its joiner;
+* ``receive`` — a joiner, in its new generation, right before it reads its state;
+* ``warming`` — a joiner still warming up: prefaulting its receive buffer, before it told the AM it is ready;
+* ``coordinate`` — a member at the coordination point after step STEP, before the agreement (rank 0 before it asks
+  the AM, the others before they wait for rank 0's answer);
+* ``adjusting`` — a member that has the AM's plan (an adjustment agreed), before it re-forms the group.
+
 Each kill is written to ``$ELAN_HOME/fault-kills.log`` first. Only the first matching event of the job kills (none
 once that log exists: the source that serves the joiner after the recovery lives), and only workers (processes
 started by ``elan run`` with ``ELAN_WORKER_ID``)."""
@@ -9,6 +16,9 @@ from __future__ import annotations
 
 import os
 import signal
+
+_FUNCTIONS = {"send": "send_replica", "receive": "receive_replica"}
+_METHODS = {"warming": "_fault_in_spare", "coordinate": "_agree", "adjusting": "_adjust"}
 
 
 def _kill(phase: str) -> None:
@@ -22,22 +32,25 @@ def _kill(phase: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _install(phase: str) -> None:
-    from lightning_elan.elastic import worker
-
-    name = {"send": "send_replica", "receive": "receive_replica"}[phase]
-    original = getattr(worker, name)
-
+def _killing(phase: str, original, step: int | None):
     def killed(*args, **kwargs):
-        _kill(phase)
+        if step is None or step == args[1]:  # coordinate: ``_agree(self, step)``
+            _kill(phase)
         return original(*args, **kwargs)
 
-    setattr(worker, name, killed)
+    return killed
+
+
+def _install(phase: str, step: int | None) -> None:
+    from lightning_elan.elastic import worker
+
+    owner, name = (worker, _FUNCTIONS[phase]) if phase in _FUNCTIONS else (worker.ElasticWorker, _METHODS[phase])
+    setattr(owner, name, _killing(phase, getattr(owner, name), step))
 
 
 _plan = os.environ.get("ELAN_TEST_KILL", "")
 _worker = os.environ.get("ELAN_WORKER_ID")
 if _plan and _worker:
-    _target, _, _phase = _plan.partition(":")
+    _target, _phase, *_step = _plan.split(":")
     if _target in ("*", _worker):
-        _install(_phase)
+        _install(_phase, int(_step[0]) if _step else None)
