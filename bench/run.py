@@ -7,7 +7,10 @@ Per device (CPU with gloo always; CUDA with NCCL too when at least 3 GPUs are vi
   3. per model, crash recovery (``faults``, bench/faults.py): ``--fault-kills`` SIGKILLs of one of 3 workers under
      torchrun elastic and under elan, the time from each kill to the next completed step, and elan's planned-removal
      pause in the same job;
-  4. runtime overhead without adjustments: ddp vs elan at coordinate_every 1, 10, 50, interleaved rounds.
+  4. runtime overhead without adjustments: ddp vs elan at coordinate_every 1, 10, 50, interleaved rounds;
+  5. CPU only, goodput under failures (``goodput``, bench/goodput.py): per model and system (elan, torchrun elastic,
+     torchft, stop-and-restart) the time to N steps without failures and with a SIGKILL every T seconds
+     (also written to ``goodput.md``).
 Writes ``results.json``, ``results.md`` (the tables) and ``timeline.png`` to ``--out``; worker logs and step files
 go to ``--work-dir``.
 """
@@ -38,7 +41,8 @@ log = logging.getLogger("bench")
 
 STATE_BYTES_PER_PARAMETER = 12  # float32 weights + Adam's exp_avg and exp_avg_sq
 ELAN_ATTEMPTS = 2
-SECTIONS = ("elan", "restart", "torchrun-c10d", "torchrun-etcd-v2", "faults", "faults-torchrun", "faults-elan")
+SECTIONS = ("elan", "restart", "torchrun-c10d", "torchrun-etcd-v2", "faults", "faults-torchrun", "faults-elan",
+            "goodput")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replace-failed", action=argparse.BooleanOptionalAction, default=True,
                         help="faults: run elan with `elan run --replace-failed` (else the harness adds a worker "
                              "after each kill)")
+    parser.add_argument("--goodput-models", default="1m,25m", help="goodput: models")
+    parser.add_argument("--goodput-systems", default="elan,torchrun,torchft,restart", help="goodput: systems")
+    parser.add_argument("--goodput-periods", default="20,60", help="goodput: seconds between SIGKILLs")
+    parser.add_argument("--goodput-steps", default="", help="goodput: N, or model:N pairs (bench.goodput's default)")
+    parser.add_argument("--goodput-repeats", type=int, default=1, help="goodput: repeats of each run")
     parser.add_argument("--overhead-configs", default="ddp,1,10,50", help="ddp and/or elan coordinate_every values")
     parser.add_argument("--overhead-model", default="1m")
     parser.add_argument("--overhead-rounds", type=int, default=5)
@@ -169,6 +178,38 @@ def run_device(args: argparse.Namespace, accelerator: str, work: Path, children:
             concurrent.result()
         else:
             overhead()
+    run_goodput_section(args, accelerator, work / accelerator / "goodput", children, section, save)
+
+
+def run_goodput_section(args: argparse.Namespace, accelerator: str, base: Path, children: Children,
+                        section: dict[str, Any], save: Callable[[], None]) -> None:
+    """The ``goodput`` section (CPU only): bench/goodput.py's matrix into ``section['goodput']`` and goodput.md."""
+    from bench import goodput
+
+    skip = {item.strip() for item in args.skip.split(",") if item.strip()}
+    if "goodput" in skip or accelerator != "cpu":
+        return
+    models = [m.strip() for m in args.goodput_models.split(",") if m.strip()]
+    entry: dict[str, Any] = {"steps": goodput.parse_per_model(args.goodput_steps, models, goodput.DEFAULT_STEPS),
+                             "ckpt_every": goodput.parse_per_model("", models, goodput.DEFAULT_CKPT_EVERY)}
+    section["goodput"] = entry
+
+    def save_goodput() -> None:
+        entry["summary"] = goodput.summarise(entry.get("runs", []))
+        save()
+
+    log.info("[%s] goodput under failures: %s", accelerator, ", ".join(models))
+    env, started = goodput.environment(), time.monotonic()
+    try:
+        goodput.run_matrix(models, [s.strip() for s in args.goodput_systems.split(",") if s.strip()],
+                           [float(p) for p in args.goodput_periods.split(",") if p.strip()], entry["steps"],
+                           entry["ckpt_every"], args.goodput_repeats, base, children, entry, save_goodput)
+    except Exception as exc:
+        _record_failure(section["failures"], ",".join(models), "goodput", exc, base)
+    save_goodput()
+    env.update(loadavg_end=os.getloadavg(), wall_s=time.monotonic() - started)
+    markdown_results = {"environment": env, "command": "python -m bench.run (goodput section)", **entry}
+    (args.out / "goodput.md").write_text(goodput.markdown(markdown_results))
 
 
 def run_model(args: argparse.Namespace, scenario: Scenario, base: Path, children: Children, entry: dict[str, Any],
