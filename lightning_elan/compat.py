@@ -12,11 +12,13 @@ from collections.abc import Callable
 from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from packaging.version import Version
+from torchmetrics import Metric
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -199,16 +201,19 @@ def redo_interrupted_batches(
         return
     run_batch = type(epoch_loop).advance
     window: dict[str, Any] = {}
+    logs = _WindowLogs(trainer)
 
     def advance(data_fetcher: Any) -> None:
         if not window or epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
-            window.update(_progress_state(epoch_loop, data_fetcher))
+            window.update(_progress_state(epoch_loop, data_fetcher), metrics=_metric_states(trainer))
         saved = dict(window)
         epoch_loop._elan_discarded = False
+        logs.holding = True
         try:
             run_batch(epoch_loop, data_fetcher)
         except Exception as error:
-            epoch_loop._elan_discarded = recover(error, lambda: _restore_progress(epoch_loop, data_fetcher, saved))
+            epoch_loop._elan_discarded = recover(error, lambda: _rewind_window(trainer, data_fetcher, saved))
+        logs.window_done(discarded=epoch_loop._elan_discarded, closed=not accumulating(trainer))
 
     epoch_loop.advance = advance
     epoch_loop._elan_recover = recover
@@ -257,6 +262,83 @@ def _retry_after_recovery(owner: Any, name: str, recover: Callable[[BaseExceptio
 
     run_again_after_recovery._elan_retried_by = recover  # type: ignore[attr-defined]
     setattr(owner, name, run_again_after_recovery)
+
+
+def _rewind_window(trainer: pl.Trainer, data_fetcher: Any, saved: dict[str, Any]) -> None:
+    """Back to where the interrupted step's first batch began: progress counters, fetcher, metric states."""
+    _restore_progress(trainer.fit_loop.epoch_loop, data_fetcher, saved)
+    _restore_metric_states(trainer, saved["metrics"])
+
+
+class _WindowLogs:
+    """Holds what the training batches of an open step send to the loggers (``Logger.log_metrics``:
+    ``LearningRateMonitor`` logs in ``on_train_batch_start``, the logger connector the step's metrics at the end of
+    ``_TrainingEpochLoop.advance``) until the step stands: a step discarded by a member's death and redone logs once.
+    What is logged between batches (validation, the epoch's end) goes straight through. Each logger's ``log_metrics``
+    is replaced by an instance attribute, for this trainer's loggers only."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.holding = False
+        self._held: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+        for logger in trainer.loggers:
+            self._hold(logger)
+
+    def _hold(self, logger: Any) -> None:
+        send = logger.log_metrics
+
+        def log_metrics(*args: Any, **kwargs: Any) -> None:
+            if not self.holding:
+                return send(*args, **kwargs)
+            self._held.append((send, args, kwargs))
+            return None
+
+        logger.log_metrics = log_metrics
+
+    def window_done(self, discarded: bool, closed: bool) -> None:
+        """After a batch: a discarded step's logs are dropped, a closed step's sent."""
+        self.holding = False
+        if discarded:
+            self._held.clear()
+        elif closed:
+            held, self._held = self._held, []
+            for send, args, kwargs in held:
+                send(*args, **kwargs)
+
+
+def _metric_states(trainer: pl.Trainer) -> dict[str, Any]:
+    """What a training step accumulates for the epoch: the logged values of ``self.log(on_epoch=True)`` (the
+    training epoch loop's ``_ResultCollection``: key -> ``_ResultMetric``) and the LightningModule's torchmetrics."""
+    results = trainer.fit_loop.epoch_loop._results
+    metrics = [m for m in trainer.lightning_module.modules() if isinstance(m, Metric)] + list(results.values())
+    return {"keys": set(results), "states": [(metric, _metric_state(metric)) for metric in metrics]}
+
+
+def _metric_state(metric: Metric) -> dict[str, Any]:
+    """torchmetrics 1.x ``Metric``: its states are the ``_defaults`` attributes (updated in place by many a user's
+    ``update``: copied), plus ``_update_count``, the cached ``_computed`` and ``_forward_cache``; Lightning's
+    ``_ResultMetric`` adds ``has_reset``."""
+    return {"states": {name: _copied(getattr(metric, name)) for name in metric._defaults},
+            "update_count": metric._update_count, "computed": metric._computed,
+            "forward_cache": metric._forward_cache, "has_reset": getattr(metric, "has_reset", None)}
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return list(value) if isinstance(value, list) else value
+
+
+def _restore_metric_states(trainer: pl.Trainer, saved: dict[str, Any]) -> None:
+    results = trainer.fit_loop.epoch_loop._results
+    for key in set(results) - saved["keys"]:  # first logged by the discarded attempt
+        del results[key]
+    for metric, state in saved["states"]:
+        for name, value in state["states"].items():
+            setattr(metric, name, _copied(value))
+        metric._update_count, metric._computed = state["update_count"], state["computed"]
+        metric._forward_cache = state["forward_cache"]
+        if state["has_reset"] is not None:
+            metric.has_reset = state["has_reset"]
 
 
 def _abandon_validation(trainer: pl.Trainer) -> None:

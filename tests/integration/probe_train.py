@@ -22,6 +22,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 from hold_point import HoldPoint  # a sibling module (this script's folder is first on sys.path)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -72,6 +73,10 @@ class ProbeModel(pl.LightningModule):
         self.batch_ends: list[list[int]] = []
         self.steps: list[list] = []  # [global_step, epoch, world_size, global_batch, lr used by the optimizer]
         self.validations: list[list[int]] = []  # [epoch, global_step] of every validation run (not sanity checks)
+        # what this process accumulated over each epoch, by a torchmetrics metric and by self.log(on_epoch=True): the
+        # samples of the batches it trained (a discarded step's first attempt must not count)
+        self.samples_seen = torchmetrics.SumMetric(sync_on_compute=False)
+        self.epoch_counts: dict[int, dict[str, float]] = {}
 
     def sleep_seconds(self) -> float:
         """This step's sleep: ``--step-sleep``, plus the slow worker's extra, plus ``C/world + B*world``."""
@@ -92,6 +97,8 @@ class ProbeModel(pl.LightningModule):
         self.current_indices = index.tolist() if getattr(self.trainer.strategy, "sample_weight", 1.0) > 0 else []
         self.window_indices += self.current_indices
         loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.samples_seen.update(float(len(self.current_indices)))
+        self.log("samples_logged", float(len(self.current_indices)), reduce_fx="sum", on_step=False, on_epoch=True)
         if self.kill.due(self, "backward"):  # in the backward pass: the others wait in the gradient all-reduce
             self.net[0].weight.register_hook(lambda grad: self.kill.now())
         self.hold("metric")  # the loss is computed; its sync over the job (a collective) is next
@@ -119,7 +126,8 @@ class ProbeModel(pl.LightningModule):
         self.hold_point.hold(self.worker, lambda: self.trainer.strategy.engine.peer_failed)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.batch_ends.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size])
+        self.batch_ends.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size,
+                                len(self.current_indices)])
         if self.trainer.global_step > self.batch_step:  # this batch applied its step (accumulation: the window's last)
             self.log_completed()
         self.hold("batch_end")
@@ -178,7 +186,22 @@ class ProbeModel(pl.LightningModule):
             self.kill.now()
         self.hold("optimizer")
 
+    def on_train_epoch_start(self):
+        self.samples_seen.reset()
+        self.record_logged_count(self.current_epoch - 1)
+
+    def on_train_end(self):
+        if self.epoch_counts:
+            self.record_logged_count(max(self.epoch_counts))
+
+    def record_logged_count(self, epoch: int) -> None:
+        """The epoch's ``samples_logged`` (Lightning computes it after ``on_train_epoch_end``)."""
+        value = self.trainer.callback_metrics.get("samples_logged")
+        if epoch >= 0 and value is not None and epoch in self.epoch_counts:
+            self.epoch_counts[epoch]["logged"] = float(value)
+
     def on_train_epoch_end(self):
+        self.epoch_counts[self.current_epoch] = {"metric": float(self.samples_seen.compute())}
         self.hold("epoch_end", self.trainer.global_step)  # the epoch's sync_dist aggregates are synced after this
 
     def on_validation_epoch_end(self):
@@ -379,6 +402,7 @@ def main() -> None:
         "batch_ends": model.batch_ends,
         "steps": model.steps,
         "validations": model.validations,
+        "epoch_counts": model.epoch_counts,
     }
     (config.out / f"record-{worker}.json").write_text(json.dumps(record))
     if not record["left"] and trainer.global_rank == 0:

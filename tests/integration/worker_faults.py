@@ -87,6 +87,7 @@ def check_fault_run(run: RunResult, static: RunResult, dead: list[str]) -> list[
         assert unblocked < UNBLOCK_LIMIT_S, f"survivors unblocked after {unblocked:.1f} s"
     for record in run.records():  # a batch discarded by the failure was trained again: its hooks ran for the redo
         assert_discarded_batches_were_redone(record)
+        assert_epoch_counts_are_the_trained_batches(record)
     return failures
 
 
@@ -101,6 +102,18 @@ def assert_discarded_batches_were_redone(record: dict) -> None:
         assert all(count == 1 for count in ended.values()), f"{record['worker']}: a batch ended twice"
     else:
         assert all(ended[batch] <= trained[batch] for batch in ended), f"{record['worker']}: a batch ended twice"
+
+
+def assert_epoch_counts_are_the_trained_batches(record: dict) -> None:
+    """What a process accumulated over an epoch (a torchmetrics ``SumMetric`` and ``self.log(reduce_fx="sum",
+    on_epoch=True)`` of its batches' sample counts) is the samples of the batches it trained and ended that epoch: a
+    discarded step's first attempt does not count. Accumulation: a redone window's batches end again, the last
+    time counts."""
+    sizes = {(batch[0], batch[1]): batch[4] for batch in record["batch_ends"]}
+    for epoch, counts in record["epoch_counts"].items():
+        trained = sum(size for (e, _), size in sizes.items() if e == int(epoch))
+        for kind, count in counts.items():
+            assert count == trained, f"{record['worker']} epoch {epoch}: {kind} {count}, its batches {trained}"
 
 
 def unblock_seconds(failures: list[dict]) -> list[float]:

@@ -311,23 +311,22 @@ def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
     return header, rows
 
 
-def logged(rows: list[dict[str, str]], column: str, redone: frozenset[int] = frozenset()) -> dict[int, float]:
-    """``{step: value}`` of one metric; a step logged twice fails, unless it is in ``redone`` and both values are
-    the same (a row written before a step was discarded, then again by its redo)."""
+def logged(rows: list[dict[str, str]], column: str) -> dict[int, float]:
+    """``{step: value}`` of one metric; a step logged twice fails."""
     values: dict[int, float] = {}
     for row in rows:
         if row.get(column):
             step, value = int(row["step"]), float(row[column])
             if step in values:
-                assert step in redone and value == values[step], f"{column} logged twice at step {step}"
+                raise AssertionError(f"{column} logged twice at step {step}")
             values[step] = value
     return values
 
 
 def assert_logged_alike(run_rows: list[dict[str, str]], static_rows: list[dict[str, str]], column: str,
-                        exact: bool, redone: frozenset[int] = frozenset()) -> None:
+                        exact: bool) -> None:
     """``column`` is logged at the static run's steps; with ``exact``, with its values (within ``TOLERANCE``)."""
-    actual, expected = logged(run_rows, column, redone), logged(static_rows, column)
+    actual, expected = logged(run_rows, column), logged(static_rows, column)
     assert sorted(actual) == sorted(expected), f"{column} logged at {sorted(actual)}, static {sorted(expected)}"
     for step, value in actual.items():
         assert math.isfinite(value), f"{column} at step {step}: {value}"
