@@ -3,13 +3,14 @@
 A cell is a phase of the training at which a member is SIGKILLed (a real signal, sent from outside once every member
 holds at that phase: ``tests/integration/hold_point.py``), a victim (``w1``, rank 0 ``w0``, or ``w1+w2``: a second
 member killed 0.1-1 s after the first, while the survivor recovers) and a front-end (Lightning; Accelerate with gradient
-accumulation 1 and 2). Each trial jitters the step it holds at and how long the members stay held before the kill. The
-Lightning front-end has cells for kills inside the library too (the worker SIGKILLs itself there:
-``tests/integration/fault_kill/``): at a coordination point, with an adjustment agreed, as a replication source, as a
-joiner receiving its state and as a joiner still warming up. A trial *held* when the job exited 0, every sample counted
-once per epoch, the survivors stayed bit-identical at every step, the final parameters (and optimizer state) equal the
-static run within 1e-9, the failure was recovered for exactly the dead, and the step redone is the one the phase
-implies. Prints one line per trial and a table phase x victim: held/trials; exit 0 only if every trial held.
+accumulation 1 and 2). Each trial (seeded by ``--seed``, its number and its cell) jitters the step it holds at and how
+long the members stay held before the kill. The Lightning front-end has cells for kills inside the library too (the
+worker SIGKILLs itself there: ``tests/integration/fault_kill/``): at a coordination point, with an adjustment agreed, as
+a replication source, as a joiner receiving its state and as a joiner still warming up. A trial *held* when the job
+exited 0, every sample counted once per epoch, the survivors stayed bit-identical at every step, the final parameters
+(and optimizer state) equal the static run within 1e-9, the failure was recovered for exactly the dead, and the step
+redone is the one the phase implies. ``--jobs K`` runs K trials at once. Prints one line per trial and a table phase x
+victim: held/trials; exit 0 only if every trial held.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import tempfile
 import traceback
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase", action="append", help="only these phases (default: all)")
     parser.add_argument("--victim", action="append", choices=VICTIMS, help="only these victims (default: all)")
     parser.add_argument("--dir", type=Path, default=None, help="keep the trials' files here (default: a temp dir)")
+    parser.add_argument("--jobs", type=int, default=1, help="trials run at once (each is a job of 3-4 processes)")
     args = parser.parse_args(argv)
     cells = [cell for cell in lightning_cells() + accelerate_cells()
              if (not args.front or cell.front in args.front) and (not args.phase or cell.phase in args.phase)
@@ -223,14 +226,17 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     print(f"{len(cells)} cells x {args.trials} trials, files in {root}", flush=True)
     static, plain = references(root, {cell.front for cell in cells})
-    rng = random.Random(args.seed)
     results: dict[Cell, list[bool]] = defaultdict(list)
-    for number in range(args.trials):
-        for cell in cells:
-            tmp = root / f"{cell.name.replace(':', '-').replace('+', '_')}-{number}"
-            held, detail = trial(cell, tmp, static, plain, rng)
-            results[cell].append(held)
-            print(f"{cell.name:<32} trial {number}: {'held' if held else 'FAILED'} ({detail})", flush=True)
+
+    def run_trial(number: int, cell: Cell) -> None:
+        tmp = root / f"{cell.name.replace(':', '-').replace('+', '_')}-{number}"
+        held, detail = trial(cell, tmp, static, plain, random.Random(f"{args.seed}:{number}:{cell.name}"))
+        results[cell].append(held)
+        print(f"{cell.name:<32} trial {number}: {'held' if held else 'FAILED'} ({detail})", flush=True)
+
+    with ThreadPoolExecutor(args.jobs) as pool:  # each trial is its own job: its own ELAN_HOME, AM and ports
+        for done in [pool.submit(run_trial, number, cell) for number in range(args.trials) for cell in cells]:
+            done.result()
     print(table(results))
     held = sum(sum(r) for r in results.values())
     total = sum(len(r) for r in results.values())
