@@ -305,10 +305,11 @@ class ElasticWorker:
         """Whether the current generation is known to have lost a member."""
         return self._recovery_plan is not None or (self._watch is not None and self._watch.failed(self.generation))
 
-    def commit_step(self, committed_step: int) -> None:
+    def commit_step(self, committed_step: int, closes_batch: bool = True) -> None:
         """After the step's gradients were all-reduced, before the optimizer applies them (``committed_step`` steps
         applied so far): every member commits the step or none does; raises :class:`PeerFailure` when it is aborted
-        (the step is then redone)."""
+        (the step is then redone). ``closes_batch=False``: more steps of this batch may follow (manual optimization),
+        so a failure before :meth:`batch_trained` still redoes the whole batch."""
         if self._vote is not None:
             try:
                 committed = self._vote.commit(self._leave_queued_here())
@@ -317,6 +318,11 @@ class ElasticWorker:
                 committed = self._resolve_uncertain_commit(committed_step, uncertain)
             if not committed:
                 raise PeerFailure(self.generation or 0, "the step was not committed")
+        if closes_batch:
+            self._uncommitted = None
+
+    def batch_trained(self) -> None:
+        """The batch's last optimizer step is applied: a failure from now on leaves it standing."""
         self._uncommitted = None
 
     def _resolve_uncertain_commit(self, committed_step: int, uncertain: UncertainCommit) -> bool:

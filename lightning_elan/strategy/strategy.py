@@ -36,6 +36,7 @@ from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember
 from lightning_elan.protocol.contract import DEFAULT_JOIN_TIMEOUT_S, WorkerEnvironment
 from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
+from lightning_elan.strategy.applied_steps import AppliedSteps
 from lightning_elan.strategy.environment import ElanEnvironment, host_placement
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class ElanStrategy(DDPStrategy):
         self.engine.attach(self)
         self._collectives_local = False
         self._current_share: LocalShare | None = None
+        self._applied_steps = AppliedSteps()  # manual optimization: the batch's steps, until it stands
         self._ddp: ElasticDistributedDataParallel | None = None
         self._group_view: torch.distributed.ProcessGroup | None = None
         self._sync_environment()
@@ -397,12 +399,26 @@ class ElanStrategy(DDPStrategy):
         """The optimizer applies a step only when every member committed it (the vote runs after the closure's
         backward, before the update); an aborted vote raises out of the closure, so nothing is applied."""
 
+        manual = not self.lightning_module.automatic_optimization
+
         def committed_closure() -> Any:
             result = closure()
-            self.engine.commit_step(self.lightning_module.trainer.global_step)
+            self.engine.commit_step(self.lightning_module.trainer.global_step, closes_batch=not manual)
+            if manual:
+                self._applied_steps.before_update(_torch_optimizer(optimizer))
             return result
 
         return super().optimizer_step(optimizer, committed_closure, model, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Manual optimization: the batch's optimizer steps are all inside ``training_step``; once it returns the
+        batch stands (a death from here on is recovered from without a redo)."""
+        output = super().training_step(*args, **kwargs)
+        if not self.lightning_module.automatic_optimization:
+            self._applied_steps.batch_stands()
+            self.engine.batch_trained()
+        return output
 
     def recover_from(self, error: BaseException, rollback: Callable[[], None] | None) -> bool:
         """An error escaped a training batch (``rollback`` given) or its validation (None): if a member died, roll
@@ -422,9 +438,11 @@ class ElanStrategy(DDPStrategy):
         """Whatever phase the death cut short (forward, backward, all-reduce, vote), the redo starts clean: the elastic
         DDP forgets the iteration (gradients, the reducer's pending reduction), a mixed-precision scaler the step's
         stage, the LightningModule a ``toggle_optimizer`` the step did not undo. The optimizer and schedulers did not
-        step: the vote comes before the update."""
+        step: the vote comes before the update (manual optimization: the batch's steps applied before the death are
+        undone)."""
         if self._ddp is not None:
             self._ddp.discard_iteration()
+        self._applied_steps.undo()
         compat.undo_toggled_optimizer(self.lightning_module)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
@@ -517,3 +535,8 @@ def register_elan_strategy() -> None:
 
 
 register_elan_strategy()
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (``_optimizer``), or itself."""
+    return getattr(optimizer, "_optimizer", optimizer)

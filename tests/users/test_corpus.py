@@ -47,11 +47,6 @@ EPOCH_AGGREGATES = (
     "leaver or a dead member accumulated and start empty on a joiner: they differ from the static run in every "
     "epoch whose membership changed"
 )
-SPLIT_STEP = (
-    "manual optimization with two optimizers: a member dies after every member committed (and applied) the first "
-    "optimizer's step of a batch, before the second's; the survivors redo the whole batch, whose redo fails with "
-    "'element 0 of tensors does not require grad' (and would apply the first optimizer's step twice)"
-)
 
 
 # ---------------------------------------------------------------------- the corpus
@@ -201,7 +196,7 @@ def test_epoch_aggregates_match_the_static_run(runs: Callable[[str, bool], Run])
             raise KnownBug(f"{column} (run, static) at the epochs' last steps: {differ}")
 
 
-@pytest.mark.parametrize("phase", ["start", pytest.param("optimizer", marks=known_bug(SPLIT_STEP))])
+@pytest.mark.parametrize("phase", ["start", "optimizer"])
 def test_manual_optimization_redoes_a_step_cut_by_a_death(runs: Callable[[str, bool], Run], tmp_path: Path,
                                                           phase: str) -> None:
     """The GAN loses its rank 1 in the batch that starts at step 4 — as the batch starts (``start``: the survivor
@@ -210,7 +205,6 @@ def test_manual_optimization_redoes_a_step_cut_by_a_death(runs: Callable[[str, b
     the generator's) — and goes on alone: it must end where the static run ends."""
     static = runs("gan_manual", False)
     run = run_job(tmp_path, Job("gan_kill", CORPUS["gan_manual"].command, kill=f"4:{phase}"))
-    known_symptom(run, "element 0 of tensors does not require grad")
     assert_ok(run)
     assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 1)]
     assert_same_samples(run, static)
