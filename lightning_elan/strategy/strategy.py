@@ -31,12 +31,12 @@ from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic import torch_compat
+from lightning_elan.elastic.applied_steps import AppliedSteps
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember
 from lightning_elan.protocol.contract import DEFAULT_JOIN_TIMEOUT_S, WorkerEnvironment
 from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
-from lightning_elan.strategy.applied_steps import AppliedSteps
 from lightning_elan.strategy.environment import ElanEnvironment, host_placement
 
 if TYPE_CHECKING:

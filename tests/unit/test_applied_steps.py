@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_elan.strategy.applied_steps import AppliedSteps
+from lightning_elan.elastic.applied_steps import AppliedSteps
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: AppliedSteps | None = None) -> None:
