@@ -77,6 +77,7 @@ class ProbeModel(pl.LightningModule):
         # samples of the batches it trained (a discarded step's first attempt must not count)
         self.samples_seen = torchmetrics.SumMetric(sync_on_compute=False)
         self.epoch_counts: dict[int, dict[str, float]] = {}
+        self.ended_samples: list[list[int]] = []  # [epoch, batch_idx, samples] of every batch that ended
 
     def sleep_seconds(self) -> float:
         """This step's sleep: ``--step-sleep``, plus the slow worker's extra, plus ``C/world + B*world``."""
@@ -126,8 +127,8 @@ class ProbeModel(pl.LightningModule):
         self.hold_point.hold(self.worker, lambda: self.trainer.strategy.engine.peer_failed)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.batch_ends.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size,
-                                len(self.current_indices)])
+        self.batch_ends.append([self.current_epoch, batch_idx, self.trainer.global_rank, self.trainer.world_size])
+        self.ended_samples.append([self.current_epoch, batch_idx, len(self.current_indices)])
         if self.trainer.global_step > self.batch_step:  # this batch applied its step (accumulation: the window's last)
             self.log_completed()
         self.hold("batch_end")
@@ -403,6 +404,7 @@ def main() -> None:
         "steps": model.steps,
         "validations": model.validations,
         "epoch_counts": model.epoch_counts,
+        "ended_samples": model.ended_samples,
     }
     (config.out / f"record-{worker}.json").write_text(json.dumps(record))
     if not record["left"] and trainer.global_rank == 0:

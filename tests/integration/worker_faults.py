@@ -109,7 +109,7 @@ def assert_epoch_counts_are_the_trained_batches(record: dict) -> None:
     on_epoch=True)`` of its batches' sample counts) is the samples of the batches it trained and ended that epoch: a
     discarded step's first attempt does not count. Accumulation: a redone window's batches end again, the last
     time counts."""
-    sizes = {(batch[0], batch[1]): batch[4] for batch in record["batch_ends"]}
+    sizes = {(epoch, batch_idx): samples for epoch, batch_idx, samples in record["ended_samples"]}
     for epoch, counts in record["epoch_counts"].items():
         trained = sum(size for (e, _), size in sizes.items() if e == int(epoch))
         for kind, count in counts.items():
