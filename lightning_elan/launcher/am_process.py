@@ -41,6 +41,10 @@ class AMFailed(RuntimeError):
     """The AM could not be started, or died more often than the restart budget allows."""
 
 
+class _KilledWhileStarting(AMFailed):
+    """A signal from outside ended the AM before it registered (not a crash of its own): it is started again."""
+
+
 class AMProcess:
     """One job's AM child process; :meth:`check` restarts it when it died without being asked to stop."""
 
@@ -75,33 +79,39 @@ class AMProcess:
         return None if self._process is None else self._process.pid
 
     def start(self) -> str:
-        """Start the AM on a free port and wait until it has registered its address; returns the address."""
-        process = self._spawn(FIRST_BIND)
-        self._address = self._await_registration(process)
-        log.debug("job %s: AM process %d listening on %s", self.job, process.pid, self._address)
-        return self._address
+        """Start the AM on a free port and wait until it has registered its address; returns the address. An AM
+        killed by a signal before it registered is started again (a restart of the budget); one that exits with a
+        code of its own (bad options, an import error) fails the start."""
+        while True:
+            process = self._spawn(FIRST_BIND)
+            try:
+                self._address = self._await_registration(process)
+            except _KilledWhileStarting as killed:
+                self._count_restart(str(killed), "starting it again")
+                continue
+            log.debug("job %s: AM process %d listening on %s", self.job, process.pid, self._address)
+            return self._address
 
     def check(self) -> bool:
         """Restart the AM from its store if it has exited; True when it did. Raises ``AMFailed`` past the budget."""
         process = self._process
         if process is None or process.poll() is None:
             return False
-        how = describe_status(process.returncode)
-        if self.restarts >= self.max_restarts:
-            raise AMFailed(
-                f"the AM of job {self.job} (pid {process.pid}) {how}; it was already restarted "
-                f"{plural(self.restarts, 'time')}, the most allowed: giving up"
-            )
-        self.restarts += 1
-        log.warning(
-            "the AM of job %s (pid %d) %s; restarting it from its store in %s (restart %d of at most %d)",
-            self.job, process.pid, how, self.state_dir, self.restarts, self.max_restarts,
-        )
+        how = f"the AM of job {self.job} (pid {process.pid}) {describe_status(process.returncode)}"
+        self._count_restart(how, f"restarting it from its store in {self.state_dir}")
         if time.monotonic() - self._started_at < QUICK_DEATH_S:
             time.sleep(RESTART_BACKOFF_S)
         restarted = self._spawn(self.address)
         log.info("job %s: AM restarted as process %d on %s", self.job, restarted.pid, self.address)
         return True
+
+    def _count_restart(self, how: str, action: str) -> None:
+        """One more restart after ``how`` (the AM's end), within the budget; raises ``AMFailed`` past it."""
+        if self.restarts >= self.max_restarts:
+            raise AMFailed(f"{how}; it was already restarted {plural(self.restarts, 'time')}, the most allowed: "
+                           "giving up")
+        self.restarts += 1
+        log.warning("%s; %s (restart %d of at most %d)", how, action, self.restarts, self.max_restarts)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the AM (it removes its registry entry), SIGKILL it after ``grace_s``; log how it ended."""
@@ -139,7 +149,9 @@ class AMProcess:
             if entry is not None and entry.get("pid") == process.pid and entry.get("address"):
                 return str(entry["address"])
             if process.poll() is not None:
-                raise AMFailed(f"the AM of job {self.job} {describe_status(process.returncode)} while starting")
+                failure = _KilledWhileStarting if process.returncode < 0 else AMFailed
+                raise failure(f"the AM of job {self.job} (pid {process.pid}) {describe_status(process.returncode)} "
+                              "while starting")
             time.sleep(0.02)
         process.kill()
         process.wait()

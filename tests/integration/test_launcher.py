@@ -8,10 +8,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from tests import processes
 
 pytestmark = pytest.mark.integration
 
@@ -263,3 +266,32 @@ def test_am_dying_past_its_restart_budget_fails_the_job(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stderr
     assert "restart 1 of at most 1" in result.stderr
     assert "it was already restarted 1 time, the most allowed: giving up: stopping job amgone" in result.stderr
+
+
+def test_am_killed_while_it_starts_is_started_again(tmp_path: Path) -> None:
+    """A SIGKILL that reaches the AM before it registered (a storm's first event, 2 s into the job) is an outside
+    kill like any other: the launcher starts the AM again and the job runs."""
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_the_first_am() -> None:
+        while not stop.is_set() and not killed:
+            for pid in processes.mentioning("amstart"):
+                if "lightning_elan.cli am " in processes.command_line(pid):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_the_first_am, daemon=True)
+    killer.start()
+    try:
+        result = elan_run(tmp_path, "amstart", 2, "ok")
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "the AM was not seen starting"
+    assert result.returncode == 0, result.stderr
+    assert f"(pid {killed[0]}) was killed by SIGKILL while starting; starting it again (restart 1 of at most" \
+        in result.stderr, result.stderr
+    assert sorted(worker_files(tmp_path)) == ["w0", "w1"]
