@@ -368,16 +368,30 @@ class ElasticWorker:
         self._group().abort()
         log.warning("worker %s recovers from the failure of generation %d at step %d", self.worker_id, failed,
                     committed_step)
-        plan = self._recovery_plan or self._recovery_plan_for(failed, committed_step)
-        self._recovery_plan = None
-        self.frontend.before_resize()
-        self._enter(plan)
-        snapshot = self._snapshot() if plan.joiners_served_by(self.worker_id) else None
-        sent = self._send(plan, snapshot) if snapshot is not None else 0
+        plan, sent = self._enter_recovery(failed, committed_step)
         self.frontend.after_resize()
         log.info("worker %s recovered into generation %d (%s) in %.2f s", self.worker_id, plan.generation,
                  ", ".join(plan.members), time.perf_counter() - started)
         self._pending_report = AdjustmentReport(self.worker_id, plan.generation, "stayer", bytes_sent=sent)
+
+    def _enter_recovery(self, failed: int, committed_step: int) -> tuple[AdjustmentPlan, int]:
+        """Enter the recovery plan's generation and serve its joiners; returns the plan and the bytes sent. A member
+        that dies meanwhile (while the generation forms, or a joiner while it receives) fails that generation too:
+        recover from it in turn."""
+        plan = self._recovery_plan or self._recovery_plan_for(failed, committed_step)
+        self._recovery_plan = None
+        while True:
+            self.frontend.before_resize()
+            try:
+                self._enter(plan)
+                snapshot = self._snapshot() if plan.joiners_served_by(self.worker_id) else None
+                return plan, (self._send(plan, snapshot) if snapshot is not None else 0)
+            except Exception as error:
+                self._confirm_peer_failure(error)
+                log.warning("worker %s: generation %d failed during the recovery", self.worker_id, plan.generation)
+                self._abandon_outgoing()
+                self._group().abort()
+                plan = self._recovery_plan_for(plan.generation, committed_step)
 
     def _recovery_plan_for(self, failed: int, committed_step: int) -> AdjustmentPlan:
         reply = self._require_link().recover(failed, committed_step, self.join_timeout_s)

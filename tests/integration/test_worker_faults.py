@@ -63,6 +63,18 @@ def test_a_joiner_killed_while_it_receives(tmp_path: Path, static_run: RunResult
     assert failures[0]["members"] == ["w0", "w1"] and failures[0]["joiners"] == []
 
 
+def test_a_survivor_killed_while_the_recovery_generation_forms(tmp_path: Path, static_run: RunResult) -> None:
+    """w1 dies in its backward; w2, a survivor, dies as it enters the recovery's generation: w0 meets that death
+    while the generation forms and recovers from it in turn, alone, exactly."""
+    run = fault_run(tmp_path, "second", 3, ["--kill-at", "w1:5:backward"], library_kill="w2:recovering")
+
+    failures = check_fault_run(run, static_run, dead=["w1", "w2"])
+
+    assert _killed(tmp_path) == "w2"
+    assert "worker w0: generation 1 failed during the recovery" in run.output, run.excerpt()
+    assert run.adjustments()[-1]["members"] == ["w0"], failures
+
+
 def _killed(tmp: Path) -> str:
     lines = (tmp / "elan-home" / "fault-kills.log").read_text().splitlines()
     assert len(lines) == 1, lines

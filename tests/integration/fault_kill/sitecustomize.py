@@ -6,7 +6,9 @@
 * ``warming`` — a joiner still warming up: prefaulting its receive buffer, before it told the AM it is ready;
 * ``coordinate`` — a member at the coordination point after step STEP, before the agreement (rank 0 before it asks
   the AM, the others before they wait for rank 0's answer);
-* ``adjusting`` — a member that has the AM's plan (an adjustment agreed), before it re-forms the group.
+* ``adjusting`` — a member that has the AM's plan (an adjustment agreed), before it re-forms the group;
+* ``recovering`` — a survivor of an earlier death, once it has the recovery's plan (it is one of its members),
+  before it enters the plan's generation: the other survivors meet its death while that generation forms.
 
 Each kill is written to ``$ELAN_HOME/fault-kills.log`` first. Only the first matching event of the job kills (none
 once that log exists: the source that serves the joiner after the recovery lives), and only workers (processes
@@ -18,7 +20,9 @@ import os
 import signal
 
 _FUNCTIONS = {"send": "send_replica", "receive": "receive_replica"}
-_METHODS = {"warming": "_fault_in_spare", "coordinate": "_agree", "adjusting": "_adjust"}
+_METHODS = {"warming": "_fault_in_spare", "coordinate": "_agree", "adjusting": "_adjust",
+            "recovering": "_recovery_plan_for"}
+_AFTER = {"recovering"}  # killed when the method returns, not when it is called
 
 
 def _kill(phase: str) -> None:
@@ -34,9 +38,13 @@ def _kill(phase: str) -> None:
 
 def _killing(phase: str, original, step: int | None):
     def killed(*args, **kwargs):
-        if step is None or step == args[1]:  # coordinate: ``_agree(self, step)``
+        due = step is None or step == args[1]  # coordinate: ``_agree(self, step)``
+        if due and phase not in _AFTER:
             _kill(phase)
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if due and phase in _AFTER:
+            _kill(phase)
+        return result
 
     return killed
 
