@@ -64,6 +64,7 @@ class ProbeModel(pl.LightningModule):
         self.current_indices: list[int] = []
         self.window_indices: list[int] = []  # the samples of the optimizer step being accumulated
         self.batch_step = -1
+        self.completed_step = -1  # the batch_step whose samples were logged as completed last
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
         self.consumed: dict[int, list[int]] = {}
         self.digests: list[list] = []
@@ -122,8 +123,8 @@ class ProbeModel(pl.LightningModule):
         if phase == "allreduce" and self.worker != self.hold_point.worker:
             self.hold_point.mark(self.worker)  # go on into the all-reduce and wait there
             return
-        if phase in ("optimizer", "checkpoint") and self.worker == self.hold_point.worker:
-            self.log_completed()  # every member committed this step: the victim's samples count
+        if phase in ("optimizer", "checkpoint"):  # every member committed this step: the samples of a member killed
+            self.log_completed()                   # now or during the recovery (w1+w2) count
         self.hold_point.hold(self.worker, lambda: self.trainer.strategy.engine.peer_failed)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -144,7 +145,10 @@ class ProbeModel(pl.LightningModule):
             file.write(json.dumps(line) + "\n")
 
     def log_completed(self) -> None:
-        """Append the samples of a step that is applied (flushed: a worker killed later keeps them)."""
+        """Append the samples of a step that is applied (flushed: a worker killed later keeps them), once."""
+        if self.completed_step == self.batch_step:
+            return
+        self.completed_step = self.batch_step
         line = {"epoch": self.current_epoch, "step": self.trainer.global_step, "indices": self.window_indices}
         with open(self.completed_log, "a") as file:
             file.write(json.dumps(line) + "\n")
