@@ -32,7 +32,7 @@ def test_bench_smoke_reports_every_figure(tmp_path):
         "--device", "cpu", "--models", "tiny", "--cycles", "1", "--actions", "add", "--settle-steps", "3",
         "--warmup-steps", "3",
         "--overhead-model", "tiny", "--overhead-configs", "ddp,10", "--overhead-rounds", "1",
-        "--overhead-steps", "45", "--parallel-baselines", "--skip", "torchrun-c10d,torchrun-etcd-v2,faults",
+        "--overhead-steps", "45", "--parallel-baselines", "--skip", "torchrun-c10d,torchrun-etcd-v2,faults,goodput",
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
