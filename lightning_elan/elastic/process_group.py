@@ -402,9 +402,13 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
             raise ValueError(f"rank {rank} outside a world of size {world_size}")
         started = time.perf_counter()
         self.shutdown()
-        group_store = dist.PrefixStore(prefix, self.store)
-        self.hosts = self._await_members(prefix, group_store, rank, world_size)
-        self._current = self._create(group_store, rank, world_size)
+        forming = _Forming(prefix)
+        self._forming = forming
+        try:
+            self.hosts = self._await_members(forming, dist.PrefixStore(prefix, self.store), rank, world_size)
+            self._current = self._create(forming, dist.PrefixStore(prefix, _own_client(self.store)), rank, world_size)
+        finally:
+            self._forming = None
         self._generation = _Generation(self._current, prefix, rank, world_size)
         self.prefix, self._rank, self._size = prefix, rank, world_size
         _publish_generation(self)
@@ -412,29 +416,24 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         log.debug("process group %s: rank %d of %d in %.1f ms", prefix, rank, world_size, elapsed * 1e3)
         return elapsed
 
-    def _await_members(self, prefix: str, store: dist.Store, rank: int, world_size: int) -> list[str]:
+    def _await_members(self, forming: _Forming, store: dist.Store, rank: int, world_size: int) -> list[str]:
         """Wait until every member of the generation has arrived, or raise the failure :meth:`fail` reports for it;
         returns each member's host name, by rank (an arrival key holds its member's host).
 
         gloo's rendezvous waits for a missing peer for the whole collective timeout; a member that dies before it
         arrives (killed while it started, or during an adjustment) would hold the others that long. Arrival is a key
         per rank, awaited in short waits between which a failure of the generation being formed is noticed."""
-        forming = _Forming(prefix)
-        self._forming = forming
-        try:
-            store.set(f"{ARRIVED_KEY}/{rank}", socket.gethostname().encode())
-            keys = [f"{ARRIVED_KEY}/{member}" for member in range(world_size)]
-            pause, deadline = ARRIVAL_POLL_MIN_S, time.monotonic() + self.timeout.total_seconds()
-            while not store.check(keys):  # check(): a TCPStore wait() that times out leaves its socket out of step
-                forming.raise_if_failed()
-                if time.monotonic() > deadline:  # what gloo's own rendezvous would have waited
-                    missing = [key for key in keys if not store.check([key])]
-                    raise RuntimeError(f"generation {prefix!r}: {missing} did not arrive within {self.timeout}")
-                time.sleep(pause)
-                pause = min(ARRIVAL_POLL_MAX_S, pause * 2)
-            return [store.get(key).decode() for key in keys]
-        finally:
-            self._forming = None
+        store.set(f"{ARRIVED_KEY}/{rank}", socket.gethostname().encode())
+        keys = [f"{ARRIVED_KEY}/{member}" for member in range(world_size)]
+        pause, deadline = ARRIVAL_POLL_MIN_S, time.monotonic() + self.timeout.total_seconds()
+        while not store.check(keys):  # check(): a TCPStore wait() that times out leaves its socket out of step
+            forming.raise_if_failed()
+            if time.monotonic() > deadline:  # what gloo's own rendezvous would have waited
+                missing = [key for key in keys if not store.check([key])]
+                raise RuntimeError(f"generation {forming.prefix!r}: {missing} did not arrive within {self.timeout}")
+            time.sleep(pause)
+            pause = min(ARRIVAL_POLL_MAX_S, pause * 2)
+        return [store.get(key).decode() for key in keys]
 
     def shutdown(self) -> None:
         """Let go of the current generation's backend (its pending work is complete: we are at a batch boundary)."""
@@ -498,9 +497,11 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         key = generation.next_group_key(ranks)
         if generation.rank not in ranks:
             return None
-        store = dist.PrefixStore(key, self.store)
+        store = dist.PrefixStore(key, _own_client(self.store))
         group_timeout = timeout if timeout is not None else self.timeout
-        backend = self._backend_group(store, ranks.index(generation.rank), len(ranks), group_timeout, True)
+        backend = _connect_watching(
+            lambda: self._backend_group(store, ranks.index(generation.rank), len(ranks), group_timeout, True),
+            generation.check_usable)
         generation.user_backends.append(backend)
         log.debug("new_group %s over ranks %s of %s (%s)", group_name, ranks, generation.prefix, group_desc)
         return UserGroup(backend, generation, self, ranks)
@@ -512,8 +513,11 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
             raise RuntimeError("the elastic process group is not part of any generation (not configured)")
         return GenerationGroup(generation, self)
 
-    def _create(self, store: dist.Store, rank: int, world_size: int) -> ProcessGroup:
-        group = self._backend_group(store, rank, world_size, self.timeout)
+    def _create(self, forming: _Forming, store: dist.Store, rank: int, world_size: int) -> ProcessGroup:
+        """The generation's backends, connected while watching for the generation's failure (see
+        :func:`_connect_watching`)."""
+        group = _connect_watching(lambda: self._backend_group(store, rank, world_size, self.timeout),
+                                  forming.raise_if_failed)
         default = ProcessGroup.BackendType.NCCL if self.backend == "nccl" else ProcessGroup.BackendType.GLOO
         self._set_default_backend(default)
         for device in ("cpu", "cuda"):
@@ -718,6 +722,57 @@ def _publish_generation(group: ElasticProcessGroup) -> None:
     world.pg_group_ranks[group] = {rank: rank for rank in range(group.size())}
 
 _abandoned: list[_Generation] = []
+_abandoned_connects: list[_Connecting] = []
+
+
+def _own_client(store: dist.Store) -> dist.Store:
+    """A client of ``store`` with a connection of its own: a ``TCPStore`` client holds its one connection through a
+    blocking wait (torch 2.13, ``TCPStore::activeOpLock_``), so a backend's rendezvous waiting on a dead peer would
+    hold every other use of the job store — the next generation's arrival, the commit vote — for the whole timeout.
+    A Python store (etcd) takes no such lock."""
+    return store.clone() if isinstance(store, dist.TCPStore) else store
+
+
+class _Connecting:
+    """A backend's construction running in a thread of its own (its rendezvous releases the GIL)."""
+
+    def __init__(self, connect: Callable[[], ProcessGroup]) -> None:
+        self.done = threading.Event()
+        self.group: ProcessGroup | None = None
+        self.error: BaseException | None = None
+        self._connect = connect
+        threading.Thread(target=self._run, name="elan-connect", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.group = self._connect()
+        except BaseException as error:  # handed to the waiting thread (or dropped with an abandoned connect)
+            self.error = error
+        finally:
+            self.done.set()
+
+    def result(self) -> ProcessGroup:
+        if self.error is not None:
+            raise self.error
+        assert self.group is not None
+        return self.group
+
+
+def _connect_watching(connect: Callable[[], ProcessGroup], raise_if_failed: Callable[[], None]) -> ProcessGroup:
+    """``connect()`` — gloo's rendezvous, which waits for a missing peer for the whole collective timeout — in a
+    thread, while this one watches for the generation's failure and raises it: a member that dies after it arrived
+    but before it connected does not hold the others. An abandoned connect ends by its own timeout; what it made is
+    never freed (see :func:`_keep_forever`)."""
+    connecting = _Connecting(connect)
+    pause = ARRIVAL_POLL_MIN_S
+    while not connecting.done.wait(pause):
+        try:
+            raise_if_failed()
+        except BaseException:
+            _abandoned_connects.append(connecting)
+            raise
+        pause = min(ARRIVAL_POLL_MAX_S, pause * 2)
+    return connecting.result()
 
 
 def _keep_forever(generation: _Generation) -> None:

@@ -75,6 +75,19 @@ def test_a_survivor_killed_while_the_recovery_generation_forms(tmp_path: Path, s
     assert run.adjustments()[-1]["members"] == ["w0"], failures
 
 
+def test_a_survivor_killed_after_it_arrived_in_the_recovery_generation(tmp_path: Path, static_run: RunResult) -> None:
+    """w1 dies in its backward; w2, a survivor, dies once every member has arrived in the recovery's generation, before
+    its backend connects: w0, inside gloo's rendezvous (which waits for a missing peer for the whole timeout), meets
+    that death and recovers from it in turn, alone, exactly (found by the fault matrix, ``lightning:data:w1+w2``)."""
+    run = fault_run(tmp_path, "connecting", 3, ["--kill-at", "w1:5:backward"], library_kill="w2:connecting")
+
+    failures = check_fault_run(run, static_run, dead=["w1", "w2"])
+
+    assert _killed(tmp_path) == "w2"
+    assert "worker w0: generation 1 failed during the recovery" in run.output, run.excerpt()
+    assert run.adjustments()[-1]["members"] == ["w0"], failures
+
+
 def _killed(tmp: Path) -> str:
     lines = (tmp / "elan-home" / "fault-kills.log").read_text().splitlines()
     assert len(lines) == 1, lines

@@ -8,7 +8,9 @@
   the AM, the others before they wait for rank 0's answer);
 * ``adjusting`` — a member that has the AM's plan (an adjustment agreed), before it re-forms the group;
 * ``recovering`` — a survivor of an earlier death, once it has the recovery's plan (it is one of its members),
-  before it enters the plan's generation: the other survivors meet its death while that generation forms.
+  before it enters the plan's generation: the other survivors meet its death while that generation forms;
+* ``connecting`` — such a survivor once it has arrived in the recovery's generation (every member has), before its
+  backend connects: the others meet its death inside their backend's rendezvous.
 
 Each kill is written to ``$ELAN_HOME/fault-kills.log`` first. Only the first matching event of the job kills (none
 once that log exists: the source that serves the joiner after the recovery lives), and only workers (processes
@@ -52,8 +54,32 @@ def _killing(phase: str, original, step: int | None):
 def _install(phase: str, step: int | None) -> None:
     from lightning_elan.elastic import worker
 
+    if phase == "connecting":
+        _install_connecting(worker)
+        return
     owner, name = (worker, _FUNCTIONS[phase]) if phase in _FUNCTIONS else (worker.ElasticWorker, _METHODS[phase])
     setattr(owner, name, _killing(phase, getattr(owner, name), step))
+
+
+def _install_connecting(worker) -> None:
+    """Kill at the backend's construction of a generation entered by a recovery (not the launch's or a resize's)."""
+    from lightning_elan.elastic import process_group
+
+    recovering = []
+    plan_for = worker.ElasticWorker._recovery_plan_for
+    create = process_group.ElasticProcessGroup._create
+
+    def recovery_plan_for(*args, **kwargs):
+        recovering.append(True)
+        return plan_for(*args, **kwargs)
+
+    def created(*args, **kwargs):
+        if recovering:
+            _kill("connecting")
+        return create(*args, **kwargs)
+
+    worker.ElasticWorker._recovery_plan_for = recovery_plan_for
+    process_group.ElasticProcessGroup._create = created
 
 
 _plan = os.environ.get("ELAN_TEST_KILL", "")
@@ -62,3 +88,4 @@ if _plan and _worker:
     _target, _phase, *_step = _plan.split(":")
     if _target in ("*", _worker):
         _install(_phase, int(_step[0]) if _step else None)
+
