@@ -1,7 +1,8 @@
-"""Tells the launcher, at interpreter exit, that this worker's script ran to its end.
+"""Tells the launcher when this worker's training loop ended and, at interpreter exit, that its script ran to its end.
 
-A signal that kills the process after that (a C++ destructor or a library's thread crashing while the interpreter
-finalizes) is then told apart from a death in training: the launcher counts such a worker as finished, with a warning.
+A signal that kills the process after either (a crash while the interpreter finalizes; a kill in the script's code
+after ``fit``) is then told apart from a death in training: the launcher counts such a worker as finished, with a
+warning, and nothing is recovered (the job's last step was trained by every member).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import sys
 
 import torch.distributed as dist
 
-from lightning_elan.protocol.contract import script_ended_key
+from lightning_elan.protocol.contract import script_ended_key, training_ended_key
 
 log = logging.getLogger(__name__)
 
-__all__ = ["mark_script_end_at_exit"]
+__all__ = ["mark_script_end_at_exit", "mark_training_ended"]
 
 
 def mark_script_end_at_exit(store: dist.Store, worker_id: str) -> None:
@@ -31,3 +32,12 @@ def _mark_script_end(store: dist.Store, worker_id: str) -> None:
         store.set(script_ended_key(worker_id), b"1")
     except Exception as error:  # the job's store is gone (the launcher ended first): nobody is left to tell
         log.debug("worker %s could not record that its script ended: %s", worker_id, error)
+
+
+def mark_training_ended(store: dist.Store, worker_id: str) -> None:
+    """This member's training loop ended having trained the job's last step (called once, before its script's code
+    after the loop)."""
+    try:
+        store.set(training_ended_key(worker_id), b"1")
+    except Exception as error:  # the job's store is gone: a death from here on is judged as a death in training
+        log.warning("worker %s could not record that its training ended: %s", worker_id, error)

@@ -41,7 +41,7 @@ from lightning_elan.elastic.process_group import (
 )
 from lightning_elan.elastic.rng import rng_state, set_rng_state
 from lightning_elan.elastic.scaling import ScalingLink
-from lightning_elan.elastic.script_end import mark_script_end_at_exit
+from lightning_elan.elastic.script_end import mark_script_end_at_exit, mark_training_ended
 from lightning_elan.elastic.state_size import StateSizeNotice, fault_in_for_joiner
 from lightning_elan.elastic.termination import TerminationWatch, any_rank_leaving
 from lightning_elan.elastic.timeline import PhaseClock, StepTimeline
@@ -700,6 +700,13 @@ class ElasticWorker:
         self._pending_report = None
 
     # ------------------------------------------------------------------ plumbing
+
+    def training_ended(self) -> None:
+        """This member's training loop ended having trained the job's last step: a death from here on is a death after
+        the job's training, counted as finished by the launcher (nothing to recover)."""
+        if self.environment.standalone or self.has_left or self.group is None:
+            return
+        mark_training_ended(self.group.store, self.worker_id)
 
     def close(self) -> None:
         """The training loop is over: same-host joiners finish copying, the AM link closes (the group stays)."""

@@ -59,6 +59,7 @@ from lightning_elan.protocol.contract import (
     WorkerExitRequest,
     failure_key,
     script_ended_key,
+    training_ended_key,
 )
 from lightning_elan.protocol.messages import new_message_id
 from lightning_elan.words import describe_autoscale, plural, workers_phrase
@@ -448,13 +449,21 @@ class JobLauncher:
         return failed
 
     def _counted_exit(self, worker: Worker, returncode: int) -> int:
-        """A worker killed by a signal after its script had ended (see ``script_ended_key``) finished: 0, with a
-        warning (the crash is in the interpreter's teardown; its training and everything after it ran)."""
-        if returncode >= 0 or self._store is None or not self._store.check([script_ended_key(worker.worker_id)]):
+        """A worker killed by a signal after its script had ended (see ``script_ended_key``) or after its training loop
+        ended (``training_ended_key``: the job's last step was trained by every member) finished: 0, with a warning;
+        nothing is recovered and no replacement is started."""
+        if returncode >= 0 or self._store is None:
             return returncode
-        log.warning("%s (pid %d) %s after its script had ended (a crash while the interpreter shut down): "
-                    "counted as finished", worker.worker_id, worker.process.pid, describe_status(returncode))
-        return 0
+        if self._store.check([script_ended_key(worker.worker_id)]):
+            log.warning("%s (pid %d) %s after its script had ended (a crash while the interpreter shut down): "
+                        "counted as finished", worker.worker_id, worker.process.pid, describe_status(returncode))
+            return 0
+        if self._store.check([training_ended_key(worker.worker_id)]):
+            log.warning("%s (pid %d) %s after its training ended (the job's last step was trained): counted as "
+                        "finished, but what its script does after training did not run", worker.worker_id,
+                        worker.process.pid, describe_status(returncode))
+            return 0
+        return returncode
 
     def _is_undecided_joiner(self, worker: Worker) -> bool:
         """A joiner that is neither a member nor part of the plan in flight: its failure only fails its request."""
@@ -555,22 +564,28 @@ class JobLauncher:
     def _members_finished(self, status: Mapping[str, Any]) -> bool:
         """Every member of the current generation has exited having finished training: exited 0, or stopped by SIGTERM
         once its training loop was over (nothing left to leave) while another member's exit 0 shows the training
-        complete (every member trains every step, so the last step needed them all)."""
+        complete (every member trains every step, so the last step needed them all), or died while another member's
+        training loop had ended (``training_ended_key``): a death between the last step and its own mark."""
         members = [self._workers.get(str(member["worker_id"])) for member in status.get("members") or []]
         if not members or any(worker is None or worker.alive for worker in members):
             return False
         stopped = [worker for worker in members if worker is not None and worker.returncode != 0]
         if not stopped:
             return True
-        return len(stopped) < len(members) and all(worker.returncode in SIGTERM_EXITS for worker in stopped)
+        if len(stopped) < len(members) and all(worker.returncode in SIGTERM_EXITS for worker in stopped):
+            return True
+        return self._store is not None and any(
+            self._store.check([training_ended_key(worker.worker_id)]) for worker in members if worker is not None)
 
     def _note_stopped_members(self, status: Mapping[str, Any]) -> None:
         """Say which finished members were stopped by SIGTERM after the training was complete."""
         members = [self._workers.get(str(member["worker_id"])) for member in status.get("members") or []]
-        stopped = [worker.worker_id for worker in members if worker is not None and worker.returncode]
-        if stopped:
-            log.warning("job %s: %s stopped by SIGTERM after the training was complete (another member finished it)",
-                        self.config.job, ", ".join(stopped))
+        for worker in members:
+            if worker is not None and worker.returncode:
+                log.warning("job %s: %s %s after the training was complete (another member finished it)%s",
+                            self.config.job, worker.worker_id, describe_status(worker.returncode),
+                            "" if worker.returncode in SIGTERM_EXITS else ": what its script does after training "
+                            "did not run")
 
     def _live_workers(self) -> list[Worker]:
         return [worker for worker in self._workers.values() if worker.alive]

@@ -49,6 +49,11 @@ def script_ended_key(worker_id: str) -> str:
     a signal that kills it after that is a crash in the interpreter's teardown, not in training."""
     return f"elan/script_ended/{worker_id}"
 
+def training_ended_key(worker_id: str) -> str:
+    """The rendezvous-store key a member sets once its training loop ended (the job's last step trained, not left, no
+    error): a death after that comes after the job's training was complete."""
+    return f"elan/training_ended/{worker_id}"
+
 DEFAULT_TERM_GRACE_S = 30.0
 """A worker that received SIGTERM and has not left the job this long after falls back to the crash path."""
 MAX_WORLD_SIZE = 4096
@@ -1117,5 +1122,6 @@ __all__ = [
     "required_fields",
     "script_ended_key",
     "split_host_port",
+    "training_ended_key",
     "worker_number",
 ]

@@ -483,8 +483,15 @@ class ElanStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ teardown
 
+    def training_loop_ended(self) -> None:
+        """The fit loop ran to its end (``on_train_end``: not reached when it raised)."""
+        self._training_loop_ended = True
+
     @override
     def teardown(self) -> None:
+        if getattr(self, "_training_loop_ended", False):
+            self._training_loop_ended = False
+            self.engine.training_ended()
         self.engine.close()
         super().teardown()
         self._sync_environment()
@@ -508,6 +515,10 @@ class _ElanCoordinator(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._strategy.on_epoch_start(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._strategy.training_loop_ended()
 
     def _batch_over(self) -> None:
         self._strategy.on_batch_end(self._strategy.lightning_module.trainer)

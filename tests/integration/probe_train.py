@@ -199,6 +199,16 @@ class ProbeModel(pl.LightningModule):
     def on_train_end(self):
         if self.epoch_counts:
             self.record_logged_count(max(self.epoch_counts))
+        self.save_final_state()
+
+    def save_final_state(self) -> None:
+        """Rank 0's parameters and optimizer state once training ended, inside ``fit`` (a member killed in the
+        script's code after ``fit`` does not take them along)."""
+        trainer = self.trainer
+        if getattr(trainer.strategy, "has_left", False) or trainer.global_rank != 0:
+            return
+        torch.save({k: v.cpu() for k, v in self.state_dict().items()}, self.out / "final.pt")
+        torch.save(optimizer_state(trainer), self.out / "final-optimizer.pt")
 
     def record_logged_count(self, epoch: int) -> None:
         """The epoch's ``samples_logged`` (Lightning computes it after ``on_train_epoch_end``)."""
@@ -412,9 +422,6 @@ def main() -> None:
         "ended_samples": model.ended_samples,
     }
     (config.out / f"record-{worker}.json").write_text(json.dumps(record))
-    if not record["left"] and trainer.global_rank == 0:
-        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, config.out / "final.pt")
-        torch.save(optimizer_state(trainer), config.out / "final-optimizer.pt")
     if config.strategy != "elan" and torch.distributed.is_initialized():
         # a plain Lightning comparison run: rank 0 hosts the store, so no rank may exit while another still uses it
         torch.distributed.barrier()

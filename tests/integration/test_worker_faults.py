@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.elastic_runs import RunResult
-from tests.integration.worker_faults import check_fault_run, fault_run, unblock_seconds
+from tests.integration.elastic_runs import TOLERANCE, RunResult, assert_ranks_agree, assert_states_close
+from tests.integration.worker_faults import (
+    assert_completed_once,
+    check_fault_run,
+    failure_records,
+    fault_run,
+    unblock_seconds,
+)
 
 pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)
@@ -86,6 +92,26 @@ def test_a_survivor_killed_after_it_arrived_in_the_recovery_generation(tmp_path:
     assert _killed(tmp_path) == "w2"
     assert "worker w0: generation 1 failed during the recovery" in run.output, run.excerpt()
     assert run.adjustments()[-1]["members"] == ["w0"], failures
+
+
+@pytest.mark.parametrize("phase", ["trained", "train_end"], ids=["after-it-told-the-launcher", "in-on-train-end"])
+def test_a_member_killed_after_the_training_ended_fails_nothing(tmp_path: Path, static_run: RunResult,
+                                                                 phase: str) -> None:
+    """w1 is SIGKILLed once its training loop ended (the job's last step was trained by every member), before its
+    script's code after ``fit``: the training is complete, so the job exits 0 without a recovery, and says what did
+    not run (storm seed 356: the job failed, "every worker has exited but generation 5 is unfinished")."""
+    run = fault_run(tmp_path, "after", 3, [], library_kill=f"w1:{phase}", launcher_args=("--replace-failed",))
+
+    assert run.returncode == 0, run.excerpt()
+    assert _killed(tmp_path) == "w1"
+    assert_completed_once(run.out)
+    assert_ranks_agree(run.records())
+    assert_states_close(run.final_state(), static_run.final_state(), TOLERANCE)
+    assert sorted(record["worker"] for record in run.records() if not record["left"]) == ["w0", "w2"]
+    assert "what its script does after training did not run" in run.output, run.excerpt()
+    assert failure_records(run) == []
+    if phase == "trained":  # the launcher knew at once: nothing to recover, nobody to replace
+        assert "recover" not in run.output and "replacement" not in run.output, run.excerpt()
 
 
 def _killed(tmp: Path) -> str:

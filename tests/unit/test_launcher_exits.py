@@ -54,3 +54,42 @@ def status_of(*members: str) -> dict:
 def test_the_members_finished(returncodes: dict[str, int | None], finished: bool) -> None:
     launcher = launcher_with(returncodes)
     assert launcher._members_finished(status_of(*returncodes)) is finished
+
+
+def launcher_with_store(returncodes: dict[str, int | None], training_ended: list[str]) -> JobLauncher:
+    """A launcher whose job store holds the marks of the members whose training loop ended."""
+    import torch.distributed as dist
+
+    from lightning_elan.protocol.contract import training_ended_key
+
+    launcher = launcher_with(returncodes)
+    launcher._store = dist.HashStore()
+    for worker_id in training_ended:
+        launcher._store.set(training_ended_key(worker_id), b"1")
+    return launcher
+
+
+@pytest.mark.parametrize(
+    ("returncodes", "training_ended", "finished"),
+    [
+        ({"w0": 0, "w1": -9}, ["w0"], True),  # w1 killed after the last step, before its own mark (storm seed 356)
+        ({"w0": 0, "w1": -9}, [], False),  # w0's exit 0 alone (a leaver's, say) does not show the training complete
+        ({"w0": -9, "w1": -9}, ["w1"], True),
+        ({"w0": 0, "w1": None}, ["w0"], False),  # still running
+    ],
+)
+def test_a_death_after_another_members_training_ended_is_a_finish(returncodes: dict[str, int | None],
+                                                                 training_ended: list[str], finished: bool) -> None:
+    launcher = launcher_with_store(returncodes, training_ended)
+    assert launcher._members_finished(status_of(*returncodes)) is finished
+
+
+@pytest.mark.parametrize(
+    ("returncode", "training_ended", "counted"),
+    [(-9, True, 0), (-9, False, -9), (1, True, 1), (0, False, 0)],
+)
+def test_a_worker_killed_after_its_training_ended_counts_as_finished(returncode: int, training_ended: bool,
+                                                                    counted: int) -> None:
+    """A signal after its own mark: finished, nothing to recover; an error exit stays an error."""
+    launcher = launcher_with_store({"w1": returncode}, ["w1"] if training_ended else [])
+    assert launcher._counted_exit(launcher._workers["w1"], returncode) == counted

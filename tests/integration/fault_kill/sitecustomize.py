@@ -9,6 +9,9 @@
 * ``adjusting`` — a member that has the AM's plan (an adjustment agreed), before it re-forms the group;
 * ``recovering`` — a survivor of an earlier death, once it has the recovery's plan (it is one of its members),
   before it enters the plan's generation: the other survivors meet its death while that generation forms;
+* ``train_end`` — a member whose training loop ended (Lightning's ``on_train_end``), before it told the launcher;
+* ``trained`` — a member once its training ended and it told the launcher so (after the strategy's ``teardown``),
+  before the script's code after ``fit``;
 * ``connecting`` — such a survivor once it has arrived in the recovery's generation (every member has), before its
   backend connects: the others meet its death inside their backend's rendezvous.
 
@@ -24,7 +27,8 @@ import signal
 _FUNCTIONS = {"send": "send_replica", "receive": "receive_replica"}
 _METHODS = {"warming": "_fault_in_spare", "coordinate": "_agree", "adjusting": "_adjust",
             "recovering": "_recovery_plan_for"}
-_AFTER = {"recovering"}  # killed when the method returns, not when it is called
+_STRATEGY = {"train_end": ("_ElanCoordinator", "on_train_end"), "trained": ("ElanStrategy", "teardown")}
+_AFTER = {"recovering", "trained"}  # killed when the method returns, not when it is called
 
 
 def _kill(phase: str) -> None:
@@ -56,6 +60,12 @@ def _install(phase: str, step: int | None) -> None:
 
     if phase == "connecting":
         _install_connecting(worker)
+        return
+    if phase in _STRATEGY:
+        from lightning_elan.strategy import strategy
+
+        owner, name = getattr(strategy, _STRATEGY[phase][0]), _STRATEGY[phase][1]
+        setattr(owner, name, _killing(phase, getattr(owner, name), step))
         return
     owner, name = (worker, _FUNCTIONS[phase]) if phase in _FUNCTIONS else (worker.ElasticWorker, _METHODS[phase])
     setattr(owner, name, _killing(phase, getattr(owner, name), step))
