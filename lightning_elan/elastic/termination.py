@@ -9,9 +9,9 @@ redone (exactly as for ``elan scale remove``). How:
    this module's thread, started with the handler: nothing in it blocks, allocates a socket or takes a lock the
    training thread may hold.
 2. The thread sends ``leave`` to the AM on its own connection, resent until the AM answers. The AM queues the removal
-   ahead of every scale request (``JobState.request_leave``) and answers ``queued``; a joiner whose plan is not decided
-   yet is cancelled with its request instead (``cancelled``): it then exits 0 as a cancelled joiner does, when it
-   reaches ``join`` (at once if it is already waiting there).
+   ahead of every scale request (``master/transitions/leaving.py``) and answers ``queued``; a joiner whose plan is not
+   decided yet is cancelled with its request instead (``cancelled``): it then exits 0 as a cancelled joiner does, when
+   it reaches ``join`` (at once if it is already waiting there).
 3. Only rank 0 asks the AM, and every rank must take part in that agreement at the same step. So at every batch
    boundary that is not a coordination point anyway, each rank contributes "my leave is queued" to **one int32
    all-reduce (MAX)** on the job's group (:func:`any_rank_leaving`); when it gives 1, rank 0 coordinates at this

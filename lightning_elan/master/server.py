@@ -23,6 +23,16 @@ from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.narration import completed_line, decided_line, plural, workers_phrase
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore, StoreConflict, StoreUnavailable
+from lightning_elan.master.transitions import (
+    adjustments,
+    enrolling,
+    launching,
+    leaving,
+    pool,
+    recovering,
+    requests,
+    status_view,
+)
 from lightning_elan.protocol.auth import AuthError, FrameSigner, is_signed, refuse_open_bind
 from lightning_elan.protocol.contract import (
     ENV_AM_ADDRESS,
@@ -235,17 +245,17 @@ class ApplicationMaster:
             "start_job": self._on_start_job,
             "scale": self._on_scale,
             "status": lambda body: self._status(),
-            "launcher_poll": lambda body: self._state.launcher_poll(),
+            "launcher_poll": lambda body: launching.launcher_poll(self._state),
             "worker_exit": self._on_worker_exit,
-            "shutdown": lambda body: self._state.shutdown(ShutdownRequest.from_body(body).reason),
+            "shutdown": lambda body: requests.shutdown(self._state, ShutdownRequest.from_body(body).reason),
             "register": self._on_register,
             "coordinate": self._on_coordinate,
             "wait_plan": self._on_wait_plan,
             "report": self._on_report,
-            "recover": lambda body: self._state.recover(RecoverRequest.from_body(body)),
+            "recover": lambda body: recovering.recover(self._state, RecoverRequest.from_body(body)),
             "leave": self._on_leave,
             "enrol": self._on_enrol,
-            "worker_stats": lambda body: self._state.worker_stats(WorkerStats.from_body(body)),
+            "worker_stats": lambda body: adjustments.worker_stats(self._state, WorkerStats.from_body(body)),
             "profile": lambda body: sizing.start_profile(self._state, body, time.time()),
             "autoscale": lambda body: sizing.set_autoscale(self._state, body, time.time()),
             "stragglers": lambda body: sizing.set_stragglers(self._state, body, time.time()),
@@ -264,8 +274,8 @@ class ApplicationMaster:
         return self._address
 
     def accept_enrolments(self, enrolment: Enrolment, **options: Any) -> None:
-        """Let ``elan worker``s enrol (before ``start``): see :meth:`JobState.accept_enrolments`."""
-        self._state.accept_enrolments(enrolment, **options)
+        """Let ``elan worker``s enrol (before ``start``): see :func:`enrolling.accept_enrolments`."""
+        enrolling.accept_enrolments(self._state, enrolment, **options)
         self._persist()
 
     @property
@@ -384,7 +394,7 @@ class ApplicationMaster:
             return
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
         try:
-            self._transaction(self._state.housekeeping)
+            self._transaction(lambda: enrolling.housekeeping(self._state))
         except StoreUnavailable as error:
             self._warnings.warn("AM of job %r: the store is unavailable, housekeeping deferred: %s", self.job, error)
         except StoreConflict as error:
@@ -554,19 +564,19 @@ class ApplicationMaster:
 
     def _on_start_job(self, body: dict[str, Any]) -> dict[str, Any]:
         start = StartJobRequest.from_body(body)
-        return self._state.start_job(
-            start.nproc, start.coordinate_every, start.hosts, start.report_timeout_s, bool(start.replace_failed),
-            start.min_workers, start.join_timeout_s, start.standby or 0,
+        return launching.start_job(
+            self._state, start.nproc, start.coordinate_every, start.hosts, start.report_timeout_s,
+            bool(start.replace_failed), start.min_workers, start.join_timeout_s, start.standby or 0,
         )
 
     def _on_worker_exit(self, body: dict[str, Any]) -> dict[str, Any]:
         exit_ = WorkerExitRequest.from_body(body)
-        return self._state.worker_exit(exit_.worker_id, exit_.returncode)
+        return recovering.worker_exit(self._state, exit_.worker_id, exit_.returncode)
 
     def _on_scale(self, body: dict[str, Any]) -> dict[str, Any]:
         command = ScaleCommand.from_body(body)
-        reply = self._state.scale(command.action, count=command.count, ranks=command.ranks, size=command.size,
-                                  at_step=command.at_step)
+        reply = requests.scale(self._state, command.action, count=command.count, ranks=command.ranks,
+                               size=command.size, at_step=command.at_step)
         asked = command.to_body()
         logger.info("%s", scale_line(self.job, reply["request_id"], asked, reply["new_workers"]))
         logger.debug("job %r: scale request %s %s → new workers %s", self.job, reply["request_id"], json.dumps(asked),
@@ -574,7 +584,7 @@ class ApplicationMaster:
         return reply
 
     def _on_enrol(self, body: dict[str, Any]) -> dict[str, Any]:
-        reply = self._state.enrol(EnrolRequest.from_body(body))
+        reply = enrolling.enrol(self._state, EnrolRequest.from_body(body))
         if isinstance(self._rendezvous, str):
             reply = dataclasses.replace(reply, store_url=self._rendezvous)
         elif self._rendezvous is not None:
@@ -582,11 +592,11 @@ class ApplicationMaster:
         return reply.to_body()
 
     def _on_register(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._state.register(RegisterRequest.from_body(body))
+        return requests.register(self._state, RegisterRequest.from_body(body))
 
     def _on_coordinate(self, body: dict[str, Any]) -> dict[str, Any]:
         in_flight_before = self._state.in_flight
-        reply = self._state.coordinate(CoordinateRequest.from_body(body))
+        reply = adjustments.coordinate(self._state, CoordinateRequest.from_body(body))
         if reply.plan is not None and in_flight_before is None:
             plan = reply.plan.to_dict()
             logger.info("%s", decided_line(self.job, plan))
@@ -594,25 +604,25 @@ class ApplicationMaster:
         return reply.to_body()
 
     def _on_report(self, body: dict[str, Any]) -> dict[str, Any]:
-        record = self._state.report(AdjustmentReport.from_body(body))
+        record = adjustments.report(self._state, AdjustmentReport.from_body(body))
         if record is not None:
             self._records_to_write.append(record)
         return {}
 
     def _on_leave(self, body: dict[str, Any]) -> dict[str, Any]:
         worker_id = LeaveRequest.from_body(body).worker_id
-        reply = self._state.request_leave(worker_id)
+        reply = leaving.request_leave(self._state, worker_id)
         logger.info("job %r: worker %s asks to leave: %s (request %s)", self.job, worker_id, reply["outcome"],
                     reply["request_id"])
         return reply
 
     def _on_wait_plan(self, body: dict[str, Any]) -> dict[str, Any] | _Park:
         request = WaitPlanRequest.from_body(body)
-        answer = self._state.wait_plan(request.worker_id)
+        answer = adjustments.wait_plan(self._state, request.worker_id)
         if answer is not None:
             return answer.to_body()
         if (request.timeout_s or 0) <= 0:
-            return self._state.idle_answer(request.worker_id).to_body()
+            return pool.idle_answer(self._state, request.worker_id).to_body()
         return _Park()
 
     # ---- parked wait_plan requests -------------------------------------------------------------------------------
@@ -640,7 +650,7 @@ class ApplicationMaster:
         """Answer every parked wait_plan whose worker now has a plan or a cancellation."""
         for parked in list(self._parked.values()):
             try:
-                answer = self._state.wait_plan(parked.worker_id)
+                answer = adjustments.wait_plan(self._state, parked.worker_id)
             except StateError as error:
                 self._answer_parked(parked, error_reply(parked.msg_id, str(error)))
                 continue
@@ -651,7 +661,7 @@ class ApplicationMaster:
         now = time.monotonic()
         for parked in list(self._parked.values()):
             if parked.deadline <= now:
-                answer = self._state.idle_answer(parked.worker_id)
+                answer = pool.idle_answer(self._state, parked.worker_id)
                 self._answer_parked(parked, ok_reply(parked.msg_id, answer.to_body()))
 
     def _answer_parked(self, parked: _ParkedWait, reply: dict[str, Any]) -> None:
@@ -700,7 +710,7 @@ class ApplicationMaster:
 
     def _status(self) -> dict[str, Any]:
         """The ``status`` reply: the job state's, with this AM process (pid, address, start time, restarts)."""
-        status = self._state.status()
+        status = status_view.status(self._state)
         status["am"] = {**status.get("am", {}), "pid": os.getpid(), "address": self._address,
                         "started_at": self._started_at, "reply_cache_entries": len(self._replies),
                         "parked_waits": len(self._parked)}

@@ -1,10 +1,10 @@
 """The AM sizes a job by itself: EDL's profile, Or et al.'s autoscaler and straggler replacement (pure state logic).
 
-Everything acts through the job's ordinary scale requests (``JobState.scale`` / ``request_leave``) with a ``cause``
-that names the decision and its inputs, so every resize it makes is a live adjustment like any other (survivors never
-restart, each sample once per epoch) and lands in ``adjustments.jsonl`` with its reason. :func:`tick` runs on the AM's
-loop; it acts only between adjustments (nothing pending, nothing in flight, no recovery), once the current
-generation has been measured long enough (``measure.py``).
+Everything acts through the job's ordinary scale requests (``transitions.requests.scale`` /
+``transitions.leaving.request_leave``) with a ``cause`` that names the decision and its inputs, so every resize it
+makes is a live adjustment like any other (survivors never restart, each sample once per epoch) and lands in
+``adjustments.jsonl`` with its reason. :func:`tick` runs on the AM's loop; it acts only between adjustments (nothing
+pending, nothing in flight, no recovery), once the current generation has been measured long enough (``measure.py``).
 
 * **Profile** (EDL §5, ``elan profile``): visit each world size of ``[min, max]`` (``ProfileRun``), ``steps`` measured
   steps each, record samples/s per size, then settle back (or on the best size). The result is kept in the job's
@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lightning_elan.master.narration import plural
+from lightning_elan.master.transitions import leaving, requests
 from lightning_elan.scaling.autoscale import ThroughputAutoscaler, UtilityAutoscaler, UtilityFunction
 from lightning_elan.scaling.profile import ProfileRun
 from lightning_elan.scaling.throughput import ThroughputModel
@@ -186,7 +187,7 @@ def _resize(state: JobState, target: int, cause: dict[str, Any], now: float) -> 
             return 0
         state.sizing.scale_out = {"target": target, "at": now}
         return target - current
-    state.scale("to", size=target, now=now, cause=cause)
+    requests.scale(state, "to", size=target, now=now, cause=cause)
     return 0
 
 
@@ -299,7 +300,7 @@ def _handle_straggler(state: JobState, straggler: str, now: float) -> int:
         if state.enrolment is not None:
             state.sizing.scale_out = {"target": state.world_size + 1, "at": now}
             return 1
-        state.scale("add", count=1, now=now, cause=cause)
+        requests.scale(state, "add", count=1, now=now, cause=cause)
         return 0
     return _remove_straggler(state, straggler, inputs, now)
 
@@ -325,6 +326,6 @@ def _remove_straggler(state: JobState, straggler: str, inputs: dict[str, Any], n
         state.measured.detector.forget([w for w in state.member_ids if w != straggler])
         return 0
     cause = state.sizing.note("straggler", "remove", f"removing straggler {straggler}", inputs, now)
-    state.request_leave(straggler, now, cause=cause)
+    leaving.request_leave(state, straggler, now, cause=cause)
     state.measured.detector.forget([w for w in state.member_ids if w != straggler])
     return 0

@@ -572,7 +572,7 @@ class AdjustmentReport:
 
 @dataclass(frozen=True)
 class LeaveRequest:
-    """``leave``: a worker asks to be removed from the job (it received SIGTERM); see :meth:`JobState.request_leave`.
+    """``leave``: a worker asks to be removed from the job (it received SIGTERM); see the AM's ``request_leave``.
 
     A member is removed by the next adjustment (queued ahead of the scale requests), a joiner whose plan is not decided
     yet is cancelled with its request; repeating it changes nothing.

@@ -1,4 +1,4 @@
-"""The AM's ``leave``: a worker that received SIGTERM asks to be removed (``JobState.request_leave``)."""
+"""The AM's ``leave``: a worker that received SIGTERM asks to be removed (``master/transitions/leaving.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from lightning_elan.master.server import ApplicationMaster
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import FileStore
+from lightning_elan.master.transitions import adjustments, launching, leaving, recovering, requests, status_view
 from lightning_elan.protocol import AMClient, AMError
 from lightning_elan.protocol.contract import (
     AdjustmentReport,
@@ -26,33 +27,33 @@ JOB = "job"
 
 def started(nproc: int = 3) -> JobState:
     state = JobState(job=JOB)
-    state.start_job(nproc, coordinate_every=50)
+    launching.start_job(state, nproc, coordinate_every=50)
     return state
 
 
 def ready(state: JobState, workers: list[str]) -> None:
     for worker in workers:
-        state.register(RegisterRequest(worker, host="host", device="cpu", pid=100))
+        requests.register(state, RegisterRequest(worker, host="host", device="cpu", pid=100))
 
 
 def coordinate(state: JobState, step: int):
-    return state.coordinate(CoordinateRequest(state.member_ids[0], state.generation, step)).plan
+    return adjustments.coordinate(state, CoordinateRequest(state.member_ids[0], state.generation, step)).plan
 
 
 def commit(state: JobState, plan, step: int) -> None:
     """A member of the new generation speaks: the plan commits."""
     stayer = next(worker for worker in plan.members if worker not in plan.joiners)
-    state.report(AdjustmentReport(stayer, plan.generation, "stayer", step=step))
+    adjustments.report(state, AdjustmentReport(stayer, plan.generation, "stayer", step=step))
 
 
 def test_a_member_leaves_at_the_next_coordination_ahead_of_a_scale_request_still_warming_up() -> None:
     state = started(3)
-    state.scale("add", count=1)  # r1: its joiner w3 never reports ready while w1 leaves
+    requests.scale(state, "add", count=1)  # r1: its joiner w3 never reports ready while w1 leaves
 
-    reply = state.request_leave("w1")
+    reply = leaving.request_leave(state, "w1")
 
     assert reply == {"outcome": "queued", "request_id": "r2"}
-    pending = state.status()["pending"]
+    pending = status_view.status(state)["pending"]
     assert [(r["request_id"], r["action"], r["workers"]) for r in pending] == [
         ("r2", "leave", ["w1"]), ("r1", "add", None)
     ]
@@ -66,22 +67,24 @@ def test_a_member_leaves_at_the_next_coordination_ahead_of_a_scale_request_still
 
 def test_a_repeated_leave_changes_nothing_before_during_and_after_the_adjustment() -> None:
     state = started(3)
-    first = state.request_leave("w2")
+    first = leaving.request_leave(state, "w2")
     snapshot = state.to_dict()
 
-    assert state.request_leave("w2") == first and state.to_dict() == snapshot
+    assert leaving.request_leave(state, "w2") == first and state.to_dict() == snapshot
     plan = coordinate(state, 3)
-    assert state.request_leave("w2") == {"outcome": "queued", "request_id": plan.request_id}  # a leaver in flight
-    assert state.worker_exit("w2", 0) == {"expected": True}  # a leaver's exit 0 is expected, committed or not
+    # a leaver in flight
+    assert leaving.request_leave(state, "w2") == {"outcome": "queued", "request_id": plan.request_id}
+    # a leaver's exit 0 is expected, committed or not
+    assert recovering.worker_exit(state, "w2", 0) == {"expected": True}
     commit(state, plan, 4)
     with pytest.raises(StateError, match="worker w2 has left the job"):
-        state.request_leave("w2")
+        leaving.request_leave(state, "w2")
 
 
 def test_leaves_before_the_decision_share_one_adjustment() -> None:
     state = started(4)
 
-    assert state.request_leave("w3")["request_id"] == state.request_leave("w1")["request_id"] == "r1"
+    assert leaving.request_leave(state, "w3")["request_id"] == leaving.request_leave(state, "w1")["request_id"] == "r1"
     plan = coordinate(state, 2)
 
     assert plan is not None and (plan.leavers, plan.members) == (["w1", "w3"], ["w0", "w2"])
@@ -89,7 +92,7 @@ def test_leaves_before_the_decision_share_one_adjustment() -> None:
 
 def test_rank0_may_leave() -> None:
     state = started(2)
-    state.request_leave("w0")
+    leaving.request_leave(state, "w0")
 
     plan = coordinate(state, 1)
 
@@ -99,44 +102,44 @@ def test_rank0_may_leave() -> None:
 def test_the_last_member_unknown_and_departed_workers_are_refused() -> None:
     single = started(1)
     with pytest.raises(StateError, match="worker w0 is the last member of job 'job': it cannot leave"):
-        single.request_leave("w0")
+        leaving.request_leave(single, "w0")
 
     state = started(2)
-    state.request_leave("w1")
+    leaving.request_leave(state, "w1")
     with pytest.raises(StateError, match="worker w0 is the last member"):
-        state.request_leave("w0")  # w1 is already leaving
+        leaving.request_leave(state, "w0")  # w1 is already leaving
     with pytest.raises(StateError, match="unknown worker w9"):
-        state.request_leave("w9")
+        leaving.request_leave(state, "w9")
     with pytest.raises(StateError, match="has not been started"):
-        JobState(job=JOB).request_leave("w0")
+        leaving.request_leave(JobState(job=JOB), "w0")
 
 
 def test_a_joiner_whose_plan_is_not_decided_is_cancelled_with_its_request() -> None:
     state = started(2)
-    state.scale("add", count=2)  # r1: w2, w3
+    requests.scale(state, "add", count=2)  # r1: w2, w3
     ready(state, ["w2"])
 
-    reply = state.request_leave("w3")
+    reply = leaving.request_leave(state, "w3")
 
     assert reply == {"outcome": "cancelled", "request_id": "r1"}
-    assert state.pending == [] and state.request_leave("w3") == reply  # idempotent
+    assert state.pending == [] and leaving.request_leave(state, "w3") == reply  # idempotent
     for joiner in ("w2", "w3"):  # the partner is cancelled too: both wait_plans answer cancelled
-        answer = state.wait_plan(joiner)
+        answer = adjustments.wait_plan(state, joiner)
         assert answer is not None and answer.status == "cancelled" and "SIGTERM" in (answer.reason or "")
     (failure,) = state.failures
     assert (failure["outcome"], failure["request_id"], failure["action"]) == ("cancelled", "r1", "add")
-    assert state.worker_exit("w3", 0) == {"expected": True}
+    assert recovering.worker_exit(state, "w3", 0) == {"expected": True}
     assert coordinate(state, 50) is None
 
 
 def test_a_joiner_of_the_plan_in_flight_leaves_once_it_is_a_member() -> None:
     state = started(2)
-    state.scale("add", count=1)
+    requests.scale(state, "add", count=1)
     ready(state, ["w2"])
     plan = coordinate(state, 50)
     assert plan is not None and plan.joiners == ["w2"]
 
-    assert state.request_leave("w2") == {"outcome": "queued", "request_id": "r2"}
+    assert leaving.request_leave(state, "w2") == {"outcome": "queued", "request_id": "r2"}
     assert coordinate(state, 50) == plan  # the plan in flight first
     commit(state, plan, 51)
     leave = coordinate(state, 52)
@@ -146,7 +149,7 @@ def test_a_joiner_of_the_plan_in_flight_leaves_once_it_is_a_member() -> None:
 
 def test_a_leave_whose_worker_is_gone_fails_instead_of_a_plan_that_changes_nothing() -> None:
     state = started(3)
-    state.request_leave("w2")
+    leaving.request_leave(state, "w2")
     state.members = [member for member in state.members if member.worker_id != "w2"]  # e.g. removed as crashed
 
     assert coordinate(state, 5) is None
@@ -157,21 +160,21 @@ def test_a_leave_whose_worker_is_gone_fails_instead_of_a_plan_that_changes_nothi
 
 def test_a_finished_job_has_nothing_to_leave() -> None:
     state = started(2)
-    state.shutdown("all members finished")
+    requests.shutdown(state, "all members finished")
 
-    assert state.request_leave("w1") == {"outcome": "finished", "request_id": None}
+    assert leaving.request_leave(state, "w1") == {"outcome": "finished", "request_id": None}
 
 
 def test_a_leave_request_survives_a_restart_and_old_states_load() -> None:
     state = started(3)
-    state.request_leave("w1")
+    leaving.request_leave(state, "w1")
 
     restored = JobState.from_dict(state.to_dict())
     plan = coordinate(restored, 4)
     assert plan is not None and plan.leavers == ["w1"]
 
     old = started(3)
-    old.scale("add", count=1)
+    requests.scale(old, "add", count=1)
     saved = old.to_dict()
     for request in saved["pending"]:
         del request["workers"]  # a state saved before leave existed
@@ -211,21 +214,21 @@ def test_a_leaver_killed_after_it_left_does_not_fail_the_job() -> None:
     """Found by the failure storms: a removed worker SIGKILLed after it left stopped the job ('w2 failed (was
     killed by SIGKILL): stopping job'), in flight or after the generation without it was formed."""
     state = started(3)
-    state.scale("remove", count=1)
+    requests.scale(state, "remove", count=1)
     plan = coordinate(state, 3)
     (leaver,) = plan.leavers
-    assert state.worker_exit(leaver, -9) == {"expected": False, "left": True}  # in flight, serving nobody
+    assert recovering.worker_exit(state, leaver, -9) == {"expected": False, "left": True}  # in flight, serving nobody
     commit(state, plan, 3)
-    assert state.worker_exit(leaver, -9) == {"expected": False, "left": True}  # after it left
+    assert recovering.worker_exit(state, leaver, -9) == {"expected": False, "left": True}  # after it left
     assert state.recovery is None and not state.finished
 
 
 def test_a_migrating_leaver_killed_while_it_serves_its_joiner_is_a_failure() -> None:
     state = started(1)
-    state.scale("migrate", count=1)
+    requests.scale(state, "migrate", count=1)
     ready(state, ["w1"])
     plan = coordinate(state, 3)
     (leaver,) = plan.leavers
     assert plan.sources == {"w1": leaver}  # the only member: the joiner's source
-    reply = state.worker_exit(leaver, -9)
+    reply = recovering.worker_exit(state, leaver, -9)
     assert reply.get("recovering") is True and state.recovery is not None

@@ -16,6 +16,7 @@ from lightning_elan.master import journal
 from lightning_elan.master.server import ADJUSTMENTS_FILE, STATE_FORMAT, ApplicationMaster
 from lightning_elan.master.state import JobState
 from lightning_elan.master.store import FileStore
+from lightning_elan.master.transitions import launching
 
 JOB = "recovery"
 RECORD_1 = {"job": JOB, "request_id": "r1", "generation": 1, "members": ["w0", "w1", "w2"]}
@@ -77,7 +78,7 @@ def test_repair_of_a_missing_or_complete_journal(tmp_path: Path) -> None:
 
 def test_a_restarted_am_writes_the_record_its_predecessor_persisted_but_never_appended(tmp_path: Path) -> None:
     state = JobState(job=JOB)
-    state.start_job(2)
+    launching.start_job(state, 2)
     document = {"format": STATE_FORMAT, "job": JOB, "state": {**state.to_dict(), "last_adjustment": RECORD_1},
                 "replies": []}
     FileStore(tmp_path / "state.json").save(document)

@@ -1,4 +1,5 @@
-"""The AM's side of a worker's death (``JobState.worker_exit`` → ``recover`` → recovery plan), in milliseconds."""
+"""The AM's side of a worker's death (``worker_exit`` → ``recover`` → recovery plan, in
+``master/transitions/recovering.py``), in milliseconds."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import pytest
 
 from lightning_elan.master.state import JobState, StateError
+from lightning_elan.master.transitions import adjustments, launching, recovering, requests, status_view
 from lightning_elan.protocol.contract import (
     ACTION_FAILURE,
     AdjustmentReport,
@@ -18,73 +20,73 @@ from lightning_elan.protocol.contract import (
 
 def started(nproc: int = 3, **policy: object) -> JobState:
     state = JobState(job="job")
-    state.start_job(nproc, coordinate_every=1, **policy)
+    launching.start_job(state, nproc, coordinate_every=1, **policy)
     return state
 
 
 def check_in(state: JobState, worker: str, generation: int = 0, step: int | None = 7) -> dict:
-    return state.recover(RecoverRequest(worker, generation, has_state=step is not None, step=step))
+    return recovering.recover(state, RecoverRequest(worker, generation, has_state=step is not None, step=step))
 
 
 def test_a_dead_member_starts_a_recovery_of_its_generation() -> None:
     state = started(3)
 
-    reply = state.worker_exit("w1", -9)
+    reply = recovering.worker_exit(state, "w1", -9)
 
     assert reply == {"expected": False, "recovering": True, "failed_generations": [0]}
-    status = state.status()
+    status = status_view.status(state)
     assert status["recovery"]["dead"] == ["w1"] and status["recovery"]["survivors"] == ["w0", "w2"]
     assert status["failures"][-1]["kind"] == "worker" and status["failures"][-1]["worker_id"] == "w1"
-    assert state.coordinate(CoordinateRequest("w0", 0, 8)).plan is None  # no planned adjustment meanwhile
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 8)).plan is None  # no planned adjustment meanwhile
     with pytest.raises(StateError, match="recovering from the death of w1"):
-        state.scale("add", count=1)
+        requests.scale(state, "add", count=1)
 
 
 def test_the_recovery_plan_forms_once_every_survivor_checked_in() -> None:
     state = started(3)
-    state.worker_exit("w1", -9)
+    recovering.worker_exit(state, "w1", -9)
 
     assert check_in(state, "w2") == {"status": "wait"}
-    assert state.wait_plan("w2") is None
+    assert adjustments.wait_plan(state, "w2") is None
     reply = check_in(state, "w0")
 
-    plan = state.wait_plan("w2").plan
+    plan = adjustments.wait_plan(state, "w2").plan
     assert reply["status"] == "plan" and plan is not None
     assert (plan.action, plan.generation, plan.members, plan.joiners, plan.step) == (ACTION_FAILURE, 1, ["w0", "w2"],
                                                                                      [], 7)
-    state.report(AdjustmentReport("w0", 1, "stayer", pause_s=0.1, step=8))
-    record = state.report(AdjustmentReport("w2", 1, "stayer", pause_s=0.1, step=8))
+    adjustments.report(state, AdjustmentReport("w0", 1, "stayer", pause_s=0.1, step=8))
+    record = adjustments.report(state, AdjustmentReport("w2", 1, "stayer", pause_s=0.1, step=8))
     assert record is not None and record["action"] == "failure"
     assert record["failure"]["dead"] == ["w1"] and record["failure"]["step_redone"] == 8
     assert state.member_ids == ["w0", "w2"] and state.generation == 1
-    assert state.wait_plan("w1").status == "cancelled"
+    assert adjustments.wait_plan(state, "w1").status == "cancelled"
 
 
 def uncertain_check_in(state: JobState, worker: str, step: int) -> dict:
-    return state.recover(RecoverRequest(worker, 0, has_state=True, step=step, uncertain=True))
+    return recovering.recover(state, RecoverRequest(worker, 0, has_state=True, step=step, uncertain=True))
 
 
 @pytest.mark.parametrize(("certain_step", "newest"), [(8, 8), (7, 7)], ids=["another-applied", "nobody-applied"])
 def test_an_uncertain_survivor_takes_the_decision_of_the_others(certain_step: int, newest: int) -> None:
     """w1 voted on step 8 and lost the vote's store before reading the decision: w2 applied step 8 (or not)."""
     state = started(3)
-    state.worker_exit("w0", -9)  # rank 0: the fast store's host
+    recovering.worker_exit(state, "w0", -9)  # rank 0: the fast store's host
 
     uncertain_check_in(state, "w1", step=7)
     check_in(state, "w2", step=certain_step)
 
-    plan = state.wait_plan("w1").plan
+    plan = adjustments.wait_plan(state, "w1").plan
     assert plan is not None and plan.step == newest
     assert (plan.members, plan.joiners) == (["w1", "w2"], [])  # both hold the state at the newest step
 
 
 def test_survivors_all_uncertain_discard_the_step() -> None:
     state = started(3)
-    state.worker_exit("w0", -9)
+    recovering.worker_exit(state, "w0", -9)
     uncertain_check_in(state, "w1", step=7)
     uncertain_check_in(state, "w2", step=7)
 
-    plan = state.wait_plan("w2").plan
+    plan = adjustments.wait_plan(state, "w2").plan
     assert plan is not None and (plan.step, plan.members, plan.joiners) == (7, ["w1", "w2"], [])
 
 
@@ -92,84 +94,84 @@ def test_an_uncertain_check_in_round_trips_through_the_wire_and_the_state_file()
     request = RecoverRequest("w1", 0, has_state=True, step=7, uncertain=True)
     assert RecoverRequest.from_body(json.loads(json.dumps(request.to_body()))) == request
     state = started(3)
-    state.worker_exit("w0", -9)
+    recovering.worker_exit(state, "w0", -9)
     uncertain_check_in(state, "w1", step=7)
     restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
     check_in(restored, "w2", step=8)
-    assert restored.wait_plan("w1").plan.step == 8
+    assert adjustments.wait_plan(restored, "w1").plan.step == 8
 
 
 def test_a_joiner_of_the_interrupted_plan_survives_without_state_and_is_served() -> None:
     state = started(2)
-    new = state.scale("add", count=1)["new_workers"]
-    state.register(RegisterRequest(new[0], host="h", device="cpu", pid=1))
-    interrupted = state.coordinate(CoordinateRequest("w0", 0, 4)).plan
+    new = requests.scale(state, "add", count=1)["new_workers"]
+    requests.register(state, RegisterRequest(new[0], host="h", device="cpu", pid=1))
+    interrupted = adjustments.coordinate(state, CoordinateRequest("w0", 0, 4)).plan
     assert interrupted is not None and interrupted.generation == 1
 
-    reply = state.worker_exit("w1", -9)
+    reply = recovering.worker_exit(state, "w1", -9)
 
     assert reply["failed_generations"] == [0, 1]
     check_in(state, "w0", generation=1, step=4)
     check_in(state, "w2", generation=1, step=None)
-    plan = state.wait_plan("w0").plan
+    plan = adjustments.wait_plan(state, "w0").plan
     assert plan.generation == 2 and plan.members == ["w0", "w2"] and plan.joiners == ["w2"]
     assert plan.sources == {"w2": "w0"}
-    assert any(f.get("request_id") == interrupted.request_id for f in state.status()["failures"])
+    assert any(f.get("request_id") == interrupted.request_id for f in status_view.status(state)["failures"])
 
 
 def test_a_survivor_that_never_checks_in_is_declared_dead() -> None:
     state = started(3)
-    state.worker_exit("w1", -9)
+    recovering.worker_exit(state, "w1", -9)
     check_in(state, "w0")
     deadline = state.recovery.deadline
 
-    poll = state.launcher_poll(now=deadline + 1)
+    poll = launching.launcher_poll(state, now=deadline + 1)
 
     assert poll["stop"] == ["w2"]
-    assert state.wait_plan("w0").plan.members == ["w0"]
+    assert adjustments.wait_plan(state, "w0").plan.members == ["w0"]
 
 
 def test_the_job_fails_when_every_member_died() -> None:
     state = started(2)
-    state.worker_exit("w0", -9)
+    recovering.worker_exit(state, "w0", -9)
 
-    assert state.worker_exit("w1", -9) == {"expected": False, "recovering": False}
-    assert state.finished and "every worker" in state.status()["failed_reason"]
+    assert recovering.worker_exit(state, "w1", -9) == {"expected": False, "recovering": False}
+    assert state.finished and "every worker" in status_view.status(state)["failed_reason"]
 
 
 def test_replace_failed_queues_one_joiner_per_dead_member() -> None:
     state = started(3, replace_failed=True)
 
-    state.worker_exit("w2", -9)
+    recovering.worker_exit(state, "w2", -9)
 
-    assert [request["action"] for request in state.status()["pending"]] == ["add"]
-    assert state.launcher_poll()["spawn"][0]["worker_id"] == "w3"
+    assert [request["action"] for request in status_view.status(state)["pending"]] == ["add"]
+    assert launching.launcher_poll(state)["spawn"][0]["worker_id"] == "w3"
 
 
 def test_below_min_workers_the_recovery_waits_for_a_ready_joiner() -> None:
     state = started(2, replace_failed=True, min_workers=2, join_timeout_s=30)
-    state.worker_exit("w1", -9)
+    recovering.worker_exit(state, "w1", -9)
     check_in(state, "w0")
-    assert state.wait_plan("w0") is None  # one survivor, two needed
-    state.launcher_poll()
-    state.register(RegisterRequest("w2", host="h", device="cpu", pid=2))
+    assert adjustments.wait_plan(state, "w0") is None  # one survivor, two needed
+    launching.launcher_poll(state)
+    requests.register(state, RegisterRequest("w2", host="h", device="cpu", pid=2))
 
-    state.launcher_poll()  # the launcher's periodic poll notices the ready joiner
+    launching.launcher_poll(state)  # the launcher's periodic poll notices the ready joiner
 
-    plan = state.wait_plan("w0").plan
+    plan = adjustments.wait_plan(state, "w0").plan
     assert plan.members == ["w0", "w2"] and plan.joiners == ["w2"]
 
 
 def test_below_min_workers_the_job_fails_after_the_join_timeout() -> None:
     state = started(2, min_workers=2, join_timeout_s=5)
-    state.worker_exit("w1", -9)
+    recovering.worker_exit(state, "w1", -9)
     detected = state.recovery.detected_at
 
     check_in(state, "w0")
-    state.launcher_poll(now=detected + 6)
+    launching.launcher_poll(state, now=detected + 6)
 
-    assert state.finished and "--min-workers 2" in state.status()["failed_reason"]
-    assert state.wait_plan("w0").status == "cancelled"
+    assert state.finished and "--min-workers 2" in status_view.status(state)["failed_reason"]
+    assert adjustments.wait_plan(state, "w0").status == "cancelled"
 
 
 def test_recover_refuses_a_generation_that_did_not_fail() -> None:
@@ -181,60 +183,61 @@ def test_recover_refuses_a_generation_that_did_not_fail() -> None:
 
 def test_a_recovery_in_progress_survives_a_json_round_trip() -> None:
     state = started(3)
-    state.worker_exit("w1", -9)
+    recovering.worker_exit(state, "w1", -9)
     check_in(state, "w0")
 
     restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
 
     check_in(restored, "w2")
-    assert restored.wait_plan("w2").plan.members == ["w0", "w2"]
+    assert adjustments.wait_plan(restored, "w2").plan.members == ["w0", "w2"]
 
 
 def test_a_death_after_a_member_finished_training_ends_the_job_normally() -> None:
     state = started(3)
-    assert state.worker_exit("w0", 0) == {"expected": False}  # fit() returned on w0: training is complete
+    assert recovering.worker_exit(state, "w0", 0) == {"expected": False}  # fit() returned on w0: training is complete
 
-    assert state.worker_exit("w2", -6) == {"expected": True}
+    assert recovering.worker_exit(state, "w2", -6) == {"expected": True}
     assert state.recovery is None and not state.finished
 
 
 def test_a_ready_joiner_stays_queued_while_more_are_needed() -> None:
     state = started(3, replace_failed=True, min_workers=3, join_timeout_s=30)
-    state.worker_exit("w1", -9)
-    state.worker_exit("w2", -9)
+    recovering.worker_exit(state, "w1", -9)
+    recovering.worker_exit(state, "w2", -9)
     check_in(state, "w0")
-    state.launcher_poll()
-    state.register(RegisterRequest("w3", host="h", device="cpu", pid=3))  # one of the two replacements is ready
+    launching.launcher_poll(state)
+    # one of the two replacements is ready
+    requests.register(state, RegisterRequest("w3", host="h", device="cpu", pid=3))
 
-    state.launcher_poll()
+    launching.launcher_poll(state)
 
-    assert state.wait_plan("w0") is None
-    assert [request["new_workers"] for request in state.status()["pending"]] == [["w3"], ["w4"]]
+    assert adjustments.wait_plan(state, "w0") is None
+    assert [request["new_workers"] for request in status_view.status(state)["pending"]] == [["w3"], ["w4"]]
 
 
 def test_the_join_timeout_holds_even_when_a_survivor_never_checks_in() -> None:
     state = started(3, min_workers=3, join_timeout_s=5)
-    state.worker_exit("w1", -9)
+    recovering.worker_exit(state, "w1", -9)
 
-    state.launcher_poll(now=state.recovery.detected_at + 6)
+    launching.launcher_poll(state, now=state.recovery.detected_at + 6)
 
-    assert state.finished and "--min-workers 3" in state.status()["failed_reason"]
+    assert state.finished and "--min-workers 3" in status_view.status(state)["failed_reason"]
 
 
 def test_a_death_while_the_recovery_plan_is_in_flight_waits_only_for_the_living() -> None:
     """w1 died, the recovery plan (w0, w2) is formed, and w2 dies before it reported: the new recovery waits for w0
     only — not for w1, a member of the failed generation 0 that died first (it waited the whole check-in deadline)."""
     state = started(3)
-    state.worker_exit("w1", -9)
+    recovering.worker_exit(state, "w1", -9)
     check_in(state, "w0")
     check_in(state, "w2")
 
-    reply = state.worker_exit("w2", -9)
+    reply = recovering.worker_exit(state, "w2", -9)
 
     assert reply["recovering"] and reply["failed_generations"] == [0, 1]
-    assert state.status()["recovery"]["survivors"] == ["w0"]
+    assert status_view.status(state)["recovery"]["survivors"] == ["w0"]
     check_in(state, "w0", generation=1)
-    plan = state.wait_plan("w0").plan
+    plan = adjustments.wait_plan(state, "w0").plan
     assert plan is not None and plan.members == ["w0"] and plan.generation == 2
-    record = state.report(AdjustmentReport("w0", 2, "stayer", pause_s=0.1, step=8))
+    record = adjustments.report(state, AdjustmentReport("w0", 2, "stayer", pause_s=0.1, step=8))
     assert record is not None and record["failure"]["dead"] == ["w1", "w2"]  # the plan recovers from both deaths

@@ -5,7 +5,9 @@ from collections.abc import Callable
 
 import pytest
 
-from lightning_elan.master.state import MAX_COMPLETING, MAX_FAILURES, JobState, StateError
+from lightning_elan.master.state import MAX_FAILURES, JobState, StateError
+from lightning_elan.master.transitions import adjustments, launching, recovering, requests, status_view
+from lightning_elan.master.transitions.adjustments import MAX_COMPLETING
 from lightning_elan.protocol.contract import (
     MAX_WORLD_SIZE,
     AdjustmentPlan,
@@ -19,46 +21,47 @@ from lightning_elan.protocol.contract import (
 
 def started(nproc: int = 3) -> JobState:
     state = JobState(job="job")
-    state.start_job(nproc, coordinate_every=5)
+    launching.start_job(state, nproc, coordinate_every=5)
     return state
 
 
 def ready(state: JobState, workers: list[str]) -> None:
     for worker in workers:
-        state.register(RegisterRequest(worker, host="host", device="cpu", pid=100))
+        requests.register(state, RegisterRequest(worker, host="host", device="cpu", pid=100))
 
 
 def decide(state: JobState, step: int = 10) -> AdjustmentPlan:
-    reply = state.coordinate(CoordinateRequest(state.member_ids[0], state.generation, step))
+    reply = adjustments.coordinate(state, CoordinateRequest(state.member_ids[0], state.generation, step))
     assert reply.decision == "adjust" and reply.plan is not None, reply
     return reply.plan
 
 
 def adjust(state: JobState, action: str, **arguments: object) -> AdjustmentPlan:
     """Request, register the joiners, decide and commit one adjustment; returns its plan."""
-    new_workers = state.scale(action, **arguments)["new_workers"]
+    new_workers = requests.scale(state, action, **arguments)["new_workers"]
     ready(state, new_workers)
     plan = decide(state)
-    state.coordinate(CoordinateRequest(plan.members[0], plan.generation, 10))  # the new generation commits it
+    # the new generation commits it
+    adjustments.coordinate(state, CoordinateRequest(plan.members[0], plan.generation, 10))
     return plan
 
 
 def test_start_job_creates_generation_zero_and_is_idempotent() -> None:
     state = JobState(job="job")
 
-    first = state.start_job(3)
-    again = state.start_job(5)
+    first = launching.start_job(state, 3)
+    again = launching.start_job(state, 5)
 
     assert first == again == {"generation": 0, "members": ["w0", "w1", "w2"]}
-    assert state.scale("add", count=1)["new_workers"] == ["w3"]
+    assert requests.scale(state, "add", count=1)["new_workers"] == ["w3"]
 
 
 def test_add_spawns_new_workers_then_plans_them_in_after_they_report_ready() -> None:
     state = started(2)
 
-    reply = state.scale("add", count=2)
-    first_poll = state.launcher_poll()
-    second_poll = state.launcher_poll()
+    reply = requests.scale(state, "add", count=2)
+    first_poll = launching.launcher_poll(state)
+    second_poll = launching.launcher_poll(state)
 
     assert reply == {"request_id": "r1", "new_workers": ["w2", "w3"]}
     assert first_poll == {
@@ -67,7 +70,7 @@ def test_add_spawns_new_workers_then_plans_them_in_after_they_report_ready() -> 
         "finished": False,
     }
     assert second_poll["spawn"] == []
-    assert state.coordinate(CoordinateRequest("w0", 0, 5)) == CoordinateReply.none()
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 5)) == CoordinateReply.none()
     ready(state, ["w2", "w3"])
     plan = decide(state, step=10)
     assert plan.to_dict() == {
@@ -87,31 +90,31 @@ def test_add_spawns_new_workers_then_plans_them_in_after_they_report_ready() -> 
 
 def test_decision_waits_until_all_new_workers_reported() -> None:
     state = started(2)
-    state.scale("add", count=2)
+    requests.scale(state, "add", count=2)
 
     ready(state, ["w2"])
 
-    assert state.coordinate(CoordinateRequest("w0", 0, 10)) == CoordinateReply.none()
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 10)) == CoordinateReply.none()
     ready(state, ["w3"])
-    assert state.coordinate(CoordinateRequest("w0", 0, 15)).decision == "adjust"
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 15)).decision == "adjust"
 
 
 def test_at_step_defers_the_decision_to_the_first_coordination_at_or_after_it() -> None:
     state = started(2)
-    state.scale("add", count=1, at_step=20)
+    requests.scale(state, "add", count=1, at_step=20)
     ready(state, ["w2"])
 
-    assert state.coordinate(CoordinateRequest("w0", 0, 15)) == CoordinateReply.none()
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 15)) == CoordinateReply.none()
     assert decide(state, step=25).step == 25
 
 
 def test_only_the_head_request_is_considered() -> None:
     state = started(2)
-    state.scale("add", count=1, at_step=100)
-    state.scale("remove", count=1)
+    requests.scale(state, "add", count=1, at_step=100)
+    requests.scale(state, "remove", count=1)
 
-    assert state.coordinate(CoordinateRequest("w0", 0, 10)) == CoordinateReply.none()
-    assert [request["request_id"] for request in state.status()["pending"]] == ["r1", "r2"]
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 10)) == CoordinateReply.none()
+    assert [request["request_id"] for request in status_view.status(state)["pending"]] == ["r1", "r2"]
 
 
 def test_remove_takes_the_newest_members_first() -> None:
@@ -133,7 +136,7 @@ def test_remove_ranks_names_ranks_and_keeps_the_order_of_stayers() -> None:
 
     assert plan.leavers == ["w0", "w2"]
     assert plan.members == ["w1", "w3"]
-    first = state.status()["members"][0]
+    first = status_view.status(state)["members"][0]
     assert {key: first[key] for key in ("worker_id", "rank", "host", "device", "pid")} == {
         "worker_id": "w1", "rank": 0, "host": None, "device": None, "pid": None
     }
@@ -143,11 +146,11 @@ def test_ranks_are_validated_against_the_projected_generation() -> None:
     state = started(3)
 
     with pytest.raises(StateError, match=r"^rank 5 does not exist in generation 0 \(world size 3\)$"):
-        state.scale("remove", ranks=[5])
-    state.scale("remove", count=1)
+        requests.scale(state, "remove", ranks=[5])
+    requests.scale(state, "remove", count=1)
     with pytest.raises(StateError, match=r"^rank 2 does not exist in generation 1 \(world size 2\)$"):
-        state.scale("remove", ranks=[2])
-    assert state.scale("remove", ranks=[1])["request_id"] == "r2"
+        requests.scale(state, "remove", ranks=[2])
+    assert requests.scale(state, "remove", ranks=[1])["request_id"] == "r2"
 
 
 def test_migrate_adds_and_removes_the_newest_old_members_in_one_adjustment() -> None:
@@ -173,14 +176,14 @@ def test_migrating_every_worker_sources_from_the_leavers() -> None:
 def test_to_resizes_against_the_projected_size() -> None:
     state = started(3)
 
-    grow = state.scale("to", size=5)
-    shrink = state.scale("to", size=4)
+    grow = requests.scale(state, "to", size=5)
+    shrink = requests.scale(state, "to", size=4)
 
     assert grow["new_workers"] == ["w3", "w4"]
     assert shrink["new_workers"] == []
     assert state.projected_size() == 4
     with pytest.raises(StateError, match="already has 4 workers"):
-        state.scale("to", size=4)
+        requests.scale(state, "to", size=4)
 
 
 @pytest.mark.parametrize(
@@ -204,7 +207,7 @@ def test_invalid_scale_requests_are_refused_without_side_effects(arguments: dict
     before = state.to_dict()
 
     with pytest.raises(StateError, match=message):
-        state.scale(**arguments)
+        requests.scale(state, **arguments)
     assert state.to_dict() == before
 
 
@@ -212,70 +215,74 @@ def test_unknown_workers_are_refused() -> None:
     state = started(2)
 
     with pytest.raises(StateError, match=r"^unknown worker w9$"):
-        state.register(RegisterRequest("w9"))
+        requests.register(state, RegisterRequest("w9"))
     with pytest.raises(StateError, match=r"^unknown worker w9$"):
-        state.coordinate(CoordinateRequest("w9", 0, 1))
+        adjustments.coordinate(state, CoordinateRequest("w9", 0, 1))
     with pytest.raises(StateError, match=r"^unknown worker w9$"):
-        state.worker_exit("w9", 1)
+        recovering.worker_exit(state, "w9", 1)
 
 
 def test_requests_before_start_job_are_refused() -> None:
     with pytest.raises(StateError, match="has not been started"):
-        JobState(job="job").scale("add", count=1)
+        requests.scale(JobState(job="job"), "add", count=1)
 
 
 def test_in_flight_plan_refuses_scale_and_is_returned_again() -> None:
     state = started(2)
-    state.scale("add", count=1)
+    requests.scale(state, "add", count=1)
     ready(state, ["w2"])
     plan = decide(state, step=10)
 
     with pytest.raises(StateError, match=r"^adjustment in flight \(generation 0 → 1\); retry$"):
-        state.scale("add", count=1)
-    assert state.coordinate(CoordinateRequest("w0", 0, 10)) == CoordinateReply.adjust(plan)
-    assert state.wait_plan("w2") == WaitPlanReply.with_plan(plan)
+        requests.scale(state, "add", count=1)
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 10)) == CoordinateReply.adjust(plan)
+    assert adjustments.wait_plan(state, "w2") == WaitPlanReply.with_plan(plan)
 
 
 def test_coordinate_of_the_new_generation_commits_the_plan() -> None:
     state = started(2)
-    state.scale("add", count=1)
+    requests.scale(state, "add", count=1)
     ready(state, ["w2"])
     decide(state)
 
-    assert state.coordinate(CoordinateRequest("w0", 1, 12)) == CoordinateReply.none()
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 1, 12)) == CoordinateReply.none()
     assert state.generation == 1
     assert state.member_ids == ["w0", "w1", "w2"]
     assert state.in_flight is None
     assert state.member("w2").host == "host"
     with pytest.raises(StateError, match=r"^generation 0 is not current \(current generation 1\)$"):
-        state.coordinate(CoordinateRequest("w0", 0, 12))
+        adjustments.coordinate(state, CoordinateRequest("w0", 0, 12))
     with pytest.raises(StateError, match="generation 5 is not current"):
-        state.coordinate(CoordinateRequest("w0", 5, 12))
+        adjustments.coordinate(state, CoordinateRequest("w0", 5, 12))
 
 
 def test_a_joiners_report_commits_but_a_leavers_does_not() -> None:
     state = started(3)
-    state.scale("migrate", count=1)
+    requests.scale(state, "migrate", count=1)
     ready(state, ["w3"])
     decide(state)
 
-    state.report(AdjustmentReport("w2", 1, "leaver", pause_s=0.0, bytes_sent=100, bytes_received=0))
+    adjustments.report(state, AdjustmentReport("w2", 1, "leaver", pause_s=0.0, bytes_sent=100, bytes_received=0))
     assert state.generation == 0
-    assert state.worker_exit("w2", 0) == {"expected": True}
-    state.report(AdjustmentReport("w3", 1, "joiner", pause_s=0.5, bytes_sent=0, bytes_received=100, startup_s=4.0))
+    assert recovering.worker_exit(state, "w2", 0) == {"expected": True}
+    adjustments.report(state, AdjustmentReport("w3", 1, "joiner", pause_s=0.5, bytes_sent=0, bytes_received=100,
+                                               startup_s=4.0))
     assert state.generation == 1
     assert state.member_ids == ["w0", "w1", "w3"]
 
 
 def test_adjustment_record_is_produced_when_every_new_member_reported() -> None:
     state = started(2)
-    state.scale("add", count=1)
+    requests.scale(state, "add", count=1)
     ready(state, ["w2"])
     decide(state, step=10)
 
-    assert state.report(AdjustmentReport("w2", 1, "joiner", pause_s=0.3, bytes_received=1000, startup_s=3.5)) is None
-    assert state.report(AdjustmentReport("w0", 1, "stayer", pause_s=0.2, bytes_sent=1000, bytes_received=0)) is None
-    record = state.report(AdjustmentReport("w1", 1, "stayer", pause_s=0.1, bytes_sent=0, bytes_received=24))
+    assert adjustments.report(state, AdjustmentReport("w2", 1, "joiner", pause_s=0.3, bytes_received=1000,
+                                                      startup_s=3.5)) is None
+    assert adjustments.report(state, AdjustmentReport("w0", 1, "stayer", pause_s=0.2, bytes_sent=1000,
+                                                      bytes_received=0)) is None
+    record = adjustments.report(state, AdjustmentReport("w1", 1, "stayer", pause_s=0.1, bytes_sent=0,
+                                                        bytes_received=24))
 
     assert record is not None
     assert {key: record[key] for key in ("request_id", "action", "step", "generation", "joiners", "leavers")} == {
@@ -290,63 +297,64 @@ def test_adjustment_record_is_produced_when_every_new_member_reported() -> None:
     assert record["joiner_startup_s"] == {"w2": 3.5}
     assert record["bytes_replicated"] == 1024
     assert record["requested_at"] <= record["all_reported_at"] <= record["decided_at"] <= record["completed_at"]
-    assert state.status()["last_adjustment"] == record
-    assert state.report(AdjustmentReport("w1", 1, "stayer", pause_s=0.1)) is None  # a late duplicate changes nothing
+    assert status_view.status(state)["last_adjustment"] == record
+    # a late duplicate changes nothing
+    assert adjustments.report(state, AdjustmentReport("w1", 1, "stayer", pause_s=0.1)) is None
 
 
 def test_report_from_a_worker_outside_the_adjustment_is_refused() -> None:
     state = started(2)
-    state.scale("add", count=1)
+    requests.scale(state, "add", count=1)
     ready(state, ["w2"])
     decide(state)
-    state.coordinate(CoordinateRequest("w0", 1, 11))
-    state.scale("add", count=1)
+    adjustments.coordinate(state, CoordinateRequest("w0", 1, 11))
+    requests.scale(state, "add", count=1)
 
     with pytest.raises(StateError, match="w3 is not part of the adjustment to generation 1"):
-        state.report(AdjustmentReport("w3", 1, "joiner"))
+        adjustments.report(state, AdjustmentReport("w3", 1, "joiner"))
     with pytest.raises(StateError, match="no adjustment to generation 7"):
-        state.report(AdjustmentReport("w0", 7, "stayer"))
+        adjustments.report(state, AdjustmentReport("w0", 7, "stayer"))
 
 
 def test_a_joiner_exiting_before_the_decision_fails_its_request_and_cancels_its_partners() -> None:
     state = started(2)
-    state.scale("add", count=2)
-    state.launcher_poll()
+    requests.scale(state, "add", count=2)
+    launching.launcher_poll(state)
     ready(state, ["w2"])
 
-    assert state.worker_exit("w3", 1) == {"expected": False}
+    assert recovering.worker_exit(state, "w3", 1) == {"expected": False}
 
     assert state.pending == []
-    answer = state.wait_plan("w2")
+    answer = adjustments.wait_plan(state, "w2")
     assert answer is not None and answer.status == "cancelled"
     assert "request r1 failed: worker w3 exited with code 1" in (answer.reason or "")
-    assert state.worker_exit("w2", 0) == {"expected": True}
-    assert state.coordinate(CoordinateRequest("w0", 0, 50)) == CoordinateReply.none()
-    assert state.scale("add", count=1)["new_workers"] == ["w4"]  # ids are never reused
+    assert recovering.worker_exit(state, "w2", 0) == {"expected": True}
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 50)) == CoordinateReply.none()
+    assert requests.scale(state, "add", count=1)["new_workers"] == ["w4"]  # ids are never reused
 
 
 def test_wait_plan_waits_while_nothing_is_decided() -> None:
     state = started(2)
-    state.scale("add", count=1)
+    requests.scale(state, "add", count=1)
     ready(state, ["w2"])
 
-    assert state.wait_plan("w2") is None
+    assert adjustments.wait_plan(state, "w2") is None
     with pytest.raises(StateError, match="unknown worker w7"):
-        state.wait_plan("w7")
+        adjustments.wait_plan(state, "w7")
 
 
 def test_shutdown_cancels_pending_requests_and_finishes_the_job() -> None:
     state = started(2)
-    state.scale("add", count=1)
+    requests.scale(state, "add", count=1)
 
-    assert state.shutdown("training done") == {}
+    assert requests.shutdown(state, "training done") == {}
 
-    assert state.launcher_poll() == {"spawn": [], "stop": [], "finished": True}
-    assert state.wait_plan("w2") == WaitPlanReply.cancelled("job shut down: training done")
-    assert state.status()["finished"] is True
-    assert state.worker_exit("w0", 0) == {"expected": True}
+    assert launching.launcher_poll(state) == {"spawn": [], "stop": [], "finished": True}
+    assert adjustments.wait_plan(state, "w2") == WaitPlanReply.cancelled("job shut down: training done")
+    assert status_view.status(state)["finished"] is True
+    assert recovering.worker_exit(state, "w0", 0) == {"expected": True}
     with pytest.raises(StateError, match="is finished"):
-        state.scale("add", count=1)
+        requests.scale(state, "add", count=1)
 
 
 
@@ -354,19 +362,20 @@ def test_shutdown_cancels_pending_requests_and_finishes_the_job() -> None:
 def test_state_round_trips_through_json_mid_adjustment() -> None:
     state = started(3)
     adjust(state, "add", count=1)
-    state.scale("remove", ranks=[0])
+    requests.scale(state, "remove", ranks=[0])
     decide(state)
-    state.report(AdjustmentReport("w0", 2, "leaver", bytes_sent=0))
+    adjustments.report(state, AdjustmentReport("w0", 2, "leaver", bytes_sent=0))
 
     restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
 
     assert restored == state
     assert restored.in_flight is not None
-    assert restored.coordinate(CoordinateRequest("w0", 1, 12)) == state.coordinate(CoordinateRequest("w0", 1, 12))
+    assert (adjustments.coordinate(restored, CoordinateRequest("w0", 1, 12))
+            == adjustments.coordinate(state, CoordinateRequest("w0", 1, 12)))
     for worker in ("w1", "w2"):
-        assert restored.report(AdjustmentReport(worker, 2, "stayer", pause_s=0.1)) is None
+        assert adjustments.report(restored, AdjustmentReport(worker, 2, "stayer", pause_s=0.1)) is None
     assert restored.generation == 2
-    assert restored.report(AdjustmentReport("w3", 2, "stayer", pause_s=0.1))["leavers"] == ["w0"]
+    assert adjustments.report(restored, AdjustmentReport("w3", 2, "stayer", pause_s=0.1))["leavers"] == ["w0"]
 
 
 # ---- topology-aware sources -----------------------------------------------------------------------------------------
@@ -383,10 +392,12 @@ def test_registered_topologies_route_sources_through_the_planner() -> None:
     places = {"w0": ("n0", 0, 1), "w1": ("n0", 0, 2), "w2": ("n0", 1, 0x81), "w3": ("n1", 0, 1)}
     for worker, (host, socket, bus) in places.items():
         topology = gpu_topology(host, socket, bus)
-        state.register(RegisterRequest(worker, host=host, device="cuda:0", pid=1, topology=topology))
-    new = state.scale("add", count=2)["new_workers"]
-    state.register(RegisterRequest(new[0], host="n0", device="cuda:1", pid=2, topology=gpu_topology("n0", 1, 0x82)))
-    state.register(RegisterRequest(new[1], host="n1", device="cuda:1", pid=3, topology=gpu_topology("n1", 0, 2)))
+        requests.register(state, RegisterRequest(worker, host=host, device="cuda:0", pid=1, topology=topology))
+    new = requests.scale(state, "add", count=2)["new_workers"]
+    requests.register(state, RegisterRequest(new[0], host="n0", device="cuda:1", pid=2,
+                                             topology=gpu_topology("n0", 1, 0x82)))
+    requests.register(state, RegisterRequest(new[1], host="n1", device="cuda:1", pid=3,
+                                             topology=gpu_topology("n1", 0, 2)))
 
     plan = decide(state)
 
@@ -401,8 +412,8 @@ def test_registered_topologies_route_sources_through_the_planner() -> None:
 
 def test_a_missing_topology_falls_back_to_round_robin_without_transfers() -> None:
     state = started(2)
-    state.register(RegisterRequest("w0", host="n0", topology={"host": "n0"}))
-    new = state.scale("add", count=2)["new_workers"]
+    requests.register(state, RegisterRequest("w0", host="n0", topology={"host": "n0"}))
+    new = requests.scale(state, "add", count=2)["new_workers"]
     ready(state, new)  # joiners register without a topology
 
     plan = decide(state)
@@ -413,27 +424,28 @@ def test_a_missing_topology_falls_back_to_round_robin_without_transfers() -> Non
 
 def test_an_unreadable_topology_is_ignored() -> None:
     state = started(1)
-    state.register(RegisterRequest("w0", host="n0", topology={"no_host": True}))
+    requests.register(state, RegisterRequest("w0", host="n0", topology={"no_host": True}))
     assert state.members[0].topology is None
 
 
 def test_a_request_whose_worker_never_reports_fails_and_the_queue_moves_on() -> None:
     state = JobState(job="job")
-    state.start_job(2, report_timeout_s=30)
-    stuck = state.scale("add", count=1)["new_workers"]
-    behind = state.scale("add", count=1)["new_workers"]
-    assert [w["worker_id"] for w in state.launcher_poll(now=1000.0)["spawn"]] == stuck + behind
+    launching.start_job(state, 2, report_timeout_s=30)
+    stuck = requests.scale(state, "add", count=1)["new_workers"]
+    behind = requests.scale(state, "add", count=1)["new_workers"]
+    assert [w["worker_id"] for w in launching.launcher_poll(state, now=1000.0)["spawn"]] == stuck + behind
     ready(state, behind)
-    assert state.launcher_poll(now=1029.0)["stop"] == []
-    assert state.coordinate(CoordinateRequest("w0", 0, 5)).plan is None, "the head request still waits for its worker"
-    assert state.launcher_poll(now=1031.0)["stop"] == stuck
-    assert state.wait_plan(stuck[0]).status == "cancelled"
-    assert "did not report ready within 30 s" in state.wait_plan(stuck[0]).reason
+    assert launching.launcher_poll(state, now=1029.0)["stop"] == []
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 5)).plan is None, \
+        "the head request still waits for its worker"
+    assert launching.launcher_poll(state, now=1031.0)["stop"] == stuck
+    assert adjustments.wait_plan(state, stuck[0]).status == "cancelled"
+    assert "did not report ready within 30 s" in adjustments.wait_plan(state, stuck[0]).reason
     plan = decide(state, step=6)
     assert plan.joiners == behind
     assert JobState.from_dict(json.loads(json.dumps(state.to_dict()))).report_timeout_s == 30
     with pytest.raises(StateError, match="report_timeout_s"):
-        JobState(job="other").start_job(1, report_timeout_s=0)
+        launching.start_job(JobState(job="other"), 1, report_timeout_s=0)
 
 
 # ---------------------------------------------------------------------- bad, stale and duplicated inputs
@@ -449,63 +461,68 @@ def refused_unchanged(state: JobState, call: Callable[[], object], message: str)
 
 def test_a_reordered_coordinate_of_an_earlier_step_is_ignored_as_stale() -> None:
     state = started(2)
-    state.coordinate(CoordinateRequest("w0", 0, 20, epoch=1, position=240))
-    state.scale("add", count=1)
+    adjustments.coordinate(state, CoordinateRequest("w0", 0, 20, epoch=1, position=240))
+    requests.scale(state, "add", count=1)
     ready(state, ["w2"])
     before = state.to_dict()
 
-    assert state.coordinate(CoordinateRequest("w0", 0, 15, epoch=1, position=180)) == CoordinateReply.none()
+    assert (adjustments.coordinate(state, CoordinateRequest("w0", 0, 15, epoch=1, position=180))
+            == CoordinateReply.none())
     assert state.to_dict() == before, "a stale coordinate neither decides nor moves the progress back"
     plan = decide(state, step=20)
-    assert state.coordinate(CoordinateRequest("w0", 0, 12)) == CoordinateReply.adjust(plan), "in flight: same plan"
-    assert state.status()["step"] == 20
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 12)) == CoordinateReply.adjust(plan), \
+        "in flight: same plan"
+    assert status_view.status(state)["step"] == 20
 
 
 def test_a_new_generation_may_coordinate_at_an_earlier_step() -> None:
     state = started(2)
-    state.scale("add", count=1)
+    requests.scale(state, "add", count=1)
     ready(state, ["w2"])
     plan = decide(state, step=20)
 
-    assert state.coordinate(CoordinateRequest("w0", plan.generation, 19)) == CoordinateReply.none()  # e.g. a redo
-    assert state.generation == 1 and state.status()["step"] == 19
+    # e.g. a redo
+    assert adjustments.coordinate(state, CoordinateRequest("w0", plan.generation, 19)) == CoordinateReply.none()
+    assert state.generation == 1 and status_view.status(state)["step"] == 19
 
 
 def test_workers_of_an_older_generation_cannot_coordinate_report_or_register() -> None:
     state = started(3)
     adjust(state, "remove", count=1)  # w2 leaves; generation 1 = w0, w1
-    state.report(AdjustmentReport("w2", 1, "leaver"))
+    adjustments.report(state, AdjustmentReport("w2", 1, "leaver"))
 
-    refused_unchanged(state, lambda: state.coordinate(CoordinateRequest("w2", 1, 30)),
+    refused_unchanged(state, lambda: adjustments.coordinate(state, CoordinateRequest("w2", 1, 30)),
                       r"^worker w2 is not a member of generation 1$")
-    refused_unchanged(state, lambda: state.coordinate(CoordinateRequest("w0", 0, 30)),
+    refused_unchanged(state, lambda: adjustments.coordinate(state, CoordinateRequest("w0", 0, 30)),
                       r"^generation 0 is not current \(current generation 1\)$")
-    refused_unchanged(state, lambda: state.register(RegisterRequest("w2", host="h", pid=7)), r"^worker w2 has left")
+    refused_unchanged(state, lambda: requests.register(state, RegisterRequest("w2", host="h", pid=7)),
+                      r"^worker w2 has left")
     adjust(state, "add", count=1)  # generation 2
-    refused_unchanged(state, lambda: state.report(AdjustmentReport("w2", 2, "stayer")),
+    refused_unchanged(state, lambda: adjustments.report(state, AdjustmentReport("w2", 2, "stayer")),
                       r"^worker w2 is not part of the adjustment to generation 2$")
 
 
 def test_scale_while_an_adjustment_is_in_flight_leaves_the_state_unchanged() -> None:
     state = started(2)
-    state.scale("add", count=1)
+    requests.scale(state, "add", count=1)
     ready(state, ["w2"])
     decide(state)
 
-    refused_unchanged(state, lambda: state.scale("remove", count=1), r"adjustment in flight \(generation 0 → 1\)")
+    refused_unchanged(state, lambda: requests.scale(state, "remove", count=1),
+                      r"adjustment in flight \(generation 0 → 1\)")
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda s: s.coordinate(CoordinateRequest("w0", -1, 5)), r"^generation must be ≥ 0, got -1$"),
-        (lambda s: s.coordinate(CoordinateRequest("w0", 0, -5)), r"^step must be ≥ 0, got -5$"),
-        (lambda s: s.report(AdjustmentReport("w0", -2, "stayer")), r"^generation must be ≥ 0, got -2$"),
-        (lambda s: s.report(AdjustmentReport("w0", 1, "stayer", step=-1)), r"^step must be ≥ 0, got -1$"),
-        (lambda s: s.report(AdjustmentReport("w0", 0, "dancer")), r"unknown role 'dancer'"),
-        (lambda s: s.scale("add", count=MAX_WORLD_SIZE), rf"at most {MAX_WORLD_SIZE} workers"),
-        (lambda s: s.scale("to", size=MAX_WORLD_SIZE + 1), rf"at most {MAX_WORLD_SIZE} workers"),
-        (lambda s: s.worker_exit("w77", 0), r"^unknown worker w77$"),
+        (lambda s: adjustments.coordinate(s, CoordinateRequest("w0", -1, 5)), r"^generation must be ≥ 0, got -1$"),
+        (lambda s: adjustments.coordinate(s, CoordinateRequest("w0", 0, -5)), r"^step must be ≥ 0, got -5$"),
+        (lambda s: adjustments.report(s, AdjustmentReport("w0", -2, "stayer")), r"^generation must be ≥ 0, got -2$"),
+        (lambda s: adjustments.report(s, AdjustmentReport("w0", 1, "stayer", step=-1)), r"^step must be ≥ 0, got -1$"),
+        (lambda s: adjustments.report(s, AdjustmentReport("w0", 0, "dancer")), r"unknown role 'dancer'"),
+        (lambda s: requests.scale(s, "add", count=MAX_WORLD_SIZE), rf"at most {MAX_WORLD_SIZE} workers"),
+        (lambda s: requests.scale(s, "to", size=MAX_WORLD_SIZE + 1), rf"at most {MAX_WORLD_SIZE} workers"),
+        (lambda s: recovering.worker_exit(s, "w77", 0), r"^unknown worker w77$"),
     ],
 )
 def test_out_of_range_values_are_refused_without_side_effects(call: Callable, message: str) -> None:
@@ -515,26 +532,27 @@ def test_out_of_range_values_are_refused_without_side_effects(call: Callable, me
 
 def test_start_job_refuses_absurd_sizes_and_hosts_that_are_not_names() -> None:
     with pytest.raises(StateError, match=rf"nproc must be ≤ {MAX_WORLD_SIZE}"):
-        JobState(job="job").start_job(MAX_WORLD_SIZE + 1)
+        launching.start_job(JobState(job="job"), MAX_WORLD_SIZE + 1)
     with pytest.raises(StateError, match="hosts must be host names"):
-        JobState(job="job").start_job(2, hosts=["a", {"deep": ["b"]}])
+        launching.start_job(JobState(job="job"), 2, hosts=["a", {"deep": ["b"]}])
     state = JobState(job="job")
-    state.start_job(2, hosts={"w1": "b"})
-    assert [m["host"] for m in state.status()["members"]] == [None, "b"]
+    launching.start_job(state, 2, hosts={"w1": "b"})
+    assert [m["host"] for m in status_view.status(state)["members"]] == [None, "b"]
 
 
 def test_a_duplicated_report_is_ignored_and_the_first_one_stands() -> None:
     state = started(2)
     plan = adjust(state, "add", count=1)
-    state.report(AdjustmentReport("w0", 1, "stayer", pause_s=0.5))
+    adjustments.report(state, AdjustmentReport("w0", 1, "stayer", pause_s=0.5))
     before = state.to_dict()
 
-    assert state.report(AdjustmentReport("w0", 1, "stayer", pause_s=99.0)) is None
+    assert adjustments.report(state, AdjustmentReport("w0", 1, "stayer", pause_s=99.0)) is None
     assert state.to_dict() == before
-    state.report(AdjustmentReport("w1", 1, "stayer", pause_s=0.25))
-    record = state.report(AdjustmentReport("w2", 1, "joiner", startup_s=1.0))
+    adjustments.report(state, AdjustmentReport("w1", 1, "stayer", pause_s=0.25))
+    record = adjustments.report(state, AdjustmentReport("w2", 1, "joiner", startup_s=1.0))
     assert record is not None and record["pause_s"] == {"w0": 0.5, "w1": 0.25}
-    assert state.report(AdjustmentReport("w2", plan.generation, "joiner")) is None, "late duplicate: recorded already"
+    assert adjustments.report(state, AdjustmentReport("w2", plan.generation, "joiner")) is None, \
+        "late duplicate: recorded already"
 
 
 # ---------------------------------------------------------------------- observability
@@ -542,15 +560,15 @@ def test_a_duplicated_report_is_ignored_and_the_first_one_stands() -> None:
 
 def test_status_lists_each_members_last_step_and_where_it_comes_from() -> None:
     state = started(2)
-    state.coordinate(CoordinateRequest("w0", 0, 7), now=50.0)
-    assert [(m["last_step"], m["last_step_from"]) for m in state.status()["members"]] == [
+    adjustments.coordinate(state, CoordinateRequest("w0", 0, 7), now=50.0)
+    assert [(m["last_step"], m["last_step_from"]) for m in status_view.status(state)["members"]] == [
         (7, "coordinate"), (None, None)
     ]
     adjust(state, "add", count=1)  # decided at step 10; the new generation's rank 0 coordinates at 10
-    state.report(AdjustmentReport("w1", 1, "stayer"), now=60.0)
-    state.report(AdjustmentReport("w2", 1, "joiner", step=11), now=61.0)
+    adjustments.report(state, AdjustmentReport("w1", 1, "stayer"), now=60.0)
+    adjustments.report(state, AdjustmentReport("w2", 1, "joiner", step=11), now=61.0)
 
-    members = {m["worker_id"]: m for m in state.status()["members"]}
+    members = {m["worker_id"]: m for m in status_view.status(state)["members"]}
     assert (members["w0"]["last_step"], members["w0"]["last_step_from"]) == (10, "coordinate")
     assert (members["w1"]["last_step"], members["w1"]["last_step_from"]) == (10, "report")  # the plan's step
     assert (members["w2"]["last_step"], members["w2"]["last_step_from"], members["w2"]["last_seen_at"]) == (
@@ -561,24 +579,24 @@ def test_status_lists_each_members_last_step_and_where_it_comes_from() -> None:
 
 def test_a_leavers_last_step_is_forgotten_with_it() -> None:
     state = started(3)
-    state.coordinate(CoordinateRequest("w0", 0, 3))
+    adjustments.coordinate(state, CoordinateRequest("w0", 0, 3))
     adjust(state, "remove", ranks=[0])
 
-    assert [m["worker_id"] for m in state.status()["members"]] == ["w1", "w2"]
+    assert [m["worker_id"] for m in status_view.status(state)["members"]] == ["w1", "w2"]
     assert set(state.progress.workers) <= {"w1", "w2"}
 
 
 def test_a_joiner_that_never_reports_ready_is_listed_as_a_failed_request_with_its_reason() -> None:
     state = JobState(job="job")
-    state.start_job(2, report_timeout_s=30)
-    state.scale("add", count=1, at_step=5)
-    state.launcher_poll(now=1000.0)
-    state.coordinate(CoordinateRequest("w0", 0, 4))
+    launching.start_job(state, 2, report_timeout_s=30)
+    requests.scale(state, "add", count=1, at_step=5)
+    launching.launcher_poll(state, now=1000.0)
+    adjustments.coordinate(state, CoordinateRequest("w0", 0, 4))
 
-    state.launcher_poll(now=1031.0)
+    launching.launcher_poll(state, now=1031.0)
 
-    assert state.status()["pending"] == []
-    [failure] = state.status()["failures"]
+    assert status_view.status(state)["pending"] == []
+    [failure] = status_view.status(state)["failures"]
     assert failure["kind"] == "request" and failure["outcome"] == "failed"
     assert (failure["request_id"], failure["action"], failure["count"], failure["at_step"]) == ("r1", "add", 1, 5)
     assert failure["new_workers"] == ["w2"] and failure["step"] == 4
@@ -588,30 +606,30 @@ def test_a_joiner_that_never_reports_ready_is_listed_as_a_failed_request_with_it
 
 def test_a_joiner_exit_before_or_after_its_decision_is_a_failure() -> None:
     state = started(2)
-    state.scale("add", count=1)
-    state.worker_exit("w2", 3)
-    state.scale("add", count=1)
+    requests.scale(state, "add", count=1)
+    recovering.worker_exit(state, "w2", 3)
+    requests.scale(state, "add", count=1)
     ready(state, ["w3"])
     decide(state)
-    state.worker_exit("w3", 9)
+    recovering.worker_exit(state, "w3", 9)
 
-    failures = state.status()["failures"]
+    failures = status_view.status(state)["failures"]
     assert [(f["kind"], f["outcome"], f.get("request_id") or f.get("worker_id")) for f in failures] == [
         ("request", "failed", "r1"), ("adjustment", "failed", "r2"), ("worker", "died", "w3")
     ]
     assert failures[0]["reason"] == "worker w2 exited with code 3 before its plan was decided"
     assert failures[1]["reason"] == "interrupted by a worker's death"  # its generation failed: a recovery follows
     assert failures[1]["generation"] == 1 and failures[1]["workers"] == ["w3"]
-    assert state.status()["recovery"]["dead"] == ["w3"]
+    assert status_view.status(state)["recovery"]["dead"] == ["w3"]
 
 
 def test_requests_cancelled_by_shutdown_are_listed_with_the_reason() -> None:
     state = started(2)
-    state.scale("add", count=1)
-    state.scale("remove", count=1)
-    state.shutdown("user stop")
+    requests.scale(state, "add", count=1)
+    requests.scale(state, "remove", count=1)
+    requests.shutdown(state, "user stop")
 
-    failures = state.status()["failures"]
+    failures = status_view.status(state)["failures"]
     assert [(f["outcome"], f["request_id"], f["reason"]) for f in failures] == [
         ("cancelled", "r1", "job shut down: user stop"), ("cancelled", "r2", "job shut down: user stop")
     ]
@@ -641,6 +659,6 @@ def test_restart_count_round_trips_and_is_in_status() -> None:
     state.am_restarts = 2
     again = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
 
-    assert again.status()["am"] == {"restarts": 2}
+    assert status_view.status(again)["am"] == {"restarts": 2}
     legacy = {key: value for key, value in state.to_dict().items() if key not in ("failures", "am_restarts")}
     assert JobState.from_dict(legacy).am_restarts == 0

@@ -1,6 +1,6 @@
-"""Workers started by a scheduler enrol with the AM (``master/enrolment.py`` and ``JobState.enrol``): when the job
-starts, who is in generation 0, joiners after the start, refusals, silent waiters, the end of the job. Pure state: no
-processes, no sockets; times are given explicitly."""
+"""Workers started by a scheduler enrol with the AM (``master/enrolment.py`` and ``master/transitions/enrolling.py``):
+when the job starts, who is in generation 0, joiners after the start, refusals, silent waiters, the end of the job.
+Pure state: no processes, no sockets; times are given explicitly."""
 
 from __future__ import annotations
 
@@ -8,28 +8,29 @@ import pytest
 
 from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.state import JobState, StateError
+from lightning_elan.master.transitions import enrolling, launching, recovering, requests, status_view
 from lightning_elan.protocol.contract import EnrolRequest, RegisterRequest
 
 
-def enrolling(minimum: int = 2, maximum: int = 3, grace: float = 5.0) -> JobState:
+def enrolling_job(minimum: int = 2, maximum: int = 3, grace: float = 5.0) -> JobState:
     state = JobState(job="job")
-    state.accept_enrolments(Enrolment(minimum, maximum, grace), coordinate_every=4, join_timeout_s=30.0)
+    enrolling.accept_enrolments(state, Enrolment(minimum, maximum, grace), coordinate_every=4, join_timeout_s=30.0)
     return state
 
 
 def enrol(state: JobState, now: float, host: str = "h", worker_id: str | None = None):
-    return state.enrol(EnrolRequest(host, 1000, worker_id), now=now)
+    return enrolling.enrol(state, EnrolRequest(host, 1000, worker_id), now=now)
 
 
 def test_the_job_waits_for_the_minimum_then_the_grace() -> None:
-    state = enrolling(grace=5.0)
+    state = enrolling_job(grace=5.0)
     first = enrol(state, 0.0, "a")
     assert (first.worker_id, first.role) == ("w0", "waiting") and not state.started
     assert enrol(state, 1.0, "b").role == "waiting"  # quorum at t=1: the grace for a third begins
-    state.housekeeping(now=5.9)
+    enrolling.housekeeping(state, now=5.9)
     assert not state.started
     assert enrol(state, 5.9, worker_id="w0").role == "waiting"
-    state.housekeeping(now=6.0)
+    enrolling.housekeeping(state, now=6.0)
     assert state.started and state.member_ids == ["w0", "w1"] and state.generation == 0
     member = enrol(state, 6.1, worker_id="w1")
     assert (member.role, member.rank, member.world_size, member.coordinate_every) == ("member", 1, 2, 4)
@@ -38,7 +39,7 @@ def test_the_job_waits_for_the_minimum_then_the_grace() -> None:
 
 
 def test_the_maximum_starts_the_job_at_once_and_refuses_more() -> None:
-    state = enrolling(minimum=1, maximum=2, grace=100.0)
+    state = enrolling_job(minimum=1, maximum=2, grace=100.0)
     enrol(state, 0.0)
     assert not state.started
     assert enrol(state, 0.5).role == "member"  # the second fills the job: it starts now, no grace
@@ -48,7 +49,7 @@ def test_the_maximum_starts_the_job_at_once_and_refuses_more() -> None:
 
 
 def test_after_the_start_a_worker_is_a_joiner_of_an_add_request() -> None:
-    state = enrolling(minimum=2, maximum=3, grace=0.0)
+    state = enrolling_job(minimum=2, maximum=3, grace=0.0)
     enrol(state, 0.0)
     enrol(state, 0.0)
     assert state.started
@@ -57,45 +58,45 @@ def test_after_the_start_a_worker_is_a_joiner_of_an_add_request() -> None:
     (request,) = state.pending
     assert (request.action, request.new_workers) == ("add", ["w2"])
     assert state.pending_workers["w2"].status == "spawned"  # its report timeout runs from now
-    state.register(RegisterRequest("w2", host="c", device="cpu", pid=7))
+    requests.register(state, RegisterRequest("w2", host="c", device="cpu", pid=7))
     assert state.pending_workers["w2"].status == "ready"
     with pytest.raises(StateError, match="this worker is not needed"):
         enrol(state, 11.0)  # 2 members + 1 pending joiner = the maximum
 
 
 def test_a_silent_waiter_is_dropped_before_the_start() -> None:
-    state = enrolling(minimum=2, maximum=3, grace=1.0)
+    state = enrolling_job(minimum=2, maximum=3, grace=1.0)
     enrol(state, 0.0)  # w0 never polls again
     enrol(state, 10.0)  # w1: quorum at t=10
     enrol(state, 20.0, worker_id="w1")
-    state.housekeeping(now=20.0)  # w0 silent 20 s > 15 s: dropped, below the quorum again
+    enrolling.housekeeping(state, now=20.0)  # w0 silent 20 s > 15 s: dropped, below the quorum again
     assert not state.started
     with pytest.raises(StateError, match="not enrolled"):
         enrol(state, 20.5, worker_id="w0")
     enrol(state, 21.0)  # w2
-    state.housekeeping(now=22.5)
+    enrolling.housekeeping(state, now=22.5)
     assert state.member_ids == ["w1", "w2"]
 
 
 def test_scale_cannot_start_workers_of_a_scheduler() -> None:
-    state = enrolling(minimum=2, maximum=4, grace=0.0)
+    state = enrolling_job(minimum=2, maximum=4, grace=0.0)
     enrol(state, 0.0)
     enrol(state, 0.0)
     for action in ("add", "migrate"):
         with pytest.raises(StateError, match="started by their scheduler"):
-            state.scale(action, count=1)
-    assert state.scale("remove", count=1)["new_workers"] == []
+            requests.scale(state, action, count=1)
+    assert requests.scale(state, "remove", count=1)["new_workers"] == []
 
 
 def test_a_job_of_elan_run_takes_no_enrolment_and_a_finished_job_none_either() -> None:
     plain = JobState(job="job")
-    plain.start_job(2)
+    launching.start_job(plain, 2)
     with pytest.raises(StateError, match="does not take `elan worker`s"):
         enrol(plain, 0.0)
-    state = enrolling(minimum=1, maximum=1)
+    state = enrolling_job(minimum=1, maximum=1)
     enrol(state, 0.0)
-    state.worker_exit("w0", 0)
-    state.housekeeping(now=1.0)
+    recovering.worker_exit(state, "w0", 0)
+    enrolling.housekeeping(state, now=1.0)
     assert state.finished
     with pytest.raises(StateError, match="has finished"):
         enrol(state, 2.0)
@@ -104,17 +105,17 @@ def test_a_job_of_elan_run_takes_no_enrolment_and_a_finished_job_none_either() -
 def test_once_a_member_finished_training_a_new_worker_is_refused() -> None:
     """A member exited 0: the job's training is complete (the AM finishes it at its next housekeeping); a worker
     enrolling in between is refused, not queued as a joiner the AM would leave behind (found by the etcd storms)."""
-    state = enrolling(minimum=2, maximum=3, grace=0.0)
+    state = enrolling_job(minimum=2, maximum=3, grace=0.0)
     enrol(state, 0.0)
     enrol(state, 0.0)
-    state.worker_exit("w0", 0)
+    recovering.worker_exit(state, "w0", 0)
     with pytest.raises(StateError, match="has finished training"):
         enrol(state, 1.0)
     assert not state.pending
 
 
 def test_enrolment_survives_a_round_trip_of_the_state() -> None:
-    state = enrolling(minimum=3, maximum=3)
+    state = enrolling_job(minimum=3, maximum=3)
     enrol(state, 0.0)
     restored = JobState.from_dict(state.to_dict())
     assert restored.enrolment == state.enrolment
@@ -128,11 +129,12 @@ def test_bad_rules(minimum: int, maximum: int, problem: str) -> None:
 
 
 def test_status_shows_the_waiting_workers_then_the_start() -> None:
-    state = enrolling(minimum=2, maximum=3, grace=5.0)
-    assert JobState(job="run").status()["enrolment"] is None  # a job of `elan run`
+    state = enrolling_job(minimum=2, maximum=3, grace=5.0)
+    assert status_view.status(JobState(job="run"))["enrolment"] is None  # a job of `elan run`
     enrol(state, 0.0, "a")
-    assert state.status()["enrolment"] == {"min_workers": 2, "max_workers": 3, "started": False,
+    assert status_view.status(state)["enrolment"] == {"min_workers": 2, "max_workers": 3, "started": False,
                                            "waiting": [{"worker_id": "w0", "host": "a", "pid": 1000}]}
     enrol(state, 0.0, "b")
-    state.housekeeping(now=5.0)
-    assert state.status()["enrolment"] == {"min_workers": 2, "max_workers": 3, "started": True, "waiting": []}
+    enrolling.housekeeping(state, now=5.0)
+    assert status_view.status(state)["enrolment"] == {"min_workers": 2, "max_workers": 3, "started": True,
+                                                      "waiting": []}

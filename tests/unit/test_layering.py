@@ -42,7 +42,7 @@ PURE = (
     "scaling", "sim", "data.positions", "data.sampler", "replication.planner", "replication.sources",
     "replication.topology", "protocol.contract", "protocol.messages", "master.state", "master.sizing",
     "master.sizing_state", "master.measure", "master.enrolment", "master.standby", "master.recovery",
-    "master.narration",
+    "master.narration", "master.transitions",
 )
 NOT_IN_PURE = (*FRAMEWORKS, "torch.distributed")
 

@@ -23,6 +23,7 @@ from lightning_elan.cli_status import describe_am, describe_enrolment, format_st
 from lightning_elan.master.main import CLEAN_FINISHES, Stop, stop_line
 from lightning_elan.master.server import scale_line
 from lightning_elan.master.state import JobState, StateError
+from lightning_elan.master.transitions import launching, recovering, requests
 from lightning_elan.protocol.contract import FINISHED_BY_AM, FINISHED_BY_LAUNCHER
 
 REPO = Path(__file__).resolve().parents[2]
@@ -277,12 +278,12 @@ def test_counts_take_the_right_noun() -> None:
     assert describe_enrolment({"min_workers": 2, "max_workers": 4, "started": True}) == (
         "enrolment: 2–4 workers; started")
     state = JobState("j")
-    state.start_job(1)
+    launching.start_job(state, 1)
     for request, message in [({"action": "remove", "count": 1}, "cannot remove the only worker"),
                              ({"action": "migrate", "count": 2}, "cannot migrate 2 workers: the job has only 1"),
                              ({"action": "to", "size": 1}, "the job already has 1 worker (counting pending")]:
         with pytest.raises(StateError, match=re.escape(message)):
-            state.scale(**request)
+            requests.scale(state, **request)
 
 
 def test_the_enrolment_option_error_agrees_with_its_count(capsys: pytest.CaptureFixture[str]) -> None:
@@ -327,11 +328,11 @@ def test_the_recovery_plan_is_a_sentence_at_info(caplog: pytest.LogCaptureFixtur
     from lightning_elan.protocol.contract import RecoverRequest
 
     state = JobState("j")
-    state.start_job(3)
-    with caplog.at_level(logging.DEBUG, logger="lightning_elan.master.state"):
-        state.worker_exit("w1", 1)
+    launching.start_job(state, 3)
+    with caplog.at_level(logging.DEBUG, logger="lightning_elan.master.transitions.recovering"):
+        recovering.worker_exit(state, "w1", 1)
         for worker in ("w0", "w2"):
-            state.recover(RecoverRequest(worker_id=worker, generation=0, step=5, has_state=True))
+            recovering.recover(state, RecoverRequest(worker_id=worker, generation=0, step=5, has_state=True))
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert "job j recovers from f1 (w1 died): generation 1 will train with w0 and w2" in info, info
     assert any(r.levelno == logging.DEBUG and "recovery plan f1" in r.getMessage() for r in caplog.records)

@@ -16,6 +16,7 @@ from lightning_elan.data.positions import epoch_end_position, epoch_steps, globa
 from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic.scaling import ScalingLink
 from lightning_elan.master.state import JobState
+from lightning_elan.master.transitions import adjustments, launching, requests, status_view
 from lightning_elan.protocol.contract import AdjustmentReport, CoordinateRequest, RegisterRequest
 from lightning_elan.protocol.messages import ProtocolError, validate_body
 
@@ -149,20 +150,20 @@ def test_malformed_scaling_fields_are_refused(msg_type, body, message):
 
 def _grown_job() -> JobState:
     state = JobState(job="job")
-    state.start_job(2)
-    state.scale("add", count=2)
+    launching.start_job(state, 2)
+    requests.scale(state, "add", count=2)
     for worker in ("w2", "w3"):
-        state.register(RegisterRequest(worker, host="host", device="cpu", pid=1))
-    assert state.coordinate(CoordinateRequest("w0", 0, 3)).decision == "adjust"
+        requests.register(state, RegisterRequest(worker, host="host", device="cpu", pid=1))
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 3)).decision == "adjust"
     return state
 
 
 def test_the_adjustment_record_carries_the_decision_all_members_applied():
     state = _grown_job()
     for worker in ("w0", "w1", "w2"):
-        assert state.report(AdjustmentReport(worker, 1, "joiner" if worker == "w2" else "stayer", global_batch=24,
-                            scaling=DECISION)) is None
-    record = state.report(AdjustmentReport("w3", 1, "joiner", global_batch=24, scaling=DECISION))
+        assert adjustments.report(state, AdjustmentReport(worker, 1, "joiner" if worker == "w2" else "stayer",
+                                                          global_batch=24, scaling=DECISION)) is None
+    record = adjustments.report(state, AdjustmentReport("w3", 1, "joiner", global_batch=24, scaling=DECISION))
     assert record is not None and record["global_batch"] == 24 and record["scaling"] == DECISION
     assert "scaling_mismatch" not in record
 
@@ -171,21 +172,21 @@ def test_members_that_applied_different_batches_are_recorded_as_a_mismatch():
     state = _grown_job()
     for worker, batch in (("w0", 24), ("w1", 24), ("w2", 24)):
         role = "joiner" if worker == "w2" else "stayer"
-        state.report(AdjustmentReport(worker, 1, role, global_batch=batch, scaling=DECISION))
-    record = state.report(AdjustmentReport("w3", 1, "joiner", global_batch=12))
+        adjustments.report(state, AdjustmentReport(worker, 1, role, global_batch=batch, scaling=DECISION))
+    record = adjustments.report(state, AdjustmentReport("w3", 1, "joiner", global_batch=12))
     assert record["global_batch"] is None and record["scaling"] is None
     assert record["scaling_mismatch"] == {"w0": 24, "w1": 24, "w2": 24, "w3": 12}
 
 
 def test_status_keeps_rank0s_last_summary_until_a_new_one_arrives():
     state = JobState(job="job")
-    state.start_job(1)
+    launching.start_job(state, 1)
     summary = {"policy": "weak", "model_ready": False, "last_decision": DECISION}
-    state.coordinate(CoordinateRequest("w0", 0, 1, scaling=summary))
-    state.coordinate(CoordinateRequest("w0", 0, 2))  # no summary this time: the last one stays
-    assert state.status()["scaling"] == summary
+    adjustments.coordinate(state, CoordinateRequest("w0", 0, 1, scaling=summary))
+    adjustments.coordinate(state, CoordinateRequest("w0", 0, 2))  # no summary this time: the last one stays
+    assert status_view.status(state)["scaling"] == summary
     restored = JobState.from_dict(state.to_dict())
-    assert restored.status()["scaling"] == summary
+    assert status_view.status(restored)["scaling"] == summary
 
 
 def test_elan_status_prints_the_model_and_the_last_decision():

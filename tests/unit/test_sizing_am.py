@@ -11,6 +11,7 @@ from lightning_elan.elastic.compute import ComputeMeter
 from lightning_elan.master import sizing
 from lightning_elan.master.measure import Measurements
 from lightning_elan.master.state import JobState, StateError
+from lightning_elan.master.transitions import adjustments, enrolling, launching, requests
 from lightning_elan.protocol.contract import (
     CoordinateRequest,
     ProtocolError,
@@ -21,7 +22,7 @@ from lightning_elan.protocol.contract import (
 
 def started(nproc: int) -> JobState:
     state = JobState(job="job")
-    state.start_job(nproc, coordinate_every=1)
+    launching.start_job(state, nproc, coordinate_every=1)
     return state
 
 
@@ -33,11 +34,11 @@ def train(state: JobState, steps: int, seconds_per_step: float, start: float, st
         step += 1
         now += seconds_per_step
         for worker in list(state.pending_workers):  # the joiners started and reported ready
-            state.register(RegisterRequest(worker, host="h", device="cpu", pid=1))
-        reply = state.coordinate(CoordinateRequest(state.member_ids[0], state.generation, step,
+            requests.register(state, RegisterRequest(worker, host="h", device="cpu", pid=1))
+        reply = adjustments.coordinate(state, CoordinateRequest(state.member_ids[0], state.generation, step,
                                                    global_batch=global_batch), now=now)
         if reply.plan is not None:  # the new generation's rank 0 coordinates: it commits
-            state.coordinate(CoordinateRequest(reply.plan.members[0], reply.plan.generation, step,
+            adjustments.coordinate(state, CoordinateRequest(reply.plan.members[0], reply.plan.generation, step,
                                                global_batch=global_batch), now=now)
     return now, step
 
@@ -75,8 +76,8 @@ def test_worker_stats_are_validated() -> None:
 
 def test_stats_of_a_non_member_or_an_old_generation_are_ignored() -> None:
     state = started(2)
-    assert state.worker_stats(WorkerStats("w9", 0, 3, 1, 0.1))["ignored"]
-    assert state.worker_stats(WorkerStats("w0", 4, 3, 1, 0.1))["ignored"]
+    assert adjustments.worker_stats(state, WorkerStats("w9", 0, 3, 1, 0.1))["ignored"]
+    assert adjustments.worker_stats(state, WorkerStats("w0", 4, 3, 1, 0.1))["ignored"]
 
 
 def test_profile_visits_2_then_1_then_returns_to_3_and_records_each_rate() -> None:
@@ -135,8 +136,8 @@ def test_straggler_replace_adds_first_and_removes_the_straggler_once_the_replace
     sizing.set_stragglers(state, {"mode": "replace", "window": 1}, now=0.0)
     now, step = train(state, 2, 0.5, 0.0)
     for _ in range(10):
-        state.worker_stats(WorkerStats("w0", 0, step, 1, 0.1))
-        state.worker_stats(WorkerStats("w1", 0, step, 1, 0.3))
+        adjustments.worker_stats(state, WorkerStats("w0", 0, step, 1, 0.1))
+        adjustments.worker_stats(state, WorkerStats("w1", 0, step, 1, 0.3))
     sizing.tick(state, now)
     assert state.pending[0].action == "add" and state.pending[0].cause["inputs"]["straggler"] == "w1"
     now, step = train(state, 2, 0.5, now, step)
@@ -147,12 +148,12 @@ def test_straggler_replace_adds_first_and_removes_the_straggler_once_the_replace
 
 def test_straggler_remove_keeps_a_job_at_its_minimum() -> None:
     state = JobState(job="job")
-    state.start_job(2, coordinate_every=1, min_workers=2)
+    launching.start_job(state, 2, coordinate_every=1, min_workers=2)
     sizing.set_stragglers(state, {"mode": "remove", "window": 1}, now=0.0)
     now, step = train(state, 2, 0.5, 0.0)
     for _ in range(10):
-        state.worker_stats(WorkerStats("w0", 0, step, 1, 0.1))
-        state.worker_stats(WorkerStats("w1", 0, step, 1, 0.3))
+        adjustments.worker_stats(state, WorkerStats("w0", 0, step, 1, 0.1))
+        adjustments.worker_stats(state, WorkerStats("w1", 0, step, 1, 0.3))
     sizing.tick(state, now)
     assert not state.pending and state.sizing.decisions[-1]["decision"] == "kept"
 
@@ -166,7 +167,7 @@ def test_bad_sizing_requests_say_what_is_wrong() -> None:
     with pytest.raises(sizing.SizingError, match="needs a price"):
         sizing.set_autoscale(state, {"policy": "utility"}, now=0.0)
     with pytest.raises(StateError):
-        state.scale("to", size=0)
+        requests.scale(state, "to", size=0)
 
 
 def test_compute_meter_subtracts_collective_waits_and_skips_micro_batches() -> None:
@@ -187,9 +188,9 @@ def test_a_job_of_elan_workers_without_a_scale_out_command_cannot_grow_and_says_
     from lightning_elan.protocol.contract import EnrolRequest
 
     state = JobState(job="job")
-    state.accept_enrolments(Enrolment(1, 1, 0.0), coordinate_every=1)
-    state.enrol(EnrolRequest("host", 1), now=0.0)
-    state.housekeeping(now=1.0)
+    enrolling.accept_enrolments(state, Enrolment(1, 1, 0.0), coordinate_every=1)
+    enrolling.enrol(state, EnrolRequest("host", 1), now=0.0)
+    enrolling.housekeeping(state, now=1.0)
     assert state.started and state.world_size == 1
     sizing.set_autoscale(state, {"policy": "throughput", "every": 2}, now=1.0)
     now, _ = train(state, 3, 1.0, 1.0)

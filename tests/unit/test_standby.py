@@ -11,6 +11,7 @@ import pytest
 from lightning_elan.cli_status import format_status
 from lightning_elan.master.standby import STANDBY_REQUEST, StandbyPool
 from lightning_elan.master.state import JobState, StateError
+from lightning_elan.master.transitions import adjustments, launching, leaving, pool, recovering, requests, status_view
 from lightning_elan.protocol.contract import CoordinateRequest, RegisterRequest, WaitPlanReply
 
 
@@ -27,77 +28,78 @@ def test_the_pool_gives_the_readiest_oldest_first_and_says_what_is_missing() -> 
 
 def job_with_standby(nproc: int = 2, standby: int = 1) -> JobState:
     state = JobState(job="job")
-    state.start_job(nproc, coordinate_every=1, standby=standby)
+    launching.start_job(state, nproc, coordinate_every=1, standby=standby)
     return state
 
 
 def ready(state: JobState, worker: str) -> None:
-    state.register(RegisterRequest(worker, host="h", device="cpu", pid=100))
+    requests.register(state, RegisterRequest(worker, host="h", device="cpu", pid=100))
 
 
 def test_standbys_start_with_the_job_and_wait_without_deadline() -> None:
     state = job_with_standby(2, standby=2)
-    spawned = state.launcher_poll(now=1.0)["spawn"]
+    spawned = launching.launcher_poll(state, now=1.0)["spawn"]
     assert spawned == [{"worker_id": worker, "request_id": STANDBY_REQUEST} for worker in ("w2", "w3")]
     ready(state, "w2")
-    assert state.wait_plan("w2") is None and state.idle_answer("w2") == WaitPlanReply.standby()
-    assert state.idle_answer("w0") == WaitPlanReply.wait()
-    assert state.status()["standby"] == {"target": 2, "workers": [
+    assert adjustments.wait_plan(state, "w2") is None and pool.idle_answer(state, "w2") == WaitPlanReply.standby()
+    assert pool.idle_answer(state, "w0") == WaitPlanReply.wait()
+    assert status_view.status(state)["standby"] == {"target": 2, "workers": [
         {"worker_id": "w2", "status": "ready", "host": "h"}, {"worker_id": "w3", "status": "spawned", "host": None}]}
     assert state.projected_size() == 2  # standbys are not members-to-be
-    assert JobState(job="plain").status()["standby"] is None
+    assert status_view.status(JobState(job="plain"))["standby"] is None
 
 
 def test_an_add_takes_a_ready_standby_is_decided_at_once_and_the_pool_refills() -> None:
     state = job_with_standby(2, standby=1)
-    state.launcher_poll(now=1.0)
+    launching.launcher_poll(state, now=1.0)
     ready(state, "w2")
 
-    reply = state.scale("add", count=1)
+    reply = requests.scale(state, "add", count=1)
 
     assert reply["new_workers"] == ["w2"] and state.standby.workers == ["w3"]
-    assert state.launcher_poll(now=2.0)["spawn"] == [{"worker_id": "w3", "request_id": STANDBY_REQUEST}]
-    plan = state.coordinate(CoordinateRequest("w0", 0, 5)).plan  # no process start to wait for
+    assert launching.launcher_poll(state, now=2.0)["spawn"] == [{"worker_id": "w3", "request_id": STANDBY_REQUEST}]
+    plan = adjustments.coordinate(state, CoordinateRequest("w0", 0, 5)).plan  # no process start to wait for
     assert plan is not None and plan.joiners == ["w2"] and plan.members == ["w0", "w1", "w2"]
-    assert state.wait_plan("w2").plan == plan
+    assert adjustments.wait_plan(state, "w2").plan == plan
 
 
 def test_an_add_beyond_the_pool_takes_the_standbys_and_starts_the_rest() -> None:
     state = job_with_standby(2, standby=1)
-    state.launcher_poll(now=1.0)
-    reply = state.scale("add", count=2)
+    launching.launcher_poll(state, now=1.0)
+    reply = requests.scale(state, "add", count=2)
     assert reply["new_workers"] == ["w2", "w3"] and state.standby.workers == ["w4"]
-    assert state.coordinate(CoordinateRequest("w0", 0, 5)).plan is None  # w2 (standby, not ready yet) and w3 start
+    # w2 (standby, not ready yet) and w3 start
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 5)).plan is None
     ready(state, "w2")
     ready(state, "w3")
-    assert state.coordinate(CoordinateRequest("w0", 0, 6)).plan.joiners == ["w2", "w3"]
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 6)).plan.joiners == ["w2", "w3"]
 
 
 def test_a_standby_that_dies_leaves_the_pool_and_a_sigtermed_one_is_replaced() -> None:
     state = job_with_standby(2, standby=2)
-    state.launcher_poll(now=1.0)
-    assert state.worker_exit("w2", -9) == {"expected": False}
+    launching.launcher_poll(state, now=1.0)
+    assert recovering.worker_exit(state, "w2", -9) == {"expected": False}
     assert state.standby.workers == ["w3"] and "w2" not in state.pending_workers
-    assert state.status()["failures"][-1]["kind"] == "standby"
-    assert state.request_leave("w3")["outcome"] == "cancelled"
+    assert status_view.status(state)["failures"][-1]["kind"] == "standby"
+    assert leaving.request_leave(state, "w3")["outcome"] == "cancelled"
     assert state.standby.workers == ["w4", "w5"]  # the pool is back at its target (w2's place too)
-    assert state.wait_plan("w3").status == "cancelled"
-    assert state.worker_exit("w3", 0) == {"expected": True}
+    assert adjustments.wait_plan(state, "w3").status == "cancelled"
+    assert recovering.worker_exit(state, "w3", 0) == {"expected": True}
 
 
 def test_a_standby_that_never_reports_is_stopped() -> None:
     state = job_with_standby(2, standby=1)
-    state.launcher_poll(now=1.0)
-    assert state.launcher_poll(now=1.0 + state.report_timeout_s + 1)["stop"] == ["w2"]
-    assert state.standby.workers == [] and state.wait_plan("w2").status == "cancelled"
+    launching.launcher_poll(state, now=1.0)
+    assert launching.launcher_poll(state, now=1.0 + state.report_timeout_s + 1)["stop"] == ["w2"]
+    assert state.standby.workers == [] and adjustments.wait_plan(state, "w2").status == "cancelled"
 
 
 def test_the_end_of_the_job_cancels_the_standbys() -> None:
     state = job_with_standby(2, standby=1)
-    state.launcher_poll(now=1.0)
-    state.shutdown("done")
-    assert state.wait_plan("w2").status == "cancelled" and state.standby.workers == []
-    assert state.worker_exit("w2", 0) == {"expected": True}
+    launching.launcher_poll(state, now=1.0)
+    requests.shutdown(state, "done")
+    assert adjustments.wait_plan(state, "w2").status == "cancelled" and state.standby.workers == []
+    assert recovering.worker_exit(state, "w2", 0) == {"expected": True}
 
 
 def test_the_pool_survives_a_round_trip_of_the_state_and_is_validated() -> None:
@@ -105,7 +107,7 @@ def test_the_pool_survives_a_round_trip_of_the_state_and_is_validated() -> None:
     restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert restored.standby == StandbyPool(target=1, workers=["w2"])
     with pytest.raises(StateError, match="0 to 64"):
-        JobState(job="j").start_job(2, standby=100)
+        launching.start_job(JobState(job="j"), 2, standby=100)
 
 
 def test_status_text_shows_the_pool() -> None:

@@ -1,0 +1,13 @@
+"""Every transition of the AM's job state (``JobState``), one family per module (pure: no sockets, no torch).
+
+Bottom first (a module imports only those above it in this list, and ``master/state.py``):
+
+* ``pool``: the standby pool (``pending_workers`` of no request, ``standby``)
+* ``requests``: scale requests and the queue (``pending``, the joiners' readiness, failed requests, ``shutdown``)
+* ``leaving``: a worker asks to leave (``leave`` requests at the head of the queue)
+* ``adjustments``: every change of ``members`` and ``generation``: generation 0, plan, commit, report
+* ``recovering``: worker exits and the recovery from a dead member (``recovery``, ``failed_reason``)
+* ``enrolling``: workers started by a scheduler (``elan worker``) enrol; the AM's own clock for such a job
+* ``launching``: the job of ``elan run``: ``start_job`` and the launcher's poll
+* ``status_view``: the ``status`` reply (reads only)
+"""

@@ -1,0 +1,240 @@
+"""Worker exits and the recovery from a dead member: every transition that changes ``recovery``, ``trained_out`` and
+``failed_reason`` — an exit is expected or a death that fails the generation; the survivors check in (``recover``),
+silent ones are declared dead, and the recovery plan forms (``master/recovery.py`` makes it) or the job fails.
+Semantics: docs/architecture.md, *Worker failures*."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from lightning_elan.master.narration import plural, workers_phrase
+from lightning_elan.master.recovery import CheckIn, Recovery, recovery_plan
+from lightning_elan.master.state import (
+    READY,
+    Adjustment,
+    JobState,
+    StateError,
+    adjustment_failure,
+    now_or_clock,
+    require_non_negative,
+)
+from lightning_elan.master.transitions import adjustments, requests
+from lightning_elan.protocol.contract import (
+    DEFAULT_JOIN_TIMEOUT_S,
+    DEFAULT_RECOVERY_TIMEOUT_S,
+    RecoverRequest,
+    WaitPlanReply,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["declare_silent_survivors_dead", "fail_job", "form_plan_if_ready", "recover", "set_failure_policy",
+           "worker_exit"]
+
+
+def worker_exit(state: JobState, worker_id: str, returncode: int) -> dict[str, Any]:
+    """A worker exited; ``expected``: a leaver, a cancelled joiner or (after shutdown) a member, exiting 0."""
+    clean = returncode == 0
+    if worker_id in state.left_workers or (state.in_flight and worker_id in state.in_flight.plan.leavers):
+        if clean:
+            return {"expected": True}
+        if not _serves_a_joiner(state, worker_id):
+            return {"expected": False, "left": True}  # killed after it left: the job goes on
+        return _member_failed(state, worker_id, returncode, time.time())
+    if clean and state.member(worker_id) is not None and worker_id not in state.trained_out:
+        state.trained_out.append(worker_id)
+    if not clean and not state.finished and _takes_part(state, worker_id):
+        if state.training_over():
+            logger.warning("member %s exited with code %s after a member of generation %s finished training: "
+                           "the job's training is complete", worker_id, returncode, state.generation)
+            return {"expected": True}
+        return _member_failed(state, worker_id, returncode, time.time())
+    pending = state.pending_workers.get(worker_id)
+    if pending is not None:
+        return {"expected": requests.pending_worker_exited(state, pending, returncode)}
+    if state.member(worker_id) is not None:
+        if not clean:
+            logger.warning("member %s of generation %s exited with code %s", worker_id, state.generation, returncode)
+        return {"expected": clean and state.finished}
+    raise StateError(f"unknown worker {worker_id}")
+
+
+def recover(state: JobState, request: RecoverRequest, now: float | None = None) -> dict[str, Any]:
+    """A survivor of a failed generation checks in; the reply is ``wait_plan``'s (it then long-polls that)."""
+    worker_id = request.worker_id
+    state.require_known(worker_id)
+    require_non_negative(generation=request.generation, step=request.step)
+    recovery = state.recovery
+    if recovery is None:
+        answer = adjustments.wait_plan(state, worker_id)
+        if answer is not None and (answer.plan is None or answer.plan.generation > request.generation):
+            return answer.to_body()  # asked again after the recovery plan was formed, or cancelled
+        raise StateError(f"generation {request.generation} has not failed (current generation {state.generation})")
+    if request.generation not in recovery.failed_generations:
+        raise StateError(f"generation {request.generation} is not one of the failed generations "
+                         f"{recovery.failed_generations}")
+    if worker_id in recovery.survivors:
+        step = request.step if request.has_state else None
+        recovery.checked_in[worker_id] = CheckIn(request.has_state, step, now_or_clock(now),
+                                                 uncertain=request.has_state and request.uncertain)
+        form_plan_if_ready(state, now_or_clock(now))
+    answer = adjustments.wait_plan(state, worker_id)
+    return (answer or WaitPlanReply.wait()).to_body()
+
+
+def declare_silent_survivors_dead(state: JobState, now: float) -> list[str]:
+    """Survivors that did not check in by the deadline are hung: dead to the job (the launcher stops them)."""
+    recovery = state.recovery
+    if recovery is None or now < recovery.deadline:
+        return []
+    silent = recovery.missing()
+    for worker in silent:
+        logger.warning("worker %s did not check in after the failure %s: declared dead", worker,
+                       recovery.failure_id)
+        recovery.mark_dead(worker)
+    if silent and not recovery.survivors:
+        fail_job(state, f"no survivor checked in after {recovery.failure_id}", now)
+    elif silent:
+        form_plan_if_ready(state, now)
+    return silent
+
+
+def form_plan_if_ready(state: JobState, now: float) -> None:
+    """Once every survivor checked in (and enough ready joiners replace the dead), the recovery plan is in flight."""
+    recovery = state.recovery
+    if recovery is None:
+        return
+    replacements = _replacements_for(state, recovery, now)
+    if replacements is None or recovery.missing():
+        return
+    state.pending = [r for r in state.pending if not set(r.new_workers) & set(replacements)]
+    workers = [*recovery.checked_in, *replacements]
+    try:
+        plan = recovery_plan(recovery, state.generation, replacements, {w: state.host_of(w) for w in workers},
+                             {w: state.topology_of(w) for w in workers})
+    except ValueError as error:
+        fail_job(state, str(error), now)
+        return
+    state.left_workers.extend(w for w in recovery.dead if w not in state.left_workers)
+    for worker in recovery.dead:
+        state.pending_workers.pop(worker, None)
+    failure = {"failure_id": recovery.failure_id, "dead": list(recovery.dead),
+               "failed_generations": list(recovery.failed_generations), "detected_at": recovery.detected_at,
+               "recovered_at": now, "step_redone": plan.step + 1,
+               "interrupted_request": recovery.interrupted_request}
+    checked = max(c.at for c in recovery.checked_in.values())
+    state.in_flight = Adjustment(plan, recovery.detected_at, checked, decided_at=now, failure=failure)
+    state.recovery = None
+    logger.info("job %s recovers from %s (%s died): generation %d will train with %s", state.job,
+                recovery.failure_id, workers_phrase(recovery.dead), plan.generation, workers_phrase(plan.members))
+    logger.debug("job %s: recovery plan %s: %s", state.job, recovery.failure_id, json.dumps(plan.to_dict()))
+
+
+def fail_job(state: JobState, reason: str, now: float) -> None:
+    """Too few workers are left to go on: the job fails (recorded) and shuts down."""
+    logger.error("job %s fails: %s", state.job, reason)
+    state.record_failure({"kind": "job", "outcome": "failed", "reason": reason}, now)
+    state.failed_reason = reason
+    state.recovery = None
+    requests.shutdown(state, f"failed: {reason}")
+
+
+def set_failure_policy(state: JobState, replace_failed: bool, min_workers: int | None,
+                       join_timeout_s: float | None) -> None:
+    """Whether a dead member is replaced, below how many workers the recovery waits for joiners, and how long."""
+    if min_workers is not None and min_workers < 1:
+        raise StateError(f"min_workers must be ≥ 1, got {min_workers}")
+    if join_timeout_s is not None and join_timeout_s <= 0:
+        raise StateError(f"join_timeout_s must be > 0, got {join_timeout_s}")
+    state.replace_failed = bool(replace_failed)
+    state.min_workers = min_workers or 1
+    state.join_timeout_s = float(join_timeout_s or DEFAULT_JOIN_TIMEOUT_S)
+
+
+def _member_failed(state: JobState, worker_id: str, returncode: int, now: float) -> dict[str, Any]:
+    """A member (or a joiner of the plan in flight) died: recover without it, unless nobody is left."""
+    logger.warning("worker %s of generation %s died (exit code %s)", worker_id, state.generation, returncode)
+    recovery = state.recovery or _begin_recovery(state, now)
+    recovery.mark_dead(worker_id)
+    state.record_failure({"kind": "worker", "outcome": "died", "worker_id": worker_id, "returncode": returncode,
+                          "generation": state.generation, "failure_id": recovery.failure_id}, now)
+    if state.replace_failed:
+        _queue_replacement(state, now)
+    if not recovery.survivors:
+        fail_job(state, f"every worker of generation {state.generation} died", now)
+        return {"expected": False, "recovering": False}
+    form_plan_if_ready(state, now)
+    return {"expected": False, "recovering": True, "failed_generations": list(recovery.failed_generations)}
+
+
+def _begin_recovery(state: JobState, now: float) -> Recovery:
+    """Fail the current generation and the plan in flight (its joiners survive without state)."""
+    failed, survivors, previous = [state.generation], list(state.member_ids), list(state.member_ids)
+    interrupted, dead = state.in_flight, []
+    if interrupted is not None:
+        dead = list(interrupted.failure["dead"]) if interrupted.failure else []  # a recovery's, not carried out
+        plan = interrupted.plan
+        failed.append(plan.generation)
+        # the plan's members: not its leavers, nor members that died before it (a recovery plan in flight)
+        survivors = [w for w in survivors if w in plan.members and w not in plan.leavers] + list(plan.joiners)
+        previous = list(plan.members)
+        state.record_failure(adjustment_failure(interrupted, plan.request_id, "interrupted by a worker's death"))
+        state.in_flight = None
+    state.recovery = Recovery(
+        failure_id=f"f{state.next_failure}", failed_generations=failed, previous_members=previous,
+        survivors=survivors, detected_at=now, deadline=now + DEFAULT_RECOVERY_TIMEOUT_S, dead=dead,
+        interrupted_request=None if interrupted is None else interrupted.plan.request_id,
+    )
+    state.next_failure += 1
+    return state.recovery
+
+
+def _queue_replacement(state: JobState, now: float) -> None:
+    if state.finished:
+        return
+    reply = requests.queue_add(state, now)
+    logger.info("replacement %s requested (%s)", ", ".join(reply["new_workers"]), reply["request_id"])
+
+
+def _replacements_for(state: JobState, recovery: Recovery, now: float) -> list[str] | None:
+    """Ready joiners (of whole add requests) that bring the world up to ``min_workers`` ([] when not needed); None:
+    keep waiting — or, past ``join_timeout_s`` since the death, the job fails (whether or not every survivor
+    checked in)."""
+    needed = state.min_workers - len(recovery.survivors)
+    if needed <= 0:
+        return []
+    ready: list[str] = []
+    for request in state.pending:
+        if request.remove_count or request.ranks or not request.new_workers:
+            continue
+        if all(state.pending_workers[w].status == READY for w in request.new_workers):
+            ready += request.new_workers
+        if len(ready) >= needed:
+            return ready
+    if now - recovery.detected_at > state.join_timeout_s:
+        fail_job(state, f"{plural(len(recovery.survivors), 'worker')} left after {recovery.failure_id}, fewer than "
+                        f"--min-workers {state.min_workers}, and no joiner came within {state.join_timeout_s:.0f} s",
+                 now)
+        return None
+    if not recovery.waiting_logged:
+        recovery.waiting_logged = True
+        logger.warning("job %s: %s left, below --min-workers %d: waiting up to %.0f s for joiners",
+                       state.job, plural(len(recovery.survivors), "worker"), state.min_workers, state.join_timeout_s)
+    return None
+
+
+def _serves_a_joiner(state: JobState, worker_id: str) -> bool:
+    """A leaver of the plan in flight that is a joiner's replication source (a migration): its joiner needs it."""
+    return state.in_flight is not None and worker_id in state.in_flight.plan.sources.values()
+
+
+def _takes_part(state: JobState, worker_id: str) -> bool:
+    """A member, a joiner of the plan in flight, or a survivor of the failure being recovered."""
+    if state.member(worker_id) is not None:
+        return True
+    if state.in_flight is not None and worker_id in state.in_flight.plan.members:
+        return True
+    return state.recovery is not None and worker_id in state.recovery.survivors

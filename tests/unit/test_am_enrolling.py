@@ -1,0 +1,62 @@
+"""Enrolment (``master/transitions/enrolling.py``): workers of a scheduler enrol, the job starts, the AM's clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_elan.master.enrolment import Enrolment
+from lightning_elan.master.state import SPAWNED, JobState, StateError
+from lightning_elan.master.transitions import enrolling, recovering
+from lightning_elan.protocol.contract import FINISHED_BY_AM, EnrolRequest
+
+
+def enrolling_job(minimum: int, maximum: int) -> JobState:
+    state = JobState(job="job")
+    enrolling.accept_enrolments(state, Enrolment(minimum, maximum, start_grace_s=2.0), coordinate_every=3)
+    return state
+
+
+def test_generation_zero_forms_from_the_workers_that_enrolled_after_the_grace() -> None:
+    state = enrolling_job(2, 4)
+    first = enrolling.enrol(state, EnrolRequest("a", 1), now=0.0)
+    enrolling.enrol(state, EnrolRequest("b", 2), now=1.0)
+
+    assert first.worker_id == "w0" and first.role == "waiting" and not state.started
+    enrolling.housekeeping(state, now=2.5)
+    assert not state.started  # the quorum came at 1.0: the grace runs to 3.0
+    enrolling.housekeeping(state, now=3.0)
+    assert state.started and state.member_ids == ["w0", "w1"] and state.member("w1").host == "b"
+    reply = enrolling.enrol(state, EnrolRequest("a", 1, "w0"), now=3.1)
+    assert (reply.role, reply.rank, reply.world_size, reply.coordinate_every) == ("member", 0, 2, 3)
+
+
+def test_a_worker_that_enrols_after_the_start_is_a_joiner_of_its_own_add() -> None:
+    state = enrolling_job(1, 2)
+    enrolling.enrol(state, EnrolRequest("a", 1), now=0.0)
+    enrolling.housekeeping(state, now=5.0)
+
+    reply = enrolling.enrol(state, EnrolRequest("c", 3), now=6.0)
+
+    assert reply.role == "joiner" and state.pending[0].new_workers == [reply.worker_id]
+    assert state.pending_workers[reply.worker_id].status == SPAWNED
+    with pytest.raises(StateError, match=r"has its 2 workers \(--max-workers\)"):
+        enrolling.enrol(state, EnrolRequest("d", 4), now=7.0)
+
+
+def test_the_job_finishes_once_every_member_trained_out() -> None:
+    state = enrolling_job(2, 2)
+    for host in ("a", "b"):
+        enrolling.enrol(state, EnrolRequest(host, 1), now=0.0)
+    assert state.started  # full: at once
+
+    recovering.worker_exit(state, "w0", 0)
+    enrolling.housekeeping(state, now=1.0)
+    assert not state.finished
+    recovering.worker_exit(state, "w1", 0)
+    enrolling.housekeeping(state, now=2.0)
+    assert state.finished and state.finish_reason == FINISHED_BY_AM
+
+
+def test_a_job_of_elan_run_takes_no_enrolment() -> None:
+    with pytest.raises(StateError, match="does not take `elan worker`s"):
+        enrolling.enrol(JobState(job="job"), EnrolRequest("a", 1))
