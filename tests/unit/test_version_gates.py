@@ -1,0 +1,55 @@
+"""The Accelerate version gate: ``accelerate.compat`` refuses, at import, a version its private calls were not read
+from, naming it and the supported range; pyproject.toml declares the same range."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_elan.accelerate import compat as accelerate_compat
+
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+@pytest.mark.parametrize("version", ["1.0.0", "1.15.0", "1.15.2"])
+def test_a_tested_accelerate_is_accepted(version: str) -> None:
+    accelerate_compat.check_accelerate_version(version)
+
+
+@pytest.mark.parametrize("version", ["1.16.0", "1.16.0rc1", "2.0.0", "0.34.2"])
+def test_an_untested_accelerate_is_refused_with_its_version_and_the_range(version: str) -> None:
+    with pytest.raises(ImportError) as refused:
+        accelerate_compat.check_accelerate_version(version)
+    message = str(refused.value)
+    assert f"found accelerate {version}" in message
+    assert "accelerate>=1.0,<1.16" in message
+
+
+def _import_error(code: str) -> str:
+    """Run ``code`` in a fresh interpreter; the last line of its traceback (it must fail)."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode != 0, done.stdout
+    return done.stderr.strip().splitlines()[-1]
+
+
+def test_importing_the_accelerate_fence_under_a_newer_accelerate_fails() -> None:
+    error = _import_error(
+        "import importlib.metadata as metadata; real = metadata.version; "
+        "metadata.version = lambda name: '1.16.0' if name == 'accelerate' else real(name); "
+        "import lightning_elan.accelerate.compat")
+    assert error.startswith("ImportError") and "found accelerate 1.16.0" in error
+
+
+def _requirements() -> dict[str, list[str]]:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]
+    return {"dependencies": project["dependencies"], **project["optional-dependencies"]}
+
+
+def test_pyproject_declares_the_ranges_the_gates_accept() -> None:
+    requirements = _requirements()
+    for extra in ("accelerate", "dev"):
+        assert f"accelerate{accelerate_compat.SUPPORTED_ACCELERATE}" in requirements[extra]
