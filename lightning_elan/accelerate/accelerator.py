@@ -37,6 +37,7 @@ from accelerate.utils import DDPCommunicationHookType
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_elan import torch_compat
 from lightning_elan.accelerate import compat
 from lightning_elan.accelerate.data import ElasticTrainLoader, EvaluationLoader, LeftTheJob, refuse_unsupported
 from lightning_elan.accelerate.loop_end import LoopEndWatch, announce_loop_end
@@ -46,7 +47,6 @@ from lightning_elan.accelerate.scaling import AccelerateScaling
 from lightning_elan.accelerate.wrappers import ElasticOptimizer, ElasticScheduler
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
-from lightning_elan.elastic import torch_compat
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember, generation_prefix

@@ -1,5 +1,5 @@
-"""The Accelerate version gate: ``accelerate.compat`` refuses, at import, a version its private calls were not read
-from, naming it and the supported range; pyproject.toml declares the same range."""
+"""The torch and Accelerate version gates: ``torch_compat`` and ``accelerate.compat`` refuse, at import, a version
+their private calls were not read from, naming it and the supported range; pyproject.toml declares the same ranges."""
 
 from __future__ import annotations
 
@@ -9,9 +9,24 @@ from pathlib import Path
 
 import pytest
 
+from lightning_elan import torch_compat
 from lightning_elan.accelerate import compat as accelerate_compat
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+@pytest.mark.parametrize("version", ["2.3.0", "2.11.0+cu130", "2.13.0+cpu", "2.13.1", "2.13.0a0+git1234567"])
+def test_a_tested_torch_is_accepted(version: str) -> None:
+    torch_compat.check_torch_version(version)
+
+
+@pytest.mark.parametrize("version", ["2.14.0", "2.14.0a0+git1234567", "2.14.0.dev20260101+cu130", "3.0.0", "2.2.2"])
+def test_an_untested_torch_is_refused_with_its_version_and_the_range(version: str) -> None:
+    with pytest.raises(ImportError) as refused:
+        torch_compat.check_torch_version(version)
+    message = str(refused.value)
+    assert f"found torch {version}" in message
+    assert "torch>=2.3,<2.14" in message
 
 
 @pytest.mark.parametrize("version", ["1.0.0", "1.15.0", "1.15.2"])
@@ -35,6 +50,11 @@ def _import_error(code: str) -> str:
     return done.stderr.strip().splitlines()[-1]
 
 
+def test_importing_the_torch_fence_under_a_newer_torch_fails() -> None:
+    error = _import_error("import torch; torch.__version__ = '2.14.0'; import lightning_elan.torch_compat")
+    assert error.startswith("ImportError") and "found torch 2.14.0" in error
+
+
 def test_importing_the_accelerate_fence_under_a_newer_accelerate_fails() -> None:
     error = _import_error(
         "import importlib.metadata as metadata; real = metadata.version; "
@@ -51,5 +71,6 @@ def _requirements() -> dict[str, list[str]]:
 
 def test_pyproject_declares_the_ranges_the_gates_accept() -> None:
     requirements = _requirements()
+    assert f"torch{torch_compat.SUPPORTED_TORCH}" in requirements["dependencies"]
     for extra in ("accelerate", "dev"):
         assert f"accelerate{accelerate_compat.SUPPORTED_ACCELERATE}" in requirements[extra]
