@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,32 +16,31 @@ from lightning_elan.accelerate import compat as accelerate_compat
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
-@pytest.mark.parametrize("version", ["2.3.0", "2.11.0+cu130", "2.13.0+cpu", "2.13.1", "2.13.0a0+git1234567"])
-def test_a_tested_torch_is_accepted(version: str) -> None:
-    torch_compat.check_torch_version(version)
+TORCH = ("torch", torch_compat.check_torch_version, ">=2.3,<2.14")
+ACCELERATE = ("accelerate", accelerate_compat.check_accelerate_version, ">=1.0,<1.16")
 
 
-@pytest.mark.parametrize("version", ["2.14.0", "2.14.0a0+git1234567", "2.14.0.dev20260101+cu130", "3.0.0", "2.2.2"])
-def test_an_untested_torch_is_refused_with_its_version_and_the_range(version: str) -> None:
+@pytest.mark.parametrize(("gate", "version"), [
+    (TORCH, "2.3.0"), (TORCH, "2.11.0+cu130"), (TORCH, "2.13.0+cpu"), (TORCH, "2.13.1"), (TORCH, "2.13.0a0+git1234567"),
+    (ACCELERATE, "1.0.0"), (ACCELERATE, "1.15.0"), (ACCELERATE, "1.15.2"),
+])
+def test_a_tested_version_is_accepted(gate: tuple[str, Callable[[str], None], str], version: str) -> None:
+    _, check, _ = gate
+    check(version)
+
+
+@pytest.mark.parametrize(("gate", "version"), [
+    (TORCH, "2.14.0"), (TORCH, "2.14.0a0+git1234567"), (TORCH, "2.14.0.dev20260101+cu130"), (TORCH, "3.0.0"),
+    (TORCH, "2.2.2"), (ACCELERATE, "1.16.0"), (ACCELERATE, "1.16.0rc1"), (ACCELERATE, "2.0.0"), (ACCELERATE, "0.34.2"),
+])
+def test_an_untested_version_is_refused_with_the_version_and_the_range(
+        gate: tuple[str, Callable[[str], None], str], version: str) -> None:
+    package, check, supported = gate
     with pytest.raises(ImportError) as refused:
-        torch_compat.check_torch_version(version)
+        check(version)
     message = str(refused.value)
-    assert f"found torch {version}" in message
-    assert "torch>=2.3,<2.14" in message
-
-
-@pytest.mark.parametrize("version", ["1.0.0", "1.15.0", "1.15.2"])
-def test_a_tested_accelerate_is_accepted(version: str) -> None:
-    accelerate_compat.check_accelerate_version(version)
-
-
-@pytest.mark.parametrize("version", ["1.16.0", "1.16.0rc1", "2.0.0", "0.34.2"])
-def test_an_untested_accelerate_is_refused_with_its_version_and_the_range(version: str) -> None:
-    with pytest.raises(ImportError) as refused:
-        accelerate_compat.check_accelerate_version(version)
-    message = str(refused.value)
-    assert f"found accelerate {version}" in message
-    assert "accelerate>=1.0,<1.16" in message
+    assert f"found {package} {version}" in message
+    assert f"{package}{supported}" in message
 
 
 def _import_error(code: str) -> str:
