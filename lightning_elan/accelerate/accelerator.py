@@ -37,6 +37,7 @@ from accelerate.utils import DDPCommunicationHookType
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_elan import torch_compat
 from lightning_elan.accelerate import compat
 from lightning_elan.accelerate.data import ElasticTrainLoader, EvaluationLoader, LeftTheJob, refuse_unsupported
 from lightning_elan.accelerate.loop_end import LoopEndWatch, announce_loop_end
@@ -46,7 +47,6 @@ from lightning_elan.accelerate.scaling import AccelerateScaling
 from lightning_elan.accelerate.wrappers import ElasticOptimizer, ElasticScheduler
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
-from lightning_elan.elastic import torch_compat
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember, generation_prefix
@@ -297,7 +297,7 @@ class ElasticAccelerator(Accelerator):
         if not any(parameter.requires_grad for parameter in prepared.parameters()):
             return prepared
         ddp = ElasticDistributedDataParallel(prepared, self._current_group, **self._ddp_arguments())
-        ddp._is_accelerate_prepared = True
+        compat.mark_prepared(ddp)
         compat.replace_prepared(compat.prepared_models(self), prepared, ddp)
         return ddp
 
@@ -316,7 +316,7 @@ class ElasticAccelerator(Accelerator):
 
     @override
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
-        if getattr(optimizer, "_is_accelerate_prepared", False):
+        if compat.is_prepared(optimizer):
             return super().prepare_optimizer(optimizer, device_placement)
         placement = self.device_placement if device_placement is None else device_placement
         prepared = ElasticOptimizer(optimizer, self, device_placement=placement, scaler=self.scaler)
@@ -325,7 +325,7 @@ class ElasticAccelerator(Accelerator):
 
     @override
     def prepare_scheduler(self, scheduler: Any) -> Any:
-        if getattr(scheduler, "_is_accelerate_prepared", False):
+        if compat.is_prepared(scheduler):
             return super().prepare_scheduler(scheduler)
         optimizers = compat.prepared_optimizers(self)
         owner = next((o for o in optimizers if getattr(scheduler, "optimizer", None) is o.optimizer), optimizers)

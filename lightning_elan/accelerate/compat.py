@@ -1,4 +1,8 @@
-"""Every touch of a private Accelerate API, in one place (written against Accelerate 1.15; checked at import).
+"""Every touch of a private Accelerate API, in one place, gated on the Accelerate versions it was read from.
+
+Written against Accelerate 1.15 (``accelerate/state.py``, ``accelerator.py``, ``data_loader.py``). Importing this module
+refuses an Accelerate outside :data:`SUPPORTED_ACCELERATE`, as ``lightning_elan.compat`` refuses an untested Lightning;
+pyproject.toml's ``accelerate`` extra declares the same range.
 
 What the elastic accelerator depends on, upstream:
 
@@ -15,6 +19,8 @@ What the elastic accelerator depends on, upstream:
   ``DataLoaderShard`` does the same).
 * ``Accelerator._dataloaders``/``_models``/``_optimizers``/``_custom_objects`` are the lists ``save_state`` and
   ``load_state`` walk.
+* ``_is_accelerate_prepared`` on an object: ``prepare_model``/``prepare_optimizer``/``prepare_scheduler`` return such an
+  object as it is (appending it to their list if missing) instead of wrapping it again.
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
 
-import accelerate
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import DistributedType
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 if TYPE_CHECKING:
@@ -37,11 +44,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ACCELERATE_VERSION = Version(accelerate.__version__)
-TESTED = (Version("1.0"), Version("2.0"))
-if not TESTED[0] <= ACCELERATE_VERSION < TESTED[1]:
-    log.warning("lightning_elan's Accelerate integration is written for accelerate >= %s, < %s (found %s)",
-                *TESTED, ACCELERATE_VERSION)
+SUPPORTED_ACCELERATE = ">=1.0,<1.16"
+"""``accelerate`` versions whose private behaviour this module relies on (the upper bound: the newest minor CI tested,
+constraints-ci.txt; pre-releases of 1.16 are outside it, as pip's ``<1.16`` excludes them)."""
+
+
+def check_accelerate_version(installed: str) -> None:
+    """Refuse an Accelerate whose internals this module was not written against (fails at import, with the range)."""
+    if not SpecifierSet(SUPPORTED_ACCELERATE).contains(Version(installed), prereleases=True):
+        raise ImportError(f"lightning_elan's Accelerate integration supports accelerate{SUPPORTED_ACCELERATE}; found "
+                          f"accelerate {installed}. Install a supported version "
+                          f"(pip install 'accelerate{SUPPORTED_ACCELERATE}').")
+
+
+check_accelerate_version(_installed_version("accelerate"))
 
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ACCELERATE_USE_CPU")
 
@@ -92,6 +108,16 @@ def reported_num_processes(num_processes: int) -> Iterator[None]:
     finally:
         for state, value in zip(states, live, strict=True):
             state["num_processes"] = value
+
+
+def is_prepared(obj: object) -> bool:
+    """Whether Accelerate treats ``obj`` as already prepared (its ``prepare_*`` methods return it as it is)."""
+    return bool(getattr(obj, "_is_accelerate_prepared", False))
+
+
+def mark_prepared(obj: Any) -> None:
+    """Mark ``obj`` as prepared, as ``Accelerator.prepare_model`` marks the model it returns."""
+    obj._is_accelerate_prepared = True
 
 
 def enter_dataloader(loader: object) -> None:

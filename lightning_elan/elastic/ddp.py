@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_elan.elastic import torch_compat
+from lightning_elan import torch_compat
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,9 @@ def _private_group() -> dist.ProcessGroup:
     store = dist.HashStore()
     group = dist.ProcessGroup(store, 0, 1)
     gloo = dist.ProcessGroupGloo(store, 0, 1, timedelta(minutes=5))
-    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    torch_compat.set_default_backend(group, dist.ProcessGroup.BackendType.GLOO)
     for device in ("cpu", "cuda"):  # gloo serves CUDA tensors too; nothing ever leaves this process
-        group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, gloo)
+        torch_compat.register_backend(group, device, dist.ProcessGroup.BackendType.GLOO, gloo)
     return group
 
 

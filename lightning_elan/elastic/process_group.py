@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
 import hashlib
 import logging
 import socket
@@ -36,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from lightning_elan import torch_compat
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class AbortableWork(dist.Work):
         self._relayed = threading.Event()
         self._work = inner
         self._inner = inner.get_future()
-        self._relay = torch._C._collect_all([self._inner])
+        self._relay = torch.futures.collect_all([self._inner])
         self._relay.add_done_callback(_RelayCallback(self))
 
     def _relay_done(self, relay: torch.futures.Future) -> None:
@@ -114,7 +115,7 @@ class AbortableWork(dist.Work):
         the process, so the backend's thread never drops the last reference to them. If the backend completed the
         relay first, its callback is waited for (the caller holds the interpreter up meanwhile)."""
         for owned in (self._work, self._inner, self._relay):
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(owned))
+            torch_compat.keep_alive_forever(owned)
         try:
             self._relay.set_result([])
         except RuntimeError:  # the backend's work completed first: its callback runs, or ran, on its thread
@@ -459,7 +460,7 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         The process is ending: the OS reclaims it."""
         retired = self._retired
         if retired is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(retired))
+            torch_compat.keep_alive_forever(retired)
 
     def abort(self) -> None:
         """Tear a broken generation down without waiting for its peers (NCCL: ``ncclCommAbort``)."""
@@ -519,11 +520,8 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         group = _connect_watching(lambda: self._backend_group(store, rank, world_size, self.timeout),
                                   forming.raise_if_failed)
         default = ProcessGroup.BackendType.NCCL if self.backend == "nccl" else ProcessGroup.BackendType.GLOO
-        self._set_default_backend(default)
-        for device in ("cpu", "cuda"):
-            backend = _backend_for(group, device)
-            if backend is not None:  # DDP's construction logging and object collectives look it up on this object
-                self._register_backend(torch.device(device), _backend_type(backend), backend)
+        torch_compat.set_default_backend(self, default)
+        _register_backends_of(group, self)  # DDP's construction logging and object collectives look them up here
         return group
 
     def _backend_group(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta,
@@ -531,33 +529,27 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         """A plain process group of gloo (CPU tensors) and, for an NCCL job, NCCL (CUDA tensors) over ``store``."""
         group = ProcessGroup(store, rank, world_size)
         gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        gloo._set_sequence_number_for_group()
+        torch_compat.start_sequence_numbers(gloo)
         devices = [(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)]
         default = ProcessGroup.BackendType.GLOO
         if self.backend == "nccl":
-            nccl = self._nccl(dist.PrefixStore("nccl/", store) if default_gloo else store, rank, world_size, timeout)
+            nccl = torch_compat.nccl_backend(dist.PrefixStore("nccl/", store) if default_gloo else store, rank,
+                                             world_size, timeout)
+            torch_compat.start_sequence_numbers(nccl)
             devices.append((torch.device("cuda"), ProcessGroup.BackendType.NCCL, nccl))
             default = ProcessGroup.BackendType.GLOO if default_gloo else ProcessGroup.BackendType.NCCL
         elif torch.cuda.is_available():
             devices.append((torch.device("cuda"), ProcessGroup.BackendType.GLOO, gloo))
-        group._set_default_backend(default)
+        torch_compat.set_default_backend(group, default)
         for device, kind, backend in devices:
-            group._register_backend(device, kind, backend)
+            torch_compat.register_backend(group, device, kind, backend)
         return group
-
-    def _nccl(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        backend = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        backend._set_sequence_number_for_group()
-        return backend
 
     @staticmethod
     def _release(group: ProcessGroup, abort: bool) -> None:
         for device in ("cuda", "cpu"):
-            try:
-                backend = group._get_backend(torch.device(device))
-            except RuntimeError:
+            backend = torch_compat.backend_of(group, device)
+            if backend is None:
                 continue
             if abort and hasattr(backend, "abort"):
                 backend.abort()
@@ -611,7 +603,7 @@ class GenerationGroup(_ForwardingCollectives, ProcessGroup):
         self._generation = generation
         self._parent = parent
         backend_type = ProcessGroup.BackendType.NCCL if parent.backend == "nccl" else ProcessGroup.BackendType.GLOO
-        self._set_default_backend(backend_type)
+        torch_compat.set_default_backend(self, backend_type)
         _register_backends_of(generation.group, self)
 
     @property
@@ -655,7 +647,7 @@ class UserGroup(_ForwardingCollectives, ProcessGroup):
                  ranks: list[int]) -> None:
         super().__init__(ranks.index(generation.rank), len(ranks))
         self._backend_group, self._generation, self._parent, self.ranks = backend, generation, parent, ranks
-        self._set_default_backend(ProcessGroup.BackendType.GLOO)
+        torch_compat.set_default_backend(self, ProcessGroup.BackendType.GLOO)
         _register_backends_of(backend, self)
 
     def _target(self) -> ProcessGroup:
@@ -688,13 +680,6 @@ class UserGroup(_ForwardingCollectives, ProcessGroup):
         return "gloo"
 
 
-def _backend_for(group: ProcessGroup, device: str) -> Any:
-    try:
-        return group._get_backend(torch.device(device))
-    except RuntimeError:
-        return None
-
-
 def _backend_type(backend: Any) -> ProcessGroup.BackendType:
     return ProcessGroup.BackendType.NCCL if backend.name() == "nccl" else ProcessGroup.BackendType.GLOO
 
@@ -702,24 +687,18 @@ def _backend_type(backend: Any) -> ProcessGroup.BackendType:
 def _register_backends_of(group: ProcessGroup, outer: ProcessGroup) -> None:
     """Register ``group``'s backends on ``outer`` (C++ callers such as DDP's logging look them up on it)."""
     for device in ("cpu", "cuda"):
-        backend = _backend_for(group, device)
+        backend = torch_compat.backend_of(group, device)
         if backend is not None:
-            outer._register_backend(torch.device(device), _backend_type(backend), backend)
+            torch_compat.register_backend(outer, device, _backend_type(backend), backend)
 
 
 def _publish_generation(group: ElasticProcessGroup) -> None:
-    """What torch keeps of the default group is the current generation's: its ranks and its store.
-
-    ``init_process_group`` recorded a world of one (``_world.pg_group_ranks[default]``, read by
-    ``get_process_group_ranks`` and so by ``new_subgroups``) and a local ``HashStore`` (``_world.pg_map[default]``:
-    torch before 2.13 builds ``new_group``'s backends on it in ``_new_process_group_helper``, and
-    ``_get_default_store()`` hands it to libraries)."""
-    world = dist.distributed_c10d._world
-    if group not in world.pg_map or group.prefix is None:
+    """What torch keeps of the default group is the current generation's: its ranks and its store
+    (``init_process_group`` recorded a world of one and a local ``HashStore``; see
+    :func:`torch_compat.publish_default_group`)."""
+    if group.prefix is None:
         return
-    backend, _ = world.pg_map[group]
-    world.pg_map[group] = (backend, dist.PrefixStore(f"{group.prefix}default/", group.store))
-    world.pg_group_ranks[group] = {rank: rank for rank in range(group.size())}
+    torch_compat.publish_default_group(group, dist.PrefixStore(f"{group.prefix}default/", group.store), group.size())
 
 _abandoned: list[_Generation] = []
 _abandoned_connects: list[_Connecting] = []
@@ -783,7 +762,7 @@ def _keep_forever(generation: _Generation) -> None:
     interpreter shutdown destroys it); its pending collective ends with an error when its peers exit — after our
     exit hook disarmed it (:func:`_disarm_all`) if that is after we exit."""
     _abandoned.append(generation)
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(generation.group))
+    torch_compat.keep_alive_forever(generation.group)
 
 
 def install_default_group(group: ElasticProcessGroup) -> None:
@@ -804,7 +783,8 @@ def install_default_group(group: ElasticProcessGroup) -> None:
             dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=0, world_size=1, timeout=group.timeout)
         finally:
             _installing = None
-        _report_backend_as(group, group.backend)
+        # callers branch on get_backend() (Lightning's _sync_ddp avoids ReduceOp.AVG on "gloo")
+        torch_compat.report_backend_name(group, group.backend)
         _publish_generation(group)
     _destroy_at_exit()
 
@@ -816,17 +796,6 @@ def _destroy_at_exit() -> None:
     if not _exit_hook_registered:
         atexit.register(_destroy_default_group)
         _exit_hook_registered = True
-
-
-def _report_backend_as(group: ElasticProcessGroup, backend: str) -> None:
-    """Make ``torch.distributed.get_backend()`` answer ``backend`` instead of our registration name.
-
-    torch (2.3-2.13) answers it from ``distributed_c10d._world.pg_map[group][0]``, the name given to
-    ``init_process_group``; callers branch on it (Lightning's ``_sync_ddp`` avoids ``ReduceOp.AVG`` on "gloo").
-    """
-    world = dist.distributed_c10d._world
-    _, store = world.pg_map[group]
-    world.pg_map[group] = (backend, store)
 
 
 def uninstall_default_group(group: ElasticProcessGroup) -> None:

@@ -26,11 +26,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_elan import compat
+from lightning_elan import compat, torch_compat
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
-from lightning_elan.elastic import torch_compat
 from lightning_elan.elastic.applied_steps import AppliedSteps
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.frontend import ScalingParticipant

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_elan.elastic import torch_compat
+from lightning_elan import torch_compat
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 
 WORKER = Path(__file__).with_name("ddp_reset_worker.py")

@@ -21,8 +21,8 @@ MIRROR = f"{PACKAGE}.pytorch_lightning."  # the classic tree: the package's own 
 # Bottom first. A unit (a sub-package or a top-level module) imports its own modules and those of lower layers, never
 # a unit of its own layer: the AM and the engine, say, share what lies below them and know nothing of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # lazy exports, the classic tree's hook, Lightning's privates, etcd, counts and lists in words
-    ("_lazy", "_classic", "compat", "etcd", "words"),
+    # lazy exports, the classic tree's hook, Lightning's privates, torch's privates, etcd, counts and lists in words
+    ("_lazy", "_classic", "compat", "torch_compat", "etcd", "words"),
     ("protocol", "scaling", "data", "sim"),  # the wire contract; scaling math, the data position, the simulator
     ("replication",),  # the state of a worker copied to a joiner: planning, packing, transports
     ("master", "elastic"),  # the application master; the worker's engine

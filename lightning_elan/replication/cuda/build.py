@@ -129,7 +129,7 @@ def toolchain() -> Toolchain:
         torch_includes=include_paths(),
         torch_lib=library_paths()[0],
         python_include=sysconfig.get_paths()["include"],
-        cxx11_abi=int(torch._C._GLIBCXX_USE_CXX11_ABI),
+        cxx11_abi=int(torch.compiled_with_cxx11_abi()),
     )
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_elan import torch_compat
 from lightning_elan.replication.packing import (
     Chunk,
     PackedLayout,
@@ -57,7 +58,7 @@ chunk overlaps sending this one for all but the last ~16 MB."""
 # ProcessGroupGloo / ProcessGroupNCCL are c10d *backends* (torch >= 2.2): they are used through
 # their own methods (broadcast, barrier, rank, size), never through torch.distributed.* functions,
 # since they are not registered with c10d's world.
-TransferGroup: TypeAlias = dist.ProcessGroup | torch._C._distributed_c10d.Backend
+TransferGroup: TypeAlias = dist.ProcessGroup | torch_compat.C10dBackend
 
 
 class CollectiveTransport(StateTransport):
@@ -133,20 +134,11 @@ def make_transfer_group(
             raise RuntimeError("torch.distributed was built without Gloo")
         group = dist.ProcessGroupGloo(group_store, rank, size, timeout)
     elif backend == "nccl":
-        group = _make_nccl(group_store, rank, size, timeout)
+        group = torch_compat.nccl_backend(group_store, rank, size, timeout)
     else:
         raise ValueError(f"unsupported transfer backend {backend!r} (gloo or nccl)")
     log.debug("transfer group %s rank %d/%d (%s) ready in %.1f ms", prefix, rank, size, backend, _ms(t0))
     return group
-
-
-def _make_nccl(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> TransferGroup:
-    if not dist.is_nccl_available():
-        raise RuntimeError("torch.distributed was built without NCCL")
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = False
-    options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
 def _broadcast_chunks(group: TransferGroup, buffers: dict[str, torch.Tensor], chunks: list[Chunk],

@@ -1,0 +1,182 @@
+"""Every touch of a private torch API, in one place, gated on the torch versions it was read from.
+
+Read from torch 2.13's ``torch/distributed/distributed_c10d.py``, ``torch/csrc/distributed/c10d/`` (``ProcessGroup``,
+``Backend``, ``ProcessGroupGloo``, ``ProcessGroupNCCL``, ``reducer.cpp``), ``torch/nn/parallel/distributed.py`` and
+``torch/amp/grad_scaler.py``; the process-group ones are used since torch 2.3 (the package's lower bound). Each function
+names the upstream behaviour it relies on. Importing this module refuses a torch outside :data:`SUPPORTED_TORCH`, as
+``lightning_elan.compat`` refuses an untested Lightning: pyproject.toml declares the same range, so only an environment
+that ignores the package's requirements meets the refusal.
+
+A process group, upstream: a ``ProcessGroup`` holds one *backend* (``ProcessGroupGloo``, ``ProcessGroupNCCL``) per
+device type and dispatches each collective to the backend of its tensors' device, or to its default backend.
+``init_process_group``/``new_group`` assemble one in ``_new_process_group_helper`` with the private calls below; the
+elastic process group assembles its own the same way, once per generation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "SUPPORTED_TORCH",
+    "C10dBackend",
+    "backend_of",
+    "check_torch_version",
+    "forget_scaler_step",
+    "keep_alive_forever",
+    "nccl_backend",
+    "publish_default_group",
+    "register_backend",
+    "report_backend_name",
+    "reset_reducer",
+    "set_default_backend",
+    "settle_bucket_layout",
+    "start_sequence_numbers",
+]
+
+SUPPORTED_TORCH = ">=2.3,<2.14"
+"""``torch`` versions whose private behaviour this module relies on (the upper bound: the newest minor CI tested,
+constraints-ci.txt; pre-releases of 2.14 are outside it, as pip's ``<2.14`` excludes them)."""
+
+
+def check_torch_version(installed: str) -> None:
+    """Refuse a torch whose internals this module was not written against (fails at import, with the range)."""
+    if not SpecifierSet(SUPPORTED_TORCH).contains(Version(installed), prereleases=True):
+        raise ImportError(f"lightning_elan supports torch{SUPPORTED_TORCH}; found torch {installed}. Install a "
+                          f"supported version (pip install 'torch{SUPPORTED_TORCH}').")
+
+
+check_torch_version(str(torch.__version__))
+
+C10dBackend = torch._C._distributed_c10d.Backend
+"""The C++ base class of ``ProcessGroupGloo``/``ProcessGroupNCCL`` (``torch.distributed.Backend`` is the string enum of
+backend names, a different class); a backend used on its own is an instance of it."""
+
+
+# ---- assembling a process group (distributed_c10d._new_process_group_helper) ---------------------------------------
+
+
+def set_default_backend(group: dist.ProcessGroup, kind: dist.ProcessGroup.BackendType) -> None:
+    """The backend type ``group`` dispatches to when a collective's tensors do not pick one by device
+    (``ProcessGroup::setDefaultBackend``; ``_new_process_group_helper`` sets it before registering the backends)."""
+    group._set_default_backend(kind)
+
+
+def register_backend(group: dist.ProcessGroup, device: str | torch.device, kind: dist.ProcessGroup.BackendType,
+                     backend: Any) -> None:
+    """``backend`` serves ``group``'s collectives on tensors of ``device``'s type (``ProcessGroup::setBackend``, what
+    ``_new_process_group_helper`` calls once per device; C++ callers such as DDP's logging look backends up so)."""
+    group._register_backend(torch.device(device), kind, backend)
+
+
+def backend_of(group: dist.ProcessGroup, device: str) -> Any | None:
+    """The backend ``group`` registered for ``device``'s type, or None (``ProcessGroup::getBackend`` raises a
+    ``RuntimeError`` for a device type without one)."""
+    try:
+        return group._get_backend(torch.device(device))
+    except RuntimeError:
+        return None
+
+
+def start_sequence_numbers(backend: Any) -> None:
+    """Agree on the backend's first collective sequence number, as ``_new_process_group_helper`` does after building
+    every backend (``Backend::setSequenceNumberForGroup``: gloo's rank 0 draws it and the others read it from the
+    backend's store; NCCL counts from 0). A rendezvous on the store: every member calls it."""
+    backend._set_sequence_number_for_group()
+
+
+def nccl_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
+    """An NCCL backend over ``store`` (not registered with torch's world), with ``Options`` as
+    ``_new_process_group_helper`` makes its default ones: the normal-priority stream, and the collective timeout in the
+    private field ``ProcessGroupNCCL.Options._timeout``."""
+    if not dist.is_nccl_available():
+        raise RuntimeError("torch.distributed was built without NCCL")
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+# ---- what torch records of the default group (distributed_c10d._world) ---------------------------------------------
+
+
+def publish_default_group(group: dist.ProcessGroup, store: dist.Store, world_size: int) -> None:
+    """Record ``group`` (the default group, if torch has it) as ranks ``0..world_size-1`` over ``store``.
+
+    ``init_process_group`` records the default group in ``distributed_c10d._world``: ``pg_group_ranks[group]`` (read by
+    ``get_process_group_ranks`` and so by ``new_subgroups``) and ``pg_map[group] = (backend name, store)`` (torch before
+    2.13 builds ``new_group``'s backends on that store in ``_new_process_group_helper``; ``_get_default_store()`` hands
+    it to libraries). A group torch has not recorded is left alone."""
+    world = dist.distributed_c10d._world
+    if group not in world.pg_map:
+        return
+    backend, _ = world.pg_map[group]
+    world.pg_map[group] = (backend, store)
+    world.pg_group_ranks[group] = {rank: rank for rank in range(world_size)}
+
+
+def report_backend_name(group: dist.ProcessGroup, backend: str) -> None:
+    """Make ``torch.distributed.get_backend(group)`` answer ``backend``: torch (2.3-2.13) answers it from
+    ``distributed_c10d._world.pg_map[group][0]``, the name given to ``init_process_group``."""
+    world = dist.distributed_c10d._world
+    _, store = world.pg_map[group]
+    world.pg_map[group] = (backend, store)
+
+
+def keep_alive_forever(owned: object) -> None:
+    """An extra reference to ``owned`` that nothing ever drops (``Py_IncRef`` through ``ctypes.pythonapi``): not even
+    interpreter finalization frees it. For torch objects whose destruction is unsafe: a gloo backend's destructor joins
+    its worker threads and closes their pairs (``ProcessGroupGloo::~ProcessGroupGloo``), which blocks or throws from
+    a destructor while a collective still waits on a dead peer; a work or future freed by a backend's thread takes the
+    GIL there."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(owned))
+
+
+# ---- DDP's reducer (torch/nn/parallel/distributed.py, torch/csrc/distributed/c10d/reducer.cpp) ----------------------
+
+
+def settle_bucket_layout(reducer: Any) -> bool:
+    """Buckets in parameter registration order from now on (returns whether they were laid out anew; DDP does not
+    rebuild buckets with ``find_unused_parameters``, whose layout is its constructor's).
+
+    ``Reducer._push_all_rebuilt_params`` / ``_rebuild_buckets`` (``push_rebuilt_params_for_all_indices``,
+    ``rebuild_buckets``): DDP's join hook settles the bucket layout this way; ``rebuild_buckets`` first checks that the
+    previous reduction finished (``ensure_prior_reduction_finished``) and lays the buckets out afresh (new flat gradient
+    tensors, views re-pointed)."""
+    reducer._push_all_rebuilt_params()
+    return bool(reducer._rebuild_buckets())
+
+
+def reset_reducer(reducer: Any) -> None:
+    """Forget the reducer's interrupted iteration: the next forward starts as after a finished backward.
+
+    ``Reducer._reset_state`` (``reset_state``): what ``DistributedDataParallel._update_process_group`` calls so a DDP
+    can go on after a failed backward — ``require_finalize_``, ``expect_autograd_hooks_``, the first-hook flag and the
+    division factor cleared, the unused-parameter map zeroed, and the buckets marked as not rebuilt. The per-iteration
+    counters (ready parameters, pending buckets, next bucket) are reset by ``prepare_for_backward`` at the next
+    forward."""
+    reducer._reset_state()
+
+
+# ---- the GradScaler (torch/amp/grad_scaler.py) ----------------------------------------------------------------------
+
+
+def forget_scaler_step(scaler: Any) -> None:
+    """A ``GradScaler`` forgets the stage of a step that was discarded (its scale and growth tracker stay).
+
+    ``GradScaler._per_optimizer_states``: the stage (unscaled, stepped) and found-inf tensors of the step in progress,
+    cleared by ``update()`` after a step; a step that is never applied must not leave them behind (``unscale_`` of the
+    redone step would raise "unscale_() has already been called on this optimizer since the last update()")."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states:
+        states.clear()
