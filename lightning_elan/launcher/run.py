@@ -449,21 +449,18 @@ class JobLauncher:
         return failed
 
     def _counted_exit(self, worker: Worker, returncode: int) -> int:
-        """A worker killed by a signal after its script had ended (see ``script_ended_key``) or after its training loop
-        ended (``training_ended_key``: the job's last step was trained by every member) finished: 0, with a warning;
-        nothing is recovered and no replacement is started."""
-        if returncode >= 0 or self._store is None:
+        """A worker killed by a signal after its script had ended (see ``script_ended_key``) finished: 0, with a
+        warning (the crash is in the interpreter's teardown; its training and everything after it ran).
+
+        A death after the worker's training loop ended is still a death: the other members may be in collectives of
+        the script's code after ``fit`` (``trainer.test``, a barrier before saving), which only the generation's
+        failure releases; whether the job's training was complete is judged once every member has exited
+        (:meth:`_members_finished`)."""
+        if returncode >= 0 or self._store is None or not self._store.check([script_ended_key(worker.worker_id)]):
             return returncode
-        if self._store.check([script_ended_key(worker.worker_id)]):
-            log.warning("%s (pid %d) %s after its script had ended (a crash while the interpreter shut down): "
-                        "counted as finished", worker.worker_id, worker.process.pid, describe_status(returncode))
-            return 0
-        if self._store.check([training_ended_key(worker.worker_id)]):
-            log.warning("%s (pid %d) %s after its training ended (the job's last step was trained): counted as "
-                        "finished, but what its script does after training did not run", worker.worker_id,
-                        worker.process.pid, describe_status(returncode))
-            return 0
-        return returncode
+        log.warning("%s (pid %d) %s after its script had ended (a crash while the interpreter shut down): "
+                    "counted as finished", worker.worker_id, worker.process.pid, describe_status(returncode))
+        return 0
 
     def _is_undecided_joiner(self, worker: Worker) -> bool:
         """A joiner that is neither a member nor part of the plan in flight: its failure only fails its request."""
