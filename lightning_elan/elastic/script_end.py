@@ -13,7 +13,7 @@ import sys
 
 import torch.distributed as dist
 
-from lightning_elan.protocol.contract import script_ended_key, training_ended_key
+from lightning_elan.protocol.contract import script_ended_key, script_failed_key, training_ended_key
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ def mark_script_end_at_exit(store: dist.Store, worker_id: str) -> None:
 
 def _mark_script_end(store: dist.Store, worker_id: str) -> None:
     if getattr(sys, "last_value", None) is not None:  # an uncaught exception ended the script: not a finished worker
+        _mark_script_failed(store, worker_id)
         return
     try:
         store.set(script_ended_key(worker_id), b"1")
@@ -41,3 +42,13 @@ def mark_training_ended(store: dist.Store, worker_id: str) -> None:
         store.set(training_ended_key(worker_id), b"1")
     except Exception as error:  # the job's store is gone: a death from here on is judged as a death in training
         log.warning("worker %s could not record that its training ended: %s", worker_id, error)
+
+
+
+def _mark_script_failed(store: dist.Store, worker_id: str) -> None:
+    """An uncaught exception ended the script: a crash that follows is that failure, not a death after the job's
+    training (see ``mark_training_ended``)."""
+    try:
+        store.set(script_failed_key(worker_id), b"1")
+    except Exception as error:  # the job's store is gone: nobody is left to judge the death
+        log.debug("worker %s could not record that its script failed: %s", worker_id, error)

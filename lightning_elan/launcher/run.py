@@ -59,6 +59,7 @@ from lightning_elan.protocol.contract import (
     WorkerExitRequest,
     failure_key,
     script_ended_key,
+    script_failed_key,
     training_ended_key,
 )
 from lightning_elan.protocol.messages import new_message_id
@@ -571,8 +572,15 @@ class JobLauncher:
             return True
         if len(stopped) < len(members) and all(worker.returncode in SIGTERM_EXITS for worker in stopped):
             return True
-        return self._store is not None and any(
-            self._store.check([training_ended_key(worker.worker_id)]) for worker in members if worker is not None)
+        return self._training_complete([worker.worker_id for worker in members if worker is not None])
+
+    def _training_complete(self, members: list[str]) -> bool:
+        """A member's training loop ended (so every member trained the last step), and no member's script ended in an
+        uncaught exception (a crash after one is that failure: the job fails)."""
+        store = self._store
+        if store is None or any(store.check([script_failed_key(worker)]) for worker in members):
+            return False
+        return any(store.check([training_ended_key(worker)]) for worker in members)
 
     def _note_stopped_members(self, status: Mapping[str, Any]) -> None:
         """Say which finished members were stopped by SIGTERM after the training was complete."""

@@ -49,6 +49,11 @@ def script_ended_key(worker_id: str) -> str:
     a signal that kills it after that is a crash in the interpreter's teardown, not in training."""
     return f"elan/script_ended/{worker_id}"
 
+def script_failed_key(worker_id: str) -> str:
+    """The rendezvous-store key a worker sets at interpreter exit when an uncaught exception ended its script: a signal
+    that kills it after that is that failure, also after its training loop ended."""
+    return f"elan/script_failed/{worker_id}"
+
 def training_ended_key(worker_id: str) -> str:
     """The rendezvous-store key a member sets once its training loop ended (the job's last step trained, not left, no
     error): a death after that comes after the job's training was complete."""
@@ -1121,6 +1126,7 @@ __all__ = [
     "failure_key",
     "required_fields",
     "script_ended_key",
+    "script_failed_key",
     "split_host_port",
     "training_ended_key",
     "worker_number",

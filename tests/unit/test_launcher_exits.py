@@ -89,3 +89,13 @@ def test_a_death_after_the_training_ended_is_still_reported_as_a_death(training_
     """The other members may be in collectives after ``fit``: only the generation's failure releases them."""
     launcher = launcher_with_store({"w1": -9}, ["w1"] if training_ended else [])
     assert launcher._counted_exit(launcher._workers["w1"], -9) == -9
+
+
+def test_a_death_after_a_script_failed_is_not_a_finish() -> None:
+    """w1's script raised after its training (then crashed at exit): that failure fails the job, although w0's
+    training loop ended."""
+    from lightning_elan.protocol.contract import script_failed_key
+
+    launcher = launcher_with_store({"w0": 0, "w1": -6}, ["w0", "w1"])
+    launcher._store.set(script_failed_key("w1"), b"1")
+    assert launcher._members_finished(status_of("w0", "w1")) is False
