@@ -1,8 +1,9 @@
 """Tells the launcher when this worker's training loop ended and, at interpreter exit, that its script ran to its end.
 
-A signal that kills the process after either (a crash while the interpreter finalizes; a kill in the script's code
-after ``fit``) is then told apart from a death in training: the launcher counts such a worker as finished, with a
-warning, and nothing is recovered (the job's last step was trained by every member).
+A signal that kills the process after its script ended (a crash while the interpreter finalizes) is then told apart
+from a death in training: the launcher counts such a worker as finished, with a warning. A death after its training
+loop ended is still a death, but once every member has exited, one member's mark shows the job's training complete
+(unless a script ended in an uncaught exception, which is marked at exit too).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ def mark_training_ended(store: dist.Store, worker_id: str) -> None:
         store.set(training_ended_key(worker_id), b"1")
     except Exception as error:  # the job's store is gone: a death from here on is judged as a death in training
         log.warning("worker %s could not record that its training ended: %s", worker_id, error)
-
 
 
 def _mark_script_failed(store: dist.Store, worker_id: str) -> None:

@@ -702,8 +702,8 @@ class ElasticWorker:
     # ------------------------------------------------------------------ plumbing
 
     def training_ended(self) -> None:
-        """This member's training loop ended having trained the job's last step: a death from here on is a death after
-        the job's training, counted as finished by the launcher (nothing to recover)."""
+        """This member's training loop ended having trained the job's last step: once every member has exited, a death
+        from here on is a death after the job's training (the launcher ends the job as finished)."""
         if self.environment.standalone or self.has_left or self.group is None:
             return
         mark_training_ended(self.group.store, self.worker_id)

@@ -583,7 +583,7 @@ class JobLauncher:
         return any(store.check([training_ended_key(worker)]) for worker in members)
 
     def _note_stopped_members(self, status: Mapping[str, Any]) -> None:
-        """Say which finished members were stopped by SIGTERM after the training was complete."""
+        """Say which finished members were stopped or killed after the training was complete."""
         members = [self._workers.get(str(member["worker_id"])) for member in status.get("members") or []]
         for worker in members:
             if worker is not None and worker.returncode:
