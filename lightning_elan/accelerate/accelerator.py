@@ -472,9 +472,11 @@ class ElasticAccelerator(Accelerator):
                                                 sample.allreduce_s)
 
     def _training_over(self) -> None:
-        """The loop is over: same-host joiners finish copying, the link to the AM closes (the group stays)."""
+        """The loop is over (``epochs()`` ran out, or ``end_training``): the launcher is told this member's training
+        ended, same-host joiners finish copying, the link to the AM closes (the group stays)."""
         if self._loop_end_watch is not None:
             self._loop_end_watch.close()
+        self.engine.training_ended()
         self.engine.close()
 
     # ------------------------------------------------------------------ FrontEnd: what the engine asks of Accelerate

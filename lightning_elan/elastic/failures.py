@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -66,6 +67,9 @@ class FailureWatch:
         self._unreachable = False  # the last poll found the store not answering (logged once per outage)
         self._thread = threading.Thread(target=self._run, name="elan-failure-watch", daemon=True)
         self._thread.start()
+        # stopped before the interpreter finalizes: a daemon thread inside a store call then would take the GIL after
+        # finalization, and Python 3.11 ends it with ``pthread_exit``, unwinding through C++ frames (std::terminate)
+        atexit.register(self.close)
 
     def watch(self, generation: int | None) -> None:
         """Watch ``generation`` from now on (None: nothing)."""
@@ -78,6 +82,7 @@ class FailureWatch:
             return generation in self._failed
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         self._stop.set()
         self._thread.join(timeout=2.0)
 

@@ -709,20 +709,23 @@ class ElasticWorker:
         mark_training_ended(self.group.store, self.worker_id)
 
     def close(self) -> None:
-        """The training loop is over: same-host joiners finish copying, the AM link closes (the group stays)."""
+        """The training loop is over: same-host joiners finish copying, the AM link closes (the group stays, and so
+        does the failure watch: a member's death still releases the others' collectives after the loop — Accelerate's
+        ``wait_for_everyone`` before the main process saves, ``trainer.test`` — instead of leaving them to gloo's
+        timeout)."""
         self._finish_outgoing()
         if self._termination is not None:
             self._termination.disarm()
         if self._link is not None:
             self._link.close()
             self._link = None
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
 
     def shutdown(self) -> None:
         """Leave the job's group for good: torch's default group is destroyed (a later ``start`` installs anew)."""
         self.close()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self.group is not None:
             uninstall_default_group(self.group)
         self.group, self.generation = None, None

@@ -38,7 +38,8 @@ def total_steps(accumulation: int) -> int:
 
 
 def accelerate_run(tmp: Path, name: str, nproc: int, args: list[str], schedule: str | None = None,
-                   timeout: float = 300, coordinate_every: int = 1, secret_file: Path | None = None) -> RunResult:
+                   timeout: float = 300, coordinate_every: int = 1, secret_file: Path | None = None,
+                   env: dict[str, str] | None = None) -> RunResult:
     """The probe as job ``name`` through `elan run` (output in ``tmp/name``, the AM's state in ``name-state``)."""
     command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
                "--coordinate-every", str(coordinate_every), "--state-dir", str(tmp / f"{name}-state")]
@@ -47,7 +48,8 @@ def accelerate_run(tmp: Path, name: str, nproc: int, args: list[str], schedule: 
     if secret_file is not None:
         command += ["--secret-file", str(secret_file)]
     command += ["--", sys.executable, str(PROBE), "--out", str(tmp / name), *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=elan_env(tmp))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env={**elan_env(tmp), **(env or {})})
     output = proc.stdout + proc.stderr
     (tmp / f"{name}.log").write_text(output)
     return RunResult(tmp / name, tmp / f"{name}-state", proc.returncode, output)

@@ -4,6 +4,8 @@ equals a static plain-Accelerate run within 1e-9, and every sample counts once p
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.integration.accelerate_runs import (
@@ -21,6 +23,7 @@ from tests.integration.elastic_runs import (
     assert_states_close,
     consumed_per_epoch,
 )
+from tests.integration.worker_faults import FAULT_KILL_DIR
 
 pytestmark = pytest.mark.integration
 
@@ -61,3 +64,18 @@ def test_sigterm_makes_a_worker_leave_at_the_next_batch_boundary(plain_runs, tmp
     assert leave["leavers"] == ["w2"] and 7 <= leave["step"] < 10 and "failure" not in leave
     (leaver,) = [record for record in records if record["worker"] == "w2"]
     assert leaver["left"] and leaver["optimizer_steps"] == leave["step"]
+
+
+def test_a_member_killed_after_its_loop_ended_fails_nothing(plain_runs, tmp_path):
+    """w1 is SIGKILLed once its ``epochs()`` loop ran out (the job's last step was trained by every member), while w0
+    waits for everyone before it saves (the probe's ``wait_for_everyone``, Accelerate's usual pattern): the death
+    releases that barrier, w0 saves the final state and the job ends 0, saying what did not run on w1."""
+    env = {"ELAN_TEST_KILL": "w1:loop_over",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_KILL_DIR), os.environ.get("PYTHONPATH")]))}
+    run = accelerate_run(tmp_path, "after", 2, list(JOB_ARGS[1]), env=env)
+    assert run.returncode == 0, run.excerpt()
+    kills = (tmp_path / "elan-home" / "fault-kills.log").read_text().split()
+    assert kills[:2] == ["w1", "loop_over"], kills
+    assert_counted_once(committed_batches(run), SAMPLES, EPOCHS)
+    assert_states_close(run.final_state(), plain_runs[1].final_state(), TOLERANCE)
+    assert "what its script does after training did not run" in run.output, run.excerpt()

@@ -12,6 +12,8 @@
 * ``train_end`` — a member whose training loop ended (Lightning's ``on_train_end``), before it told the launcher;
 * ``trained`` — a member once its training ended and it told the launcher so (after the strategy's ``teardown``),
   before the script's code after ``fit``;
+* ``loop_over`` — an Accelerate member once its ``epochs()`` loop ran out (it told the launcher its training ended),
+  before the script's code after the loop (the probe's ``wait_for_everyone`` before the main process saves);
 * ``connecting`` — such a survivor once it has arrived in the recovery's generation (every member has), before its
   backend connects: the others meet its death inside their backend's rendezvous.
 
@@ -27,8 +29,10 @@ import signal
 _FUNCTIONS = {"send": "send_replica", "receive": "receive_replica"}
 _METHODS = {"warming": "_fault_in_spare", "coordinate": "_agree", "adjusting": "_adjust",
             "recovering": "_recovery_plan_for"}
-_STRATEGY = {"train_end": ("_ElanCoordinator", "on_train_end"), "trained": ("ElanStrategy", "teardown")}
-_AFTER = {"recovering", "trained"}  # killed when the method returns, not when it is called
+_FRONT_ENDS = {"train_end": ("lightning_elan.strategy.strategy", "_ElanCoordinator", "on_train_end"),
+               "trained": ("lightning_elan.strategy.strategy", "ElanStrategy", "teardown"),
+               "loop_over": ("lightning_elan.accelerate.accelerator", "ElasticAccelerator", "_training_over")}
+_AFTER = {"recovering", "trained", "loop_over"}  # killed when the method returns, not when it is called
 
 
 def _kill(phase: str) -> None:
@@ -61,10 +65,11 @@ def _install(phase: str, step: int | None) -> None:
     if phase == "connecting":
         _install_connecting(worker)
         return
-    if phase in _STRATEGY:
-        from lightning_elan.strategy import strategy
+    if phase in _FRONT_ENDS:
+        import importlib
 
-        owner, name = getattr(strategy, _STRATEGY[phase][0]), _STRATEGY[phase][1]
+        module, owner_name, name = _FRONT_ENDS[phase]
+        owner = getattr(importlib.import_module(module), owner_name)
         setattr(owner, name, _killing(phase, getattr(owner, name), step))
         return
     owner, name = (worker, _FUNCTIONS[phase]) if phase in _FUNCTIONS else (worker.ElasticWorker, _METHODS[phase])
