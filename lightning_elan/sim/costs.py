@@ -21,7 +21,9 @@ COSTS_FILE = Path(__file__).parent / "data" / "adjust_costs.json"
 BUILTIN_COST_MODELS = ("elan", "restart", "none")
 
 
-class Adjustment(str, Enum):
+class AdjustmentKind(str, Enum):
+    """The kind of a simulated resize, which prices its pause."""
+
     SCALE_OUT = "scale_out"
     SCALE_IN = "scale_in"
     MIGRATE = "migrate"
@@ -34,7 +36,7 @@ class CostPoint:
     scale_in: float
     migrate: float
 
-    def pause(self, kind: Adjustment) -> float:
+    def pause(self, kind: AdjustmentKind) -> float:
         return getattr(self, kind.value)
 
 
@@ -44,15 +46,15 @@ class CostTable:
 
     name: str
     points: tuple[CostPoint, ...]
-    _cache: dict[tuple[Adjustment, int], float] = field(default_factory=dict, repr=False, compare=False, hash=False)
+    _cache: dict[tuple[AdjustmentKind, int], float] = field(default_factory=dict, repr=False, compare=False, hash=False)
 
-    def pause_s(self, kind: Adjustment, parameters: int) -> float:
+    def pause_s(self, kind: AdjustmentKind, parameters: int) -> float:
         key = (kind, parameters)
         if key not in self._cache:
             self._cache[key] = self._interpolate(kind, parameters)
         return self._cache[key]
 
-    def _interpolate(self, kind: Adjustment, parameters: int) -> float:
+    def _interpolate(self, kind: AdjustmentKind, parameters: int) -> float:
         if not self.points:
             return 0.0
         sizes = [point.parameters for point in self.points]
@@ -76,11 +78,11 @@ class CostModel:
     def resize_pause_s(self, parameters: int, old_gpus: int, new_gpus: int) -> float:
         if new_gpus == old_gpus:
             return 0.0
-        kind = Adjustment.SCALE_OUT if new_gpus > old_gpus else Adjustment.SCALE_IN
+        kind = AdjustmentKind.SCALE_OUT if new_gpus > old_gpus else AdjustmentKind.SCALE_IN
         return self.adjust.pause_s(kind, parameters)
 
     def resume_pause_s(self, parameters: int) -> float:
-        return self.resume.pause_s(Adjustment.SCALE_OUT, parameters)
+        return self.resume.pause_s(AdjustmentKind.SCALE_OUT, parameters)
 
 
 def _table(name: str, raw: object) -> CostTable:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from lightning_elan.sim.costs import CostModel
 from lightning_elan.sim.errors import SimulationError
 from lightning_elan.sim.jobmodel import JobSpec
-from lightning_elan.sim.view import ClusterView, JobState
+from lightning_elan.sim.view import ClusterView, SimulatedJob
 
 if TYPE_CHECKING:
     from lightning_elan.sim.policies.base import Policy
@@ -34,7 +34,7 @@ class SimulationResult:
     policy: str
     cost_model: str
     total_gpus: int
-    jobs: list[JobState]
+    jobs: list[SimulatedJob]
     timeline: list[tuple[float, int]]  # (time, GPUs allocated from then on)
 
 
@@ -58,10 +58,11 @@ class _Run:
         self.total_gpus = total_gpus
         self.policy = policy
         self.costs = costs
-        self.states = [JobState(spec, spec.samples) for spec in sorted(jobs, key=lambda j: (j.submit_time, j.job_id))]
+        ordered = sorted(jobs, key=lambda j: (j.submit_time, j.job_id))
+        self.states = [SimulatedJob(spec, spec.samples) for spec in ordered]
         self.arrivals = deque(self.states)
         self.rank = {job.job_id: index for index, job in enumerate(self.states)}  # submission order
-        self.active: dict[int, JobState] = {}  # arrived and not finished, in submission order
+        self.active: dict[int, SimulatedJob] = {}  # arrived and not finished, in submission order
         self.running = _Ordered(self.rank)
         self.pending = _Ordered(self.rank)
         self.owner: list[int | None] = [None] * total_gpus
@@ -125,7 +126,7 @@ class _Run:
     def _apply(self, allocation: dict[int, int]) -> None:
         active = self.active
         total = 0
-        changed: list[tuple[int, JobState, int]] = []
+        changed: list[tuple[int, SimulatedJob, int]] = []
         for job_id, gpus in allocation.items():
             job = active.get(job_id)
             if job is None:
@@ -150,7 +151,7 @@ class _Run:
             if gpus > len(job.gpus):
                 self._resize(job, gpus)
 
-    def _resize(self, job: JobState, gpus: int) -> None:
+    def _resize(self, job: SimulatedJob, gpus: int) -> None:
         old = job.size
         pause = 0.0
         if gpus == 0:
@@ -181,7 +182,7 @@ class _Run:
             job.pause_s += added
             job.pause_gpu_s += added * gpus
 
-    def _acquire(self, job: JobState, count: int) -> None:
+    def _acquire(self, job: SimulatedJob, count: int) -> None:
         if len(self.free_gpus) < count:
             raise SimulationError(f"job {job.job_id} needs {count} more GPUs; {len(self.free_gpus)} are free")
         for _ in range(count):
@@ -191,7 +192,7 @@ class _Run:
             self.owner[gpu] = job.job_id
             job.gpus.append(gpu)
 
-    def _release(self, job: JobState, count: int) -> None:
+    def _release(self, job: SimulatedJob, count: int) -> None:
         for _ in range(count):
             gpu = job.gpus.pop()
             if self.owner[gpu] != job.job_id:
@@ -205,16 +206,16 @@ class _Ordered:
 
     def __init__(self, rank: dict[int, int]) -> None:
         self.rank = rank
-        self.jobs: list[JobState] = []
+        self.jobs: list[SimulatedJob] = []
         self.ranks: list[int] = []
 
-    def add(self, job: JobState) -> None:
+    def add(self, job: SimulatedJob) -> None:
         rank = self.rank[job.job_id]
         index = bisect.bisect_left(self.ranks, rank)
         self.ranks.insert(index, rank)
         self.jobs.insert(index, job)
 
-    def remove(self, job: JobState) -> None:
+    def remove(self, job: SimulatedJob) -> None:
         index = bisect.bisect_left(self.ranks, self.rank[job.job_id])
         if index == len(self.ranks) or self.jobs[index] is not job:
             raise SimulationError(f"job {job.job_id} is not where the engine keeps it")

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from lightning_elan.sim.costs import CostModel
 from lightning_elan.sim.jobmodel import BatchRule, JobSpec
 
-__all__ = ["ClusterView", "JobState"]
+__all__ = ["ClusterView", "SimulatedJob"]
 
 
 @dataclass
-class JobState:
+class SimulatedJob:
     """A job as it runs; policies read these fields, only the engine writes them."""
 
     spec: JobSpec
@@ -48,8 +48,8 @@ class ClusterView:
 
     now: float
     total_gpus: int
-    running: list[JobState]
-    pending: list[JobState]
+    running: list[SimulatedJob]
+    pending: list[SimulatedJob]
     rule: BatchRule
     costs: CostModel
 
@@ -57,7 +57,7 @@ class ClusterView:
     def free_gpus(self) -> int:
         return self.total_gpus - sum(job.size for job in self.running)
 
-    def runtime_s(self, job: JobState, gpus: int) -> float | None:
+    def runtime_s(self, job: SimulatedJob, gpus: int) -> float | None:
         """Time to finish ``job``'s remaining samples on ``gpus`` GPUs (no pause), None when infeasible."""
         rate = job.spec.rate(gpus, self.rule)
         return None if rate is None else job.remaining / rate

@@ -28,7 +28,7 @@ from lightning_elan.sim import (
     simulate,
     summarise,
 )
-from lightning_elan.sim.costs import Adjustment
+from lightning_elan.sim.costs import AdjustmentKind
 from lightning_elan.sim.jobmodel import BatchRule, BatchSpec, hybrid_batch
 from lightning_elan.sim.policies.dp import solve
 from lightning_elan.sim.policies.tiresias import ElasticTiresias, Tiresias
@@ -226,11 +226,11 @@ def test_category_1_curve_matches_saxena_table_2() -> None:
 
 def test_cost_tables_interpolate_the_measured_pauses() -> None:
     elan, restart = load_cost_model("elan"), load_cost_model("restart")
-    assert elan.adjust.pause_s(Adjustment.SCALE_OUT, 25_724_938) == pytest.approx(0.54)
-    assert restart.adjust.pause_s(Adjustment.SCALE_IN, 11_526_538) == pytest.approx(7.3)
-    middle = elan.adjust.pause_s(Adjustment.SCALE_OUT, (11_526_538 + 25_724_938) // 2)
+    assert elan.adjust.pause_s(AdjustmentKind.SCALE_OUT, 25_724_938) == pytest.approx(0.54)
+    assert restart.adjust.pause_s(AdjustmentKind.SCALE_IN, 11_526_538) == pytest.approx(7.3)
+    middle = elan.adjust.pause_s(AdjustmentKind.SCALE_OUT, (11_526_538 + 25_724_938) // 2)
     assert middle == pytest.approx((0.21 + 0.54) / 2, abs=1e-3)
-    assert elan.adjust.pause_s(Adjustment.SCALE_OUT, 140_000_000) > 0.54  # extrapolated for VGG-sized models
+    assert elan.adjust.pause_s(AdjustmentKind.SCALE_OUT, 140_000_000) > 0.54  # extrapolated for VGG-sized models
     assert load_cost_model("none").resize_pause_s(10**8, 2, 4) == 0.0
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from lightning_elan.sim.jobmodel import BatchRule
 
 if TYPE_CHECKING:
-    from lightning_elan.sim.view import ClusterView, JobState
+    from lightning_elan.sim.view import ClusterView, SimulatedJob
 
 
 class Policy(ABC):
@@ -30,7 +30,7 @@ def keep_running(view: ClusterView) -> dict[int, int]:
     return {job.job_id: job.size for job in view.running}
 
 
-def static_runtime_s(view: ClusterView, job: JobState) -> float:
+def static_runtime_s(view: ClusterView, job: SimulatedJob) -> float:
     """Run time of ``job``'s remaining work on its requested GPUs."""
     runtime = view.runtime_s(job, job.spec.num_gpu)
     assert runtime is not None, "a job's request is always feasible"

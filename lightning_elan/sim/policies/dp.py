@@ -21,7 +21,7 @@ import numpy as np
 
 from lightning_elan.sim.jobmodel import BatchRule
 from lightning_elan.sim.policies.base import Policy, keep_running
-from lightning_elan.sim.view import ClusterView, JobState
+from lightning_elan.sim.view import ClusterView, SimulatedJob
 
 Values = Sequence[float | None]  # values[k-1]: scaling factor on k GPUs, None when infeasible
 
@@ -98,7 +98,7 @@ class SaxenaDp(Policy):
             executing.append(job)
         return {job.job_id: gpus for job, gpus in zip(executing, program.allocation(), strict=True)}
 
-    def values(self, view: ClusterView, job: JobState) -> list[float | None]:
+    def values(self, view: ClusterView, job: SimulatedJob) -> list[float | None]:
         spec = job.spec
         return [spec.scaling_factor(k, self.batch_rule) if k >= spec.min_res else None
                 for k in range(1, spec.max_res + 1)]

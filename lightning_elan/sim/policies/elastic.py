@@ -20,7 +20,7 @@ import heapq
 
 from lightning_elan.sim.jobmodel import BatchRule
 from lightning_elan.sim.policies.base import Policy
-from lightning_elan.sim.view import ClusterView, JobState
+from lightning_elan.sim.view import ClusterView, SimulatedJob
 
 BACKFILL_DEPTH = 64  # E-BF looks this far past a blocked head
 
@@ -32,7 +32,7 @@ class ElasticFifo(Policy):
 
     def decide(self, view: ClusterView) -> dict[int, int]:
         plan = _Plan(view, list(view.running))
-        blocked: JobState | None = None
+        blocked: SimulatedJob | None = None
         for job in view.pending[: BACKFILL_DEPTH + 1] if self.backfill else view.pending:
             if blocked is None and self._admit(plan, job):
                 plan.add(job)
@@ -44,7 +44,7 @@ class ElasticFifo(Policy):
                 plan.add(job)
         return dict(plan.allocation())
 
-    def _admit(self, plan: _Plan, job: JobState) -> bool:
+    def _admit(self, plan: _Plan, job: SimulatedJob) -> bool:
         view = plan.view
         if plan.minimum + job.spec.min_res > view.total_gpus:
             return False
@@ -52,7 +52,7 @@ class ElasticFifo(Policy):
             return True
         return mean_jct_with(view, plan.admitted, job, plan.estimates) <= plan.mean_jct_without(job)
 
-    def _backfill_allowed(self, plan: _Plan, head: JobState, job: JobState) -> bool:
+    def _backfill_allowed(self, plan: _Plan, head: SimulatedJob, job: SimulatedJob) -> bool:
         """E-BF: ``job`` may go ahead of ``head`` if the head could still start at its ``min_res`` by then."""
         view = plan.view
         if plan.minimum + job.spec.min_res + head.spec.min_res <= view.total_gpus:
@@ -64,7 +64,7 @@ class ElasticFifo(Policy):
 class _Plan:
     """The jobs admitted so far at one event; what depends only on them is computed once per admission."""
 
-    def __init__(self, view: ClusterView, admitted: list[JobState]) -> None:
+    def __init__(self, view: ClusterView, admitted: list[SimulatedJob]) -> None:
         self.view = view
         self.admitted = admitted
         self.minimum = sum(job.spec.min_res for job in admitted)  # GPUs they need at the least
@@ -74,7 +74,7 @@ class _Plan:
         self._shadow: dict[int, float] = {}
         self.estimates = _Estimates(view)
 
-    def add(self, job: JobState) -> None:
+    def add(self, job: SimulatedJob) -> None:
         self.admitted.append(job)
         self.minimum += job.spec.min_res
         self.held += job.size if job.size else job.spec.min_res
@@ -91,10 +91,10 @@ class _Plan:
             self._ends = _estimated_ends(self.view, self.admitted, self.allocation(), self.estimates)
         return self._ends
 
-    def mean_jct_without(self, job: JobState) -> float:
+    def mean_jct_without(self, job: SimulatedJob) -> float:
         return _mean_jct_without(self.view, self.admitted, job, self.allocation(), self.ends())
 
-    def shadow_time(self, head: JobState) -> float:
+    def shadow_time(self, head: SimulatedJob) -> float:
         if head.job_id not in self._shadow:
             self._shadow[head.job_id] = _shadow_time(self.view, self.admitted, head, self.ends())
         return self._shadow[head.job_id]
@@ -113,20 +113,20 @@ class _Estimates:
         self._gains: dict[tuple[int, int], float | None] = {}
         self._ends: dict[tuple[int, int], float] = {}
 
-    def gain(self, job: JobState, gpus: int) -> float | None:
+    def gain(self, job: SimulatedJob, gpus: int) -> float | None:
         key = (job.job_id, gpus)
         if key not in self._gains:
             self._gains[key] = marginal_gain(self.view, job, gpus)
         return self._gains[key]
 
-    def end(self, job: JobState, gpus: int) -> float:
+    def end(self, job: SimulatedJob, gpus: int) -> float:
         key = (job.job_id, gpus)
         if key not in self._ends:
             self._ends[key] = _estimated_end(self.view, job, gpus)
         return self._ends[key]
 
 
-def allocate(view: ClusterView, jobs: list[JobState], estimates: _Estimates | None = None) -> dict[int, int]:
+def allocate(view: ClusterView, jobs: list[SimulatedJob], estimates: _Estimates | None = None) -> dict[int, int]:
     """The allocation rule: ``min_res`` each, then one GPU at a time by largest marginal gain."""
     gain_of = (estimates or _Estimates(view)).gain
     allocation = {job.job_id: job.spec.min_res for job in jobs}
@@ -149,7 +149,7 @@ def allocate(view: ClusterView, jobs: list[JobState], estimates: _Estimates | No
     return allocation
 
 
-def marginal_gain(view: ClusterView, job: JobState, gpus: int) -> float | None:
+def marginal_gain(view: ClusterView, job: SimulatedJob, gpus: int) -> float | None:
     """Seconds of JCT saved by giving ``job`` a GPU more than ``gpus``; None when it may not grow."""
     if gpus + 1 > job.spec.max_res:
         return None
@@ -165,14 +165,14 @@ def marginal_gain(view: ClusterView, job: JobState, gpus: int) -> float | None:
     return gain
 
 
-def _estimated_end(view: ClusterView, job: JobState, gpus: int) -> float:
+def _estimated_end(view: ClusterView, job: SimulatedJob, gpus: int) -> float:
     pause = view.costs.resize_pause_s(job.spec.profile.parameters, job.size, gpus) if job.size else 0.0
     start = max(view.now, job.paused_until) if job.size and gpus == job.size else view.now + pause
     return start + (view.runtime_s(job, gpus) or float("inf"))
 
 
 def _estimated_ends(
-    view: ClusterView, jobs: list[JobState], allocation: dict[int, int], estimates: _Estimates | None = None
+    view: ClusterView, jobs: list[SimulatedJob], allocation: dict[int, int], estimates: _Estimates | None = None
 ) -> dict[int, float]:
     if estimates is None:
         return {job.job_id: _estimated_end(view, job, allocation[job.job_id]) for job in jobs}
@@ -180,20 +180,24 @@ def _estimated_ends(
 
 
 def mean_jct_with(
-    view: ClusterView, admitted: list[JobState], job: JobState, estimates: _Estimates | None = None
+    view: ClusterView, admitted: list[SimulatedJob], job: SimulatedJob, estimates: _Estimates | None = None
 ) -> float:
     jobs = [*admitted, job]
     ends = _estimated_ends(view, jobs, allocate(view, jobs, estimates), estimates)
     return sum(ends[j.job_id] - j.spec.submit_time for j in jobs) / len(jobs)
 
 
-def mean_jct_without(view: ClusterView, admitted: list[JobState], job: JobState) -> float:
+def mean_jct_without(view: ClusterView, admitted: list[SimulatedJob], job: SimulatedJob) -> float:
     allocation = allocate(view, admitted)
     return _mean_jct_without(view, admitted, job, allocation, _estimated_ends(view, admitted, allocation))
 
 
 def _mean_jct_without(
-    view: ClusterView, admitted: list[JobState], job: JobState, allocation: dict[int, int], ends: dict[int, float]
+    view: ClusterView,
+    admitted: list[SimulatedJob],
+    job: SimulatedJob,
+    allocation: dict[int, int],
+    ends: dict[int, float],
 ) -> float:
     free = view.total_gpus - sum(allocation.values())
     start = view.now
@@ -207,7 +211,7 @@ def _mean_jct_without(
     return total / (len(admitted) + 1)
 
 
-def _shadow_time(view: ClusterView, admitted: list[JobState], head: JobState, ends: dict[int, float]) -> float:
+def _shadow_time(view: ClusterView, admitted: list[SimulatedJob], head: SimulatedJob, ends: dict[int, float]) -> float:
     """When enough admitted jobs will have ended for ``head`` to fit at its ``min_res``."""
     minimum = sum(job.spec.min_res for job in admitted)
     for job in sorted(admitted, key=lambda job: ends[job.job_id]):

@@ -25,7 +25,7 @@ import bisect
 
 from lightning_elan.sim.jobmodel import BatchRule
 from lightning_elan.sim.policies.base import Policy
-from lightning_elan.sim.view import ClusterView, JobState
+from lightning_elan.sim.view import ClusterView, SimulatedJob
 
 DEFAULT_THRESHOLDS = (500.0, 10_000.0)
 DEFAULT_STARVATION_FACTOR = 8.0
@@ -42,7 +42,7 @@ class Tiresias(Policy):
         self.starvation_factor = starvation_factor
         self._service_at_promotion: dict[int, float] = {}
 
-    def queue(self, job: JobState) -> int:
+    def queue(self, job: SimulatedJob) -> int:
         service = job.attained_gpu_s - self._service_at_promotion.get(job.job_id, 0.0)
         queue = 0
         for threshold in self.thresholds:
@@ -54,7 +54,7 @@ class Tiresias(Policy):
         self._promote_starving(view)
         return self._base_plan(view, self.priority_order(view))
 
-    def _base_plan(self, view: ClusterView, order: list[JobState]) -> dict[int, int]:
+    def _base_plan(self, view: ClusterView, order: list[SimulatedJob]) -> dict[int, int]:
         """Each job in priority order that fits on its base size runs (every base size is at least one GPU)."""
         allocation: dict[int, int] = {}
         free = view.total_gpus
@@ -67,10 +67,10 @@ class Tiresias(Policy):
                 free -= size
         return allocation
 
-    def base_size(self, job: JobState) -> int:
+    def base_size(self, job: SimulatedJob) -> int:
         return job.spec.num_gpu
 
-    def priority_order(self, view: ClusterView) -> list[JobState]:
+    def priority_order(self, view: ClusterView) -> list[SimulatedJob]:
         """Jobs by (queue, submission time, job id): submission order within each queue.
 
         A waiting job that never ran has no service (it sits in the queue of service 0) and needs no look-up; the
@@ -78,7 +78,7 @@ class Tiresias(Policy):
         """
         fresh = [job for job in view.pending if job.last_stop is None]
         others = sorted([*view.running, *_preempted(view)], key=_submission)
-        queues: list[list[JobState]] = [[] for _ in range(len(self.thresholds) + 1)]
+        queues: list[list[SimulatedJob]] = [[] for _ in range(len(self.thresholds) + 1)]
         for job in others:
             queues[self.queue(job)].append(job)
         fresh_queue = sum(1 for threshold in self.thresholds if 0.0 >= threshold)
@@ -91,12 +91,12 @@ class Tiresias(Policy):
         future = [time for time in times if time is not None and time > view.now]
         return min(future, default=None)
 
-    def _demotion_time(self, view: ClusterView, job: JobState) -> float | None:
+    def _demotion_time(self, view: ClusterView, job: SimulatedJob) -> float | None:
         service = job.attained_gpu_s - self._service_at_promotion.get(job.job_id, 0.0)
         above = [threshold for threshold in self.thresholds if threshold > service]
         return view.now + (above[0] - service) / job.size if above else None
 
-    def _promotion_time(self, job: JobState) -> float | None:
+    def _promotion_time(self, job: SimulatedJob) -> float | None:
         if not self.starvation_factor or job.last_stop is None or self.queue(job) == 0:
             return None
         run_s = (job.attained_gpu_s - self._service_at_promotion.get(job.job_id, 0.0)) / job.spec.num_gpu
@@ -109,20 +109,20 @@ class Tiresias(Policy):
                 self._service_at_promotion[job.job_id] = job.attained_gpu_s
 
 
-def _preempted(view: ClusterView) -> list[JobState]:
+def _preempted(view: ClusterView) -> list[SimulatedJob]:
     """Waiting jobs that ran before (only these can have left queue 0 or be promoted back to it)."""
     return [job for job in view.pending if job.last_stop is not None]
 
 
-def _submission(job: JobState) -> tuple[float, int]:
+def _submission(job: SimulatedJob) -> tuple[float, int]:
     return job.spec.submit_time, job.job_id
 
 
-def _merge(ordered: list[JobState], few: list[JobState]) -> list[JobState]:
+def _merge(ordered: list[SimulatedJob], few: list[SimulatedJob]) -> list[SimulatedJob]:
     """Two lists in submission order merged, ``few`` inserted into ``ordered`` by binary search."""
     if not few:
         return ordered
-    merged: list[JobState] = []
+    merged: list[SimulatedJob] = []
     start = 0
     for job in few:
         index = bisect.bisect_left(ordered, _submission(job), lo=start, key=_submission)
@@ -141,7 +141,7 @@ class ElasticTiresias(Tiresias):
         super().__init__(**tiresias)  # type: ignore[arg-type]
         self.compaction_threshold = compaction_threshold
 
-    def base_size(self, job: JobState) -> int:
+    def base_size(self, job: SimulatedJob) -> int:
         if job.size:
             return max(job.spec.min_res, min(job.size, job.spec.num_gpu))
         return job.spec.num_gpu
@@ -157,13 +157,13 @@ class ElasticTiresias(Tiresias):
             self._expand(view, allocation, order)
         return allocation
 
-    def _normalised(self, view: ClusterView, job: JobState, gpus: int) -> float:
+    def _normalised(self, view: ClusterView, job: SimulatedJob, gpus: int) -> float:
         if gpus == 0:
             return 0.0
         rate, single = job.spec.rate(gpus, view.rule), job.spec.rate(1, view.rule)
         return 0.0 if rate is None or single is None else rate / single
 
-    def _compact(self, view: ClusterView, allocation: dict[int, int], waiting: list[JobState]) -> None:
+    def _compact(self, view: ClusterView, allocation: dict[int, int], waiting: list[SimulatedJob]) -> None:
         running = {job.job_id: job for job in view.running + view.pending if job.job_id in allocation}
         queues = {job_id: self.queue(job) for job_id, job in running.items()}  # fixed during one decision
         free = view.total_gpus - sum(allocation.values())
@@ -194,9 +194,9 @@ class ElasticTiresias(Tiresias):
             queues[candidate.job_id] = self.queue(candidate)
 
     def _cheapest_donor(
-        self, view: ClusterView, allocation: dict[int, int], running: dict[int, JobState], taken: dict[int, int],
+        self, view: ClusterView, allocation: dict[int, int], running: dict[int, SimulatedJob], taken: dict[int, int],
         queues: dict[int, int],
-    ) -> JobState | None:
+    ) -> SimulatedJob | None:
         best: tuple[float, int] | None = None
         for job_id, job in running.items():
             size = allocation[job_id] - taken.get(job_id, 0)
@@ -207,7 +207,7 @@ class ElasticTiresias(Tiresias):
                 best = (loss, job_id)
         return None if best is None else running[best[1]]
 
-    def _expand(self, view: ClusterView, allocation: dict[int, int], order: list[JobState]) -> None:
+    def _expand(self, view: ClusterView, allocation: dict[int, int], order: list[SimulatedJob]) -> None:
         by_id = {job.job_id: job for job in view.running + view.pending if job.job_id in allocation}
         free = view.total_gpus - sum(allocation.values())
         for job in order:
@@ -226,7 +226,7 @@ class ElasticTiresias(Tiresias):
             allocation[best[1]] += 1
             free -= 1
 
-    def _expansion_gain(self, view: ClusterView, job: JobState, gpus: int) -> float | None:
+    def _expansion_gain(self, view: ClusterView, job: SimulatedJob, gpus: int) -> float | None:
         if gpus + 1 > job.spec.max_res:
             return None
         now_rate, next_rate = job.spec.rate(gpus, view.rule), job.spec.rate(gpus + 1, view.rule)
