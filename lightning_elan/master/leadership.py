@@ -107,9 +107,6 @@ class Leadership:
             time.sleep(self.poll_s)
         return False
 
-    def wait_until_leader(self, stop: threading.Event | None = None, timeout_s: float | None = None) -> bool:
-        return self.campaign(stop, timeout_s)
-
     def _try_acquire(self) -> str | None:
         """Put the leader key if it is free; None on success, else the current leader's value."""
         lease_id = self._ensure_lease()

@@ -641,11 +641,6 @@ class ApplicationMaster:
             self._answer_parked(oldest, ok_reply(oldest.msg_id, WaitPlanReply.wait().to_body()))
         self._parked[request.id] = _ParkedWait(envelope, request.id, wait.worker_id, deadline)
 
-    @property
-    def parked_count(self) -> int:
-        """How many wait_plan requests are parked."""
-        return len(self._parked)
-
     def _wake_parked(self) -> None:
         """Answer every parked wait_plan whose worker now has a plan or a cancellation."""
         for parked in list(self._parked.values()):
