@@ -14,6 +14,8 @@ import importlib.util
 import sys
 from typing import Any
 
+from lightning_elan._lazy import lazy_exports
+
 __version__ = "0.1.0"
 __all__ = ["ElanEnvironment", "ElanStrategy", "__version__"]
 
@@ -73,9 +75,4 @@ def _register_everywhere() -> None:
 _register_everywhere()
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("ElanStrategy", "ElanEnvironment"):
-        from lightning_elan import strategy
-
-        return getattr(strategy, name)
-    raise AttributeError(f"module 'lightning_elan' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, {"ElanStrategy": "strategy", "ElanEnvironment": "strategy"})

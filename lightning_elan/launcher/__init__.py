@@ -6,8 +6,7 @@ the client) are imported on first use, so ``lightning_elan.launcher.schedule`` s
 
 from __future__ import annotations
 
-from typing import Any
-
+from lightning_elan._lazy import lazy_exports
 from lightning_elan.launcher.schedule import (
     ACTIONS,
     ScaleAction,
@@ -18,17 +17,6 @@ from lightning_elan.launcher.schedule import (
     parse_ranks,
     parse_schedule,
 )
-
-_LAUNCHER_NAMES = ("JobLauncher", "LaunchConfig", "LaunchError", "Worker")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAUNCHER_NAMES:
-        from lightning_elan.launcher import run
-
-        return getattr(run, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "ACTIONS",
@@ -44,3 +32,7 @@ __all__ = [
     "parse_ranks",
     "parse_schedule",
 ]
+
+_LAUNCHER_NAMES = ("JobLauncher", "LaunchConfig", "LaunchError", "Worker")  # need the AM and the client: lazy
+
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(_LAUNCHER_NAMES, "run"))

@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from lightning_elan._lazy import lazy_exports
 
 __all__ = ["ElanEnvironment", "ElanStrategy"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "ElanStrategy":
-        from lightning_elan.strategy.strategy import ElanStrategy
-
-        return ElanStrategy
-    if name == "ElanEnvironment":
-        from lightning_elan.strategy.environment import ElanEnvironment
-
-        return ElanEnvironment
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, {"ElanStrategy": "strategy", "ElanEnvironment": "environment"})

@@ -11,3 +11,7 @@ Bottom first (a module imports only those above it in this list, and ``master/st
 * ``launching``: the job of ``elan run``: ``start_job`` and the launcher's poll
 * ``status_view``: the ``status`` reply (reads only)
 """
+
+from __future__ import annotations
+
+__all__: list[str] = []  # the families are imported as modules: ``from lightning_elan.master.transitions import pool``

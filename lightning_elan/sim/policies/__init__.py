@@ -24,6 +24,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 
 
 def make_policy(name: str, dp_interval_s: float = 0.0) -> Policy:
+    """The policy called ``name`` (``dp_interval_s``: how often the dp allocators run; 0 at every event)."""
     if name not in POLICIES:
         raise SimulationError(f"unknown policy {name!r} (one of {', '.join(POLICIES)})")
     if name in ("dp", "dp-fixed"):
@@ -32,6 +33,7 @@ def make_policy(name: str, dp_interval_s: float = 0.0) -> Policy:
 
 
 def parse_policies(text: str) -> list[str]:
+    """``--policy fifo,e-fifo``: the names, each checked."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
         raise SimulationError("--policy needs at least one policy name")
@@ -41,4 +43,17 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
-__all__ = ["POLICIES", "Policy", "make_policy", "parse_policies"]
+__all__ = [
+    "POLICIES",
+    "Backfill",
+    "ElasticBackfill",
+    "ElasticFifo",
+    "ElasticTiresias",
+    "Fifo",
+    "Policy",
+    "SaxenaDp",
+    "SaxenaDpFixedBatch",
+    "Tiresias",
+    "make_policy",
+    "parse_policies",
+]
