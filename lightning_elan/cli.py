@@ -11,16 +11,17 @@ import argparse
 import json
 import logging
 import os
-import re
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lightning_elan import cli_sizing
-from lightning_elan.cli_status import describe_scale_reply, format_status
+from lightning_elan.cli_client import DEFAULT_TIMEOUT_S, CLIError, call, connect, refuse_if_running, use_secret_file
+from lightning_elan.cli_logging import configure_logging
+from lightning_elan.cli_status import describe_profile_start, describe_scale_reply, format_profile, format_status
 from lightning_elan.cli_types import (
     am_address_list,
     bind_address,
@@ -31,6 +32,7 @@ from lightning_elan.cli_types import (
     positive_float,
     positive_int,
     schedule_type,
+    standby_count,
     world_size,
 )
 from lightning_elan.launcher.schedule import ScheduleError, parse_action
@@ -46,20 +48,12 @@ from lightning_elan.protocol.contract import (
     ENV_JOB,
     MAX_STANDBY,
 )
+from lightning_elan.words import describe_autoscale
 
 log = logging.getLogger("lightning_elan.cli")
 
 DEFAULT_BIND = "tcp://127.0.0.1:0"
-DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_AM_MAX_RESTARTS = 20  # the launcher's default (launcher.am_process), not imported to keep the CLI light
-
-
-class CLIError(Exception):
-    """A failure reported as ``elan: error: <message>`` with ``code`` as the exit status."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 # ---------------------------------------------------------------------- parser
@@ -143,19 +137,12 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
              f"{DEFAULT_JOIN_TIMEOUT_S:g})",
     )
     run.add_argument(
-        "--standby", type=_standby_count, default=0, metavar="K",
+        "--standby", type=standby_count, default=0, metavar="K",
         help=f"keep K workers started and warmed up but not training (0–{MAX_STANDBY}); an `add` takes them first, "
              "so new capacity trains after one adjustment pause instead of a process start (default 0)",
     )
     cli_sizing.add_sizing_options(run)
     return run
-
-
-def _standby_count(text: str) -> int:
-    count = non_negative_int(text)
-    if count > MAX_STANDBY:
-        raise argparse.ArgumentTypeError(f"at most {MAX_STANDBY} standby workers, got {count}")
-    return count
 
 
 def _add_am(sub: Any) -> argparse.ArgumentParser:
@@ -327,39 +314,6 @@ def cmd_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         raise CLIError(f"simulate: {error}", code=2) from None
 
 
-def use_secret_file(path: Path | None) -> None:
-    """``--secret-file``: checked now, then found through ``$ELAN_SECRET_FILE`` by every client, the AM and the
-    workers this command starts (the secret itself never travels on a command line)."""
-    from lightning_elan.protocol.auth import ENV_SECRET_FILE, AuthError, load_secret
-
-    if path is not None:
-        os.environ[ENV_SECRET_FILE] = str(path.expanduser().resolve())
-    if os.environ.get(ENV_SECRET_FILE):
-        try:
-            load_secret(os.environ[ENV_SECRET_FILE])
-        except AuthError as error:
-            raise CLIError(str(error), code=2) from None
-
-
-def configure_logging(level: int = logging.INFO) -> None:
-    """Log to stderr as ``elan: message`` (``elan: warning: …`` / ``elan: error: …`` above INFO)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_ElanFormatter())
-    root = logging.getLogger()
-    for old in [h for h in root.handlers if isinstance(h.formatter, _ElanFormatter)]:
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(level)
-
-
-class _ElanFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        message = super().format(record)
-        if record.levelno >= logging.WARNING:
-            return f"elan: {record.levelname.lower()}: {message}"
-        return f"elan: {message}"
-
-
 # ---------------------------------------------------------------------- elan run
 
 
@@ -506,7 +460,7 @@ def cmd_scale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ScheduleError as exc:
         parser.error(str(exc))
     client = connect(args.job, timeout_s=args.timeout, am=args.am)
-    reply = _call(client, args.job, lambda: client.scale(**action.request_kwargs()))
+    reply = call(client, args.job, lambda: client.scale(**action.request_kwargs()))
     print(describe_scale_reply(action, reply))
     return 0
 
@@ -517,18 +471,18 @@ def cmd_profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error(f"--min {args.min_size} is more than --max {args.max_size}")
     body = {"min": args.min_size, "max": args.max_size, "steps": args.steps, "settle": args.settle}
     client = connect(args.job, timeout_s=args.timeout, am=args.am)
-    reply = _call(client, args.job, lambda: client.request("profile", body))
-    print(cli_sizing.describe_profile_start(args.job, reply.get("profile"), args.steps))
+    reply = call(client, args.job, lambda: client.request("profile", body))
+    print(describe_profile_start(args.job, reply.get("profile"), args.steps))
     if args.no_wait:
         return 0
     def status() -> dict[str, Any]:
         poller = connect(args.job, timeout_s=args.timeout, am=args.am)
-        return _call(poller, args.job, poller.status)
+        return call(poller, args.job, poller.status)
     try:
         result = cli_sizing.wait_for_profile(status, args.wait_timeout)
     except TimeoutError as error:
         raise CLIError(str(error), code=1) from None
-    print(cli_sizing.format_profile(result))
+    print(format_profile(result))
     return 0
 
 
@@ -538,15 +492,15 @@ def cmd_autoscale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--min-workers {args.min_workers} is more than --max-workers {args.max_workers}")
     body = cli_sizing.autoscale_body(args, args.policy, args.min_workers, args.max_workers)
     client = connect(args.job, timeout_s=args.timeout, am=args.am)
-    reply = _call(client, args.job, lambda: client.request("autoscale", body))
-    print(cli_sizing.describe_autoscale(args.job, reply.get("autoscale"), body.get("scale_out_command")))
+    reply = call(client, args.job, lambda: client.request("autoscale", body))
+    print(describe_autoscale(args.job, reply.get("autoscale"), body.get("scale_out_command")))
     return 0
 
 
 def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _reject_command(args, parser)
     client = connect(args.job, timeout_s=args.timeout, am=args.am)
-    status = _call(client, args.job, client.status)
+    status = call(client, args.job, client.status)
     print(json.dumps(status, indent=2, sort_keys=True) if args.json else format_status(status))
     return 0
 
@@ -554,87 +508,6 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 def _reject_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.worker_command is not None:
         parser.error("unexpected `--`: only `elan run` and `elan worker` take a worker command")
-
-
-def read_registry(job: str) -> dict[str, Any]:
-    """The job's registry entry ``{job, address, pid, state_dir}``; CLIError (exit 2) if there is none."""
-    path = registry.job_file(job)
-    try:
-        entry = registry.read(job)
-    except (OSError, ValueError) as exc:
-        raise CLIError(f"cannot read the registry file of job {job} ({path}): {exc}", code=2) from None
-    if entry is None:
-        raise CLIError(f"no running job named {job} (looked in {path})", code=2)
-    if not entry.get("address"):
-        raise CLIError(f"registry file {path} of job {job} has no AM address", code=2)
-    return entry
-
-
-def connect(job: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retries: int | None = None,
-            am: str | None = None) -> Any:
-    """An ``AMClient`` for the running job ``job``: at ``am`` if given, else at the address in the registry."""
-    from lightning_elan.protocol.client import AMClient
-
-    if am is not None:
-        return AMClient(am, job, timeout_s=timeout_s, **({} if retries is None else {"retries": retries}))
-    entry = read_registry(job)
-
-    address = str(entry["address"])
-    gone = dead_local_pid(address, entry.get("pid"))
-    if gone is not None:
-        raise CLIError(
-            f"job {job}'s AM at {address} does not answer (its process {gone} is gone; "
-            f"stale registry file {registry.job_file(job)})",
-            code=2,
-        )
-    if retries is None:
-        return AMClient(address, job, timeout_s=timeout_s)
-    return AMClient(address, job, timeout_s=timeout_s, retries=retries)
-
-
-def dead_local_pid(address: str, pid: Any) -> int | None:
-    """``pid`` if the AM is on this host (loopback address) and that process no longer exists."""
-    if not isinstance(pid, int) or pid <= 0 or not re.match(r"tcp://(127\.|localhost[:/]|\[::1\])", address):
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return pid
-    except PermissionError:
-        return None
-    return None
-
-
-def refuse_if_running(job: str, parser: argparse.ArgumentParser) -> None:
-    """Exit 2 when an AM for ``job`` is registered and answers (a stale registry entry is ignored)."""
-    try:
-        client = connect(job, timeout_s=0.5, retries=0)
-    except CLIError:
-        return  # no entry, an unreadable one, or a dead AM process: the new AM replaces it
-    from lightning_elan.protocol.client import AMError, AMUnavailable
-
-    try:
-        client.status()
-    except (AMError, AMUnavailable):
-        return
-    finally:
-        client.close()
-    parser.error(f"job {job} is already running (AM at {client.address})")
-
-
-def _call(client: Any, job: str, request: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    from lightning_elan.protocol.client import AMError, AMUnavailable
-
-    try:
-        return request()
-    except AMUnavailable:
-        raise CLIError(f"job {job}'s AM at {client.address} does not answer", code=2) from None
-    except AMError as exc:
-        raise CLIError(str(exc), code=1) from None
-    finally:
-        close = getattr(client, "close", None)
-        if callable(close):
-            close()
 
 
 if __name__ == "__main__":

@@ -1,19 +1,18 @@
-"""``elan profile``, ``elan autoscale`` and the sizing options of ``elan run``/``elan am`` (``master/sizing.py``)."""
+"""The options of ``elan profile`` and ``elan autoscale`` and the sizing options of ``elan run``/``elan am``, the
+requests they make (``master/sizing.py`` serves them), and the wait for a profile's result; ``cli_status`` says them."""
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_elan.cli_types import fraction, job_name, non_negative_float, positive_float, positive_int, world_size
 from lightning_elan.master.sizing import AUTOSCALE_POLICIES, SETTLE_MODES, STRAGGLER_MODES
-from lightning_elan.scaling.profile import ProfileRun
-from lightning_elan.words import describe_autoscale, describe_autoscale_config, plural
 
-__all__ = ["describe_autoscale"]  # re-exported: `elan autoscale` prints it
+__all__ = ["add_autoscale", "add_profile", "add_sizing_options", "autoscale_body", "sizing_requests",
+           "wait_for_profile"]
 
 PROFILE_POLL_S = 1.0
 
@@ -145,77 +144,3 @@ def wait_for_profile(status: Callable[[], dict[str, Any]], timeout_s: float) -> 
         if time.monotonic() > deadline:
             raise TimeoutError(f"the profile did not finish within {timeout_s:g} s (it goes on; see `elan status`)")
         time.sleep(PROFILE_POLL_S)
-
-
-def format_profile(result: Mapping[str, Any], state_dir: Path | None = None) -> str:
-    lines = [f"profile: {'WORKERS':>7}  SAMPLES/S"]
-    best = result.get("best")
-    for size, rate in sorted((int(k), v) for k, v in (result.get("rates") or {}).items()):
-        lines.append(f"         {size:>7}  {rate:9.1f}{'  (best)' if size == best else ''}")
-    if result.get("seconds") is not None:
-        lines.append(f"profiled in {float(result['seconds']):.1f} s")
-    if state_dir is not None:
-        lines.append(f"throughput model: {state_dir / 'profile.json'} (HybridScaling(profile=...))")
-    return "\n".join(lines)
-
-
-def format_sizing(sizing: Mapping[str, Any], members: Sequence[str] = ()) -> list[str]:
-    """``elan status`` lines: measured throughput, the current ``members``' compute scores, profile and autoscaler
-    state, recent decisions."""
-    measured = sizing.get("measured") or {}
-    lines = []
-    rates = measured.get("samples_per_s") or {}
-    if rates:
-        lines.append(f"throughput: {rates_phrase(rates)}")
-    compute = _compute_line(measured, sizing.get("stragglers") or {}, members)
-    if compute:
-        lines.append(compute)
-    if sizing.get("profile"):
-        lines.append(_profile_running(sizing["profile"]))
-    if sizing.get("profile_result"):
-        result = sizing["profile_result"]
-        best = f"; best {plural(int(result['best']), 'worker')}" if result.get("best") is not None else ""
-        lines.append(f"last profile: {rates_phrase(result.get('rates') or {}) or 'nothing measured'}{best}")
-    if sizing.get("autoscale"):
-        lines.append(f"autoscale: {describe_autoscale_config(sizing['autoscale'])}")
-    decisions = sizing.get("decisions") or []
-    if decisions:
-        lines.append("sizing decisions (newest last):")
-    for decision in decisions:
-        lines.append(f"  {decision.get('kind')}: {decision.get('decision')}: {decision.get('reason')}")
-    return lines
-
-
-def rates_phrase(rates: Mapping[Any, float]) -> str:
-    """``1 worker 100.0/s, 2 workers 190.0/s`` (sizes ascending; JSON gives them as strings)."""
-    return ", ".join(f"{plural(size, 'worker')} {rate:.1f}/s"
-                     for size, rate in sorted((int(size), float(rate)) for size, rate in rates.items()))
-
-
-def _compute_line(measured: Mapping[str, Any], stragglers: Mapping[str, Any], members: Sequence[str]) -> str | None:
-    """The current members' compute scores (a worker that left is not listed; one that joined has no score yet)."""
-    scores = measured.get("straggler_scores") or {}
-    if not scores and not measured.get("compute_s"):
-        return None
-    flagged = set(measured.get("stragglers") or [])
-    workers = list(members) or list(scores)
-    listed = ", ".join(f"{worker} {scores[worker]:.2f}{' SLOW' if worker in flagged else ''}" if worker in scores
-                       else f"{worker} not scored yet" for worker in workers)
-    return f"compute (EWMA of throughput / median, stragglers {stragglers.get('mode')}): {listed}"
-
-
-def _profile_running(profile: Mapping[str, Any]) -> str:
-    """``profile running (2 → 1 → 3 → 2 workers): measured 2 workers 190.0/s``."""
-    run = profile.get("run") or {}
-    route = ""
-    if run:
-        route = f" ({' → '.join(str(size) for size in ProfileRun.from_dict(run).route())} workers)"
-    return f"profile running{route}: measured {rates_phrase(profile.get('measured') or {}) or 'nothing yet'}"
-
-
-def describe_profile_start(job: str, profile: Mapping[str, Any] | None, steps: int) -> str:
-    """``profile of job 'x' started: 2 → 1 → 3 → 2 workers, 20 steps measured at each size``."""
-    run = (profile or {}).get("run")
-    route = "" if not run else " → ".join(str(size) for size in ProfileRun.from_dict(run).route())
-    then = ", then the best size" if run and run.get("settle") == "best" else ""
-    return f"profile of job {job!r} started: {route} workers{then}, {plural(steps, 'step')} measured at each size"

@@ -1,19 +1,21 @@
-"""``elan status`` and the other replies of the AM, in words: what the CLI prints."""
+"""``elan status`` and the other replies of the AM, in words: everything the CLI prints (sizing and profiles too)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from lightning_elan import cli_sizing
 from lightning_elan.launcher.schedule import ScaleAction
 from lightning_elan.protocol.contract import AdjustmentPlan
+from lightning_elan.scaling.profile import ProfileRun
 from lightning_elan.scaling.report import format_summary
-from lightning_elan.words import plural
+from lightning_elan.words import describe_autoscale_config, plural
 
 __all__ = ["describe_adjustment", "describe_am", "describe_enrolment", "describe_failure", "describe_plan",
-           "describe_recovery", "describe_request", "describe_scale_reply", "describe_standby", "format_status"]
+           "describe_profile_start", "describe_recovery", "describe_request", "describe_scale_reply",
+           "describe_standby", "format_profile", "format_sizing", "format_status", "rates_phrase"]
 
 
 def describe_scale_reply(action: ScaleAction, reply: Mapping[str, Any]) -> str:
@@ -108,7 +110,7 @@ def format_status(status: Mapping[str, Any]) -> str:
     if status.get("scaling"):
         lines += format_summary(status["scaling"])
     if status.get("sizing"):
-        lines += cli_sizing.format_sizing(status["sizing"], [str(member.get("worker_id")) for member in
+        lines += format_sizing(status["sizing"], [str(member.get("worker_id")) for member in
                                                               _by_rank(members)])
     return "\n".join(lines)
 
@@ -204,3 +206,77 @@ def _bytes(count: Any) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1000
     return f"{value:.1f} GB"
+
+
+def format_profile(result: Mapping[str, Any], state_dir: Path | None = None) -> str:
+    lines = [f"profile: {'WORKERS':>7}  SAMPLES/S"]
+    best = result.get("best")
+    for size, rate in sorted((int(k), v) for k, v in (result.get("rates") or {}).items()):
+        lines.append(f"         {size:>7}  {rate:9.1f}{'  (best)' if size == best else ''}")
+    if result.get("seconds") is not None:
+        lines.append(f"profiled in {float(result['seconds']):.1f} s")
+    if state_dir is not None:
+        lines.append(f"throughput model: {state_dir / 'profile.json'} (HybridScaling(profile=...))")
+    return "\n".join(lines)
+
+
+def format_sizing(sizing: Mapping[str, Any], members: Sequence[str] = ()) -> list[str]:
+    """``elan status`` lines: measured throughput, the current ``members``' compute scores, profile and autoscaler
+    state, recent decisions."""
+    measured = sizing.get("measured") or {}
+    lines = []
+    rates = measured.get("samples_per_s") or {}
+    if rates:
+        lines.append(f"throughput: {rates_phrase(rates)}")
+    compute = _compute_line(measured, sizing.get("stragglers") or {}, members)
+    if compute:
+        lines.append(compute)
+    if sizing.get("profile"):
+        lines.append(_profile_running(sizing["profile"]))
+    if sizing.get("profile_result"):
+        result = sizing["profile_result"]
+        best = f"; best {plural(int(result['best']), 'worker')}" if result.get("best") is not None else ""
+        lines.append(f"last profile: {rates_phrase(result.get('rates') or {}) or 'nothing measured'}{best}")
+    if sizing.get("autoscale"):
+        lines.append(f"autoscale: {describe_autoscale_config(sizing['autoscale'])}")
+    decisions = sizing.get("decisions") or []
+    if decisions:
+        lines.append("sizing decisions (newest last):")
+    for decision in decisions:
+        lines.append(f"  {decision.get('kind')}: {decision.get('decision')}: {decision.get('reason')}")
+    return lines
+
+
+def rates_phrase(rates: Mapping[Any, float]) -> str:
+    """``1 worker 100.0/s, 2 workers 190.0/s`` (sizes ascending; JSON gives them as strings)."""
+    return ", ".join(f"{plural(size, 'worker')} {rate:.1f}/s"
+                     for size, rate in sorted((int(size), float(rate)) for size, rate in rates.items()))
+
+
+def _compute_line(measured: Mapping[str, Any], stragglers: Mapping[str, Any], members: Sequence[str]) -> str | None:
+    """The current members' compute scores (a worker that left is not listed; one that joined has no score yet)."""
+    scores = measured.get("straggler_scores") or {}
+    if not scores and not measured.get("compute_s"):
+        return None
+    flagged = set(measured.get("stragglers") or [])
+    workers = list(members) or list(scores)
+    listed = ", ".join(f"{worker} {scores[worker]:.2f}{' SLOW' if worker in flagged else ''}" if worker in scores
+                       else f"{worker} not scored yet" for worker in workers)
+    return f"compute (EWMA of throughput / median, stragglers {stragglers.get('mode')}): {listed}"
+
+
+def _profile_running(profile: Mapping[str, Any]) -> str:
+    """``profile running (2 → 1 → 3 → 2 workers): measured 2 workers 190.0/s``."""
+    run = profile.get("run") or {}
+    route = ""
+    if run:
+        route = f" ({' → '.join(str(size) for size in ProfileRun.from_dict(run).route())} workers)"
+    return f"profile running{route}: measured {rates_phrase(profile.get('measured') or {}) or 'nothing yet'}"
+
+
+def describe_profile_start(job: str, profile: Mapping[str, Any] | None, steps: int) -> str:
+    """``profile of job 'x' started: 2 → 1 → 3 → 2 workers, 20 steps measured at each size``."""
+    run = (profile or {}).get("run")
+    route = "" if not run else " → ".join(str(size) for size in ProfileRun.from_dict(run).route())
+    then = ", then the best size" if run and run.get("settle") == "best" else ""
+    return f"profile of job {job!r} started: {route} workers{then}, {plural(steps, 'step')} measured at each size"

@@ -15,7 +15,7 @@ from typing import Any
 from lightning_elan.launcher.schedule import parse_non_negative_int, parse_positive_int, parse_schedule
 from lightning_elan.master import registry
 from lightning_elan.protocol import addresses
-from lightning_elan.protocol.contract import MAX_WORLD_SIZE
+from lightning_elan.protocol.contract import MAX_STANDBY, MAX_WORLD_SIZE
 
 MAX_PORT = 65535
 
@@ -75,6 +75,14 @@ def parse_world_size(text: str) -> int:
     return int(stripped)
 
 
+def parse_standby_count(text: str) -> int:
+    """A number of standby workers: an integer in 0..MAX_STANDBY."""
+    count = parse_non_negative_int(text)
+    if count > MAX_STANDBY:
+        raise ValueError(f"at most {MAX_STANDBY} standby workers, got {count}")
+    return count
+
+
 def parse_port(text: str) -> int:
     """A TCP port, 0 (any free one) to 65535."""
     stripped = text.strip()
@@ -94,6 +102,7 @@ positive_float = arg_type(parse_positive_float)
 non_negative_float = arg_type(parse_non_negative_float)
 fraction = arg_type(parse_fraction)
 world_size = arg_type(parse_world_size)
+standby_count = arg_type(parse_standby_count)
 port = arg_type(parse_port)
 job_name = arg_type(parse_job_name)
 schedule_type = arg_type(parse_schedule)

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "pytorch_lightning"),  # the package's faces: `import lightning_elan` registers the strategy
 )
 # top-level modules that belong to a unit of another name
-UNIT_OF = {"cli_sizing": "cli", "cli_status": "cli", "cli_types": "cli"}
+UNIT_OF = {"cli_client": "cli", "cli_logging": "cli", "cli_sizing": "cli", "cli_status": "cli", "cli_types": "cli"}
 
 FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate")
 FRAMEWORK_UNITS = frozenset({"strategy", "accelerate", "callbacks", "compat", "pytorch_lightning"})

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_elan import cli_sizing
+from lightning_elan import cli_status
 from lightning_elan.cli import main
 from lightning_elan.cli_status import describe_am, describe_enrolment, format_status
 from lightning_elan.master.main import CLEAN_FINISHES, Stop, stop_line
@@ -25,6 +25,7 @@ from lightning_elan.master.server import scale_line
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.transitions import launching, recovering, requests
 from lightning_elan.protocol.contract import FINISHED_BY_AM, FINISHED_BY_LAUNCHER
+from lightning_elan.words import describe_autoscale
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -211,10 +212,10 @@ def test_autoscale_on_says_the_policy_and_its_bounds(running_job: str, capsys: p
 def test_describe_autoscale_variants() -> None:
     utility = {"policy": "utility", "config": {"min_workers": 2, "max_workers": None, "step": 2, "every": 1,
                                                "threshold": 0.1, "price": 0.0008, "cooldown_s": 30.0}}
-    assert cli_sizing.describe_autoscale("j", utility, "sbatch w.sh") == (
+    assert describe_autoscale("j", utility, "sbatch w.sh") == (
         "autoscaling of job 'j' is on: utility policy, at least 2 workers, 2 workers a step, a decision every "
         "1 measured step, 0.0008 per worker-second, at least 30 s between decisions; growth runs 'sbatch w.sh'")
-    assert cli_sizing.describe_autoscale("j", None, "kubectl scale") == (
+    assert describe_autoscale("j", None, "kubectl scale") == (
         "autoscaling of job 'j' is off; growth runs 'kubectl scale'")
 
 
@@ -252,7 +253,7 @@ def test_sizing_lines_are_sentences_not_json() -> None:
         "autoscale": {"policy": "throughput", "config": {"min_workers": 1, "max_workers": 3, "step": 1, "every": 20,
                                                          "threshold": 0.1}},
     }
-    lines = cli_sizing.format_sizing(sizing, ["w0", "w1"])
+    lines = cli_status.format_sizing(sizing, ["w0", "w1"])
     assert lines == [
         "profile running (2 → 1 → 3 → 2 workers): measured 2 workers 190.0/s",
         "last profile: 1 worker 100.0/s, 2 workers 190.0/s, 3 workers 260.0/s; best 3 workers",
