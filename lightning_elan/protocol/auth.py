@@ -28,7 +28,6 @@ from lightning_elan.protocol.contract import ENV_SECRET_FILE
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ENV_SECRET_FILE",
     "MAGIC",
     "AuthError",
     "FrameSigner",

@@ -15,8 +15,9 @@ from typing import Any
 import zmq
 
 from lightning_elan.protocol.addresses import split_am_addresses
-from lightning_elan.protocol.auth import ENV_SECRET_FILE, AuthError, FrameSigner, is_signed, secret_from_env
+from lightning_elan.protocol.auth import AuthError, FrameSigner, is_signed, secret_from_env
 from lightning_elan.protocol.contract import (
+    ENV_SECRET_FILE,
     AdjustmentReport,
     CoordinateReply,
     CoordinateRequest,

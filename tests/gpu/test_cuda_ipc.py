@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from state_gen import mixed_state
 
+from lightning_elan.protocol.contract import ENV_NO_CUDA_EXT
 from lightning_elan.replication.cuda import loader
 from lightning_elan.replication.transports import Channel, transport_for
 
@@ -28,7 +29,7 @@ def cpu_state() -> dict:
 
 def _source(port: int, prefix: str, transport: str, seed: int, receivers: int, no_ext: bool, out: str) -> None:
     if no_ext:
-        os.environ[loader.ENV_DISABLE] = "1"
+        os.environ[ENV_NO_CUDA_EXT] = "1"
     torch.cuda.set_device(0)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
     tensors = mixed_state(seed)

@@ -14,6 +14,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from lightning_elan.protocol.contract import ENV_NO_CUDA_EXT
 from lightning_elan.replication import packing
 from lightning_elan.replication.cuda import build, kernels, loader
 from lightning_elan.replication.packing import ARENA_ALIGN, arena_layout, arena_views
@@ -124,7 +125,7 @@ def test_without_a_gpu_the_loader_explains_and_falls_back() -> None:
 
 @pytest.mark.usefixtures("fresh_loader")
 def test_the_extension_can_be_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(loader.ENV_DISABLE, "1")
+    monkeypatch.setenv(ENV_NO_CUDA_EXT, "1")
     assert loader.load() is None
     assert "disabled" in loader.status()
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_elan.master.state import AdjustmentPlan
+from lightning_elan.protocol.contract import ENV_SHM_DIR
 from lightning_elan.replication.exchange import (
     ReplicationContext,
     mark_wave_received,
@@ -25,7 +26,6 @@ from lightning_elan.replication.exchange import (
 )
 from lightning_elan.replication.keys import delete_prefix
 from lightning_elan.replication.planner import Transfer
-from lightning_elan.replication.transports.shm import SHM_DIR_ENV
 
 TIMEOUT = datetime.timedelta(seconds=60)
 CPU = torch.device("cpu")
@@ -125,7 +125,7 @@ def test_one_source_serves_shared_memory_and_collective_joiners_at_once() -> Non
 
 def test_a_joiner_owns_what_it_received_over_shared_memory(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The joiner's tensors are its own memory, not views of the segment: nothing stays mapped from /dev/shm."""
-    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(ENV_SHM_DIR, str(tmp_path))
     store = dist.HashStore()
     ctx = context(store)
     plan = plan_of([transfer("w0", "w2", "shm")])
@@ -166,7 +166,7 @@ def test_a_joiner_of_wave_one_reads_only_after_wave_zero_was_received() -> None:
 
 def test_shared_memory_unavailable_switches_both_sides_to_the_collective(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path) -> None:
-    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path / "missing"))
+    monkeypatch.setenv(ENV_SHM_DIR, str(tmp_path / "missing"))
     store = dist.HashStore()
     ctx = context(store)
     plan = plan_of([transfer("w0", "w2", "shm"), transfer("w0", "w3", "shm")])
@@ -211,7 +211,7 @@ def tcp_store() -> dist.TCPStore:
 def test_an_adjustment_leaves_no_key_once_complete(tcp_store: dist.TCPStore, tmp_path, monkeypatch) -> None:
     """Send, receive, finish (disallow + shutdown) over every route, then delete the adjustment's prefix: the store
     holds only what was there before (the job's own keys, and other generations')."""
-    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(ENV_SHM_DIR, str(tmp_path))
     tcp_store.set("elan/job", "kept")
     tcp_store.set("elan/gen10/transfer/x", "another generation")
     before = set(tcp_store.list_keys())

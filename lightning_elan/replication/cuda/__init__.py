@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from lightning_elan._lazy import lazy_exports
 
-_LOADER = ("ENV_BUILD", "ENV_DIR", "ENV_DISABLE", "MODULE_NAME", "available", "load", "status")
+_LOADER = ("MODULE_NAME", "available", "load", "status")
 _KERNELS = ("CopyPlan", "multi_tensor_copy", "pack", "pack_into", "prepare_copy", "prepare_pack", "prepare_unpack",
             "unpack_into")  # fmt: skip
 _IPC = ("IpcHandle", "IpcMapping", "alloc_shareable", "can_access_peer", "device_index", "ipc_export", "ipc_open",

@@ -45,7 +45,6 @@ from lightning_elan.protocol.contract import ENV_CUDA_ARCHS, ENV_CUDA_EXT_DIR
 log = logging.getLogger(__name__)
 
 MODULE_NAME = "lightning_elan_cuda"
-ENV_DIR = ENV_CUDA_EXT_DIR
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_elan" / "cuda_ext"
 SOURCES = ("multi_tensor_copy.cu", "runtime.cpp", "bindings.cpp")
 HEADERS = ("elan_cuda.h",)
@@ -63,7 +62,7 @@ def source_dir() -> Path:
 
 def default_out_dir() -> Path:
     """``$ELAN_CUDA_EXT_DIR``, else the per-user cache (never inside the package: it may be read-only)."""
-    return Path(os.environ[ENV_DIR]) if os.environ.get(ENV_DIR) else CACHE_DIR
+    return Path(os.environ[ENV_CUDA_EXT_DIR]) if os.environ.get(ENV_CUDA_EXT_DIR) else CACHE_DIR
 
 
 class BuildError(RuntimeError):
@@ -320,7 +319,7 @@ def _torch_version() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help=f"output directory (default ${ENV_DIR}, else {CACHE_DIR})")
+    parser.add_argument("--out", default=None, help=f"output directory (default ${ENV_CUDA_EXT_DIR}, else {CACHE_DIR})")
     parser.add_argument("--src", default=None, help="source directory (default: the sources in this package)")
     parser.add_argument("--arch", action="append", help="SM architecture, e.g. 90 (repeatable)")
     parser.add_argument("--objects-only", action="store_true", help="compile, do not link")

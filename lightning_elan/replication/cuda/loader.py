@@ -24,16 +24,14 @@ from types import ModuleType
 
 import torch
 
-from lightning_elan.protocol.contract import ENV_BUILD_CUDA_EXT, ENV_NO_CUDA_EXT
+from lightning_elan.protocol.contract import ENV_BUILD_CUDA_EXT, ENV_CUDA_EXT_DIR, ENV_NO_CUDA_EXT
 from lightning_elan.replication.cuda import build as builder
-from lightning_elan.replication.cuda.build import ENV_DIR, MODULE_NAME
+from lightning_elan.replication.cuda.build import MODULE_NAME
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENV_BUILD", "ENV_DIR", "ENV_DISABLE", "MODULE_NAME", "available", "load", "status"]
+__all__ = ["MODULE_NAME", "available", "load", "status"]
 
-ENV_BUILD = ENV_BUILD_CUDA_EXT
-ENV_DISABLE = ENV_NO_CUDA_EXT
 
 
 @dataclass(frozen=True)
@@ -55,7 +53,7 @@ def load(build: bool | None = None) -> ModuleType | None:
     Looked for once per process; a later call with ``build=True`` after a look without building tries again, building.
     """
     global _attempt
-    allow_build = _env_flag(ENV_BUILD) if build is None else build
+    allow_build = _env_flag(ENV_BUILD_CUDA_EXT) if build is None else build
     with _lock:
         if _attempt is None or (_attempt.module is None and allow_build and not _attempt.built):
             module, reason = _find(allow_build)
@@ -89,8 +87,8 @@ def _env_flag(name: str) -> bool:
 
 
 def _find(build: bool) -> tuple[ModuleType | None, str | None]:
-    if _env_flag(ENV_DISABLE):
-        return None, f"disabled by {ENV_DISABLE}"
+    if _env_flag(ENV_NO_CUDA_EXT):
+        return None, f"disabled by {ENV_NO_CUDA_EXT}"
     if torch.version.cuda is None:
         return None, "this torch is a CPU-only build"
     if not torch.cuda.is_available():
@@ -104,12 +102,12 @@ def _find(build: bool) -> tuple[ModuleType | None, str | None]:
     except ImportError:
         pass
     if not build:
-        return None, f"not built: run `python -m {builder.__name__}` or set {ENV_BUILD}=1"
+        return None, f"not built: run `python -m {builder.__name__}` or set {ENV_BUILD_CUDA_EXT}=1"
     return _build_and_import()
 
 
 def _search_dirs() -> list[Path]:
-    dirs = [Path(os.environ[ENV_DIR])] if os.environ.get(ENV_DIR) else []
+    dirs = [Path(os.environ[ENV_CUDA_EXT_DIR])] if os.environ.get(ENV_CUDA_EXT_DIR) else []
     return [*dirs, builder.CACHE_DIR]
 
 

@@ -64,9 +64,8 @@ from lightning_elan.replication.transports.base import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SHM_DIR_ENV", "ShmTransport", "default_shm_dir", "remove_stale_segments"]
+__all__ = ["ShmTransport", "default_shm_dir", "remove_stale_segments"]
 
-SHM_DIR_ENV = ENV_SHM_DIR
 _MAX_IO = 1 << 30  # bytes per pwrite/preadv call (Linux caps one call at 2 GiB - 4 KiB)
 STREAM_CHUNK = 16 << 20
 """The source tells its readers how far it has written every this many bytes."""
@@ -76,8 +75,8 @@ _WRITE_FAILED = -(1 << 62)  # added to the written-bytes count by a source whose
 def default_shm_dir() -> Path:
     """``$ELAN_SHM_DIR`` if set (e.g. a larger tmpfs than a container's 64 MB ``/dev/shm``), else ``/dev/shm`` where
     it exists (Linux tmpfs), else the temporary directory."""
-    if os.environ.get(SHM_DIR_ENV):
-        return Path(os.environ[SHM_DIR_ENV])
+    if os.environ.get(ENV_SHM_DIR):
+        return Path(os.environ[ENV_SHM_DIR])
     path = Path("/dev/shm")
     if path.is_dir() and os.access(path, os.W_OK):
         return path
