@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 from collections.abc import Iterable, Iterator
 from functools import cache
 from pathlib import Path
@@ -259,6 +260,31 @@ def test_pure_logic_imports_neither_lightning_nor_torch_distributed() -> None:
 
     assert [entry for entry, modules in named.items() if not modules] == [], "PURE names a module that is gone"
     assert not found, "\n".join(found)
+
+
+def diagram_rows() -> dict[int, set[str]]:
+    """The names (``cli.py`` as ``cli``, ``master/`` as ``master``) each row of docs/architecture.md's *Layering*
+    diagram lists in its first column."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("## Layering", 1)[1].split("```", 2)[1]
+    rows: dict[int, set[str]] = {}
+    row = -1
+    for line in block.splitlines():
+        if line[:4].strip().isdigit():
+            row = int(line[:4])
+        name = re.match(r"\s{0,4}(?:\d\s+)?([A-Za-z_]+)(?:\.py|/)\s", line)
+        if name and not line.startswith(" " * 8):
+            rows.setdefault(row, set()).add(name.group(1))
+    return rows
+
+
+def test_the_diagram_names_every_unit_in_its_layer() -> None:
+    rows = diagram_rows()
+    units = {module.split(".")[1] if "." in module else "__init__" for module in module_files()}
+
+    assert {row: {UNIT_OF.get(name, name) for name in names} for row, names in rows.items()} == {
+        row: set(layer) for row, layer in enumerate(LAYERS)}
+    assert set().union(*rows.values()) == units, "the diagram lists every sub-package and top-level module"
 
 
 # ---- the checks see what they must -----------------------------------------------------------------------------------
