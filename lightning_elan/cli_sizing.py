@@ -19,7 +19,7 @@ PROFILE_POLL_S = 1.0
 
 def _utility_file(text: str) -> dict[str, Any]:
     """A utility function file (JSON, or YAML when PyYAML is installed), checked now."""
-    from lightning_elan.scaling.autoscale import UtilityFunction
+    from lightning_elan.sizing.autoscale import UtilityFunction
 
     try:
         return UtilityFunction.from_file(text).to_dict()

@@ -9,8 +9,8 @@ from typing import Any
 
 from lightning_elan.launcher.schedule import ScaleAction
 from lightning_elan.protocol.contract import AdjustmentPlan
-from lightning_elan.scaling.profile import ProfileRun
 from lightning_elan.scaling.report import format_summary
+from lightning_elan.sizing.profile import ProfileRun
 from lightning_elan.words import describe_autoscale_config, plural
 
 __all__ = ["describe_adjustment", "describe_am", "describe_enrolment", "describe_failure", "describe_plan",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_elan.scaling.stragglers import StragglerDetector
+from lightning_elan.sizing.stragglers import StragglerDetector
 
 
 @dataclass

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_elan.master.narration import plural
 from lightning_elan.master.transitions import leaving, requests
-from lightning_elan.scaling.autoscale import ThroughputAutoscaler, UtilityAutoscaler, UtilityFunction
-from lightning_elan.scaling.profile import ProfileRun
 from lightning_elan.scaling.throughput import ThroughputModel
+from lightning_elan.sizing.autoscale import ThroughputAutoscaler, UtilityAutoscaler, UtilityFunction
+from lightning_elan.sizing.profile import ProfileRun
 
 if TYPE_CHECKING:
     from lightning_elan.master.state import JobState

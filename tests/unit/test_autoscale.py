@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lightning_elan.scaling.autoscale import (
+from lightning_elan.sizing.autoscale import (
     SizeDecision,
     ThroughputAutoscaler,
     UtilityAutoscaler,

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from lightning_elan.launcher.run import describe_sizing, generations_phrase
-from lightning_elan.scaling.autoscale import ThroughputAutoscaler, UtilityAutoscaler, UtilityFunction
+from lightning_elan.sizing.autoscale import ThroughputAutoscaler, UtilityAutoscaler, UtilityFunction
 
 
 @pytest.mark.parametrize(("generations", "text"), [
@@ -39,7 +39,7 @@ def test_the_throughput_autoscaler_settles_at_1_worker(caplog: pytest.LogCapture
     scaler = ThroughputAutoscaler(step=1, threshold=0.1, min_workers=1)
     rates: dict[int, float] = {}
     current = 2
-    with caplog.at_level(logging.INFO, logger="lightning_elan.scaling.autoscale"):
+    with caplog.at_level(logging.INFO, logger="lightning_elan.sizing.autoscale"):
         for rate_at in ({2: 200.0}, {3: 201.0}, {1: 199.0}):
             rates.update(rate_at)
             decision = scaler.decide(current, rates)

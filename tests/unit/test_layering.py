@@ -24,7 +24,8 @@ MIRROR = f"{PACKAGE}.pytorch_lightning."  # the classic tree: the package's own 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # lazy exports, the classic tree's hook, Lightning's privates, torch's privates, etcd, counts and lists in words
     ("_lazy", "_classic", "compat", "torch_compat", "etcd", "words"),
-    ("protocol", "scaling", "data", "sim"),  # the wire contract; scaling math, the data position, the simulator
+    # the wire contract; the batch and LR at a resize, the size a job should have, the data position, the simulator
+    ("protocol", "scaling", "sizing", "data", "sim"),
     ("replication",),  # the state of a worker copied to a joiner: planning, packing, transports
     ("master", "elastic"),  # the application master; the worker's engine
     ("strategy", "accelerate", "callbacks", "launcher"),  # the front-ends inside a worker; the launcher around them
@@ -40,7 +41,7 @@ FRAMEWORK_UNITS = frozenset({"strategy", "accelerate", "callbacks", "compat", "p
 # the pure logic and everything it imports of the package: scaling math, the simulator, the planner, the data position
 # and the sampler's arithmetic, the wire contract, the AM's state machine (JobState and its transitions)
 PURE = (
-    "scaling", "sim", "data.positions", "data.sampler", "replication.planner", "replication.sources",
+    "scaling", "sizing", "sim", "data.positions", "data.sampler", "replication.planner", "replication.sources",
     "replication.topology", "protocol.contract", "protocol.messages", "master.state", "master.sizing",
     "master.sizing_state", "master.measure", "master.enrolment", "master.standby", "master.recovery",
     "master.narration", "master.transitions",

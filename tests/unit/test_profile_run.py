@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from lightning_elan.scaling.profile import ProfileRun
+from lightning_elan.sizing.profile import ProfileRun
 
 
 def visit(run: ProfileRun, curve: dict[int, float], start: int) -> list[int]:

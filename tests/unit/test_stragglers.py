@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from lightning_elan.scaling.stragglers import StragglerDetector
+from lightning_elan.sizing.stragglers import StragglerDetector
 
 
 def rounds_until_flagged(detector: StragglerDetector, round_: dict[str, float], limit: int = 1000) -> int | None:
