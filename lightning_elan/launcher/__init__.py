@@ -25,7 +25,7 @@ __all__ = [
     "LaunchError",
     "ScaleAction",
     "ScheduleError",
-    "Worker",
+    "WorkerProcess",
     "format_scale_args",
     "format_schedule",
     "parse_action",
@@ -33,6 +33,6 @@ __all__ = [
     "parse_schedule",
 ]
 
-_LAUNCHER_NAMES = ("JobLauncher", "LaunchConfig", "LaunchError", "Worker")  # need the AM and the client: lazy
+_LAUNCHER_NAMES = ("JobLauncher", "LaunchConfig", "LaunchError", "WorkerProcess")  # need the AM and the client: lazy
 
 __getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(_LAUNCHER_NAMES, "run"))

@@ -104,8 +104,8 @@ class LaunchConfig:
 
 
 @dataclass
-class Worker:
-    """One child process and what the launcher knows about it."""
+class WorkerProcess:
+    """The launcher's record of one worker: its child process and what the launcher knows about it."""
 
     worker_id: str
     role: str
@@ -174,7 +174,7 @@ class JobLauncher:
         self._am: AMProcess | None = None
         self._store: Any = None
         self._client: AMClient | None = None
-        self._workers: dict[str, Worker] = {}
+        self._workers: dict[str, WorkerProcess] = {}
         self._device_count = self._count_devices(config.devices)
         self._device_cursor = 0
         self._signals: list[int] = []
@@ -196,7 +196,7 @@ class JobLauncher:
         return f"{LOCAL_HOST}:{self._store.port}"
 
     @property
-    def workers(self) -> dict[str, Worker]:
+    def workers(self) -> dict[str, WorkerProcess]:
         return dict(self._workers)
 
     def run(self) -> int:
@@ -351,7 +351,7 @@ class JobLauncher:
             self._send_signal(worker, signal.SIGTERM)
             self._end_held_sigterms([worker])
 
-    def _spawn(self, worker_id: str, role: str, *, rank: int = -1, world_size: int = 0, detail: str) -> Worker:
+    def _spawn(self, worker_id: str, role: str, *, rank: int = -1, world_size: int = 0, detail: str) -> WorkerProcess:
         device_index = self._next_device()
         description = WorkerEnvironment.launched(
             job=self.config.job,
@@ -368,7 +368,7 @@ class JobLauncher:
         env = self._worker_env(description)
         process = subprocess.Popen(self.config.command, env=env,
                                    preexec_fn=die_with_parent(signal.SIGKILL, hold_sigterm=True))
-        worker = Worker(worker_id, role, process, device_index)
+        worker = WorkerProcess(worker_id, role, process, device_index)
         self._workers[worker_id] = worker
         where = "" if device_index is None else f", device {device_index}"
         log.info("spawned %s (%s%s, pid %d)", worker_id, detail, where, process.pid)
@@ -428,9 +428,9 @@ class JobLauncher:
                 return self._stuck(self._last_status)
             time.sleep(self.config.poll_interval_s)
 
-    def _reap(self) -> Worker | None:
+    def _reap(self) -> WorkerProcess | None:
         """Collect exited children, report them to the AM; return the first unexpected failure."""
-        failed: Worker | None = None
+        failed: WorkerProcess | None = None
         for worker in self._live_workers():
             returncode = worker.process.poll()
             if returncode is None:
@@ -449,7 +449,7 @@ class JobLauncher:
             failed = worker
         return failed
 
-    def _counted_exit(self, worker: Worker, returncode: int) -> int:
+    def _counted_exit(self, worker: WorkerProcess, returncode: int) -> int:
         """A worker killed by a signal after its script had ended (see ``script_ended_key``) finished: 0, with a
         warning (the crash is in the interpreter's teardown; its training and everything after it ran).
 
@@ -463,7 +463,7 @@ class JobLauncher:
                     "counted as finished", worker.worker_id, worker.process.pid, describe_status(returncode))
         return 0
 
-    def _is_undecided_joiner(self, worker: Worker) -> bool:
+    def _is_undecided_joiner(self, worker: WorkerProcess) -> bool:
         """A joiner that is neither a member nor part of the plan in flight: its failure only fails its request."""
         if worker.role != "joiner":
             return False
@@ -473,7 +473,7 @@ class JobLauncher:
         involved = members | {str(worker_id) for worker_id in in_flight.get("members") or []}
         return worker.worker_id not in involved
 
-    def _report_exit(self, worker: Worker) -> ExitVerdict:
+    def _report_exit(self, worker: WorkerProcess) -> ExitVerdict:
         """Tell the AM; a member's death it recovers from is announced to the survivors (not a failure of the job, but
         not an expected exit either)."""
         returncode = worker.returncode or 0
@@ -487,7 +487,7 @@ class JobLauncher:
             self._announce_failure(worker, [int(g) for g in reply.get("failed_generations") or []])
         return verdict
 
-    def _announce_failure(self, worker: Worker, generations: list[int]) -> None:
+    def _announce_failure(self, worker: WorkerProcess, generations: list[int]) -> None:
         """Set the failure keys the survivors' watch threads poll: their collectives are released at once."""
         for generation in generations:
             self._store.set(failure_key(generation), worker.worker_id)
@@ -592,7 +592,7 @@ class JobLauncher:
                             "" if worker.returncode in SIGTERM_EXITS else ": what its script does after training "
                             "did not run")
 
-    def _live_workers(self) -> list[Worker]:
+    def _live_workers(self) -> list[WorkerProcess]:
         return [worker for worker in self._workers.values() if worker.alive]
 
     # ------------------------------------------------------------------ ending
@@ -613,9 +613,9 @@ class JobLauncher:
         log.info("job %s finished", self.config.job)
         return 0
 
-    def _wait_children(self, timeout_s: float) -> list[Worker]:
+    def _wait_children(self, timeout_s: float) -> list[WorkerProcess]:
         """Reap children until none is left or ``timeout_s`` passes; return unexpected failures."""
-        failed: list[Worker] = []
+        failed: list[WorkerProcess] = []
         deadline = time.monotonic() + timeout_s
         while self._live_workers() and time.monotonic() < deadline:
             self._check_signals()
@@ -637,7 +637,7 @@ class JobLauncher:
         self._abort("every worker exited before the job finished")
         return 1
 
-    def _fail(self, worker: Worker) -> int:
+    def _fail(self, worker: WorkerProcess) -> int:
         log.error(
             "%s failed (%s): stopping job %s",
             worker.worker_id,
@@ -672,7 +672,7 @@ class JobLauncher:
             time.sleep(self.config.poll_interval_s)
         self._kill(self._live_workers())
 
-    def _kill(self, workers: list[Worker]) -> None:
+    def _kill(self, workers: list[WorkerProcess]) -> None:
         for worker in workers:
             self._send_signal(worker, signal.SIGKILL)
         for worker in workers:
@@ -680,7 +680,7 @@ class JobLauncher:
             log.info("%s (pid %d) %s", worker.worker_id, worker.process.pid, describe_exit(worker.returncode, False))
 
     @staticmethod
-    def _send_signal(worker: Worker, signum: int) -> None:
+    def _send_signal(worker: WorkerProcess, signum: int) -> None:
         worker.terminated = worker.terminated or signum == signal.SIGTERM
         try:
             worker.process.send_signal(signum)
@@ -696,7 +696,7 @@ class JobLauncher:
             self._last_held_check = now
             self._end_held_sigterms(self._live_workers())
 
-    def _end_held_sigterms(self, workers: list[Worker]) -> None:
+    def _end_held_sigterms(self, workers: list[WorkerProcess]) -> None:
         """SIGKILL each of ``workers`` that holds a SIGTERM (it started with SIGTERM blocked, ``launcher/lifeline.py``,
         and has not installed its handler): at once when the launcher sent it to stop the worker, ``--term-grace``
         seconds after one from elsewhere (the worker's own crash path, for a command that never starts the engine)."""
@@ -717,7 +717,7 @@ class JobLauncher:
             self._send_signal(worker, signal.SIGKILL)
 
     @staticmethod
-    def _poll_quietly(worker: Worker) -> bool:
+    def _poll_quietly(worker: WorkerProcess) -> bool:
         """Poll without reporting to the AM (used while tearing down); True while still running."""
         returncode = worker.process.poll()
         if returncode is None:
@@ -815,7 +815,7 @@ __all__ = [
     "JobLauncher",
     "LaunchConfig",
     "LaunchError",
-    "Worker",
+    "WorkerProcess",
     "archive_previous_run",
     "describe_exit",
     "describe_sizing",

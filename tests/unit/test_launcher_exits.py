@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_elan.launcher.run import ExitVerdict, JobLauncher, LaunchConfig, Worker, describe_exit
+from lightning_elan.launcher.run import ExitVerdict, JobLauncher, LaunchConfig, WorkerProcess, describe_exit
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ def test_only_an_exit_the_am_waited_for_is_expected(reply: dict, returncode: int
 def launcher_with(returncodes: dict[str, int | None]) -> JobLauncher:
     launcher = JobLauncher(LaunchConfig(job="j", nproc=len(returncodes), command=["true"], state_dir=Path("unused")))
     for worker_id, returncode in returncodes.items():
-        launcher._workers[worker_id] = Worker(worker_id, "member", SimpleNamespace(pid=1), returncode=returncode)
+        launcher._workers[worker_id] = WorkerProcess(worker_id, "member", SimpleNamespace(pid=1), returncode=returncode)
     return launcher
 
 
