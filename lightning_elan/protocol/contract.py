@@ -892,12 +892,12 @@ def _list_of(body: Mapping[str, Any], key: str, parse: Callable[[Any], _T], what
     return [parse(item) for item in items]
 
 
-def _reply(what: str) -> Callable[[type[_T]], type[_T]]:
-    """Give a reply dataclass whose body is the plain record of its fields ``to_body`` (None-valued fields left out)
-    and ``from_body`` (a missing required field raises ``ProtocolError`` naming ``what``)."""
+def _reply(what: str, *, nulls: bool = False) -> Callable[[type[_T]], type[_T]]:
+    """Give a reply dataclass whose body is the plain record of its fields ``to_body`` (None-valued fields left out,
+    or kept with ``nulls``) and ``from_body`` (a missing required field raises ``ProtocolError`` naming ``what``)."""
 
     def decorate(cls: type[_T]) -> type[_T]:
-        cls.to_body = _wire  # type: ignore[attr-defined]
+        cls.to_body = _record if nulls else _wire  # type: ignore[attr-defined]
         cls.from_body = classmethod(lambda c, body: _from_wire(c, body, what))  # type: ignore[attr-defined]
         return cls
 
@@ -966,6 +966,7 @@ class WorkerExitReply:
     failed_generations: list[int] | None = None
 
 
+@_reply("status member", nulls=True)
 @dataclass(frozen=True)
 class MemberStatus:
     """One member in the ``status`` reply: where it runs and its last known step (``last_step_from``: ``coordinate``
@@ -980,13 +981,6 @@ class MemberStatus:
     last_step: int | None = None
     last_step_from: str | None = None
     last_seen_at: float | None = None
-
-    def to_body(self) -> dict[str, Any]:
-        return _record(self)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> MemberStatus:
-        return _from_wire(cls, body, "status member")
 
 
 @dataclass(frozen=True)
@@ -1038,7 +1032,7 @@ class StatusReply:
     def to_body(self) -> dict[str, Any]:
         """Every key, null ones too, in the order the AM has always sent them."""
         body = _record(self)
-        body["members"] = [member.to_body() for member in self.members]
+        body["members"] = [_record(member) for member in self.members]
         body["in_flight"] = None if self.in_flight is None else self.in_flight.to_dict()
         body["am"] = None if self.am is None else _record(self.am)
         order = ("job", "generation", "members", "step", "epoch", "position", "global_batch", "scaling", "pending",
@@ -1052,7 +1046,8 @@ class StatusReply:
         in_flight, am = body.get("in_flight"), body.get("am")
         return dataclasses.replace(
             status,
-            members=_list_of(body, "members", MemberStatus.from_body, "status reply"),
+            members=_list_of(body, "members", lambda item: _from_wire(MemberStatus, item, "status member"),
+                             "status reply"),
             in_flight=None if in_flight is None else AdjustmentPlan.from_dict(in_flight),
             am=None if am is None else _from_wire(AMStatus, am, "status am"),
             pending=list(status.pending or []),
@@ -1068,18 +1063,13 @@ class ProfileReply:
     profile: dict[str, Any]
 
 
+@_reply("autoscale reply", nulls=True)
 @dataclass(frozen=True)
 class AutoscaleReply:
-    """The answer to ``autoscale``: the autoscaler now on (``{policy, config}``), or None: it is off."""
+    """The answer to ``autoscale``: the autoscaler now on (``{policy, config}``), or None (``{"autoscale": null}``):
+    it is off."""
 
     autoscale: dict[str, Any] | None = None
-
-    def to_body(self) -> dict[str, Any]:
-        return _record(self)  # {"autoscale": null} when it is off
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> AutoscaleReply:
-        return _from_wire(cls, body, "autoscale reply")
 
 
 @_reply("straggler settings")
