@@ -3,9 +3,9 @@ files, no torch).
 
 ``JobState`` is what the AM persists (``to_dict``/``from_dict``) and the transaction boundary: the server loads it,
 applies one transition and saves it. The transitions live in :mod:`lightning_elan.master.transitions`, one family per
-module (requests and the queue, the standby pool, leaving, adjustments, recovery, enrolment, the launcher's job,
-status); each validates its input first and raises ``StateError`` with a message for the client. Semantics:
-docs/architecture.md, *Semantics of the AM*.
+module (requests and the queue, the standby pool, leaving, adjustments, whether the job is done, recovery, enrolment,
+the launcher's job, status); each validates its input first and raises ``StateError`` with a message for the client.
+Semantics: docs/architecture.md, *Semantics of the AM*.
 """
 
 from __future__ import annotations
