@@ -133,12 +133,12 @@ class AMClient:
         size: int | None = None,
         at_step: int | None = None,
     ) -> dict[str, Any]:
-        """Ask for an adjustment; returns ``{request_id, new_workers}``."""
+        """Ask for an adjustment; returns the reply's body ``{request_id, new_workers}`` (``ScaleReply.from_body``)."""
         command = ScaleCommand(action, count, ranks, size, at_step)
         return self.request(command.TYPE, command.to_body())
 
     def status(self) -> dict[str, Any]:
-        """The job's status (see docs/architecture.md, *Status*)."""
+        """The job's status as the AM sent it (docs/architecture.md, *Status*; ``StatusReply.from_body`` types it)."""
         return self.request(StatusRequest.TYPE)
 
     def register(self, request: RegisterRequest, *, timeout_s: float | None = None, retries: int | None = None) -> None:
