@@ -112,6 +112,17 @@ def test_a_member_killed_after_the_training_ended_fails_nothing(tmp_path: Path, 
     assert failure_records(run) == []  # the recovery started for it never formed a generation
 
 
+def test_a_member_killed_in_a_barrier_before_the_first_batch_is_recovered(tmp_path: Path,
+                                                                           static_run: RunResult) -> None:
+    """w1 is SIGKILLed entering Lightning's first barrier before the training loop (storm seed 953: w0 and w2 crashed in
+    ``_CheckpointConnector.resume_end``'s barrier with gloo's "Connection reset by peer", the job failed): the
+    survivors recover and train the whole job."""
+    run = fault_run(tmp_path, "preloop", 3, [], library_kill="w1:barrier", launcher_args=("--replace-failed",))
+
+    assert _killed(tmp_path) == "w1"
+    check_fault_run(run, static_run, ["w1"])
+
+
 def _killed(tmp: Path) -> str:
     lines = (tmp / "elan-home" / "fault-kills.log").read_text().splitlines()
     assert len(lines) == 1, lines

@@ -14,6 +14,8 @@
   before the script's code after ``fit``;
 * ``loop_over`` — an Accelerate member once its ``epochs()`` loop ran out (it told the launcher its training ended),
   before the script's code after the loop (the probe's ``wait_for_everyone`` before the main process saves);
+* ``barrier`` — a member at its first ``ElanStrategy.barrier`` (Lightning's, before the first batch: ``prepare_data``,
+  ``resume_end``), before it enters it: the others meet its death in that barrier (storm seed 953);
 * ``connecting`` — such a survivor once it has arrived in the recovery's generation (every member has), before its
   backend connects: the others meet its death inside their backend's rendezvous.
 
@@ -31,7 +33,8 @@ _METHODS = {"warming": "_fault_in_spare", "coordinate": "_agree", "adjusting": "
             "recovering": "_recovery_plan_for"}
 _FRONT_ENDS = {"train_end": ("lightning_elan.strategy.strategy", "_ElanCoordinator", "on_train_end"),
                "trained": ("lightning_elan.strategy.strategy", "ElanStrategy", "teardown"),
-               "loop_over": ("lightning_elan.accelerate.accelerator", "ElasticAccelerator", "_training_over")}
+               "loop_over": ("lightning_elan.accelerate.accelerator", "ElasticAccelerator", "_training_over"),
+               "barrier": ("lightning_elan.strategy.strategy", "ElanStrategy", "barrier")}
 _AFTER = {"recovering", "trained", "loop_over"}  # killed when the method returns, not when it is called
 
 
