@@ -472,13 +472,16 @@ def align_checkpoint_dirs(trainer: pl.Trainer, callback_states: dict[str, Any]) 
             callback.dirpath = state["dirpath"]
 
 
-def move_progress_bar(trainer: pl.Trainer) -> None:
-    """Show the progress bar on the (possibly new) global rank 0 only; ``ProgressBar.setup`` disabled it elsewhere."""
+def move_progress_bar(trainer: pl.Trainer, loop_started: bool = True) -> None:
+    """Show the progress bar on the (possibly new) global rank 0 only; ``ProgressBar.setup`` disabled it elsewhere.
+    Before the training loop only the switch moves: ``TQDMProgressBar.on_train_start`` builds the bar."""
     for callback in trainer.callbacks:
         if not isinstance(callback, ProgressBar):
             continue
         if not trainer.is_global_zero:
             callback.disable()
+        elif not loop_started:
+            callback.enable()
         elif isinstance(callback, TQDMProgressBar) and callback._train_progress_bar is None:
             callback.enable()
             callback.train_progress_bar = callback.init_train_tqdm()

@@ -72,6 +72,9 @@ its own (a bug, not a peer's death) and re-raises it."""
 
 VOTE_STORE_KEY = "vote-store"
 """Under a generation's prefix in the job store: ``HOST:PORT`` of the generation's fast store (etcd job stores only)."""
+PRE_LOOP_POSITION_KEY = "pre_loop_position/"
+"""Under a recovery generation's prefix: each survivor's position among the collectives made before the training
+loop (``elastic/pre_loop.py``)."""
 
 # what rank 0 broadcasts at a coordination point
 _NO_CHANGE, _ADJUST, _DEFERRED = 0, 1, 2
@@ -158,6 +161,7 @@ class ElasticWorker:
         self._epoch_end: int | None = None  # the sampler's end of the current epoch (its length), for remaining_samples
         self._watch: FailureWatch | None = None
         self._vote: CommitVote | None = None
+        self._recovered_plan: AdjustmentPlan | None = None  # the plan of the newest recovery
         self._vote_server: dist.TCPStore | None = None  # rank 0's fast store of its generation (etcd job store)
         self._recovery_plan: AdjustmentPlan | None = None  # decided while an uncertain commit was resolved
         self._uncommitted: dict[str, Any] | None = None  # the data position before the batch not yet committed
@@ -368,7 +372,11 @@ class ElasticWorker:
         self._group().abort()
         log.warning("worker %s recovers from the failure of generation %d at step %d", self.worker_id, failed,
                     committed_step)
+        launch = self.in_launch_generation
         plan, sent = self._enter_recovery(failed, committed_step)
+        self._recovered_plan = plan
+        if launch and not plan.joiners:  # no state was replicated into it: it starts as the launch generation did
+            self._launch_generation = plan.generation
         self.frontend.after_resize()
         log.info("worker %s recovered into generation %d (%s) in %.2f s", self.worker_id, plan.generation,
                  ", ".join(plan.members), time.perf_counter() - started)
@@ -392,6 +400,25 @@ class ElasticWorker:
                 self._abandon_outgoing()
                 self._group().abort()
                 plan = self._recovery_plan_for(plan.generation, committed_step)
+
+    def earliest_position(self, position: int | None) -> int | None:
+        """After a recovery: publish this survivor's ``position`` (a count of the collectives it made before the
+        training loop; None: it made none of the others', it joined) in the new generation and return the earliest of
+        every survivor's (the plan's stayers); :class:`PeerFailure` if the generation fails meanwhile."""
+        plan = self._recovered_plan
+        assert plan is not None and self.generation == plan.generation
+        store = self._group().store
+        prefix = f"{generation_prefix(plan.generation)}{PRE_LOOP_POSITION_KEY}"
+        store.set(f"{prefix}{self.worker_id}", "" if position is None else str(position))
+        if position is None:
+            return None
+        positions = [position]
+        for survivor in plan.stayers:
+            if survivor != self.worker_id:
+                self._await_key(store, f"{prefix}{survivor}", survivor)
+                published = store.get(f"{prefix}{survivor}").decode()
+                positions.extend([int(published)] if published else [])
+        return min(positions)
 
     def _recovery_plan_for(self, failed: int, committed_step: int) -> AdjustmentPlan:
         reply = self._require_link().recover(failed, committed_step, self.join_timeout_s)
@@ -453,13 +480,13 @@ class ElasticWorker:
         host, _, port = store.get(key).decode().rpartition(":")
         return dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout, wait_for_workers=False)
 
-    def _await_key(self, store: dist.Store, key: str) -> None:
-        """Wait for ``key`` (rank 0 sets it right after the group's rendezvous); :class:`PeerFailure` if the
-        generation fails first."""
+    def _await_key(self, store: dist.Store, key: str, publisher: str = "rank 0") -> None:
+        """Wait for ``key`` (rank 0 sets the vote store's right after the group's rendezvous); :class:`PeerFailure`
+        if the generation fails first."""
         pause = 0.001
         while not store.check([key]):
             if self.peer_failed:
-                raise PeerFailure(self.generation or 0, "rank 0 died before it published the vote store")
+                raise PeerFailure(self.generation or 0, f"{publisher} died before it published {key}")
             time.sleep(pause)
             pause = min(0.05, pause * 2)
 

@@ -33,6 +33,7 @@ from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic.applied_steps import AppliedSteps
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.frontend import ScalingParticipant
+from lightning_elan.elastic.pre_loop import PreLoopCollectives
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember
 from lightning_elan.protocol.contract import DEFAULT_JOIN_TIMEOUT_S, WorkerEnvironment
 from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
@@ -87,6 +88,7 @@ class ElanStrategy(DDPStrategy):
         self._applied_steps = AppliedSteps()  # manual optimization: the batch's steps, until it stands
         self._ddp: ElasticDistributedDataParallel | None = None
         self._group_view: torch.distributed.ProcessGroup | None = None
+        self._pre_loop = PreLoopCollectives(self._recover_before_the_loop, self.engine.earliest_position)
         self._sync_environment()
 
     # ------------------------------------------------------------------ registration and environment
@@ -261,6 +263,7 @@ class ElanStrategy(DDPStrategy):
         return {"checkpoint": compat.dump_training_state(trainer), "logger_versions": compat.logger_versions(trainer)}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
+        self._pre_loop.joined()
         trainer, checkpoint = self.lightning_module.trainer, state["checkpoint"]
         compat.call_on_load_checkpoint(trainer, checkpoint)
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=self.lightning_module.strict_loading)
@@ -296,9 +299,11 @@ class ElanStrategy(DDPStrategy):
             compat.adopt_loggers(self.lightning_module.trainer)
 
     def after_resize(self) -> None:
-        """Stayers after a resize: DDP on the new group, data from the same serial position, eval shards rebuilt."""
+        """Stayers after a resize: DDP on the new group, data from the same serial position, eval shards rebuilt. A
+        recovery before Lightning set the model up leaves DDP to its ``setup``, which builds it on the new group."""
         trainer = self.lightning_module.trainer
-        self.configure_ddp()
+        if self._ddp is not None:
+            self.configure_ddp()
         loader = self._elastic_train_loader()
         if loader is not None:
             loader.rebuild()
@@ -306,7 +311,7 @@ class ElanStrategy(DDPStrategy):
         if loader is not None:
             compat.refresh_epoch_length(trainer)  # the global batch may have changed: the epoch has a new length
         compat.reset_evaluation_dataloaders(trainer)
-        compat.move_progress_bar(trainer)
+        compat.move_progress_bar(trainer, loop_started=not self._pre_loop.recording)
 
     def leave(self) -> NoReturn:
         raise compat.LeaveFit
@@ -403,6 +408,7 @@ class ElanStrategy(DDPStrategy):
         def committed_closure() -> Any:
             result = closure()
             self.engine.commit_step(self.lightning_module.trainer.global_step, closes_batch=not manual)
+            self._pre_loop.step_committed()
             if manual:
                 self._applied_steps.before_update(_torch_optimizer(optimizer))
             return result
@@ -431,7 +437,19 @@ class ElanStrategy(DDPStrategy):
             rollback()
             self._discard_interrupted_step()
         self.engine.recover(self.lightning_module.trainer.global_step)
+        self._pre_loop.catch_up()
         return discarded
+
+    def _recover_before_the_loop(self, error: BaseException) -> None:
+        """A collective before the training loop raised: recover if a member died (see ``elastic/pre_loop.py``)."""
+        self.engine.confirm_peer_failure(error)
+        log.warning("worker %s: a member died before the training loop; its collective runs again without it",
+                    self.engine.worker_id)
+        self.engine.recover(self.lightning_module.trainer.global_step)
+
+    def training_loop_started(self) -> None:
+        """The fit loop's ``on_train_start``: from here a member's death redoes the interrupted batch."""
+        self._pre_loop.loop_started()
 
     def _discard_interrupted_step(self) -> None:
         """Whatever phase the death cut short (forward, backward, all-reduce, vote), the redo starts clean: the elastic
@@ -456,21 +474,30 @@ class ElanStrategy(DDPStrategy):
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not self._alone():
-            super().barrier(*args, **kwargs)
+            barrier = super().barrier
+            self._pre_loop.run(lambda: barrier(*args, **kwargs))
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj if self._alone() else super().broadcast(obj, src)
+        if self._alone():
+            return obj
+        broadcast = super().broadcast
+        return self._pre_loop.run(lambda: broadcast(obj, src))
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        return tensor if self._alone() else super().reduce(tensor, group, reduce_op)
+        """Lightning's reduction works in place: a reduction run again (see :meth:`barrier`) starts from the input."""
+        if self._alone():
+            return tensor
+        reduce, given = super().reduce, _copied(tensor)
+        return self._pre_loop.run(lambda: reduce(_copied(given), group, reduce_op))
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         if self._alone():
             return tensor.unsqueeze(0)
-        return super().all_gather(tensor, group, sync_grads)
+        all_gather = super().all_gather
+        return self._pre_loop.run(lambda: all_gather(tensor, group, sync_grads))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -516,6 +543,10 @@ class _ElanCoordinator(Callback):
         self._strategy.on_epoch_start(trainer)
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._strategy.training_loop_started()
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._strategy.training_loop_ended()
 
@@ -545,6 +576,10 @@ def register_elan_strategy() -> None:
 
 
 register_elan_strategy()
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, Tensor) else value
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

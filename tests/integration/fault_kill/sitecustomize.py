@@ -14,8 +14,11 @@
   before the script's code after ``fit``;
 * ``loop_over`` — an Accelerate member once its ``epochs()`` loop ran out (it told the launcher its training ended),
   before the script's code after the loop (the probe's ``wait_for_everyone`` before the main process saves);
-* ``barrier`` — a member at its first ``ElanStrategy.barrier`` (Lightning's, before the first batch: ``prepare_data``,
-  ``resume_end``), before it enters it: the others meet its death in that barrier (storm seed 953);
+* ``barrier`` — a member at its first ``ElanStrategy.barrier`` (Lightning's, before the first batch: ``pre_setup``,
+  ``_CheckpointConnector.resume_end``; ``barrier:NAME`` the barrier of that name), before it enters it: the others
+  meet its death in that barrier (storm seed 953);
+* ``broadcast`` — a member at its first ``ElanStrategy.broadcast`` (``ModelCheckpoint``'s directory, in ``setup``),
+  before it enters it: the source may complete it while the others meet the death;
 * ``connecting`` — such a survivor once it has arrived in the recovery's generation (every member has), before its
   backend connects: the others meet its death inside their backend's rendezvous.
 
@@ -34,7 +37,8 @@ _METHODS = {"warming": "_fault_in_spare", "coordinate": "_agree", "adjusting": "
 _FRONT_ENDS = {"train_end": ("lightning_elan.strategy.strategy", "_ElanCoordinator", "on_train_end"),
                "trained": ("lightning_elan.strategy.strategy", "ElanStrategy", "teardown"),
                "loop_over": ("lightning_elan.accelerate.accelerator", "ElasticAccelerator", "_training_over"),
-               "barrier": ("lightning_elan.strategy.strategy", "ElanStrategy", "barrier")}
+               "barrier": ("lightning_elan.strategy.strategy", "ElanStrategy", "barrier"),
+               "broadcast": ("lightning_elan.strategy.strategy", "ElanStrategy", "broadcast")}
 _AFTER = {"recovering", "trained", "loop_over"}  # killed when the method returns, not when it is called
 
 
@@ -105,5 +109,5 @@ _worker = os.environ.get("ELAN_WORKER_ID")
 if _plan and _worker:
     _target, _phase, *_step = _plan.split(":")
     if _target in ("*", _worker):
-        _install(_phase, int(_step[0]) if _step else None)
+        _install(_phase, (int(_step[0]) if _step[0].isdigit() else _step[0]) if _step else None)
 

@@ -1,0 +1,98 @@
+"""Collectives a front-end makes before its training loop (Lightning's barriers around ``prepare_data`` and ``setup``,
+``ModelCheckpoint``'s directory broadcast, the sanity check's reductions): a member's death in one is recovered from
+and the job goes on, as inside the loop.
+
+Members can be one collective apart when a death hits: a broadcast's source (or a barrier's root) may complete it
+while a receiver learns of the death inside it, so the source is already in the next collective, or in the training
+loop. Every collective made before the loop is kept in order with the inputs it was given; after each recovery that
+comes before the job's first committed step, every survivor says how far it got (its *position*: the collective it is
+in, or how many it completed) and all go back to the earliest one: those ahead run again, with the same inputs, what
+the others have not completed. So every survivor runs the same sequence of collectives in the new generation, and the
+one that failed runs again. A survivor already in the loop replays before its interrupted batch is redone.
+
+Pure logic: the collectives, the recovery and the agreement on the earliest position are given as callables.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PreLoopCollectives"]
+
+
+class PreLoopCollectives:
+    """The collectives made before the training loop, replayed after a recovery that precedes the first committed step.
+
+    ``recover(error)`` returns once the job re-formed without a dead member (it re-raises ``error`` when no member
+    died); ``earliest(position)`` publishes this member's position in the new generation and returns the earliest of
+    every survivor's (``earliest(None)``: this member publishes that it has none and returns None at once).
+    """
+
+    def __init__(self, recover: Callable[[BaseException], None],
+                 earliest: Callable[[int | None], int | None]) -> None:
+        self._recover = recover
+        self._earliest = earliest
+        self._calls: list[Callable[[], Any]] = []
+        self._recording = True  # until the training loop starts
+        self._open = True  # until the job's first committed step: a recovery may find survivors apart
+        self._joined = False  # the state was replicated into this process: it made no collective of the others'
+
+    @property
+    def recording(self) -> bool:
+        """Whether the training loop has not started yet."""
+        return self._recording
+
+    def run(self, collective: Callable[[], Any]) -> Any:
+        """Run ``collective`` (a call that can run again with the same inputs); before the loop, recover from a
+        member's death and run it again in the new generation."""
+        if not self._recording:
+            return collective()
+        self._calls.append(collective)
+        return self._run_from(len(self._calls) - 1)
+
+    def loop_started(self) -> None:
+        """The training loop began: its collectives are the loop's to redo (a failed batch runs again)."""
+        self._recording = False
+
+    def step_committed(self) -> None:
+        """Every member committed a step: every survivor of a later death is past the collectives kept here."""
+        self._open = False
+        self._calls.clear()
+
+    def joined(self) -> None:
+        """This process received the training state from a member (a joiner): the others' collectives before the loop
+        are none of its business, but until a step is committed it tells the other survivors of a recovery so."""
+        self._joined = True
+        self._calls.clear()
+
+    def catch_up(self) -> None:
+        """After a recovery in the training loop, while no step was committed: run again, with the survivors behind,
+        the collectives they had not completed."""
+        if not self._open:
+            return
+        if self._joined:
+            self._earliest(None)
+            return
+        earliest = self._earliest(len(self._calls))
+        assert earliest is not None
+        self._run_from(earliest)
+
+    def _run_from(self, position: int) -> Any:
+        result = None
+        while position < len(self._calls):
+            try:
+                result = self._calls[position]()
+                position += 1
+            except Exception as error:
+                self._recover(error)
+                earliest = self._earliest(position)
+                assert earliest is not None
+                if earliest < position:
+                    log.warning("a survivor was %d collective(s) behind when a member died before the training loop: "
+                                "running them again with it", position - earliest)
+                position = earliest
+        return result
