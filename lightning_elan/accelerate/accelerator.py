@@ -218,6 +218,9 @@ class ElasticAccelerator(Accelerator):
         return result
 
     def _join(self) -> None:
+        for model in compat.prepared_models(self):
+            if isinstance(model, ElasticDistributedDataParallel):
+                model.warm_up_alone()
         try:
             self.engine.join()
             self._joined_running_job = self._awaiting_first_batch = True

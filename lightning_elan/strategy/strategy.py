@@ -240,6 +240,8 @@ class ElanStrategy(DDPStrategy):
 
     def _join(self) -> None:
         """A joiner, warmed up (model on its device): wait for the adjustment and take the state from the source."""
+        if self._ddp is not None:
+            self._ddp.warm_up_alone()
         try:
             self.engine.join()
         except NotAMember as reason:
