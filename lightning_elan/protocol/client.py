@@ -141,9 +141,11 @@ class AMClient:
         """The job's status (see docs/architecture.md, *Status*)."""
         return self.request(StatusRequest.TYPE)
 
-    def register(self, request: RegisterRequest, *, timeout_s: float | None = None, retries: int | None = None) -> None:
-        """Tell the AM where a worker lives; for a joiner this is *report ready*."""
-        self.request(request.TYPE, request.to_body(), timeout_s=timeout_s, retries=retries)
+    def register(self, request: RegisterRequest, *, timeout_s: float | None = None, retries: int | None = None) -> bool:
+        """Tell the AM where a worker lives; for a joiner this is *report ready*. Returns whether new workers are
+        coming (a member's registration: a queued request starts some)."""
+        reply = self.request(request.TYPE, request.to_body(), timeout_s=timeout_s, retries=retries)
+        return bool(reply.get("joiners_coming", False))
 
     def coordinate(
         self, request: CoordinateRequest, *, timeout_s: float | None = None, retries: int | None = None

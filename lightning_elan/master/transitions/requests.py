@@ -86,13 +86,14 @@ def queue(state: JobState, request: ScaleRequest, now: float | None) -> dict[str
 
 
 def register(state: JobState, request: RegisterRequest, now: float | None = None) -> dict[str, Any]:
-    """Record a worker's host/device/pid (and topology); for a joiner this is *report ready*."""
+    """Record a worker's host/device/pid (and topology); for a joiner this is *report ready*. A member learns whether
+    new workers are coming (``joiners_coming``): then it prepares to serve them from its first step on."""
     worker_id = request.worker_id
     where = (request.host, request.device, request.pid, _checked_topology(worker_id, request.topology))
     member = state.member(worker_id)
     if member is not None:
         member.host, member.device, member.pid, member.topology = where
-        return {}
+        return {"joiners_coming": True} if joiners_coming(state) else {}
     pending = state.pending_workers.get(worker_id)
     if pending is None:
         if worker_id in state.left_workers:
@@ -104,6 +105,11 @@ def register(state: JobState, request: RegisterRequest, now: float | None = None
         pending.ready_at = now_or_clock(now)
         _note_ready(state, pending.request_id, pending.ready_at)
     return {}
+
+
+def joiners_coming(state: JobState) -> bool:
+    """A queued request starts new workers: the members may prepare to serve them while they warm up."""
+    return not state.finished and any(request.new_workers for request in state.pending)
 
 
 def spawn_requested(state: JobState, now: float) -> list[dict[str, Any]]:
