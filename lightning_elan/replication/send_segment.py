@@ -77,6 +77,7 @@ class SendSegment:
         self._hurry = threading.Event()
         self._in_use = False
         self._released = False
+        self._failed_at: int | None = None  # a preparation of this many bytes failed (a full tmpfs): not again
 
     @property
     def nbytes_held(self) -> int:
@@ -90,6 +91,8 @@ class SendSegment:
         with self._lock:
             self._released = False
             if self._in_use or (self._thread is not None and self._thread.is_alive()):
+                return
+            if self._failed_at is not None and nbytes >= self._failed_at:
                 return
             if self._file is not None and self._file.nbytes >= nbytes and self._file.linked():
                 _touch(self._file)  # a sweep of stale segments goes by the modification time
@@ -159,8 +162,10 @@ class SendSegment:
             os.ftruncate(prepared.fd, max(nbytes, prepared.nbytes))
             self._allocate(prepared.fd, begin, nbytes)
         except OSError as error:  # a full or missing tmpfs: the send creates its segment as before
-            log.warning("cannot prepare a %d-byte send segment in %s: %s", nbytes, self.directory, error)
+            log.warning("cannot prepare a %d-byte send segment in %s (%s): sends create theirs", nbytes,
+                        self.directory, error)
             with self._lock:
+                self._failed_at = nbytes
                 self._drop_locked()
             return
         with self._lock:

@@ -110,3 +110,11 @@ def test_send_ahead_off_makes_nothing_and_always_keeps_it(tmp_path: Path, monkey
     assert len(segments(tmp_path)) == 1
     always.close()
     assert segments(tmp_path) == []
+
+
+def test_a_segment_that_cannot_be_made_is_not_tried_again(tmp_path: Path, caplog) -> None:
+    segment = SendSegment(tmp_path / "no-such-dir")
+    for _ in range(3):
+        segment.prepare(1 << 20)
+        assert segment.take(1 << 20) is None
+    assert len([r for r in caplog.records if "cannot prepare" in r.message]) == 1
