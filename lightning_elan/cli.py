@@ -47,6 +47,11 @@ from lightning_elan.protocol.contract import (
     ENV_IFACE,
     ENV_JOB,
     MAX_STANDBY,
+    AutoscaleReply,
+    ProfileReply,
+    ProfileRequest,
+    ScaleReply,
+    StatusReply,
 )
 from lightning_elan.words import describe_autoscale
 
@@ -460,7 +465,7 @@ def cmd_scale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ScheduleError as exc:
         parser.error(str(exc))
     client = connect(args.job, timeout_s=args.timeout, am=args.am)
-    reply = call(client, args.job, lambda: client.scale(**action.request_kwargs()))
+    reply = ScaleReply.from_body(call(client, args.job, lambda: client.scale(**action.request_kwargs())))
     print(describe_scale_reply(action, reply))
     return 0
 
@@ -469,15 +474,17 @@ def cmd_profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     _reject_command(args, parser)
     if args.min_size > args.max_size:
         parser.error(f"--min {args.min_size} is more than --max {args.max_size}")
-    body = {"min": args.min_size, "max": args.max_size, "steps": args.steps, "settle": args.settle}
+    request = ProfileRequest(args.min_size, args.max_size, args.steps, args.settle)
     client = connect(args.job, timeout_s=args.timeout, am=args.am)
-    reply = call(client, args.job, lambda: client.request("profile", body))
-    print(describe_profile_start(args.job, reply.get("profile"), args.steps))
+    reply = ProfileReply.from_body(call(client, args.job, lambda: client.request(request.TYPE, request.to_body())))
+    print(describe_profile_start(args.job, reply.profile, args.steps))
     if args.no_wait:
         return 0
-    def status() -> dict[str, Any]:
+
+    def status() -> StatusReply:
         poller = connect(args.job, timeout_s=args.timeout, am=args.am)
-        return call(poller, args.job, poller.status)
+        return StatusReply.from_body(call(poller, args.job, poller.status))
+
     try:
         result = cli_sizing.wait_for_profile(status, args.wait_timeout)
     except TimeoutError as error:
@@ -490,18 +497,19 @@ def cmd_autoscale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     _reject_command(args, parser)
     if args.min_workers and args.max_workers and args.min_workers > args.max_workers:
         parser.error(f"--min-workers {args.min_workers} is more than --max-workers {args.max_workers}")
-    body = cli_sizing.autoscale_body(args, args.policy, args.min_workers, args.max_workers)
+    request = cli_sizing.autoscale_request(args, args.policy, args.min_workers, args.max_workers)
     client = connect(args.job, timeout_s=args.timeout, am=args.am)
-    reply = call(client, args.job, lambda: client.request("autoscale", body))
-    print(describe_autoscale(args.job, reply.get("autoscale"), body.get("scale_out_command")))
+    reply = AutoscaleReply.from_body(call(client, args.job, lambda: client.request(request.TYPE, request.to_body())))
+    print(describe_autoscale(args.job, reply.autoscale, request.scale_out_command))
     return 0
 
 
 def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _reject_command(args, parser)
     client = connect(args.job, timeout_s=args.timeout, am=args.am)
-    status = call(client, args.job, client.status)
-    print(json.dumps(status, indent=2, sort_keys=True) if args.json else format_status(status))
+    body = call(client, args.job, client.status)
+    status = StatusReply.from_body(body)  # checked even for --json, which prints the reply as the AM sent it
+    print(json.dumps(body, indent=2, sort_keys=True) if args.json else format_status(status))
     return 0
 
 

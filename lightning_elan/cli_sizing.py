@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from lightning_elan.cli_types import fraction, job_name, non_negative_float, positive_float, positive_int, world_size
 from lightning_elan.master.sizing import AUTOSCALE_POLICIES, SETTLE_MODES, STRAGGLER_MODES
+from lightning_elan.protocol.contract import AutoscaleRequest, StatusReply, StragglersRequest
 
-__all__ = ["add_autoscale", "add_profile", "add_sizing_options", "autoscale_body", "sizing_requests",
+__all__ = ["add_autoscale", "add_profile", "add_sizing_options", "autoscale_request", "sizing_requests",
            "wait_for_profile"]
 
 PROFILE_POLL_S = 1.0
@@ -100,45 +101,38 @@ def add_sizing_options(parser: argparse.ArgumentParser) -> None:
                             "sent its compute time, which each sends every second: about 1 s each")
 
 
-def sizing_requests(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[tuple[str, dict[str, Any]]]:
+def sizing_requests(args: argparse.Namespace,
+                    parser: argparse.ArgumentParser) -> list[AutoscaleRequest | StragglersRequest]:
     """The ``autoscale``/``stragglers`` requests the options of ``elan run``/``elan am`` ask for."""
-    requests = []
-    stragglers = {"mode": args.stragglers or "off", "threshold": args.straggler_threshold,
-                  "window": args.straggler_window}
+    requests: list[AutoscaleRequest | StragglersRequest] = []
     if args.stragglers or args.straggler_threshold is not None or args.straggler_window is not None:
-        requests.append(("stragglers", _without_none(stragglers)))
+        requests.append(StragglersRequest(args.stragglers or "off", args.straggler_threshold, args.straggler_window))
     if args.autoscale == "utility" and (args.price is None or args.utility is None):
         parser.error("--autoscale utility needs --price P and --utility FILE")
     if args.autoscale_min and args.autoscale_max and args.autoscale_min > args.autoscale_max:
         parser.error(f"--autoscale-min {args.autoscale_min} is more than --autoscale-max {args.autoscale_max}")
     if args.autoscale:
-        requests.append(("autoscale", autoscale_body(args, args.autoscale, args.autoscale_min, args.autoscale_max)))
+        requests.append(autoscale_request(args, args.autoscale, args.autoscale_min, args.autoscale_max))
     elif any(getattr(args, name) is not None for name in ("autoscale_min", "autoscale_max", "autoscale_every",
                                                           "autoscale_step", "autoscale_threshold", "price", "utility")):
         parser.error("the autoscaler's settings need --autoscale POLICY")
     elif args.scale_out_command:
-        requests.append(("autoscale", {"policy": "off", "scale_out_command": args.scale_out_command}))
+        requests.append(AutoscaleRequest("off", scale_out_command=args.scale_out_command))
     return requests
 
 
-def autoscale_body(args: argparse.Namespace, policy: str, low: int | None, high: int | None) -> dict[str, Any]:
-    return _without_none({
-        "policy": policy, "every": args.autoscale_every, "step": args.autoscale_step,
-        "threshold": args.autoscale_threshold, "min_workers": low, "max_workers": high,
-        "cooldown_s": args.autoscale_cooldown, "price": args.price, "utility": args.utility,
-        "scale_out_command": args.scale_out_command,
-    })
+def autoscale_request(args: argparse.Namespace, policy: str, low: int | None, high: int | None) -> AutoscaleRequest:
+    return AutoscaleRequest(policy, every=args.autoscale_every, step=args.autoscale_step,
+                            threshold=args.autoscale_threshold, min_workers=low, max_workers=high,
+                            cooldown_s=args.autoscale_cooldown, price=args.price, utility=args.utility,
+                            scale_out_command=args.scale_out_command)
 
 
-def _without_none(body: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in body.items() if value is not None}
-
-
-def wait_for_profile(status: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+def wait_for_profile(status: Callable[[], StatusReply], timeout_s: float) -> dict[str, Any]:
     """Poll the job's status until its profile has finished; returns the result (TimeoutError after timeout_s)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        sizing = status().get("sizing") or {}
+        sizing = status().sizing or {}
         if sizing.get("profile") is None and sizing.get("profile_result"):
             return sizing["profile_result"]
         if time.monotonic() > deadline:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_elan.launcher.schedule import ScaleAction
-from lightning_elan.protocol.contract import AdjustmentPlan
+from lightning_elan.protocol.contract import AdjustmentPlan, AMStatus, MemberStatus, ScaleReply, StatusReply
 from lightning_elan.scaling.report import format_summary
 from lightning_elan.sizing.profile import ProfileRun
 from lightning_elan.words import describe_autoscale_config, plural
@@ -18,9 +18,9 @@ __all__ = ["describe_adjustment", "describe_am", "describe_enrolment", "describe
            "describe_standby", "format_profile", "format_sizing", "format_status", "rates_phrase"]
 
 
-def describe_scale_reply(action: ScaleAction, reply: Mapping[str, Any]) -> str:
-    new_workers = ", ".join(reply.get("new_workers") or []) or "none"
-    return f"request {reply.get('request_id')}: {action} (new workers: {new_workers})"
+def describe_scale_reply(action: ScaleAction, reply: ScaleReply) -> str:
+    new_workers = ", ".join(reply.new_workers) or "none"
+    return f"request {reply.request_id}: {action} (new workers: {new_workers})"
 
 
 def describe_request(request: Mapping[str, Any]) -> str:
@@ -74,44 +74,40 @@ def describe_adjustment(record: Mapping[str, Any]) -> str:
     return text
 
 
-def format_status(status: Mapping[str, Any]) -> str:
+def format_status(status: StatusReply) -> str:
     """The human ``elan status`` text."""
-    members = list(status.get("members") or [])
-    state = "finished" if status.get("finished") else "running"
-    if status.get("failed_reason"):
-        state = f"failed: {status['failed_reason']}"
-    lines = [f"job {status.get('job')}: generation {status.get('generation')}, {state}"]
-    lines.append(f"members ({len(members)}):")
+    state = "finished" if status.finished else "running"
+    if status.failed_reason:
+        state = f"failed: {status.failed_reason}"
+    lines = [f"job {status.job}: generation {status.generation}, {state}"]
+    lines.append(f"members ({len(status.members)}):")
     header = ["RANK", "WORKER", "HOST", "DEVICE", "PID", "LAST_STEP", "FROM"]
-    lines += ["  " + row for row in _table(header, _member_rows(members))]
+    lines += ["  " + row for row in _table(header, _member_rows(status.members))]
     lines.append("  (LAST_STEP: the step of the member's last coordinate (rank 0) or adjustment report)")
     lines.append(
-        f"progress: step {_value(status, 'step')}, epoch {_value(status, 'epoch')}, "
-        f"position {_value(status, 'position')}, global batch {_value(status, 'global_batch')}"
+        f"progress: step {_dash(status.step)}, epoch {_dash(status.epoch)}, "
+        f"position {_dash(status.position)}, global batch {_dash(status.global_batch)}"
     )
-    if status.get("am"):
-        lines.append(describe_am(status["am"]))
-    pending = list(status.get("pending") or [])
-    lines.append(f"pending requests ({len(pending)}):" if pending else "pending requests: none")
-    lines += [f"  {describe_request(request)}" for request in pending]
-    in_flight = status.get("in_flight")
-    lines.append(f"in flight: {describe_plan(AdjustmentPlan.from_dict(in_flight)) if in_flight else 'none'}")
-    if status.get("recovery"):
-        lines.append(describe_recovery(status["recovery"]))
-    if status.get("enrolment"):
-        lines.append(describe_enrolment(status["enrolment"]))
-    if status.get("standby"):
-        lines.append(describe_standby(status["standby"]))
-    last = status.get("last_adjustment")
+    if status.am:
+        lines.append(describe_am(status.am))
+    lines.append(f"pending requests ({len(status.pending)}):" if status.pending else "pending requests: none")
+    lines += [f"  {describe_request(request)}" for request in status.pending]
+    lines.append(f"in flight: {describe_plan(status.in_flight) if status.in_flight else 'none'}")
+    if status.recovery:
+        lines.append(describe_recovery(status.recovery))
+    if status.enrolment:
+        lines.append(describe_enrolment(status.enrolment))
+    if status.standby:
+        lines.append(describe_standby(status.standby))
+    last = status.last_adjustment
     lines.append(f"last adjustment: {describe_adjustment(last) if last else 'none'}")
-    failures = list(status.get("failures") or [])
+    failures = status.failures
     lines.append(f"failed or cancelled ({len(failures)}):" if failures else "failed or cancelled: none")
     lines += [f"  {describe_failure(failure)}" for failure in failures]
-    if status.get("scaling"):
-        lines += format_summary(status["scaling"])
-    if status.get("sizing"):
-        lines += format_sizing(status["sizing"], [str(member.get("worker_id")) for member in
-                                                              _by_rank(members)])
+    if status.scaling:
+        lines += format_summary(status.scaling)
+    if status.sizing:
+        lines += format_sizing(status.sizing, [member.worker_id for member in _by_rank(status.members)])
     return "\n".join(lines)
 
 
@@ -133,13 +129,12 @@ def describe_enrolment(enrolment: Mapping[str, Any]) -> str:
     return text + f"; waiting for the start: {waiting or 'none enrolled yet'}"
 
 
-def describe_am(am: Mapping[str, Any]) -> str:
+def describe_am(am: AMStatus) -> str:
     """The AM process line, e.g. ``AM: pid 4242 at tcp://127.0.0.1:5555, restarted 1 time``."""
-    text = f"AM: pid {_value(am, 'pid')}"
-    if am.get("address"):
-        text += f" at {am['address']}"
-    restarts = am.get("restarts") or 0
-    return text + (f", restarted {plural(restarts, 'time')}" if restarts else ", never restarted")
+    text = f"AM: pid {_dash(am.pid)}"
+    if am.address:
+        text += f" at {am.address}"
+    return text + (f", restarted {plural(am.restarts, 'time')}" if am.restarts else ", never restarted")
 
 
 def describe_recovery(recovery: Mapping[str, Any]) -> str:
@@ -171,15 +166,14 @@ def describe_failure(failure: Mapping[str, Any]) -> str:
     return f"{what}: {failure.get('outcome', 'failed')}{when}: {failure.get('reason')}"
 
 
-def _by_rank(members: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The members in rank order (unranked last)."""
-    return sorted(members, key=lambda m: (m.get("rank") is None, m.get("rank") or 0))
+def _by_rank(members: list[MemberStatus]) -> list[MemberStatus]:
+    """The members in rank order."""
+    return sorted(members, key=lambda member: member.rank)
 
 
-def _member_rows(members: list[Mapping[str, Any]]) -> list[list[str]]:
-    ordered = _by_rank(members)
-    keys = ("rank", "worker_id", "host", "device", "pid", "last_step", "last_step_from")
-    return [["-" if m.get(key) is None else str(m.get(key)) for key in keys] for m in ordered]
+def _member_rows(members: list[MemberStatus]) -> list[list[str]]:
+    return [[_dash(value) for value in (m.rank, m.worker_id, m.host, m.device, m.pid, m.last_step, m.last_step_from)]
+            for m in _by_rank(members)]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -190,8 +184,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
-def _value(data: Mapping[str, Any], key: str) -> str:
-    value = data.get(key)
+def _dash(value: Any) -> str:
+    """``value`` as text, ``-`` for none."""
     return "-" if value is None else str(value)
 
 

@@ -32,6 +32,7 @@ from lightning_elan.protocol.contract import (
     EnrolReply,
     EnrolRequest,
     WorkerEnvironment,
+    WorkerExitReply,
     WorkerExitRequest,
     failure_key,
     split_host_port,
@@ -191,13 +192,14 @@ class EnrolledWorker:
         """Tell the AM (resent until it answers); a death it recovers from is announced to the survivors."""
         message = WorkerExitRequest(enrolment.worker_id, returncode)
         try:
-            reply = self._client.request(message.TYPE, message.to_body(), timeout_s=1.0, retries=30)
+            body = self._client.request(message.TYPE, message.to_body(), timeout_s=1.0, retries=30)
         except (AMError, AMUnavailable) as error:
             log.warning("could not report the exit of %s (code %d) to the AM: %s", enrolment.worker_id, returncode,
                         error)
             return
-        if reply.get("recovering"):
-            self._announce_failure(enrolment, [int(g) for g in reply.get("failed_generations") or []])
+        reply = WorkerExitReply.from_body(body)
+        if reply.recovering:
+            self._announce_failure(enrolment, list(reply.failed_generations or []))
 
     def _announce_failure(self, enrolment: EnrolReply, generations: list[int]) -> None:
         from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store

@@ -2,12 +2,12 @@
 
 The launcher is the local *scheduler* of docs/architecture.md: it starts generation 0, submits the
 ``--schedule`` as ``scale`` requests, then polls the AM (``launcher_poll``) for joiners to start and
-reports every child's exit (``worker_exit``). The job ends when every member of the current
-generation has exited 0 having finished training (a member stopped by SIGTERM once its training loop was over counts
-as finished when another member exited 0: there was nothing left for it to leave); a plan still in flight then is
-stranded (rank 0 never learned of it) and its joiners are stopped as expected exits. A worker that fails unexpectedly
-stops the whole job. Only an exit the AM waited for (a leaver, a cancelled joiner) is logged ``(expected)``; a death
-the survivors recover from is logged as such, never as expected.
+reports every child's exit (``worker_exit``), with what the rendezvous store says of it (its training loop had ended,
+its script failed). The AM decides from these when the job is done (``master/transitions/finishing.py``: every member
+of the current generation has exited having finished training); the launcher obeys: it sees the job finished, stops
+the joiners of a plan still in flight (stranded: rank 0 never learned of it) as expected exits, and ends. A worker
+that fails unexpectedly stops the whole job. Only an exit the AM waited for (a leaver, a cancelled joiner) is logged
+``(expected)``; a death the survivors recover from is logged as such, never as expected.
 
 The AM is a child process (``launcher.am_process``) restarted from its store whenever it dies; the TCPStore
 server stays in the launcher, so neither an AM nor a worker takes it down. Every launcher request is resent
@@ -48,14 +48,25 @@ from lightning_elan.protocol.contract import (
     MESSAGES,
     ROLE_JOINER,
     ROLE_MEMBER,
+    SIGTERM_EXITS,
     STANDBY_REQUEST,
     STRIPPED_ENV_VARS,
+    AdjustmentPlan,
+    AutoscaleReply,
+    AutoscaleRequest,
+    LauncherPollReply,
     LauncherPollRequest,
     ScaleCommand,
+    ScaleReply,
     ShutdownRequest,
+    StartJobReply,
     StartJobRequest,
+    StatusReply,
     StatusRequest,
+    StragglersReply,
+    StragglersRequest,
     WorkerEnvironment,
+    WorkerExitReply,
     WorkerExitRequest,
     failure_key,
     script_ended_key,
@@ -69,8 +80,8 @@ log = logging.getLogger(__name__)
 
 LOCAL_HOST = "127.0.0.1"
 STATE_FILES: tuple[str, ...] = ("state.json", "adjustments.jsonl")
-SIGTERM_EXITS = (-signal.SIGTERM, 128 + signal.SIGTERM)
-"""How a process stopped by SIGTERM ends: killed by it, or exiting 143 as a shell (or a handler) reports it."""
+SizingRequest = AutoscaleRequest | StragglersRequest
+"""What ``--autoscale``/``--stragglers`` ask the AM for once the job has started."""
 
 class LaunchError(RuntimeError):
     """The job cannot be started as configured (the CLI reports it as a usage error)."""
@@ -100,7 +111,7 @@ class LaunchConfig:
     min_workers: int | None = None  # below this many survivors the job waits for joiners
     join_timeout_s: float | None = None  # ... for at most this long, then fails
     standby: int = 0  # workers kept started and warmed up, taken first by an `add`
-    sizing: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # autoscale/stragglers requests
+    sizing: list[SizingRequest] = field(default_factory=list)  # sent to the AM once the job has started
 
 
 @dataclass
@@ -113,7 +124,6 @@ class WorkerProcess:
     device_index: int | None = None
     returncode: int | None = None
     stranded: bool = False  # a joiner of a plan whose old members all finished: stopped by the launcher
-    left_as_planned: bool = False  # the AM expected this exit (a leaver of a plan, a cancelled joiner)
     terminated: bool = False  # the launcher sent it SIGTERM (to stop it, not to make it leave)
     held_since: float | None = None  # when the launcher first saw it hold a SIGTERM (blocked: no handler yet)
 
@@ -132,13 +142,12 @@ class ExitVerdict:
     left: bool = False  # killed after it had left the job (or while it left, serving nobody): the job goes on
 
     @classmethod
-    def from_reply(cls, reply: Mapping[str, Any], returncode: int) -> ExitVerdict:
-        if reply.get("recovering"):
+    def from_reply(cls, reply: WorkerExitReply, returncode: int) -> ExitVerdict:
+        if reply.recovering:
             return cls(recovering=True)
-        if reply.get("left"):
+        if reply.left:
             return cls(left=True)
-        expected = bool(reply.get("expected"))
-        return cls(expected=expected and returncode == 0, after_training=expected and returncode != 0)
+        return cls(expected=reply.expected and returncode == 0, after_training=reply.expected and returncode != 0)
 
     @property
     def tolerated(self) -> bool:
@@ -180,8 +189,6 @@ class JobLauncher:
         self._signals: list[int] = []
         self._saved_handlers: dict[int, Any] = {}
         self._exit_seen = False
-        self._last_status_check = 0.0
-        self._last_status: dict[str, Any] | None = None
         self._last_held_check = 0.0
 
     # ------------------------------------------------------------------ public
@@ -277,7 +284,7 @@ class JobLauncher:
 
     def _request(self, message: Any, *, patient: bool = True) -> dict[str, Any]:
         """Send one request (a message dataclass of ``contract.MESSAGES``); resend it with the same id (restarting a
-        dead AM) until answered, unless not patient."""
+        dead AM) until answered, unless not patient. Returns the reply's body (its reply dataclass parses it)."""
         assert self._client is not None and self._am is not None, "services are not started"
         msg_id = new_message_id()
         deadline = time.monotonic() + self.config.am_patience_s
@@ -292,33 +299,32 @@ class JobLauncher:
 
     def _start_job(self) -> list[str]:
         config = self.config
-        reply = self._request(StartJobRequest(
+        reply = StartJobReply.from_body(self._request(StartJobRequest(
             config.nproc, config.coordinate_every, report_timeout_s=config.report_timeout_s,
             replace_failed=config.replace_failed, min_workers=config.min_workers or None,
             join_timeout_s=config.join_timeout_s or None, standby=config.standby or None,
-        ))
-        members = [str(worker_id) for worker_id in reply["members"]]
-        log.info("job %s: generation %s starts with %s (%s)", self.config.job, reply.get("generation"),
-                 plural(len(members), "member"), workers_phrase(members))
-        return members
+        )))
+        log.info("job %s: generation %s starts with %s (%s)", self.config.job, reply.generation,
+                 plural(len(reply.members), "member"), workers_phrase(reply.members))
+        return list(reply.members)
 
     def _submit_schedule(self) -> None:
         for item in self.config.schedule:
             try:
-                reply = self._request(ScaleCommand(**item.request_kwargs()))
+                reply = ScaleReply.from_body(self._request(ScaleCommand(**item.request_kwargs())))
             except AMError as exc:
                 raise AMError(f"schedule item {format_schedule_item(item)!r} refused: {exc}", "scale") from exc
-            new_workers = ", ".join(reply.get("new_workers") or []) or "none"
-            log.info("scheduled %s as request %s (new workers: %s)", item, reply.get("request_id"), new_workers)
+            new_workers = ", ".join(reply.new_workers) or "none"
+            log.info("scheduled %s as request %s (new workers: %s)", item, reply.request_id, new_workers)
 
     def _submit_sizing(self) -> None:
-        for msg_type, body in self.config.sizing:
-            reply = self._request(MESSAGES[msg_type].body.from_body(body))
-            log.info("%s", describe_sizing(self.config.job, msg_type, body, reply))
-            log.debug("job %s: %s %s", self.config.job, msg_type, json.dumps(body))
+        for request in self.config.sizing:
+            reply = MESSAGES[request.TYPE].reply.from_body(self._request(request))
+            log.info("%s", describe_sizing(self.config.job, request, reply))
+            log.debug("job %s: %s %s", self.config.job, request.TYPE, json.dumps(request.to_body()))
 
-    def _status(self) -> dict[str, Any]:
-        return self._request(StatusRequest())
+    def _status(self) -> StatusReply:
+        return StatusReply.from_body(self._request(StatusRequest()))
 
     # ------------------------------------------------------------------ spawning
 
@@ -329,19 +335,17 @@ class JobLauncher:
             self._spawn(worker_id, ROLE_MEMBER, rank=rank, world_size=world_size, detail=detail)
 
     def _spawn_requested(self) -> bool:
-        """Start every joiner the AM asks for; return the AM's ``finished`` flag."""
-        reply = self._request(LauncherPollRequest())
-        for item in reply.get("spawn") or []:
-            worker_id = str(item["worker_id"])
-            if worker_id in self._workers:
-                log.warning("AM asked again for %s, which is already started; ignored", worker_id)
+        """Start every joiner the AM asks for, stop those it gives up on; return the AM's ``finished`` flag."""
+        reply = LauncherPollReply.from_body(self._request(LauncherPollRequest()))
+        for order in reply.spawn:
+            if order.worker_id in self._workers:
+                log.warning("AM asked again for %s, which is already started; ignored", order.worker_id)
                 continue
-            request_id = item.get("request_id")
-            detail = "standby" if request_id == STANDBY_REQUEST else f"joiner for request {request_id}"
-            self._spawn(worker_id, ROLE_JOINER, detail=detail)
-        for worker_id in reply.get("stop") or []:
-            self._stop_unreported(str(worker_id))
-        return bool(reply.get("finished"))
+            detail = "standby" if order.request_id == STANDBY_REQUEST else f"joiner for request {order.request_id}"
+            self._spawn(order.worker_id, ROLE_JOINER, detail=detail)
+        for worker_id in reply.stop:
+            self._stop_unreported(worker_id)
+        return reply.finished
 
     def _stop_unreported(self, worker_id: str) -> None:
         """Terminate a joiner whose request failed because it never reported ready (the AM logged why)."""
@@ -420,12 +424,13 @@ class JobLauncher:
             failed = self._reap()
             if failed is not None:
                 return self._fail(failed)
-            if finished:
-                return self._finished_by_am()
-            if self._job_done():
-                return self._shutdown(send=True)
-            if self._last_status is not None and not self._live_workers():
-                return self._stuck(self._last_status)
+            if finished or self._exit_seen:
+                self._exit_seen = False
+                status = self._status()
+                if status.finished:
+                    return self._finished_by_am(status)
+                if not self._live_workers():
+                    return self._stuck(status)
             time.sleep(self.config.poll_interval_s)
 
     def _reap(self) -> WorkerProcess | None:
@@ -438,7 +443,6 @@ class JobLauncher:
             worker.returncode = returncode = self._counted_exit(worker, returncode)
             self._exit_seen = True
             verdict = self._report_exit(worker)
-            worker.left_as_planned = verdict.expected
             log.info("%s (pid %d) %s", worker.worker_id, worker.process.pid,
                      describe_exit(returncode, verdict.expected, verdict.note))
             if returncode == 0 or verdict.tolerated or worker.stranded or failed is not None:
@@ -455,9 +459,9 @@ class JobLauncher:
 
         A death after the worker's training loop ended is still a death: the other members may be in collectives of
         the script's code after ``fit`` (``trainer.test``, a barrier before saving), which only the generation's
-        failure releases; whether the job's training was complete is judged once every member has exited
-        (:meth:`_members_finished`)."""
-        if returncode >= 0 or self._store is None or not self._store.check([script_ended_key(worker.worker_id)]):
+        failure releases; whether the job's training was complete the AM judges once every member has exited, from
+        what :meth:`_exit_report` tells it."""
+        if returncode >= 0 or not self._marked(script_ended_key(worker.worker_id)):
             return returncode
         log.warning("%s (pid %d) %s after its script had ended (a crash while the interpreter shut down): "
                     "counted as finished", worker.worker_id, worker.process.pid, describe_status(returncode))
@@ -468,24 +472,32 @@ class JobLauncher:
         if worker.role != "joiner":
             return False
         status = self._status()
-        members = {str(member["worker_id"]) for member in status.get("members") or []}
-        in_flight = status.get("in_flight") or {}
-        involved = members | {str(worker_id) for worker_id in in_flight.get("members") or []}
+        involved = status.member_ids() + (status.in_flight.members if status.in_flight is not None else [])
         return worker.worker_id not in involved
 
     def _report_exit(self, worker: WorkerProcess) -> ExitVerdict:
         """Tell the AM; a member's death it recovers from is announced to the survivors (not a failure of the job, but
         not an expected exit either)."""
-        returncode = worker.returncode or 0
         try:
-            reply = self._request(WorkerExitRequest(worker.worker_id, worker.returncode or 0))
+            reply = WorkerExitReply.from_body(self._request(self._exit_report(worker)))
         except AMError as exc:
             log.warning("AM refused worker_exit for %s: %s", worker.worker_id, exc)
             return ExitVerdict()
-        verdict = ExitVerdict.from_reply(reply, returncode)
+        verdict = ExitVerdict.from_reply(reply, worker.returncode or 0)
         if verdict.recovering:
-            self._announce_failure(worker, [int(g) for g in reply.get("failed_generations") or []])
+            self._announce_failure(worker, list(reply.failed_generations or []))
         return verdict
+
+    def _exit_report(self, worker: WorkerProcess) -> WorkerExitRequest:
+        """``worker``'s exit code and what the rendezvous store says of it: whether its training loop had ended and
+        whether an uncaught exception ended its script (the AM decides from these whether the job is done)."""
+        return WorkerExitRequest(worker.worker_id, worker.returncode or 0,
+                                 training_ended=self._marked(training_ended_key(worker.worker_id)),
+                                 script_failed=self._marked(script_failed_key(worker.worker_id)))
+
+    def _marked(self, key: str) -> bool:
+        """Whether the rendezvous store holds ``key`` (a worker's mark; False without a store)."""
+        return self._store is not None and bool(self._store.check([key]))
 
     def _announce_failure(self, worker: WorkerProcess, generations: list[int]) -> None:
         """Set the failure keys the survivors' watch threads poll: their collectives are released at once."""
@@ -494,61 +506,37 @@ class JobLauncher:
         log.warning("%s died (%s): the survivors of %s recover without it", worker.worker_id,
                     describe_exit(worker.returncode or 0, False), generations_phrase(generations))
 
-    def _finished_by_am(self) -> int:
-        """The AM ended the job: normally (shutdown) or because it could not go on (no survivor, too few workers)."""
-        reason = self._status().get("failed_reason")
-        if reason:
-            log.error("job %s failed: %s", self.config.job, reason)
+    def _finished_by_am(self, status: StatusReply) -> int:
+        """The AM ended the job: its members finished training (it decided so from the exits this launcher reported),
+        it could not go on (no survivor, too few workers), or something else shut it down."""
+        if status.failed_reason:
+            log.error("job %s failed: %s", self.config.job, status.failed_reason)
             self._terminate_children()
             return 1
-        log.info("job %s: the AM marked the job finished", self.config.job)
-        return self._shutdown(send=False)
+        if status.finish_reason == FINISHED_BY_LAUNCHER:
+            self._end_after_training(status)
+        else:
+            log.info("job %s: the AM marked the job finished", self.config.job)
+        return self._shutdown()
 
-    def _job_done(self) -> bool:
-        """True once every member of the current generation exited 0, having finished training (not left for the plan
-        in flight: a plan they never learned of is stranded, and its joiners are stopped)."""
-        now = time.monotonic()
-        if not self._exit_seen and now - self._last_status_check < self.config.status_interval_s:
-            return False
-        if not self._exit_seen and all(worker.alive for worker in self._workers.values()):
-            return False
-        self._exit_seen = False
-        self._last_status_check = now
-        status = self._last_status = self._status()
-        if not self._members_finished(status):
-            return False
-        in_flight = status.get("in_flight")
-        if in_flight is not None and not self._stranded(status, in_flight):
-            return False  # the members left for the plan in flight (a full migration): its joiners carry on
-        log.info("job %s: every member of generation %s has finished", self.config.job, status.get("generation"))
+    def _end_after_training(self, status: StatusReply) -> None:
+        """Every member of the current generation finished: say which were stopped after the training, and stop the
+        joiners of a plan still in flight (the members finished training instead of entering it: it is stranded)."""
+        log.info("job %s: every member of generation %s has finished", self.config.job, status.generation)
         self._note_stopped_members(status)
-        if in_flight is not None:
-            self._stop_stranded_joiners(in_flight)
-        return True
+        if status.in_flight is not None:
+            self._stop_stranded_joiners(status.in_flight)
 
-    def _stranded(self, status: Mapping[str, Any], in_flight: Mapping[str, Any]) -> bool:
-        """Every current member exited 0 with a plan in flight: stranded if one of them was to stay (it finished
-        training instead of entering the plan's generation); with no stayer, unless they left as the plan's leavers.
-        (The AM calls a leaver's exit expected whether or not it left, so a stayer is the reliable sign.)"""
-        current = {str(member["worker_id"]) for member in status.get("members") or []}
-        if any(str(worker) in current for worker in in_flight.get("members") or []):
-            return True
-        return not self._left_as_planned(status)
-
-    def _left_as_planned(self, status: Mapping[str, Any]) -> bool:
-        members = [self._workers.get(str(member["worker_id"])) for member in status.get("members") or []]
-        return any(worker is not None and worker.left_as_planned for worker in members)
-
-    def _stop_stranded_joiners(self, in_flight: Mapping[str, Any]) -> None:
+    def _stop_stranded_joiners(self, in_flight: AdjustmentPlan) -> None:
         """The old members finished training before the plan in flight could be carried out (rank 0's last
         ``coordinate`` went unanswered, e.g. while the AM restarted): its joiners wait in a rendezvous for a generation
         that will never form. They never trained, so the job's result is whole: stop them, as expected exits."""
-        joiners = [self._workers[w] for w in in_flight.get("joiners") or [] if w in self._workers]
+        joiners = [self._workers[w] for w in in_flight.joiners if w in self._workers]
         stranded = [worker for worker in joiners if worker.alive]
         if not stranded:
             return
         log.warning("job %s: the members finished before adjustment %s was carried out; stopping its %s %s",
-                    self.config.job, in_flight.get("request_id"), "joiner" if len(stranded) == 1 else "joiners",
+                    self.config.job, in_flight.request_id, "joiner" if len(stranded) == 1 else "joiners",
                     workers_phrase(w.worker_id for w in stranded))
         for worker in stranded:
             worker.stranded = True
@@ -559,32 +547,9 @@ class JobLauncher:
             time.sleep(self.config.poll_interval_s)
         self._kill([worker for worker in stranded if self._poll_quietly(worker)])
 
-    def _members_finished(self, status: Mapping[str, Any]) -> bool:
-        """Every member of the current generation has exited having finished training: exited 0, or stopped by SIGTERM
-        once its training loop was over (nothing left to leave) while another member's exit 0 shows the training
-        complete (every member trains every step, so the last step needed them all), or died while another member's
-        training loop had ended (``training_ended_key``): a death between the last step and its own mark."""
-        members = [self._workers.get(str(member["worker_id"])) for member in status.get("members") or []]
-        if not members or any(worker is None or worker.alive for worker in members):
-            return False
-        stopped = [worker for worker in members if worker is not None and worker.returncode != 0]
-        if not stopped:
-            return True
-        if len(stopped) < len(members) and all(worker.returncode in SIGTERM_EXITS for worker in stopped):
-            return True
-        return self._training_complete([worker.worker_id for worker in members if worker is not None])
-
-    def _training_complete(self, members: list[str]) -> bool:
-        """A member's training loop ended (so every member trained the last step), and no member's script ended in an
-        uncaught exception (a crash after one is that failure: the job fails)."""
-        store = self._store
-        if store is None or any(store.check([script_failed_key(worker)]) for worker in members):
-            return False
-        return any(store.check([training_ended_key(worker)]) for worker in members)
-
-    def _note_stopped_members(self, status: Mapping[str, Any]) -> None:
+    def _note_stopped_members(self, status: StatusReply) -> None:
         """Say which finished members were stopped or killed after the training was complete."""
-        members = [self._workers.get(str(member["worker_id"])) for member in status.get("members") or []]
+        members = [self._workers.get(worker_id) for worker_id in status.member_ids()]
         for worker in members:
             if worker is not None and worker.returncode:
                 log.warning("job %s: %s %s after the training was complete (another member finished it)%s",
@@ -597,10 +562,9 @@ class JobLauncher:
 
     # ------------------------------------------------------------------ ending
 
-    def _shutdown(self, *, send: bool) -> int:
-        """Normal end: tell the AM, let the remaining joiners exit (they get ``cancelled``), kill stragglers."""
-        if send:
-            self._request(ShutdownRequest(FINISHED_BY_LAUNCHER))
+    def _shutdown(self) -> int:
+        """Normal end (the AM finished the job): let the remaining joiners exit (they get ``cancelled``), kill
+        stragglers."""
         failed = self._wait_children(self.config.shutdown_grace_s)
         stragglers = self._live_workers()
         if stragglers:
@@ -625,15 +589,11 @@ class JobLauncher:
             time.sleep(self.config.poll_interval_s)
         return failed
 
-    def _stuck(self, status: Mapping[str, Any]) -> int:
-        in_flight = status.get("in_flight")
-        detail = f"adjustment {in_flight.get('request_id')} is in flight" if in_flight else "members did not finish"
-        log.error(
-            "job %s: every worker has exited but generation %s is unfinished (%s)",
-            self.config.job,
-            status.get("generation"),
-            detail,
-        )
+    def _stuck(self, status: StatusReply) -> int:
+        in_flight = status.in_flight
+        detail = f"adjustment {in_flight.request_id} is in flight" if in_flight else "members did not finish"
+        log.error("job %s: every worker has exited but generation %s is unfinished (%s)", self.config.job,
+                  status.generation, detail)
         self._abort("every worker exited before the job finished")
         return 1
 
@@ -789,18 +749,15 @@ def generations_phrase(generations: list[int]) -> str:
     return f"{noun} {workers_phrase(map(str, generations))}"
 
 
-def describe_sizing(job: str, msg_type: str, body: Mapping[str, Any], reply: Mapping[str, Any]) -> str:
+def describe_sizing(job: str, request: SizingRequest, reply: AutoscaleReply | StragglersReply) -> str:
     """The launcher's line for an ``autoscale`` or ``stragglers`` request it submitted, in words."""
-    if msg_type == "autoscale":
-        return describe_autoscale(job, reply.get("autoscale"), body.get("scale_out_command"))
-    stragglers = reply.get("stragglers") or body
-    mode = stragglers.get("mode", "off")
-    fate = _STRAGGLER_FATES.get(mode, mode)
-    threshold, window = stragglers.get("threshold"), stragglers.get("window")
-    if threshold is None or window is None:
-        return f"stragglers of job {job!r} are {fate}"
-    return (f"stragglers of job {job!r} are {fate}: a worker whose throughput stays below {threshold:g} of the "
-            f"median for {plural(int(window), 'round')}")
+    if isinstance(reply, AutoscaleReply):
+        scale_out = request.scale_out_command if isinstance(request, AutoscaleRequest) else None
+        return describe_autoscale(job, reply.autoscale, scale_out)
+    settings = reply.stragglers
+    fate = _STRAGGLER_FATES.get(settings.mode, settings.mode)
+    return (f"stragglers of job {job!r} are {fate}: a worker whose throughput stays below {settings.threshold:g} of "
+            f"the median for {plural(int(settings.window), 'round')}")
 
 
 _STRAGGLER_FATES = {"off": "only reported", "replace": "replaced", "remove": "removed"}

@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_elan.etcd import is_etcd_url, parse_etcd_url, rendezvous_url
 from lightning_elan.master.enrolment import Enrolment
-from lightning_elan.protocol.contract import CLEAN_FINISHES
+from lightning_elan.protocol.contract import CLEAN_FINISHES, AutoscaleRequest, StragglersRequest
 
 log = logging.getLogger("lightning_elan.cli")  # the lines `elan am` prints (its log format names no module)
 
@@ -45,7 +45,7 @@ class AMOptions:
     join_timeout_s: float | None = None
     lease_ttl_s: float | None = None
     rdzv_port: int = 0
-    sizing: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    sizing: list[AutoscaleRequest | StragglersRequest] = field(default_factory=list)  # sent once it serves
 
     @property
     def in_etcd(self) -> bool:
@@ -111,14 +111,14 @@ def _start(am: Any, bind: str) -> None:
         raise AMStartError(f"cannot bind the AM to {bind}: {error.strerror}") from None
 
 
-def _configure_sizing(address: str, job: str, requests: list[tuple[str, dict[str, Any]]]) -> None:
+def _configure_sizing(address: str, job: str, requests: list[AutoscaleRequest | StragglersRequest]) -> None:
     """Send the sizing options to the AM this process serves (the state keeps them across restarts)."""
     from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 
-    for msg_type, body in requests:
+    for request in requests:
         client = AMClient(address.replace("0.0.0.0", "127.0.0.1"), job)
         try:
-            client.request(msg_type, body)
+            client.request(request.TYPE, request.to_body())
         except AMUnavailable:
             raise AMStartError(f"job {job}'s AM at {client.address} does not answer") from None
         except AMError as error:

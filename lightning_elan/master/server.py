@@ -41,14 +41,25 @@ from lightning_elan.protocol.contract import (
     MESSAGES,
     MUTATING_TYPES,
     AdjustmentReport,
+    AMStatus,
+    AutoscaleRequest,
+    CoordinateReply,
     CoordinateRequest,
+    EmptyReply,
+    EnrolReply,
     EnrolRequest,
+    LeaveReply,
     LeaveRequest,
+    ProfileRequest,
     RecoverRequest,
     RegisterRequest,
     ScaleCommand,
+    ScaleReply,
     ShutdownRequest,
+    StartJobReply,
     StartJobRequest,
+    StatusReply,
+    StragglersRequest,
     WaitPlanReply,
     WaitPlanRequest,
     WorkerExitRequest,
@@ -241,14 +252,15 @@ class ApplicationMaster:
         self._records_to_write: list[dict[str, Any]] = []
         self._rendezvous = rendezvous  # told to enrolled workers: (host or None, port) of a TCPStore, or a store URL
         self._next_housekeeping = 0.0
-        self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any] | _Park]] = {
+        # each handler returns the reply dataclass contract.MESSAGES names for its type (sent as its ``to_body()``)
+        self._handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
             "start_job": self._on_start_job,
             "scale": self._on_scale,
             "status": lambda body: self._status(),
             "launcher_poll": lambda body: launching.launcher_poll(self._state),
-            "worker_exit": self._on_worker_exit,
+            "worker_exit": lambda body: recovering.worker_exit(self._state, WorkerExitRequest.from_body(body)),
             "shutdown": lambda body: requests.shutdown(self._state, ShutdownRequest.from_body(body).reason),
-            "register": self._on_register,
+            "register": lambda body: requests.register(self._state, RegisterRequest.from_body(body)),
             "coordinate": self._on_coordinate,
             "wait_plan": self._on_wait_plan,
             "report": self._on_report,
@@ -256,9 +268,10 @@ class ApplicationMaster:
             "leave": self._on_leave,
             "enrol": self._on_enrol,
             "worker_stats": lambda body: adjustments.worker_stats(self._state, WorkerStats.from_body(body)),
-            "profile": lambda body: sizing.start_profile(self._state, body, time.time()),
-            "autoscale": lambda body: sizing.set_autoscale(self._state, body, time.time()),
-            "stragglers": lambda body: sizing.set_stragglers(self._state, body, time.time()),
+            "profile": lambda body: sizing.start_profile(self._state, ProfileRequest.from_body(body), time.time()),
+            "autoscale": lambda body: sizing.set_autoscale(self._state, AutoscaleRequest.from_body(body), time.time()),
+            "stragglers": lambda body: sizing.set_stragglers(self._state, StragglersRequest.from_body(body),
+                                                             time.time()),
         }
         _check_handlers(self._handlers)
         self._next_sizing = 0.0
@@ -510,11 +523,11 @@ class ApplicationMaster:
 
     def _handle(self, request: Request, envelope: list[bytes]) -> dict[str, Any] | None:
         if request.type not in MUTATING_TYPES:
-            body = self._handlers[request.type](request.body)
-            if isinstance(body, _Park):
+            reply = self._handlers[request.type](request.body)
+            if isinstance(reply, _Park):
                 self._park(request, envelope)
                 return None
-            return ok_reply(request.id, body)
+            return ok_reply(request.id, reply_body(request.type, reply))
         cached = self._replies.get(request.id)
         if cached is not None:
             return self._replay(request, *cached)
@@ -532,7 +545,7 @@ class ApplicationMaster:
         """Run a mutating handler as a transaction: persist on change, roll back on any error."""
 
         def handle() -> dict[str, Any]:
-            return ok_reply(request.id, self._handlers[request.type](request.body))
+            return ok_reply(request.id, reply_body(request.type, self._handlers[request.type](request.body)))
 
         def remember(reply: dict[str, Any]) -> None:  # a reply that changed the state is answered again from here
             self._replies.put(request.id, request.type, reply)
@@ -562,67 +575,60 @@ class ApplicationMaster:
 
     # ---- handlers ------------------------------------------------------------------------------------------------
 
-    def _on_start_job(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _on_start_job(self, body: dict[str, Any]) -> StartJobReply:
         start = StartJobRequest.from_body(body)
         return launching.start_job(
             self._state, start.nproc, start.coordinate_every, start.hosts, start.report_timeout_s,
             bool(start.replace_failed), start.min_workers, start.join_timeout_s, start.standby or 0,
         )
 
-    def _on_worker_exit(self, body: dict[str, Any]) -> dict[str, Any]:
-        exit_ = WorkerExitRequest.from_body(body)
-        return recovering.worker_exit(self._state, exit_.worker_id, exit_.returncode)
-
-    def _on_scale(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _on_scale(self, body: dict[str, Any]) -> ScaleReply:
         command = ScaleCommand.from_body(body)
         reply = requests.scale(self._state, command.action, count=command.count, ranks=command.ranks,
                                size=command.size, at_step=command.at_step)
         asked = command.to_body()
-        logger.info("%s", scale_line(self.job, reply["request_id"], asked, reply["new_workers"]))
-        logger.debug("job %r: scale request %s %s → new workers %s", self.job, reply["request_id"], json.dumps(asked),
-                     reply["new_workers"])
+        logger.info("%s", scale_line(self.job, reply.request_id, asked, reply.new_workers))
+        logger.debug("job %r: scale request %s %s → new workers %s", self.job, reply.request_id, json.dumps(asked),
+                     reply.new_workers)
         return reply
 
-    def _on_enrol(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _on_enrol(self, body: dict[str, Any]) -> EnrolReply:
         reply = enrolling.enrol(self._state, EnrolRequest.from_body(body))
         if isinstance(self._rendezvous, str):
-            reply = dataclasses.replace(reply, store_url=self._rendezvous)
-        elif self._rendezvous is not None:
-            reply = dataclasses.replace(reply, store_host=self._rendezvous[0], store_port=self._rendezvous[1])
-        return reply.to_body()
+            return dataclasses.replace(reply, store_url=self._rendezvous)
+        if self._rendezvous is not None:
+            return dataclasses.replace(reply, store_host=self._rendezvous[0], store_port=self._rendezvous[1])
+        return reply
 
-    def _on_register(self, body: dict[str, Any]) -> dict[str, Any]:
-        return requests.register(self._state, RegisterRequest.from_body(body))
-
-    def _on_coordinate(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _on_coordinate(self, body: dict[str, Any]) -> CoordinateReply:
         in_flight_before = self._state.in_flight
         reply = adjustments.coordinate(self._state, CoordinateRequest.from_body(body))
         if reply.plan is not None and in_flight_before is None:
             plan = reply.plan.to_dict()
             logger.info("%s", decided_line(self.job, plan))
             logger.debug("job %r: decided plan %s", self.job, json.dumps(plan))
-        return reply.to_body()
+        return reply
 
-    def _on_report(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _on_report(self, body: dict[str, Any]) -> EmptyReply:
         record = adjustments.report(self._state, AdjustmentReport.from_body(body))
         if record is not None:
             self._records_to_write.append(record)
-        return {}
+        return EmptyReply()
 
-    def _on_leave(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _on_leave(self, body: dict[str, Any]) -> LeaveReply:
         worker_id = LeaveRequest.from_body(body).worker_id
         reply = leaving.request_leave(self._state, worker_id)
-        logger.info("job %r: worker %s asks to leave: %s (request %s)", self.job, worker_id, reply["outcome"],
-                    reply["request_id"])
+        logger.info("job %r: worker %s asks to leave: %s (request %s)", self.job, worker_id, reply.outcome,
+                    reply.request_id)
         return reply
 
-    def _on_wait_plan(self, body: dict[str, Any]) -> dict[str, Any] | _Park:
+    def _on_wait_plan(self, body: dict[str, Any]) -> WaitPlanReply | _Park:
         request = WaitPlanRequest.from_body(body)
         answer = adjustments.wait_plan(self._state, request.worker_id)
         if answer is not None:
-            return answer.to_body()
+            return answer
         if (request.timeout_s or 0) <= 0:
-            return pool.idle_answer(self._state, request.worker_id).to_body()
+            return pool.idle_answer(self._state, request.worker_id)
         return _Park()
 
     # ---- parked wait_plan requests -------------------------------------------------------------------------------
@@ -703,13 +709,12 @@ class ApplicationMaster:
     def _persist(self) -> None:
         self.store.save(_document(self.job, self._state, self._replies))
 
-    def _status(self) -> dict[str, Any]:
+    def _status(self) -> StatusReply:
         """The ``status`` reply: the job state's, with this AM process (pid, address, start time, restarts)."""
         status = status_view.status(self._state)
-        status["am"] = {**status.get("am", {}), "pid": os.getpid(), "address": self._address,
-                        "started_at": self._started_at, "reply_cache_entries": len(self._replies),
-                        "parked_waits": len(self._parked)}
-        return status
+        am = AMStatus(self._state.am_restarts, os.getpid(), self._address, self._started_at, len(self._replies),
+                      len(self._parked))
+        return dataclasses.replace(status, am=am)
 
     def _write_records(self) -> None:
         """Append completed adjustment records to ``adjustments.jsonl`` (after the state that completes them)."""
@@ -779,6 +784,15 @@ def _durable(state: dict[str, Any]) -> dict[str, Any]:
     (throughput, compute times) are refreshed by every ``coordinate`` and ``worker_stats`` and are only informational,
     so they alone never cost an fsync on rank 0's hot path."""
     return {key: value for key, value in state.items() if key not in ("progress", "measured")}
+
+
+def reply_body(msg_type: str, reply: Any) -> dict[str, Any]:
+    """The body sent for a handler's ``reply``: the reply dataclass ``contract.MESSAGES`` names for ``msg_type``, as
+    its ``to_body()`` (any other reply is a bug in the handler: ``TypeError``)."""
+    expected = MESSAGES[msg_type].reply
+    if not isinstance(reply, expected):
+        raise TypeError(f"the {msg_type} handler answered a {type(reply).__name__}, not a {expected.__name__}")
+    return reply.to_body()
 
 
 def _check_handlers(handlers: Mapping[str, Any]) -> None:

@@ -26,6 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_elan.master.narration import plural
 from lightning_elan.master.transitions import leaving, requests
+from lightning_elan.protocol.contract import (
+    AutoscaleReply,
+    AutoscaleRequest,
+    ProfileReply,
+    ProfileRequest,
+    StragglerSettings,
+    StragglersReply,
+    StragglersRequest,
+)
 from lightning_elan.scaling.throughput import ThroughputModel
 from lightning_elan.sizing.autoscale import ThroughputAutoscaler, UtilityAutoscaler, UtilityFunction
 from lightning_elan.sizing.profile import ProfileRun
@@ -50,19 +59,19 @@ class SizingError(ValueError):
 # ---- requests (from `elan profile`, `elan autoscale`, `--stragglers`) ------------------------------------------------
 
 
-def start_profile(state: JobState, body: dict[str, Any], now: float) -> dict[str, Any]:
+def start_profile(state: JobState, request: ProfileRequest, now: float) -> ProfileReply:
     """Begin a profile of the running job over ``[min, max]``."""
     sizing = state.sizing
     if sizing.profile is not None:
         raise SizingError("a profile of this job is already running")
     if sizing.autoscale is not None:
         raise SizingError("the autoscaler is on: stop it first (`elan autoscale --policy off`)")
-    low, high, current = int(body["min"]), int(body["max"]), state.world_size
+    low, high, current = int(request.min), int(request.max), state.world_size
     if state.enrolment is not None and high > current and not sizing.scale_out_command:
         raise SizingError(f"the workers of job {state.job} are started by their scheduler: --max {high} above the "
                           f"current size {current} needs the AM's --scale-out-command")
     try:
-        run = ProfileRun(low, high, current, steps=int(body.get("steps") or 20), settle=body.get("settle") or "return")
+        run = ProfileRun(low, high, current, steps=int(request.steps or 20), settle=request.settle or "return")
     except ValueError as error:
         raise SizingError(f"profile: {error}") from None
     if not state.started or state.finished:
@@ -71,42 +80,41 @@ def start_profile(state: JobState, body: dict[str, Any], now: float) -> dict[str
     sizing.profile_result = None
     sizing.note("profile", "start", f"profile world sizes {low}..{high} from size {current}",
                 {"min": low, "max": high, "steps": run.steps, "settle": run.settle}, now)
-    return {"profile": sizing.profile}
+    return ProfileReply(sizing.profile)
 
 
-def set_autoscale(state: JobState, body: dict[str, Any], now: float) -> dict[str, Any]:
+def set_autoscale(state: JobState, request: AutoscaleRequest, now: float) -> AutoscaleReply:
     """Switch the autoscaler on (or ``off``) with its policy and bounds."""
-    sizing, policy = state.sizing, body["policy"]
+    sizing, policy = state.sizing, request.policy
     if policy not in AUTOSCALE_POLICIES:
         raise SizingError(f"unknown autoscale policy {policy!r} (expected one of {', '.join(AUTOSCALE_POLICIES)})")
-    if body.get("scale_out_command"):
-        sizing.scale_out_command = body["scale_out_command"]
+    if request.scale_out_command:
+        sizing.scale_out_command = request.scale_out_command
     if policy == "off":
         sizing.autoscale = None
         sizing.note("autoscale", "off", "the autoscaler was switched off", {}, now)
-        return {"autoscale": None}
+        return AutoscaleReply(None)
     if sizing.profile is not None:
         raise SizingError("a profile of this job is running: wait for it to finish")
-    config = _autoscale_config(state, body)
+    config = _autoscale_config(state, request)
     policy_state = _new_policy(policy, config).to_dict()
     sizing.autoscale = {"policy": policy, "config": config, "state": policy_state, "last_size_at": now, "on_at": now}
     sizing.note("autoscale", "on", f"{policy} policy", config, now)
-    return {"autoscale": {"policy": policy, "config": config}}
+    return AutoscaleReply({"policy": policy, "config": config})
 
 
-def _autoscale_config(state: JobState, body: dict[str, Any]) -> dict[str, Any]:
-    low = int(body.get("min_workers") or 1)
-    high = body.get("max_workers")
+def _autoscale_config(state: JobState, request: AutoscaleRequest) -> dict[str, Any]:
+    low, high = int(request.min_workers or 1), request.max_workers
     config = {
-        "every": int(body.get("every") or DEFAULT_AUTOSCALE_EVERY), "step": int(body.get("step") or 1),
-        "threshold": float(body["threshold"]) if body.get("threshold") is not None else 0.1,
+        "every": int(request.every or DEFAULT_AUTOSCALE_EVERY), "step": int(request.step or 1),
+        "threshold": 0.1 if request.threshold is None else float(request.threshold),
         "min_workers": low, "max_workers": None if high is None else int(high),
-        "cooldown_s": float(body.get("cooldown_s") or DEFAULT_COOLDOWN_S),
-        "price": None if body.get("price") is None else float(body["price"]), "utility": body.get("utility"),
+        "cooldown_s": float(request.cooldown_s or DEFAULT_COOLDOWN_S),
+        "price": None if request.price is None else float(request.price), "utility": request.utility,
     }
     if config["every"] < 1:
         raise SizingError(f"every must be >= 1 step, got {config['every']}")
-    if body["policy"] == "utility" and (config["price"] is None or config["utility"] is None):
+    if request.policy == "utility" and (config["price"] is None or config["utility"] is None):
         raise SizingError("the utility policy needs a price per worker-second and a utility function")
     return config
 
@@ -128,22 +136,23 @@ def _load_policy(autoscale: dict[str, Any]) -> ThroughputAutoscaler | UtilityAut
     return UtilityAutoscaler.from_dict(autoscale["state"])
 
 
-def set_stragglers(state: JobState, body: dict[str, Any], now: float) -> dict[str, Any]:
+def set_stragglers(state: JobState, request: StragglersRequest, now: float) -> StragglersReply:
     """Straggler handling: ``off`` (report only), ``replace`` or ``remove``; thresholds configurable."""
-    mode = body["mode"]
+    mode = request.mode
     if mode not in STRAGGLER_MODES:
         raise SizingError(f"unknown straggler mode {mode!r} (expected one of {', '.join(STRAGGLER_MODES)})")
     detector = state.measured.detector
-    alpha = float(body["alpha"]) if body.get("alpha") is not None else detector.alpha
-    threshold = float(body["threshold"]) if body.get("threshold") is not None else detector.threshold
-    window = int(body["window"]) if body.get("window") is not None else detector.window
+    alpha = detector.alpha if request.alpha is None else float(request.alpha)
+    threshold = detector.threshold if request.threshold is None else float(request.threshold)
+    window = detector.window if request.window is None else int(request.window)
     try:
         state.measured.detector = type(detector)(alpha=alpha, threshold=threshold, window=window)
     except ValueError as error:
         raise SizingError(str(error)) from None
-    state.sizing.stragglers = {"mode": mode, "alpha": alpha, "threshold": threshold, "window": window}
+    settings = StragglerSettings(mode, alpha, threshold, window)
+    state.sizing.stragglers = settings.to_body()
     state.sizing.note("stragglers", mode, f"straggler handling {mode}", state.sizing.stragglers, now)
-    return {"stragglers": state.sizing.stragglers}
+    return StragglersReply(settings)
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------------

@@ -3,9 +3,9 @@ files, no torch).
 
 ``JobState`` is what the AM persists (``to_dict``/``from_dict``) and the transaction boundary: the server loads it,
 applies one transition and saves it. The transitions live in :mod:`lightning_elan.master.transitions`, one family per
-module (requests and the queue, the standby pool, leaving, adjustments, recovery, enrolment, the launcher's job,
-status); each validates its input first and raises ``StateError`` with a message for the client. Semantics:
-docs/architecture.md, *Semantics of the AM*.
+module (requests and the queue, the standby pool, leaving, adjustments, whether the job is done, recovery, enrolment,
+the launcher's job, status); each validates its input first and raises ``StateError`` with a message for the client.
+Semantics: docs/architecture.md, *Semantics of the AM*.
 """
 
 from __future__ import annotations
@@ -65,6 +65,29 @@ class Member:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Member:
+        return cls(**data)
+
+
+@dataclass
+class WorkerExit:
+    """How a worker's process ended, as its launcher reported it (``worker_exit``): what decides whether the job's
+    training is complete (``transitions/finishing.py``, from the exits of the members)."""
+
+    returncode: int
+    training_ended: bool = False  # its training loop had ended (the store's ``training_ended_key``)
+    script_failed: bool = False  # an uncaught exception ended its script (the store's ``script_failed_key``)
+    left: bool = False  # it exited 0 as a leaver the AM waited for
+
+    @property
+    def trained_out(self) -> bool:
+        """It exited 0 outside any adjustment: ``fit`` returned on it."""
+        return self.returncode == 0 and not self.left
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerExit:
         return cls(**data)
 
 
@@ -264,7 +287,7 @@ class JobState:
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S  # how long it waits for them before the job fails
     failed_reason: str | None = None  # why the job stopped unfinished (no survivor, too few workers)
     next_failure: int = 1
-    trained_out: list[str] = field(default_factory=list)  # members that exited 0 (fit returned), this generation
+    exits: dict[str, WorkerExit] = field(default_factory=dict)  # every worker whose process exited, and how
     enrolment: Enrolment | None = None  # workers come from a scheduler (`elan worker`), not from `elan run`
     standby: StandbyPool = field(default_factory=StandbyPool)  # warmed-up joiners no request has taken yet
     sizing: SizingState = field(default_factory=SizingState)  # profile, autoscaler, stragglers (master/sizing.py)
@@ -300,7 +323,7 @@ class JobState:
             "join_timeout_s": self.join_timeout_s,
             "failed_reason": self.failed_reason,
             "next_failure": self.next_failure,
-            "trained_out": list(self.trained_out),
+            "exits": {worker: how.to_dict() for worker, how in self.exits.items()},
             "enrolment": self.enrolment.to_dict() if self.enrolment else None,
             "standby": self.standby.to_dict(),
             "sizing": self.sizing.to_dict(),
@@ -336,7 +359,7 @@ class JobState:
             join_timeout_s=data.get("join_timeout_s", DEFAULT_JOIN_TIMEOUT_S),
             failed_reason=data.get("failed_reason"),
             next_failure=data.get("next_failure", 1),
-            trained_out=list(data.get("trained_out", [])),
+            exits=_exits_from_dict(data),
             enrolment=Enrolment.from_dict(data["enrolment"]) if data.get("enrolment") else None,
             standby=StandbyPool.from_dict(data.get("standby")),
             sizing=SizingState.from_dict(data.get("sizing")),
@@ -378,6 +401,11 @@ class JobState:
         member = self.member(worker_id)
         return member.topology if member is not None else self.pending_workers[worker_id].topology
 
+    @property
+    def trained_out(self) -> list[str]:
+        """The workers that exited 0 outside any adjustment (``fit`` returned on them, if they were members)."""
+        return [worker for worker, how in self.exits.items() if how.trained_out]
+
     def training_over(self) -> bool:
         """A member of the current generation exited 0 outside any adjustment: ``fit`` returned on it, and every
         member trains the same steps (the last one needed them all), so the job's training is complete."""
@@ -418,6 +446,13 @@ class JobState:
         """
         entry = {**failure, "at": now_or_clock(now), "step": self.progress.step}
         self.failures = [*self.failures, entry][-MAX_FAILURES:]
+
+
+def _exits_from_dict(data: dict[str, Any]) -> dict[str, WorkerExit]:
+    """The members' exits of a persisted state (a state saved before ``exits`` lists its ``trained_out`` members)."""
+    if "exits" in data:
+        return {worker: WorkerExit.from_dict(how) for worker, how in data["exits"].items()}
+    return {worker: WorkerExit(0) for worker in data.get("trained_out", [])}
 
 
 def now_or_clock(now: float | None) -> float:

@@ -23,6 +23,7 @@ from lightning_elan.protocol.contract import (
     CoordinateRequest,
     LeaveReply,
     LeaveRequest,
+    RegisterReply,
     RegisterRequest,
     ScaleCommand,
     StatusRequest,
@@ -133,19 +134,19 @@ class AMClient:
         size: int | None = None,
         at_step: int | None = None,
     ) -> dict[str, Any]:
-        """Ask for an adjustment; returns ``{request_id, new_workers}``."""
+        """Ask for an adjustment; returns the reply's body ``{request_id, new_workers}`` (``ScaleReply.from_body``)."""
         command = ScaleCommand(action, count, ranks, size, at_step)
         return self.request(command.TYPE, command.to_body())
 
     def status(self) -> dict[str, Any]:
-        """The job's status (see docs/architecture.md, *Status*)."""
+        """The job's status as the AM sent it (docs/architecture.md, *Status*; ``StatusReply.from_body`` types it)."""
         return self.request(StatusRequest.TYPE)
 
     def register(self, request: RegisterRequest, *, timeout_s: float | None = None, retries: int | None = None) -> bool:
         """Tell the AM where a worker lives; for a joiner this is *report ready*. Returns whether new workers are
         coming (a member's registration: a queued request starts some)."""
-        reply = self.request(request.TYPE, request.to_body(), timeout_s=timeout_s, retries=retries)
-        return bool(reply.get("joiners_coming", False))
+        body = self.request(request.TYPE, request.to_body(), timeout_s=timeout_s, retries=retries)
+        return bool(RegisterReply.from_body(body).joiners_coming)
 
     def coordinate(
         self, request: CoordinateRequest, *, timeout_s: float | None = None, retries: int | None = None

@@ -5,8 +5,9 @@ This module owns, once each:
 * the protocol version and the defaults every side shares (coordination interval, report and join timeouts);
 * the worker environment the launcher sets (``ELAN_*`` names, :class:`WorkerEnvironment`);
 * the request body schemas (``BODY_SCHEMAS``; :mod:`lightning_elan.protocol.messages` validates against them);
-* the worker ↔ AM messages as dataclasses, each next to its schema, and the :class:`AdjustmentPlan` with its
-  :class:`Transfer` routes.
+* every message as a dataclass, each request next to its schema, and every reply as a dataclass (the workers', the
+  launcher's, the command line's), with the :class:`AdjustmentPlan` and its :class:`Transfer` routes;
+* the one registry of message types (``MESSAGES``: request dataclass, reply dataclass, whether it mutates the AM).
 
 Wire forms are the JSON of docs/architecture.md, unchanged: ``to_body()``/``to_dict()`` omit optional fields that are
 None where the protocol does, and ``from_body()``/``from_dict()`` ignore keys they do not know (as validation does).
@@ -14,10 +15,12 @@ None where the protocol does, and ``from_body()``/``from_dict()`` ignore keys th
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from lightning_elan.protocol.addresses import am_address_list
@@ -58,6 +61,9 @@ def training_ended_key(worker_id: str) -> str:
     """The rendezvous-store key a member sets once its training loop ended (the job's last step trained, not left, no
     error): a death after that comes after the job's training was complete."""
     return f"elan/training_ended/{worker_id}"
+
+SIGTERM_EXITS = (-signal.SIGTERM, 128 + signal.SIGTERM)
+"""How a process stopped by SIGTERM ends: killed by it, or exiting 143 as a shell (or a handler) reports it."""
 
 DEFAULT_TERM_GRACE_S = 30.0
 """A worker that received SIGTERM and has not left the job this long after falls back to the crash path."""
@@ -203,6 +209,12 @@ def _wire(message: Any) -> dict[str, Any]:
     """A message dataclass as its body: every field in declaration order, None-valued ones omitted."""
     body = {f.name: getattr(message, f.name) for f in fields(message)}
     return {name: value for name, value in body.items() if value is not None}
+
+
+def _record(message: Any) -> dict[str, Any]:
+    """A message dataclass as its body with every field, None-valued ones too (wire forms that always hold every
+    key)."""
+    return {f.name: getattr(message, f.name) for f in fields(message)}
 
 
 def _from_wire(cls: type[_T], data: Mapping[str, Any], what: str) -> _T:
@@ -710,7 +722,7 @@ class LeaveReply:
             raise ProtocolError(f"leave reply: unknown outcome {self.outcome!r} (expected one of {LEAVE_OUTCOMES})")
 
     def to_body(self) -> dict[str, Any]:
-        return _wire(self)
+        return _record(self)  # ``request_id`` null when no request carries it out
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> LeaveReply:
@@ -785,16 +797,26 @@ class LauncherPollRequest:
     pass
 
 
-@_request("worker_exit", {"worker_id": Field(_STR, required=True), "returncode": Field(_INT, required=True)},
-          "``worker_exit``: the launcher reports a worker process that exited, and how.")
+@_request("worker_exit", {
+    "worker_id": Field(_STR, required=True),
+    "returncode": Field(_INT, required=True),
+    "training_ended": Field((bool,)),
+    "script_failed": Field((bool,)),
+}, "``worker_exit``: the launcher reports a worker process that exited, how, and what the rendezvous store says of it "
+   "(its training loop had ended: ``training_ended_key``; an uncaught exception ended its script: "
+   "``script_failed_key``); the AM decides from these whether the job's training is complete. A sender that cannot "
+   "read the store leaves both out.")
 @dataclass(frozen=True)
 class WorkerExitRequest:
     worker_id: str
     returncode: int
+    training_ended: bool | None = None
+    script_failed: bool | None = None
 
 
 FINISHED_BY_LAUNCHER = "all members finished"
-"""The ``shutdown`` reason ``elan run`` sends once every member exited having finished training."""
+"""The reason the AM finishes a job of ``elan run`` with, once its launcher reported the exit of every member, having
+finished training (``master/transitions/finishing.py`` decides it)."""
 FINISHED_BY_AM = "training complete: every member finished"
 """The reason the AM finishes a job of ``elan worker``s with, once every member reported the end of its training."""
 CLEAN_FINISHES = (FINISHED_BY_LAUNCHER, FINISHED_BY_AM)
@@ -861,39 +883,294 @@ class StragglersRequest:
     alpha: float | None = None
 
 
+# ---- AM → launcher and command-line replies --------------------------------------------------------------------------
+
+
+def _list_of(body: Mapping[str, Any], key: str, parse: Callable[[Any], _T], what: str) -> list[_T]:
+    """``body[key]`` (a list, absent or null: empty) with each item parsed; anything else raises ``ProtocolError``."""
+    items = body.get(key)
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise ProtocolError(f"{what}: {key!r} must be a list, got {type(items).__name__}")
+    return [parse(item) for item in items]
+
+
+def _reply(what: str, *, nulls: bool = False) -> Callable[[type[_T]], type[_T]]:
+    """Give a reply dataclass whose body is the plain record of its fields ``to_body`` (None-valued fields left out,
+    or kept with ``nulls``) and ``from_body`` (a missing required field raises ``ProtocolError`` naming ``what``)."""
+
+    def decorate(cls: type[_T]) -> type[_T]:
+        cls.to_body = _record if nulls else _wire  # type: ignore[attr-defined]
+        cls.from_body = classmethod(lambda c, body: _from_wire(c, body, what))  # type: ignore[attr-defined]
+        return cls
+
+    return decorate
+
+
+@_reply("start_job reply")
+@dataclass(frozen=True)
+class StartJobReply:
+    """The answer to ``start_job``: generation 0 and its members (a started job answers its current ones)."""
+
+    generation: int
+    members: list[str]
+
+
+@_reply("scale reply")
+@dataclass(frozen=True)
+class ScaleReply:
+    """The answer to ``scale`` (and the record of a request the AM queues itself): the request's id and the workers
+    it starts (standbys first; none for a removal)."""
+
+    request_id: str
+    new_workers: list[str]
+
+
+@_reply("spawn item")
+@dataclass(frozen=True)
+class SpawnOrder:
+    """One worker ``launcher_poll`` asks the launcher to start: a joiner of ``request_id``, or a standby
+    (``STANDBY_REQUEST``)."""
+
+    worker_id: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class LauncherPollReply:
+    """The answer to ``launcher_poll``: the workers to start (the AM marks them spawned), those to stop (a joiner that
+    never reported ready, a survivor that never checked in) and whether the job is finished (the launcher ends it)."""
+
+    spawn: list[SpawnOrder]
+    stop: list[str]
+    finished: bool
+
+    def to_body(self) -> dict[str, Any]:
+        return {"spawn": [_wire(order) for order in self.spawn], "stop": list(self.stop), "finished": self.finished}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> LauncherPollReply:
+        reply = _from_wire(cls, body, "launcher_poll reply")
+        spawn = _list_of(body, "spawn", lambda item: _from_wire(SpawnOrder, item, "spawn item"), "launcher_poll reply")
+        return cls(spawn, list(reply.stop), reply.finished)
+
+
+@_reply("worker_exit reply")
+@dataclass(frozen=True)
+class WorkerExitReply:
+    """The answer to ``worker_exit``. ``expected``: an exit the AM waited for (a leaver's or a cancelled joiner's exit
+    0, a member's after the end; a member's non-zero exit once another member's exit 0 showed the training complete).
+    ``left``: killed after it left the job, serving nobody (the job goes on). ``recovering``: a member's death the
+    survivors recover from, announced to the ``failed_generations``; False: nobody survives it, the job failed."""
+
+    expected: bool
+    recovering: bool | None = None
+    left: bool | None = None
+    failed_generations: list[int] | None = None
+
+
+@_reply("status member", nulls=True)
+@dataclass(frozen=True)
+class MemberStatus:
+    """One member in the ``status`` reply: where it runs and its last known step (``last_step_from``: ``coordinate``
+    or ``report``, how it is known; None: not heard of yet)."""
+
+    worker_id: str
+    rank: int
+    host: str | None = None
+    device: str | int | None = None
+    pid: int | None = None
+    joined_generation: int | None = None
+    last_step: int | None = None
+    last_step_from: str | None = None
+    last_seen_at: float | None = None
+
+
+@dataclass(frozen=True)
+class AMStatus:
+    """The AM in the ``status`` reply: how many AM processes resumed this job's store (``restarts``), and the one
+    serving it now (the server adds these): its pid and address, when it started, its reply cache and parked polls."""
+
+    restarts: int
+    pid: int | None = None
+    address: str | None = None
+    started_at: float | None = None
+    reply_cache_entries: int | None = None
+    parked_waits: int | None = None
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    """The answer to ``status`` (docs/architecture.md, *Status*): the members, the plan in flight and the AM typed, the
+    other parts (requests, failures, the recovery, enrolment, the standby pool, sizing) as the AM renders them.
+
+    ``finished``: the job ended, ``finish_reason`` says why (``FINISHED_BY_LAUNCHER``: every member finished training;
+    ``failed_reason`` set: it could not go on)."""
+
+    job: str
+    generation: int
+    members: list[MemberStatus]
+    finished: bool
+    step: int | None = None
+    epoch: int | None = None
+    position: int | None = None
+    global_batch: int | None = None
+    scaling: dict[str, Any] | None = None  # SCALING_SUMMARY
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    in_flight: AdjustmentPlan | None = None
+    last_adjustment: dict[str, Any] | None = None
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    am: AMStatus | None = None
+    recovery: dict[str, Any] | None = None
+    enrolment: dict[str, Any] | None = None
+    standby: dict[str, Any] | None = None
+    sizing: dict[str, Any] | None = None
+    failed_reason: str | None = None
+    finish_reason: str | None = None
+
+    def member_ids(self) -> list[str]:
+        """The members' worker ids, in the order the reply lists them (rank order)."""
+        return [member.worker_id for member in self.members]
+
+    def to_body(self) -> dict[str, Any]:
+        """Every key, null ones too, in the order the AM has always sent them."""
+        body = _record(self)
+        body["members"] = [_record(member) for member in self.members]
+        body["in_flight"] = None if self.in_flight is None else self.in_flight.to_dict()
+        body["am"] = None if self.am is None else _record(self.am)
+        order = ("job", "generation", "members", "step", "epoch", "position", "global_batch", "scaling", "pending",
+                 "in_flight", "last_adjustment", "failures", "am", "recovery", "enrolment", "standby", "sizing",
+                 "finished", "failed_reason", "finish_reason")
+        return {key: body[key] for key in order}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> StatusReply:
+        status = _from_wire(cls, body, "status reply")
+        in_flight, am = body.get("in_flight"), body.get("am")
+        return dataclasses.replace(
+            status,
+            members=_list_of(body, "members", lambda item: _from_wire(MemberStatus, item, "status member"),
+                             "status reply"),
+            in_flight=None if in_flight is None else AdjustmentPlan.from_dict(in_flight),
+            am=None if am is None else _from_wire(AMStatus, am, "status am"),
+            pending=list(status.pending or []),
+            failures=list(status.failures or []),
+        )
+
+
+@_reply("profile reply")
+@dataclass(frozen=True)
+class ProfileReply:
+    """The answer to ``profile``: the profile run that started (its route ``run``, what is measured so far)."""
+
+    profile: dict[str, Any]
+
+
+@_reply("autoscale reply", nulls=True)
+@dataclass(frozen=True)
+class AutoscaleReply:
+    """The answer to ``autoscale``: the autoscaler now on (``{policy, config}``), or None (``{"autoscale": null}``):
+    it is off."""
+
+    autoscale: dict[str, Any] | None = None
+
+
+@_reply("straggler settings")
+@dataclass(frozen=True)
+class StragglerSettings:
+    """How the AM treats stragglers: ``mode`` (``off``: reported only, ``replace``, ``remove``), the EWMA's ``alpha``,
+    and a worker below ``threshold`` of the median for ``window`` rounds is one."""
+
+    mode: str
+    alpha: float
+    threshold: float
+    window: int
+
+
+@dataclass(frozen=True)
+class StragglersReply:
+    """The answer to ``stragglers``: the settings now in force."""
+
+    stragglers: StragglerSettings
+
+    def to_body(self) -> dict[str, Any]:
+        return {"stragglers": _wire(self.stragglers)}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> StragglersReply:
+        reply = _from_wire(cls, body, "stragglers reply")
+        return cls(_from_wire(StragglerSettings, reply.stragglers, "straggler settings"))
+
+
+@_reply("worker_stats reply")
+@dataclass(frozen=True)
+class WorkerStatsReply:
+    """The answer to ``worker_stats``: the members the straggler detector flags; ``ignored`` when the stats came from
+    a worker that is not a member of the current generation."""
+
+    stragglers: list[str]
+    ignored: bool | None = None
+
+
+@_reply("register reply")
+@dataclass(frozen=True)
+class RegisterReply:
+    """The answer to ``register``: to a member, ``joiners_coming`` when a queued request starts new workers (it then
+    prepares to serve them from its first step on); ``{}`` otherwise."""
+
+    joiners_coming: bool | None = None
+
+
+@dataclass(frozen=True)
+class EmptyReply:
+    """The answer to a request whose reply says nothing but that it was applied (``report``, ``shutdown``): ``{}``."""
+
+    def to_body(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> EmptyReply:
+        if not isinstance(body, Mapping):
+            raise ProtocolError(f"reply must be an object, got {type(body).__name__}")
+        return cls()
+
+
 # ---- the message registry --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class MessageKind:
     """What the AM accepts under one message type: the dataclass of its body (``TYPE``, ``SCHEMA``, ``to_body``,
-    ``from_body``) and whether it changes the AM's state (its successful replies are then cached, and persisted, by
-    request id, so a retried request is answered without being applied twice)."""
+    ``from_body``), the dataclass of its reply (``to_body``, ``from_body``: the AM's handler returns one, the server
+    sends its body, a client parses it back) and whether it changes the AM's state (its successful replies are then
+    cached, and persisted, by request id, so a retried request is answered without being applied twice)."""
 
     body: type
+    reply: type
     mutating: bool
 
 
 MESSAGES: dict[str, MessageKind] = {
     kind.body.TYPE: kind  # type: ignore[attr-defined]
     for kind in (
-        MessageKind(StartJobRequest, mutating=True),
-        MessageKind(ScaleCommand, mutating=True),
-        MessageKind(StatusRequest, mutating=False),
-        MessageKind(LauncherPollRequest, mutating=True),
-        MessageKind(WorkerExitRequest, mutating=True),
-        MessageKind(ShutdownRequest, mutating=True),
-        MessageKind(RegisterRequest, mutating=True),
-        MessageKind(EnrolRequest, mutating=True),
-        MessageKind(CoordinateRequest, mutating=True),
-        MessageKind(WaitPlanRequest, mutating=False),
-        MessageKind(AdjustmentReport, mutating=True),
-        MessageKind(RecoverRequest, mutating=True),
-        MessageKind(LeaveRequest, mutating=True),
-        MessageKind(WorkerStats, mutating=False),  # informational, never cached
-        MessageKind(ProfileRequest, mutating=True),
-        MessageKind(AutoscaleRequest, mutating=True),
-        MessageKind(StragglersRequest, mutating=True),
+        MessageKind(StartJobRequest, StartJobReply, mutating=True),
+        MessageKind(ScaleCommand, ScaleReply, mutating=True),
+        MessageKind(StatusRequest, StatusReply, mutating=False),
+        MessageKind(LauncherPollRequest, LauncherPollReply, mutating=True),
+        MessageKind(WorkerExitRequest, WorkerExitReply, mutating=True),
+        MessageKind(ShutdownRequest, EmptyReply, mutating=True),
+        MessageKind(RegisterRequest, RegisterReply, mutating=True),
+        MessageKind(EnrolRequest, EnrolReply, mutating=True),
+        MessageKind(CoordinateRequest, CoordinateReply, mutating=True),
+        MessageKind(WaitPlanRequest, WaitPlanReply, mutating=False),
+        MessageKind(AdjustmentReport, EmptyReply, mutating=True),
+        MessageKind(RecoverRequest, WaitPlanReply, mutating=True),
+        MessageKind(LeaveRequest, LeaveReply, mutating=True),
+        MessageKind(WorkerStats, WorkerStatsReply, mutating=False),  # informational, never cached
+        MessageKind(ProfileRequest, ProfileReply, mutating=True),
+        MessageKind(AutoscaleRequest, AutoscaleReply, mutating=True),
+        MessageKind(StragglersRequest, StragglersReply, mutating=True),
     )
 }
 """Every message type of the protocol; the AM's handler table has exactly these keys (checked when it starts)."""
@@ -1092,6 +1369,7 @@ __all__ = [
     "SCALING_DECISION",
     "SCALING_SUMMARY",
     "SCHEDULER_WORLD_ENV_VARS",
+    "SIGTERM_EXITS",
     "STATUS_CANCELLED",
     "STATUS_PLAN",
     "STATUS_WAIT",
@@ -1102,32 +1380,47 @@ __all__ = [
     "TRANSPORT_SHM",
     "TYPED_REQUESTS",
     "WORKER_ENV_VARS",
+    "AMStatus",
     "AdjustmentPlan",
     "AdjustmentReport",
+    "AutoscaleReply",
     "AutoscaleRequest",
     "CoordinateReply",
     "CoordinateRequest",
+    "EmptyReply",
     "EnrolReply",
     "EnrolRequest",
     "Field",
+    "LauncherPollReply",
     "LauncherPollRequest",
     "LeaveReply",
     "LeaveRequest",
+    "MemberStatus",
     "MessageKind",
+    "ProfileReply",
     "ProfileRequest",
     "ProtocolError",
     "RecoverRequest",
+    "RegisterReply",
     "RegisterRequest",
     "ScaleCommand",
+    "ScaleReply",
     "ShutdownRequest",
+    "SpawnOrder",
+    "StartJobReply",
     "StartJobRequest",
+    "StatusReply",
     "StatusRequest",
+    "StragglerSettings",
+    "StragglersReply",
     "StragglersRequest",
     "Transfer",
     "WaitPlanReply",
     "WaitPlanRequest",
     "WorkerEnvironment",
+    "WorkerExitReply",
     "WorkerExitRequest",
+    "WorkerStatsReply",
     "failure_key",
     "required_fields",
     "script_ended_key",

@@ -2,12 +2,12 @@
 
 The first write into a tmpfs segment allocates its pages, and on a VM that costs far more than writing into pages that
 exist (the 2-core development VM, a 25 M model's 309 MB in whole jobs at load 9–17: 0.30–1.56 s into a new file,
-0.15–0.34 s into one written before; docs/benchmarks.md). Done inside an adjustment, that is the stayers' pause. :class:`SendSegment` lets a worker that may
-serve as a source make its segment ahead of time: a thread creates the file and writes zeros over it (in :data:`CHUNK`
-pieces, paced to :data:`DUTY` of one core so the training step is not slowed), and the shared-memory
-transport writes into it instead of creating a file, then hands it back once every reader has its copy instead of
-unlinking it. The engine prepares it while a request's joiners warm up and keeps it while more are coming
-(``ELAN_SEND_AHEAD``, :mod:`lightning_elan.elastic.send_ahead`).
+0.15–0.34 s into one written before; docs/benchmarks.md). Done inside an adjustment, that is the stayers' pause.
+:class:`SendSegment` lets a worker that may serve as a source make its segment ahead of time: a thread creates the
+file and writes zeros over it (in :data:`CHUNK` pieces, paced to :data:`DUTY` of one core so the training step is not
+slowed), and the shared-memory transport writes into it instead of creating a file, then hands it back once every
+reader has its copy instead of unlinking it. The engine prepares it while a request's joiners warm up and keeps it
+while more are coming (``ELAN_SEND_AHEAD``, :mod:`lightning_elan.elastic.send_ahead`).
 
 Memory: the segment holds the packed state's size of tmpfs (``$ELAN_SHM_DIR``; 12 bytes per parameter for float32
 weights with Adam) from :meth:`SendSegment.prepare` until :meth:`SendSegment.release`. Readers must copy what they

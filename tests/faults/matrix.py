@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=5, help="trials per cell")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--first-trial", type=int, default=0,
+                        help="number the trials from this one (their seeds follow): runs of one commit add up")
     parser.add_argument("--front", action="append", choices=["lightning", "accelerate1", "accelerate2"],
                         help="only these front-ends (default: all)")
     parser.add_argument("--phase", action="append", help="only these phases (default: all)")
@@ -234,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         results[cell].append(held)
         print(f"{cell.name:<32} trial {number}: {'held' if held else 'FAILED'} ({detail})", flush=True)
 
+    trial_numbers = range(args.first_trial, args.first_trial + args.trials)
     with ThreadPoolExecutor(args.jobs) as pool:  # each trial is its own job: its own ELAN_HOME, AM and ports
-        for done in [pool.submit(run_trial, number, cell) for number in range(args.trials) for cell in cells]:
+        for done in [pool.submit(run_trial, number, cell) for number in trial_numbers
+                      for cell in cells]:
             done.result()
     print(table(results))
     held = sum(sum(r) for r in results.values())

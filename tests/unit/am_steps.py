@@ -1,13 +1,19 @@
 """Steps the AM's transition tests share: a started job, joiners reporting ready, a coordination that decides and one
-that commits (pure state: no sockets, no processes)."""
+that commits, a worker's exit as the launcher reports it (pure state: no sockets, no processes)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from lightning_elan.master.state import JobState
-from lightning_elan.master.transitions import adjustments, launching, requests
-from lightning_elan.protocol.contract import AdjustmentPlan, CoordinateRequest, RegisterRequest
+from lightning_elan.master.transitions import adjustments, launching, recovering, requests
+from lightning_elan.protocol.contract import (
+    AdjustmentPlan,
+    CoordinateRequest,
+    RegisterRequest,
+    WorkerExitReply,
+    WorkerExitRequest,
+)
 
 
 def started(nproc: int = 3, **options: Any) -> JobState:
@@ -33,3 +39,9 @@ def decide(state: JobState, step: int = 10) -> AdjustmentPlan:
 def commit(state: JobState, plan: AdjustmentPlan, step: int = 11) -> None:
     """A member of the plan's generation coordinates: the plan is committed."""
     adjustments.coordinate(state, CoordinateRequest(plan.members[0], plan.generation, step))
+
+
+def exited(state: JobState, worker: str, returncode: int, **store_marks: bool) -> WorkerExitReply:
+    """The launcher reports ``worker``'s exit, with what the rendezvous store said of it (``training_ended``,
+    ``script_failed``)."""
+    return recovering.worker_exit(state, WorkerExitRequest(worker, returncode, **store_marks))

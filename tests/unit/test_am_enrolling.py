@@ -6,8 +6,9 @@ import pytest
 
 from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.state import SPAWNED, JobState, StateError
-from lightning_elan.master.transitions import enrolling, recovering
+from lightning_elan.master.transitions import enrolling
 from lightning_elan.protocol.contract import FINISHED_BY_AM, EnrolRequest
+from tests.unit.am_steps import exited
 
 
 def enrolling_job(minimum: int, maximum: int) -> JobState:
@@ -49,10 +50,10 @@ def test_the_job_finishes_once_every_member_trained_out() -> None:
         enrolling.enrol(state, EnrolRequest(host, 1), now=0.0)
     assert state.started  # full: at once
 
-    recovering.worker_exit(state, "w0", 0)
+    exited(state, "w0", 0)
     enrolling.housekeeping(state, now=1.0)
     assert not state.finished
-    recovering.worker_exit(state, "w1", 0)
+    exited(state, "w1", 0)
     enrolling.housekeeping(state, now=2.0)
     assert state.finished and state.finish_reason == FINISHED_BY_AM
 

@@ -6,6 +6,7 @@ import pytest
 
 from lightning_elan.master.state import SPAWNED, JobState, StateError
 from lightning_elan.master.transitions import launching, requests
+from lightning_elan.protocol.contract import LauncherPollReply, SpawnOrder, StartJobReply
 
 
 @pytest.mark.parametrize(
@@ -29,7 +30,7 @@ def test_start_job_forms_generation_zero_with_its_hosts_once() -> None:
 
     first = launching.start_job(state, 2, hosts={"w1": "b"}, report_timeout_s=30.0, min_workers=2)
 
-    assert first == {"generation": 0, "members": ["w0", "w1"]} == launching.start_job(state, 5)
+    assert first == StartJobReply(0, ["w0", "w1"]) == launching.start_job(state, 5)
     assert (state.host_of("w0"), state.host_of("w1")) == (None, "b")
     assert (state.report_timeout_s, state.min_workers, state.next_worker) == (30.0, 2, 2)
 
@@ -40,7 +41,7 @@ def test_the_poll_starts_each_requested_worker_once_and_stops_the_late_ones() ->
     requests.scale(state, "add", count=1)
 
     first = launching.launcher_poll(state, now=100.0)
-    assert first == {"spawn": [{"worker_id": "w1", "request_id": "r1"}], "stop": [], "finished": False}
+    assert first == LauncherPollReply([SpawnOrder("w1", "r1")], [], False)
     assert state.pending_workers["w1"].status == SPAWNED
-    assert launching.launcher_poll(state, now=105.0)["spawn"] == []
-    assert launching.launcher_poll(state, now=111.0)["stop"] == ["w1"]
+    assert launching.launcher_poll(state, now=105.0).spawn == []
+    assert launching.launcher_poll(state, now=111.0).stop == ["w1"]

@@ -12,7 +12,7 @@ import pytest
 from lightning_elan.master.server import ApplicationMaster
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import FileStore
-from lightning_elan.master.transitions import adjustments, launching, leaving, recovering, requests, status_view
+from lightning_elan.master.transitions import adjustments, launching, leaving, requests, status_view
 from lightning_elan.protocol import AMClient, AMError
 from lightning_elan.protocol.contract import (
     AdjustmentReport,
@@ -20,7 +20,9 @@ from lightning_elan.protocol.contract import (
     LeaveReply,
     RegisterRequest,
     WaitPlanReply,
+    WorkerExitReply,
 )
+from tests.unit.am_steps import exited
 
 JOB = "job"
 
@@ -52,8 +54,8 @@ def test_a_member_leaves_at_the_next_coordination_ahead_of_a_scale_request_still
 
     reply = leaving.request_leave(state, "w1")
 
-    assert reply == {"outcome": "queued", "request_id": "r2"}
-    pending = status_view.status(state)["pending"]
+    assert reply == LeaveReply("queued", "r2")
+    pending = status_view.status(state).pending
     assert [(r["request_id"], r["action"], r["workers"]) for r in pending] == [
         ("r2", "leave", ["w1"]), ("r1", "add", None)
     ]
@@ -73,9 +75,9 @@ def test_a_repeated_leave_changes_nothing_before_during_and_after_the_adjustment
     assert leaving.request_leave(state, "w2") == first and state.to_dict() == snapshot
     plan = coordinate(state, 3)
     # a leaver in flight
-    assert leaving.request_leave(state, "w2") == {"outcome": "queued", "request_id": plan.request_id}
+    assert leaving.request_leave(state, "w2") == LeaveReply("queued", plan.request_id)
     # a leaver's exit 0 is expected, committed or not
-    assert recovering.worker_exit(state, "w2", 0) == {"expected": True}
+    assert exited(state, "w2", 0) == WorkerExitReply(True)
     commit(state, plan, 4)
     with pytest.raises(StateError, match="worker w2 has left the job"):
         leaving.request_leave(state, "w2")
@@ -84,7 +86,7 @@ def test_a_repeated_leave_changes_nothing_before_during_and_after_the_adjustment
 def test_leaves_before_the_decision_share_one_adjustment() -> None:
     state = started(4)
 
-    assert leaving.request_leave(state, "w3")["request_id"] == leaving.request_leave(state, "w1")["request_id"] == "r1"
+    assert leaving.request_leave(state, "w3").request_id == leaving.request_leave(state, "w1").request_id == "r1"
     plan = coordinate(state, 2)
 
     assert plan is not None and (plan.leavers, plan.members) == (["w1", "w3"], ["w0", "w2"])
@@ -121,14 +123,14 @@ def test_a_joiner_whose_plan_is_not_decided_is_cancelled_with_its_request() -> N
 
     reply = leaving.request_leave(state, "w3")
 
-    assert reply == {"outcome": "cancelled", "request_id": "r1"}
+    assert reply == LeaveReply("cancelled", "r1")
     assert state.pending == [] and leaving.request_leave(state, "w3") == reply  # idempotent
     for joiner in ("w2", "w3"):  # the partner is cancelled too: both wait_plans answer cancelled
         answer = adjustments.wait_plan(state, joiner)
         assert answer is not None and answer.status == "cancelled" and "SIGTERM" in (answer.reason or "")
     (failure,) = state.failures
     assert (failure["outcome"], failure["request_id"], failure["action"]) == ("cancelled", "r1", "add")
-    assert recovering.worker_exit(state, "w3", 0) == {"expected": True}
+    assert exited(state, "w3", 0) == WorkerExitReply(True)
     assert coordinate(state, 50) is None
 
 
@@ -139,7 +141,7 @@ def test_a_joiner_of_the_plan_in_flight_leaves_once_it_is_a_member() -> None:
     plan = coordinate(state, 50)
     assert plan is not None and plan.joiners == ["w2"]
 
-    assert leaving.request_leave(state, "w2") == {"outcome": "queued", "request_id": "r2"}
+    assert leaving.request_leave(state, "w2") == LeaveReply("queued", "r2")
     assert coordinate(state, 50) == plan  # the plan in flight first
     commit(state, plan, 51)
     leave = coordinate(state, 52)
@@ -162,7 +164,7 @@ def test_a_finished_job_has_nothing_to_leave() -> None:
     state = started(2)
     requests.shutdown(state, "all members finished")
 
-    assert leaving.request_leave(state, "w1") == {"outcome": "finished", "request_id": None}
+    assert leaving.request_leave(state, "w1") == LeaveReply("finished", None)
 
 
 def test_a_leave_request_survives_a_restart_and_old_states_load() -> None:
@@ -217,9 +219,9 @@ def test_a_leaver_killed_after_it_left_does_not_fail_the_job() -> None:
     requests.scale(state, "remove", count=1)
     plan = coordinate(state, 3)
     (leaver,) = plan.leavers
-    assert recovering.worker_exit(state, leaver, -9) == {"expected": False, "left": True}  # in flight, serving nobody
+    assert exited(state, leaver, -9) == WorkerExitReply(False, left=True)  # in flight, serving nobody
     commit(state, plan, 3)
-    assert recovering.worker_exit(state, leaver, -9) == {"expected": False, "left": True}  # after it left
+    assert exited(state, leaver, -9) == WorkerExitReply(False, left=True)  # after it left
     assert state.recovery is None and not state.finished
 
 
@@ -230,5 +232,5 @@ def test_a_migrating_leaver_killed_while_it_serves_its_joiner_is_a_failure() -> 
     plan = coordinate(state, 3)
     (leaver,) = plan.leavers
     assert plan.sources == {"w1": leaver}  # the only member: the joiner's source
-    reply = recovering.worker_exit(state, leaver, -9)
-    assert reply.get("recovering") is True and state.recovery is not None
+    reply = exited(state, leaver, -9)
+    assert reply.recovering is True and state.recovery is not None

@@ -16,8 +16,8 @@ def test_start_job_fills_the_pool_and_an_add_takes_the_ready_standby_first() -> 
 
     reply = requests.scale(state, "add", count=1, now=5.0)
 
-    assert reply["new_workers"] == ["w3"]  # ready before the older w2
-    assert state.pending_workers["w3"].request_id == reply["request_id"]
+    assert reply.new_workers == ["w3"]  # ready before the older w2
+    assert state.pending_workers["w3"].request_id == reply.request_id
     assert state.pending[0].all_reported_at == 5.0  # ready at once: nothing to start
     assert state.standby.workers == ["w2", "w4"]  # refilled with a new worker
 

@@ -6,8 +6,8 @@ import pytest
 
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.transitions import adjustments, recovering
-from lightning_elan.protocol.contract import ACTION_FAILURE, RecoverRequest
-from tests.unit.am_steps import started
+from lightning_elan.protocol.contract import ACTION_FAILURE, RecoverRequest, WaitPlanReply, WorkerExitReply
+from tests.unit.am_steps import exited, started
 
 
 def check_in(state: JobState, worker: str, step: int = 7, now: float | None = None) -> dict:
@@ -18,10 +18,10 @@ def check_in(state: JobState, worker: str, step: int = 7, now: float | None = No
 def test_a_dead_member_fails_its_generation_and_the_survivors_form_the_plan() -> None:
     state = started(3)
 
-    reply = recovering.worker_exit(state, "w1", 9)
-    assert reply == {"expected": False, "recovering": True, "failed_generations": [0]}
+    reply = exited(state, "w1", 9)
+    assert reply == WorkerExitReply(False, recovering=True, failed_generations=[0])
     assert state.recovery is not None and state.recovery.survivors == ["w0", "w2"]
-    assert check_in(state, "w0", now=5.0) == {"status": "wait"}
+    assert check_in(state, "w0", now=5.0) == WaitPlanReply.wait()
     check_in(state, "w2", now=6.0)
 
     plan = state.in_flight.plan
@@ -32,16 +32,16 @@ def test_a_dead_member_fails_its_generation_and_the_survivors_form_the_plan() ->
 
 def test_when_every_member_dies_the_job_fails() -> None:
     state = started(2)
-    recovering.worker_exit(state, "w0", 1)
+    exited(state, "w0", 1)
 
-    assert recovering.worker_exit(state, "w1", 1) == {"expected": False, "recovering": False}
+    assert exited(state, "w1", 1) == WorkerExitReply(False, recovering=False)
     assert state.finished and state.failed_reason == "every worker of generation 0 died"
     assert state.failures[-1]["kind"] == "job"
 
 
 def test_a_survivor_that_never_checks_in_is_declared_dead() -> None:
     state = started(3)
-    recovering.worker_exit(state, "w2", 1)
+    exited(state, "w2", 1)
     check_in(state, "w0")
     deadline = state.recovery.deadline
 
@@ -53,11 +53,11 @@ def test_a_survivor_that_never_checks_in_is_declared_dead() -> None:
 def test_clean_exits_are_expected_only_where_they_mean_nothing_went_wrong() -> None:
     state = started(2)
 
-    assert recovering.worker_exit(state, "w0", 0) == {"expected": False}  # fit returned on a member: trained out
+    assert exited(state, "w0", 0) == WorkerExitReply(False)  # fit returned on a member: trained out
     assert state.trained_out == ["w0"] and state.training_over()
-    assert recovering.worker_exit(state, "w1", 1) == {"expected": True}  # after the training completed
+    assert exited(state, "w1", 1) == WorkerExitReply(True)  # after the training completed
     with pytest.raises(StateError, match=r"^unknown worker w9$"):
-        recovering.worker_exit(state, "w9", 0)
+        exited(state, "w9", 0)
 
 
 def test_the_failure_policy_is_validated() -> None:

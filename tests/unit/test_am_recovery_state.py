@@ -15,7 +15,10 @@ from lightning_elan.protocol.contract import (
     CoordinateRequest,
     RecoverRequest,
     RegisterRequest,
+    WaitPlanReply,
+    WorkerExitReply,
 )
+from tests.unit.am_steps import exited
 
 
 def started(nproc: int = 3, **policy: object) -> JobState:
@@ -31,12 +34,12 @@ def check_in(state: JobState, worker: str, generation: int = 0, step: int | None
 def test_a_dead_member_starts_a_recovery_of_its_generation() -> None:
     state = started(3)
 
-    reply = recovering.worker_exit(state, "w1", -9)
+    reply = exited(state, "w1", -9)
 
-    assert reply == {"expected": False, "recovering": True, "failed_generations": [0]}
+    assert reply == WorkerExitReply(False, recovering=True, failed_generations=[0])
     status = status_view.status(state)
-    assert status["recovery"]["dead"] == ["w1"] and status["recovery"]["survivors"] == ["w0", "w2"]
-    assert status["failures"][-1]["kind"] == "worker" and status["failures"][-1]["worker_id"] == "w1"
+    assert status.recovery["dead"] == ["w1"] and status.recovery["survivors"] == ["w0", "w2"]
+    assert status.failures[-1]["kind"] == "worker" and status.failures[-1]["worker_id"] == "w1"
     assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 8)).plan is None  # no planned adjustment meanwhile
     with pytest.raises(StateError, match="recovering from the death of w1"):
         requests.scale(state, "add", count=1)
@@ -44,14 +47,14 @@ def test_a_dead_member_starts_a_recovery_of_its_generation() -> None:
 
 def test_the_recovery_plan_forms_once_every_survivor_checked_in() -> None:
     state = started(3)
-    recovering.worker_exit(state, "w1", -9)
+    exited(state, "w1", -9)
 
-    assert check_in(state, "w2") == {"status": "wait"}
+    assert check_in(state, "w2") == WaitPlanReply.wait()
     assert adjustments.wait_plan(state, "w2") is None
     reply = check_in(state, "w0")
 
     plan = adjustments.wait_plan(state, "w2").plan
-    assert reply["status"] == "plan" and plan is not None
+    assert reply.status == "plan" and plan is not None
     assert (plan.action, plan.generation, plan.members, plan.joiners, plan.step) == (ACTION_FAILURE, 1, ["w0", "w2"],
                                                                                      [], 7)
     adjustments.report(state, AdjustmentReport("w0", 1, "stayer", pause_s=0.1, step=8))
@@ -70,7 +73,7 @@ def uncertain_check_in(state: JobState, worker: str, step: int) -> dict:
 def test_an_uncertain_survivor_takes_the_decision_of_the_others(certain_step: int, newest: int) -> None:
     """w1 voted on step 8 and lost the vote's store before reading the decision: w2 applied step 8 (or not)."""
     state = started(3)
-    recovering.worker_exit(state, "w0", -9)  # rank 0: the fast store's host
+    exited(state, "w0", -9)  # rank 0: the fast store's host
 
     uncertain_check_in(state, "w1", step=7)
     check_in(state, "w2", step=certain_step)
@@ -82,7 +85,7 @@ def test_an_uncertain_survivor_takes_the_decision_of_the_others(certain_step: in
 
 def test_survivors_all_uncertain_discard_the_step() -> None:
     state = started(3)
-    recovering.worker_exit(state, "w0", -9)
+    exited(state, "w0", -9)
     uncertain_check_in(state, "w1", step=7)
     uncertain_check_in(state, "w2", step=7)
 
@@ -94,7 +97,7 @@ def test_an_uncertain_check_in_round_trips_through_the_wire_and_the_state_file()
     request = RecoverRequest("w1", 0, has_state=True, step=7, uncertain=True)
     assert RecoverRequest.from_body(json.loads(json.dumps(request.to_body()))) == request
     state = started(3)
-    recovering.worker_exit(state, "w0", -9)
+    exited(state, "w0", -9)
     uncertain_check_in(state, "w1", step=7)
     restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
     check_in(restored, "w2", step=8)
@@ -103,54 +106,54 @@ def test_an_uncertain_check_in_round_trips_through_the_wire_and_the_state_file()
 
 def test_a_joiner_of_the_interrupted_plan_survives_without_state_and_is_served() -> None:
     state = started(2)
-    new = requests.scale(state, "add", count=1)["new_workers"]
+    new = requests.scale(state, "add", count=1).new_workers
     requests.register(state, RegisterRequest(new[0], host="h", device="cpu", pid=1))
     interrupted = adjustments.coordinate(state, CoordinateRequest("w0", 0, 4)).plan
     assert interrupted is not None and interrupted.generation == 1
 
-    reply = recovering.worker_exit(state, "w1", -9)
+    reply = exited(state, "w1", -9)
 
-    assert reply["failed_generations"] == [0, 1]
+    assert reply.failed_generations == [0, 1]
     check_in(state, "w0", generation=1, step=4)
     check_in(state, "w2", generation=1, step=None)
     plan = adjustments.wait_plan(state, "w0").plan
     assert plan.generation == 2 and plan.members == ["w0", "w2"] and plan.joiners == ["w2"]
     assert plan.sources == {"w2": "w0"}
-    assert any(f.get("request_id") == interrupted.request_id for f in status_view.status(state)["failures"])
+    assert any(f.get("request_id") == interrupted.request_id for f in status_view.status(state).failures)
 
 
 def test_a_survivor_that_never_checks_in_is_declared_dead() -> None:
     state = started(3)
-    recovering.worker_exit(state, "w1", -9)
+    exited(state, "w1", -9)
     check_in(state, "w0")
     deadline = state.recovery.deadline
 
     poll = launching.launcher_poll(state, now=deadline + 1)
 
-    assert poll["stop"] == ["w2"]
+    assert poll.stop == ["w2"]
     assert adjustments.wait_plan(state, "w0").plan.members == ["w0"]
 
 
 def test_the_job_fails_when_every_member_died() -> None:
     state = started(2)
-    recovering.worker_exit(state, "w0", -9)
+    exited(state, "w0", -9)
 
-    assert recovering.worker_exit(state, "w1", -9) == {"expected": False, "recovering": False}
-    assert state.finished and "every worker" in status_view.status(state)["failed_reason"]
+    assert exited(state, "w1", -9) == WorkerExitReply(False, recovering=False)
+    assert state.finished and "every worker" in status_view.status(state).failed_reason
 
 
 def test_replace_failed_queues_one_joiner_per_dead_member() -> None:
     state = started(3, replace_failed=True)
 
-    recovering.worker_exit(state, "w2", -9)
+    exited(state, "w2", -9)
 
-    assert [request["action"] for request in status_view.status(state)["pending"]] == ["add"]
-    assert launching.launcher_poll(state)["spawn"][0]["worker_id"] == "w3"
+    assert [request["action"] for request in status_view.status(state).pending] == ["add"]
+    assert launching.launcher_poll(state).spawn[0].worker_id == "w3"
 
 
 def test_below_min_workers_the_recovery_waits_for_a_ready_joiner() -> None:
     state = started(2, replace_failed=True, min_workers=2, join_timeout_s=30)
-    recovering.worker_exit(state, "w1", -9)
+    exited(state, "w1", -9)
     check_in(state, "w0")
     assert adjustments.wait_plan(state, "w0") is None  # one survivor, two needed
     launching.launcher_poll(state)
@@ -164,13 +167,13 @@ def test_below_min_workers_the_recovery_waits_for_a_ready_joiner() -> None:
 
 def test_below_min_workers_the_job_fails_after_the_join_timeout() -> None:
     state = started(2, min_workers=2, join_timeout_s=5)
-    recovering.worker_exit(state, "w1", -9)
+    exited(state, "w1", -9)
     detected = state.recovery.detected_at
 
     check_in(state, "w0")
     launching.launcher_poll(state, now=detected + 6)
 
-    assert state.finished and "--min-workers 2" in status_view.status(state)["failed_reason"]
+    assert state.finished and "--min-workers 2" in status_view.status(state).failed_reason
     assert adjustments.wait_plan(state, "w0").status == "cancelled"
 
 
@@ -183,7 +186,7 @@ def test_recover_refuses_a_generation_that_did_not_fail() -> None:
 
 def test_a_recovery_in_progress_survives_a_json_round_trip() -> None:
     state = started(3)
-    recovering.worker_exit(state, "w1", -9)
+    exited(state, "w1", -9)
     check_in(state, "w0")
 
     restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
@@ -194,16 +197,16 @@ def test_a_recovery_in_progress_survives_a_json_round_trip() -> None:
 
 def test_a_death_after_a_member_finished_training_ends_the_job_normally() -> None:
     state = started(3)
-    assert recovering.worker_exit(state, "w0", 0) == {"expected": False}  # fit() returned on w0: training is complete
+    assert exited(state, "w0", 0) == WorkerExitReply(False)  # fit() returned on w0: training is complete
 
-    assert recovering.worker_exit(state, "w2", -6) == {"expected": True}
+    assert exited(state, "w2", -6) == WorkerExitReply(True)
     assert state.recovery is None and not state.finished
 
 
 def test_a_ready_joiner_stays_queued_while_more_are_needed() -> None:
     state = started(3, replace_failed=True, min_workers=3, join_timeout_s=30)
-    recovering.worker_exit(state, "w1", -9)
-    recovering.worker_exit(state, "w2", -9)
+    exited(state, "w1", -9)
+    exited(state, "w2", -9)
     check_in(state, "w0")
     launching.launcher_poll(state)
     # one of the two replacements is ready
@@ -212,30 +215,30 @@ def test_a_ready_joiner_stays_queued_while_more_are_needed() -> None:
     launching.launcher_poll(state)
 
     assert adjustments.wait_plan(state, "w0") is None
-    assert [request["new_workers"] for request in status_view.status(state)["pending"]] == [["w3"], ["w4"]]
+    assert [request["new_workers"] for request in status_view.status(state).pending] == [["w3"], ["w4"]]
 
 
 def test_the_join_timeout_holds_even_when_a_survivor_never_checks_in() -> None:
     state = started(3, min_workers=3, join_timeout_s=5)
-    recovering.worker_exit(state, "w1", -9)
+    exited(state, "w1", -9)
 
     launching.launcher_poll(state, now=state.recovery.detected_at + 6)
 
-    assert state.finished and "--min-workers 3" in status_view.status(state)["failed_reason"]
+    assert state.finished and "--min-workers 3" in status_view.status(state).failed_reason
 
 
 def test_a_death_while_the_recovery_plan_is_in_flight_waits_only_for_the_living() -> None:
     """w1 died, the recovery plan (w0, w2) is formed, and w2 dies before it reported: the new recovery waits for w0
     only — not for w1, a member of the failed generation 0 that died first (it waited the whole check-in deadline)."""
     state = started(3)
-    recovering.worker_exit(state, "w1", -9)
+    exited(state, "w1", -9)
     check_in(state, "w0")
     check_in(state, "w2")
 
-    reply = recovering.worker_exit(state, "w2", -9)
+    reply = exited(state, "w2", -9)
 
-    assert reply["recovering"] and reply["failed_generations"] == [0, 1]
-    assert status_view.status(state)["recovery"]["survivors"] == ["w0"]
+    assert reply.recovering and reply.failed_generations == [0, 1]
+    assert status_view.status(state).recovery["survivors"] == ["w0"]
     check_in(state, "w0", generation=1)
     plan = adjustments.wait_plan(state, "w0").plan
     assert plan is not None and plan.members == ["w0"] and plan.generation == 2

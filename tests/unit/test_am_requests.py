@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lightning_elan.master.state import CANCELLED, READY, REQUESTED, SPAWNED, StateError
-from lightning_elan.master.transitions import recovering, requests
-from tests.unit.am_steps import ready, started
+from lightning_elan.master.transitions import requests
+from lightning_elan.protocol.contract import EmptyReply, ScaleReply, WorkerExitReply
+from tests.unit.am_steps import exited, ready, started
 
 
 @pytest.mark.parametrize(
@@ -33,11 +34,11 @@ def test_a_request_is_validated_against_the_projected_size(arguments: dict, mess
 def test_queued_workers_are_spawned_once_and_ready_when_all_registered() -> None:
     state = started(2)
     reply = requests.scale(state, "add", count=2, now=1.0)
-    assert reply == {"request_id": "r1", "new_workers": ["w2", "w3"]}
+    assert reply == ScaleReply("r1", ["w2", "w3"])
     assert state.pending_workers["w2"].status == REQUESTED and state.projected_size() == 4
 
     spawned = requests.spawn_requested(state, now=2.0)
-    assert [entry["worker_id"] for entry in spawned] == ["w2", "w3"]
+    assert [order.worker_id for order in spawned] == ["w2", "w3"]
     assert requests.spawn_requested(state, now=3.0) == []
 
     ready(state, "w2", now=4.0)
@@ -65,10 +66,10 @@ def test_a_joiner_that_exits_before_the_decision_fails_its_request_and_cancels_i
     requests.scale(state, "add", count=2)
     requests.spawn_requested(state, now=0.0)
 
-    assert recovering.worker_exit(state, "w1", 1) == {"expected": False}
+    assert exited(state, "w1", 1) == WorkerExitReply(False)
     assert state.pending == [] and "w1" not in state.pending_workers
     assert state.pending_workers["w2"].status == CANCELLED
-    assert recovering.worker_exit(state, "w2", 0) == {"expected": True}  # a cancelled joiner's exit 0
+    assert exited(state, "w2", 0) == WorkerExitReply(True)  # a cancelled joiner's exit 0
 
 
 def test_shutdown_cancels_the_queue_once() -> None:
@@ -76,7 +77,7 @@ def test_shutdown_cancels_the_queue_once() -> None:
     requests.scale(state, "add", count=1)
     assert state.pending_workers["w2"].status in (REQUESTED, SPAWNED)
 
-    assert requests.shutdown(state, "enough") == {}
+    assert requests.shutdown(state, "enough") == EmptyReply()
     assert state.finished and state.finish_reason == "enough" and state.pending == []
     assert state.pending_workers["w2"].status == CANCELLED
     assert state.failures[-1]["outcome"] == "cancelled" and state.failures[-1]["reason"] == "job shut down: enough"

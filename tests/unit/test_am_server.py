@@ -15,7 +15,13 @@ import zmq
 
 from lightning_elan.master import registry
 from lightning_elan.master import server as server_module
-from lightning_elan.master.server import REPLY_CACHE_MAX_AGE_S, WARNING_BURST, ApplicationMaster, ReplyCache
+from lightning_elan.master.server import (
+    REPLY_CACHE_MAX_AGE_S,
+    WARNING_BURST,
+    ApplicationMaster,
+    ReplyCache,
+    reply_body,
+)
 from lightning_elan.master.store import FileStore, MemoryStore
 from lightning_elan.protocol import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
@@ -24,6 +30,7 @@ from lightning_elan.protocol.contract import (
     CoordinateReply,
     CoordinateRequest,
     RegisterRequest,
+    ScaleReply,
     WaitPlanReply,
 )
 from lightning_elan.protocol.messages import MAX_MESSAGE_BYTES, encode_request
@@ -544,3 +551,10 @@ def test_status_lists_a_failed_request_with_its_reason(client: AMClient) -> None
     [failure] = status["failures"]
     assert (failure["request_id"], failure["outcome"]) == ("r1", "failed")
     assert failure["reason"] == f"worker {new_worker} exited with code 1 before its plan was decided"
+
+
+def test_the_am_answers_only_with_the_reply_dataclass_of_the_type() -> None:
+    """Handlers return the reply dataclass ``contract.MESSAGES`` names; the server sends its body, nothing else."""
+    assert reply_body("scale", ScaleReply("r1", [])) == {"request_id": "r1", "new_workers": []}
+    with pytest.raises(TypeError, match="the scale handler answered a dict, not a ScaleReply"):
+        reply_body("scale", {"request_id": "r1", "new_workers": []})

@@ -6,17 +6,25 @@ from collections.abc import Callable
 import pytest
 
 from lightning_elan.master.state import MAX_FAILURES, JobState, StateError
-from lightning_elan.master.transitions import adjustments, launching, recovering, requests, status_view
+from lightning_elan.master.transitions import adjustments, launching, requests, status_view
 from lightning_elan.master.transitions.adjustments import MAX_COMPLETING
 from lightning_elan.protocol.contract import (
     MAX_WORLD_SIZE,
     AdjustmentPlan,
     AdjustmentReport,
+    AMStatus,
     CoordinateReply,
     CoordinateRequest,
+    EmptyReply,
+    LauncherPollReply,
     RegisterRequest,
+    ScaleReply,
+    SpawnOrder,
+    StartJobReply,
     WaitPlanReply,
+    WorkerExitReply,
 )
+from tests.unit.am_steps import exited
 
 
 def started(nproc: int = 3) -> JobState:
@@ -38,7 +46,7 @@ def decide(state: JobState, step: int = 10) -> AdjustmentPlan:
 
 def adjust(state: JobState, action: str, **arguments: object) -> AdjustmentPlan:
     """Request, register the joiners, decide and commit one adjustment; returns its plan."""
-    new_workers = requests.scale(state, action, **arguments)["new_workers"]
+    new_workers = requests.scale(state, action, **arguments).new_workers
     ready(state, new_workers)
     plan = decide(state)
     # the new generation commits it
@@ -52,8 +60,8 @@ def test_start_job_creates_generation_zero_and_is_idempotent() -> None:
     first = launching.start_job(state, 3)
     again = launching.start_job(state, 5)
 
-    assert first == again == {"generation": 0, "members": ["w0", "w1", "w2"]}
-    assert requests.scale(state, "add", count=1)["new_workers"] == ["w3"]
+    assert first == again == StartJobReply(0, ["w0", "w1", "w2"])
+    assert requests.scale(state, "add", count=1).new_workers == ["w3"]
 
 
 def test_add_spawns_new_workers_then_plans_them_in_after_they_report_ready() -> None:
@@ -63,13 +71,9 @@ def test_add_spawns_new_workers_then_plans_them_in_after_they_report_ready() -> 
     first_poll = launching.launcher_poll(state)
     second_poll = launching.launcher_poll(state)
 
-    assert reply == {"request_id": "r1", "new_workers": ["w2", "w3"]}
-    assert first_poll == {
-        "spawn": [{"worker_id": "w2", "request_id": "r1"}, {"worker_id": "w3", "request_id": "r1"}],
-        "stop": [],
-        "finished": False,
-    }
-    assert second_poll["spawn"] == []
+    assert reply == ScaleReply("r1", ["w2", "w3"])
+    assert first_poll == LauncherPollReply([SpawnOrder("w2", "r1"), SpawnOrder("w3", "r1")], [], False)
+    assert second_poll.spawn == []
     assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 5)) == CoordinateReply.none(joiners_coming=True)
     ready(state, ["w2", "w3"])
     plan = decide(state, step=10)
@@ -114,7 +118,7 @@ def test_only_the_head_request_is_considered() -> None:
     requests.scale(state, "remove", count=1)
 
     assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 10)) == CoordinateReply.none(joiners_coming=True)
-    assert [request["request_id"] for request in status_view.status(state)["pending"]] == ["r1", "r2"]
+    assert [request["request_id"] for request in status_view.status(state).pending] == ["r1", "r2"]
 
 
 def test_remove_takes_the_newest_members_first() -> None:
@@ -136,10 +140,8 @@ def test_remove_ranks_names_ranks_and_keeps_the_order_of_stayers() -> None:
 
     assert plan.leavers == ["w0", "w2"]
     assert plan.members == ["w1", "w3"]
-    first = status_view.status(state)["members"][0]
-    assert {key: first[key] for key in ("worker_id", "rank", "host", "device", "pid")} == {
-        "worker_id": "w1", "rank": 0, "host": None, "device": None, "pid": None
-    }
+    first = status_view.status(state).members[0]
+    assert (first.worker_id, first.rank, first.host, first.device, first.pid) == ("w1", 0, None, None, None)
 
 
 def test_ranks_are_validated_against_the_projected_generation() -> None:
@@ -150,7 +152,7 @@ def test_ranks_are_validated_against_the_projected_generation() -> None:
     requests.scale(state, "remove", count=1)
     with pytest.raises(StateError, match=r"^rank 2 does not exist in generation 1 \(world size 2\)$"):
         requests.scale(state, "remove", ranks=[2])
-    assert requests.scale(state, "remove", ranks=[1])["request_id"] == "r2"
+    assert requests.scale(state, "remove", ranks=[1]).request_id == "r2"
 
 
 def test_migrate_adds_and_removes_the_newest_old_members_in_one_adjustment() -> None:
@@ -179,8 +181,8 @@ def test_to_resizes_against_the_projected_size() -> None:
     grow = requests.scale(state, "to", size=5)
     shrink = requests.scale(state, "to", size=4)
 
-    assert grow["new_workers"] == ["w3", "w4"]
-    assert shrink["new_workers"] == []
+    assert grow.new_workers == ["w3", "w4"]
+    assert shrink.new_workers == []
     assert state.projected_size() == 4
     with pytest.raises(StateError, match="already has 4 workers"):
         requests.scale(state, "to", size=4)
@@ -219,7 +221,7 @@ def test_unknown_workers_are_refused() -> None:
     with pytest.raises(StateError, match=r"^unknown worker w9$"):
         adjustments.coordinate(state, CoordinateRequest("w9", 0, 1))
     with pytest.raises(StateError, match=r"^unknown worker w9$"):
-        recovering.worker_exit(state, "w9", 1)
+        exited(state, "w9", 1)
 
 
 def test_requests_before_start_job_are_refused() -> None:
@@ -264,7 +266,7 @@ def test_a_joiners_report_commits_but_a_leavers_does_not() -> None:
 
     adjustments.report(state, AdjustmentReport("w2", 1, "leaver", pause_s=0.0, bytes_sent=100, bytes_received=0))
     assert state.generation == 0
-    assert recovering.worker_exit(state, "w2", 0) == {"expected": True}
+    assert exited(state, "w2", 0) == WorkerExitReply(True)
     adjustments.report(state, AdjustmentReport("w3", 1, "joiner", pause_s=0.5, bytes_sent=0, bytes_received=100,
                                                startup_s=4.0))
     assert state.generation == 1
@@ -297,7 +299,7 @@ def test_adjustment_record_is_produced_when_every_new_member_reported() -> None:
     assert record["joiner_startup_s"] == {"w2": 3.5}
     assert record["bytes_replicated"] == 1024
     assert record["requested_at"] <= record["all_reported_at"] <= record["decided_at"] <= record["completed_at"]
-    assert status_view.status(state)["last_adjustment"] == record
+    assert status_view.status(state).last_adjustment == record
     # a late duplicate changes nothing
     assert adjustments.report(state, AdjustmentReport("w1", 1, "stayer", pause_s=0.1)) is None
 
@@ -322,15 +324,15 @@ def test_a_joiner_exiting_before_the_decision_fails_its_request_and_cancels_its_
     launching.launcher_poll(state)
     ready(state, ["w2"])
 
-    assert recovering.worker_exit(state, "w3", 1) == {"expected": False}
+    assert exited(state, "w3", 1) == WorkerExitReply(False)
 
     assert state.pending == []
     answer = adjustments.wait_plan(state, "w2")
     assert answer is not None and answer.status == "cancelled"
     assert "request r1 failed: worker w3 exited with code 1" in (answer.reason or "")
-    assert recovering.worker_exit(state, "w2", 0) == {"expected": True}
+    assert exited(state, "w2", 0) == WorkerExitReply(True)
     assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 50)) == CoordinateReply.none()
-    assert requests.scale(state, "add", count=1)["new_workers"] == ["w4"]  # ids are never reused
+    assert requests.scale(state, "add", count=1).new_workers == ["w4"]  # ids are never reused
 
 
 def test_wait_plan_waits_while_nothing_is_decided() -> None:
@@ -347,12 +349,12 @@ def test_shutdown_cancels_pending_requests_and_finishes_the_job() -> None:
     state = started(2)
     requests.scale(state, "add", count=1)
 
-    assert requests.shutdown(state, "training done") == {}
+    assert requests.shutdown(state, "training done") == EmptyReply()
 
-    assert launching.launcher_poll(state) == {"spawn": [], "stop": [], "finished": True}
+    assert launching.launcher_poll(state) == LauncherPollReply([], [], finished=True)
     assert adjustments.wait_plan(state, "w2") == WaitPlanReply.cancelled("job shut down: training done")
-    assert status_view.status(state)["finished"] is True
-    assert recovering.worker_exit(state, "w0", 0) == {"expected": True}
+    assert status_view.status(state).finished is True
+    assert exited(state, "w0", 0) == WorkerExitReply(True)
     with pytest.raises(StateError, match="is finished"):
         requests.scale(state, "add", count=1)
 
@@ -393,7 +395,7 @@ def test_registered_topologies_route_sources_through_the_planner() -> None:
     for worker, (host, socket, bus) in places.items():
         topology = gpu_topology(host, socket, bus)
         requests.register(state, RegisterRequest(worker, host=host, device="cuda:0", pid=1, topology=topology))
-    new = requests.scale(state, "add", count=2)["new_workers"]
+    new = requests.scale(state, "add", count=2).new_workers
     requests.register(state, RegisterRequest(new[0], host="n0", device="cuda:1", pid=2,
                                              topology=gpu_topology("n0", 1, 0x82)))
     requests.register(state, RegisterRequest(new[1], host="n1", device="cuda:1", pid=3,
@@ -413,7 +415,7 @@ def test_registered_topologies_route_sources_through_the_planner() -> None:
 def test_a_missing_topology_falls_back_to_round_robin_without_transfers() -> None:
     state = started(2)
     requests.register(state, RegisterRequest("w0", host="n0", topology={"host": "n0"}))
-    new = requests.scale(state, "add", count=2)["new_workers"]
+    new = requests.scale(state, "add", count=2).new_workers
     ready(state, new)  # joiners register without a topology
 
     plan = decide(state)
@@ -431,14 +433,14 @@ def test_an_unreadable_topology_is_ignored() -> None:
 def test_a_request_whose_worker_never_reports_fails_and_the_queue_moves_on() -> None:
     state = JobState(job="job")
     launching.start_job(state, 2, report_timeout_s=30)
-    stuck = requests.scale(state, "add", count=1)["new_workers"]
-    behind = requests.scale(state, "add", count=1)["new_workers"]
-    assert [w["worker_id"] for w in launching.launcher_poll(state, now=1000.0)["spawn"]] == stuck + behind
+    stuck = requests.scale(state, "add", count=1).new_workers
+    behind = requests.scale(state, "add", count=1).new_workers
+    assert [w.worker_id for w in launching.launcher_poll(state, now=1000.0).spawn] == stuck + behind
     ready(state, behind)
-    assert launching.launcher_poll(state, now=1029.0)["stop"] == []
+    assert launching.launcher_poll(state, now=1029.0).stop == []
     assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 5)).plan is None, \
         "the head request still waits for its worker"
-    assert launching.launcher_poll(state, now=1031.0)["stop"] == stuck
+    assert launching.launcher_poll(state, now=1031.0).stop == stuck
     assert adjustments.wait_plan(state, stuck[0]).status == "cancelled"
     assert "did not report ready within 30 s" in adjustments.wait_plan(state, stuck[0]).reason
     plan = decide(state, step=6)
@@ -472,7 +474,7 @@ def test_a_reordered_coordinate_of_an_earlier_step_is_ignored_as_stale() -> None
     plan = decide(state, step=20)
     assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 12)) == CoordinateReply.adjust(plan), \
         "in flight: same plan"
-    assert status_view.status(state)["step"] == 20
+    assert status_view.status(state).step == 20
 
 
 def test_a_new_generation_may_coordinate_at_an_earlier_step() -> None:
@@ -483,7 +485,7 @@ def test_a_new_generation_may_coordinate_at_an_earlier_step() -> None:
 
     # e.g. a redo
     assert adjustments.coordinate(state, CoordinateRequest("w0", plan.generation, 19)) == CoordinateReply.none()
-    assert state.generation == 1 and status_view.status(state)["step"] == 19
+    assert state.generation == 1 and status_view.status(state).step == 19
 
 
 def test_workers_of_an_older_generation_cannot_coordinate_report_or_register() -> None:
@@ -522,7 +524,7 @@ def test_scale_while_an_adjustment_is_in_flight_leaves_the_state_unchanged() -> 
         (lambda s: adjustments.report(s, AdjustmentReport("w0", 0, "dancer")), r"unknown role 'dancer'"),
         (lambda s: requests.scale(s, "add", count=MAX_WORLD_SIZE), rf"at most {MAX_WORLD_SIZE} workers"),
         (lambda s: requests.scale(s, "to", size=MAX_WORLD_SIZE + 1), rf"at most {MAX_WORLD_SIZE} workers"),
-        (lambda s: recovering.worker_exit(s, "w77", 0), r"^unknown worker w77$"),
+        (lambda s: exited(s, "w77", 0), r"^unknown worker w77$"),
     ],
 )
 def test_out_of_range_values_are_refused_without_side_effects(call: Callable, message: str) -> None:
@@ -537,7 +539,7 @@ def test_start_job_refuses_absurd_sizes_and_hosts_that_are_not_names() -> None:
         launching.start_job(JobState(job="job"), 2, hosts=["a", {"deep": ["b"]}])
     state = JobState(job="job")
     launching.start_job(state, 2, hosts={"w1": "b"})
-    assert [m["host"] for m in status_view.status(state)["members"]] == [None, "b"]
+    assert [m.host for m in status_view.status(state).members] == [None, "b"]
 
 
 def test_a_duplicated_report_is_ignored_and_the_first_one_stands() -> None:
@@ -561,20 +563,20 @@ def test_a_duplicated_report_is_ignored_and_the_first_one_stands() -> None:
 def test_status_lists_each_members_last_step_and_where_it_comes_from() -> None:
     state = started(2)
     adjustments.coordinate(state, CoordinateRequest("w0", 0, 7), now=50.0)
-    assert [(m["last_step"], m["last_step_from"]) for m in status_view.status(state)["members"]] == [
+    assert [(m.last_step, m.last_step_from) for m in status_view.status(state).members] == [
         (7, "coordinate"), (None, None)
     ]
     adjust(state, "add", count=1)  # decided at step 10; the new generation's rank 0 coordinates at 10
     adjustments.report(state, AdjustmentReport("w1", 1, "stayer"), now=60.0)
     adjustments.report(state, AdjustmentReport("w2", 1, "joiner", step=11), now=61.0)
 
-    members = {m["worker_id"]: m for m in status_view.status(state)["members"]}
-    assert (members["w0"]["last_step"], members["w0"]["last_step_from"]) == (10, "coordinate")
-    assert (members["w1"]["last_step"], members["w1"]["last_step_from"]) == (10, "report")  # the plan's step
-    assert (members["w2"]["last_step"], members["w2"]["last_step_from"], members["w2"]["last_seen_at"]) == (
+    members = {m.worker_id: m for m in status_view.status(state).members}
+    assert (members["w0"].last_step, members["w0"].last_step_from) == (10, "coordinate")
+    assert (members["w1"].last_step, members["w1"].last_step_from) == (10, "report")  # the plan's step
+    assert (members["w2"].last_step, members["w2"].last_step_from, members["w2"].last_seen_at) == (
         11, "report", 61.0
     )
-    assert members["w2"]["joined_generation"] == 1
+    assert members["w2"].joined_generation == 1
 
 
 def test_a_leavers_last_step_is_forgotten_with_it() -> None:
@@ -582,7 +584,7 @@ def test_a_leavers_last_step_is_forgotten_with_it() -> None:
     adjustments.coordinate(state, CoordinateRequest("w0", 0, 3))
     adjust(state, "remove", ranks=[0])
 
-    assert [m["worker_id"] for m in status_view.status(state)["members"]] == ["w1", "w2"]
+    assert [m.worker_id for m in status_view.status(state).members] == ["w1", "w2"]
     assert set(state.progress.workers) <= {"w1", "w2"}
 
 
@@ -595,8 +597,8 @@ def test_a_joiner_that_never_reports_ready_is_listed_as_a_failed_request_with_it
 
     launching.launcher_poll(state, now=1031.0)
 
-    assert status_view.status(state)["pending"] == []
-    [failure] = status_view.status(state)["failures"]
+    assert status_view.status(state).pending == []
+    [failure] = status_view.status(state).failures
     assert failure["kind"] == "request" and failure["outcome"] == "failed"
     assert (failure["request_id"], failure["action"], failure["count"], failure["at_step"]) == ("r1", "add", 1, 5)
     assert failure["new_workers"] == ["w2"] and failure["step"] == 4
@@ -607,20 +609,20 @@ def test_a_joiner_that_never_reports_ready_is_listed_as_a_failed_request_with_it
 def test_a_joiner_exit_before_or_after_its_decision_is_a_failure() -> None:
     state = started(2)
     requests.scale(state, "add", count=1)
-    recovering.worker_exit(state, "w2", 3)
+    exited(state, "w2", 3)
     requests.scale(state, "add", count=1)
     ready(state, ["w3"])
     decide(state)
-    recovering.worker_exit(state, "w3", 9)
+    exited(state, "w3", 9)
 
-    failures = status_view.status(state)["failures"]
+    failures = status_view.status(state).failures
     assert [(f["kind"], f["outcome"], f.get("request_id") or f.get("worker_id")) for f in failures] == [
         ("request", "failed", "r1"), ("adjustment", "failed", "r2"), ("worker", "died", "w3")
     ]
     assert failures[0]["reason"] == "worker w2 exited with code 3 before its plan was decided"
     assert failures[1]["reason"] == "interrupted by a worker's death"  # its generation failed: a recovery follows
     assert failures[1]["generation"] == 1 and failures[1]["workers"] == ["w3"]
-    assert status_view.status(state)["recovery"]["dead"] == ["w3"]
+    assert status_view.status(state).recovery["dead"] == ["w3"]
 
 
 def test_requests_cancelled_by_shutdown_are_listed_with_the_reason() -> None:
@@ -629,7 +631,7 @@ def test_requests_cancelled_by_shutdown_are_listed_with_the_reason() -> None:
     requests.scale(state, "remove", count=1)
     requests.shutdown(state, "user stop")
 
-    failures = status_view.status(state)["failures"]
+    failures = status_view.status(state).failures
     assert [(f["outcome"], f["request_id"], f["reason"]) for f in failures] == [
         ("cancelled", "r1", "job shut down: user stop"), ("cancelled", "r2", "job shut down: user stop")
     ]
@@ -659,6 +661,6 @@ def test_restart_count_round_trips_and_is_in_status() -> None:
     state.am_restarts = 2
     again = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
 
-    assert status_view.status(again)["am"] == {"restarts": 2}
+    assert status_view.status(again).am == AMStatus(restarts=2)
     legacy = {key: value for key, value in state.to_dict().items() if key not in ("failures", "am_restarts")}
     assert JobState.from_dict(legacy).am_restarts == 0

@@ -24,6 +24,7 @@ from lightning_elan.launcher.schedule import (
     parse_schedule,
 )
 from lightning_elan.master.registry import job_file as registry_path
+from lightning_elan.protocol.contract import StatusReply
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -363,7 +364,7 @@ def test_format_status_full() -> None:
         },
         "finished": False,
     }
-    text = format_status(status)
+    text = format_status(StatusReply.from_body(status))
     lines = text.splitlines()
     assert lines[0] == "job demo: generation 2, running"
     assert lines[1] == "members (2):"
@@ -379,27 +380,29 @@ def test_format_status_full() -> None:
 
 def test_format_status_shows_a_recovery_and_a_dead_worker() -> None:
     status = {
-        "job": "j", "generation": 0, "members": [], "failed_reason": None,
+        "job": "j", "generation": 0, "members": [], "finished": False, "failed_reason": None,
         "recovery": {"failure_id": "f1", "dead": ["w1"], "survivors": ["w0", "w2"], "checked_in": ["w0"]},
         "failures": [{"kind": "worker", "outcome": "died", "worker_id": "w1", "returncode": -9, "generation": 0,
                       "failure_id": "f1", "step": 5}],
     }
 
-    text = format_status(status)
+    text = format_status(StatusReply.from_body(status))
 
     assert "recovering (f1): w1 died; checked in: w0 of w0, w2" in text
     assert "worker w1 (generation 0, exit code -9): died at step 5: recovered by f1" in text
-    assert "job j: generation 0, failed: no survivor" in format_status({**status, "failed_reason": "no survivor"})
+    failed = StatusReply.from_body({**status, "finished": True, "failed_reason": "no survivor"})
+    assert "job j: generation 0, failed: no survivor" in format_status(failed)
 
 
 def test_format_status_shows_who_waits_for_the_start_of_a_job_of_elan_workers() -> None:
-    status = {"job": "j", "generation": 0, "members": [],
+    status = {"job": "j", "generation": 0, "members": [], "finished": False,
               "enrolment": {"min_workers": 2, "max_workers": 4, "started": False,
                             "waiting": [{"worker_id": "w0", "host": "node-a", "pid": 7}]}}
 
-    assert "enrolment: 2–4 workers; waiting for the start: w0 (node-a pid 7)" in format_status(status)
+    waiting = format_status(StatusReply.from_body(status))
+    assert "enrolment: 2–4 workers; waiting for the start: w0 (node-a pid 7)" in waiting
     started = {**status, "enrolment": {**status["enrolment"], "started": True, "waiting": []}}
-    assert "enrolment: 2–4 workers; started" in format_status(started)
+    assert "enrolment: 2–4 workers; started" in format_status(StatusReply.from_body(started))
 
 
 def test_describe_request_variants() -> None:
@@ -506,6 +509,7 @@ def test_format_status_shows_last_steps_the_am_and_failures_with_their_cause() -
     status = {
         "job": "demo",
         "generation": 1,
+        "finished": False,
         "members": [
             {"worker_id": "w0", "rank": 0, "host": "box", "device": "cpu", "pid": 11, "last_step": 40,
              "last_step_from": "coordinate"},
@@ -522,7 +526,7 @@ def test_format_status_shows_last_steps_the_am_and_failures_with_their_cause() -
         ],
     }
 
-    lines = format_status(status).splitlines()
+    lines = format_status(StatusReply.from_body(status)).splitlines()
 
     assert lines[3].split() == ["0", "w0", "box", "cpu", "11", "40", "coordinate"]
     assert lines[4].split() == ["1", "w2", "box", "cpu", "13", "31", "report"]

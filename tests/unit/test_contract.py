@@ -19,18 +19,32 @@ from lightning_elan.protocol.contract import (
     TYPED_REQUESTS,
     AdjustmentPlan,
     AdjustmentReport,
+    AMStatus,
+    AutoscaleReply,
     CoordinateReply,
     CoordinateRequest,
+    EmptyReply,
+    LauncherPollReply,
+    LeaveReply,
+    MemberStatus,
+    ProfileReply,
     ProtocolError,
     RegisterRequest,
     ScaleCommand,
+    ScaleReply,
     ShutdownRequest,
+    SpawnOrder,
+    StartJobReply,
     StartJobRequest,
+    StatusReply,
     StatusRequest,
+    StragglersReply,
     Transfer,
     WaitPlanReply,
     WaitPlanRequest,
+    WorkerExitReply,
     WorkerExitRequest,
+    WorkerStatsReply,
     required_fields,
 )
 from lightning_elan.protocol.messages import decode_request, encode_request, validate_body
@@ -225,6 +239,98 @@ def test_a_launcher_request_crosses_the_wire_unchanged(message: object) -> None:
     body = message.to_body()  # type: ignore[attr-defined]
     validate_body(message.TYPE, body)  # type: ignore[attr-defined]
     assert type(message).from_body(json.loads(json.dumps(body))) == message  # type: ignore[attr-defined]
+
+
+# ---- the launcher's and the command line's replies -------------------------------------------------------------------
+
+STATUS_BODY = {
+    "job": "j", "generation": 1,
+    "members": [{"worker_id": "w0", "rank": 0, "host": "h", "device": "cpu", "pid": 7, "joined_generation": 0,
+                 "last_step": 9, "last_step_from": "coordinate", "last_seen_at": 1.5}],
+    "step": 9, "epoch": 0, "position": 72, "global_batch": 8, "scaling": None,
+    "pending": [{"request_id": "r2", "action": "add", "count": 1, "worker_status": {"w3": "spawned"}}],
+    "in_flight": WIRE_PLAN, "last_adjustment": None, "failures": [],
+    "am": {"restarts": 0, "pid": 42, "address": "tcp://127.0.0.1:5555", "started_at": 1.0, "reply_cache_entries": 3,
+           "parked_waits": 0},
+    "recovery": None, "enrolment": None, "standby": None, "sizing": {"profile": None, "measured": {}},
+    "finished": False, "failed_reason": None, "finish_reason": None,
+}
+
+REPLIES = [
+    (StartJobReply, {"generation": 0, "members": ["w0", "w1"]}),
+    (ScaleReply, {"request_id": "r1", "new_workers": ["w2"]}),
+    (LauncherPollReply, {"spawn": [{"worker_id": "w2", "request_id": "standby"}], "stop": ["w1"], "finished": False}),
+    (WorkerExitReply, {"expected": True}),
+    (WorkerExitReply, {"expected": False, "left": True}),
+    (WorkerExitReply, {"expected": False, "recovering": True, "failed_generations": [0, 1]}),
+    (WorkerExitReply, {"expected": False, "recovering": False}),
+    (StatusReply, STATUS_BODY),
+    (ProfileReply, {"profile": {"run": {"min_size": 1, "max_size": 2}, "measured": {}}}),
+    (AutoscaleReply, {"autoscale": None}),
+    (AutoscaleReply, {"autoscale": {"policy": "throughput", "config": {"every": 20}}}),
+    (StragglersReply, {"stragglers": {"mode": "replace", "alpha": 0.1, "threshold": 0.8, "window": 5}}),
+    (WorkerStatsReply, {"stragglers": [], "ignored": True}),
+    (LeaveReply, {"outcome": "finished", "request_id": None}),
+    (EmptyReply, {}),
+]
+
+
+@pytest.mark.parametrize(("reply", "body"), REPLIES, ids=lambda value: getattr(value, "__name__", ""))
+def test_a_reply_parses_from_its_wire_form_and_gives_it_back_unchanged(reply: type, body: dict) -> None:
+    parsed = reply.from_body(json.loads(json.dumps(body)))  # type: ignore[attr-defined]
+
+    assert parsed.to_body() == body
+    assert list(parsed.to_body()) == list(body)  # same keys, same order
+
+
+def test_typed_parts_of_the_status_reply() -> None:
+    status = StatusReply.from_body(STATUS_BODY)
+
+    assert status.members == [MemberStatus("w0", 0, "h", "cpu", 7, 0, 9, "coordinate", 1.5)]
+    assert status.member_ids() == ["w0"] and status.in_flight == AdjustmentPlan.from_dict(WIRE_PLAN)
+    assert status.am == AMStatus(0, 42, "tcp://127.0.0.1:5555", 1.0, 3, 0)
+    assert status.pending[0]["worker_status"] == {"w3": "spawned"}  # the free-form parts stay as the AM sent them
+    assert LauncherPollReply.from_body({"spawn": [{"worker_id": "w2", "request_id": "r1"}], "stop": [],
+                                        "finished": True}).spawn == [SpawnOrder("w2", "r1")]
+
+
+@pytest.mark.parametrize(
+    ("reply", "body", "message"),
+    [
+        (StatusReply, {"job": "j", "generation": 0, "members": []}, r"status reply: missing field\(s\) 'finished'"),
+        (StatusReply, {**STATUS_BODY, "members": [{"rank": 0}]}, r"status member: missing field\(s\) 'worker_id'"),
+        (StatusReply, {**STATUS_BODY, "members": {"w0": 0}}, r"status reply: 'members' must be a list, got dict"),
+        (LauncherPollReply, {"spawn": []}, r"launcher_poll reply: missing field\(s\) 'stop', 'finished'"),
+        (LauncherPollReply, {"spawn": [{"worker_id": "w1"}], "stop": [], "finished": False},
+         r"spawn item: missing field\(s\) 'request_id'"),
+        (WorkerExitReply, {"recovering": True}, r"worker_exit reply: missing field\(s\) 'expected'"),
+        (ScaleReply, {"request_id": "r1"}, r"scale reply: missing field\(s\) 'new_workers'"),
+        (StartJobReply, [], "start_job reply must be an object, got list"),
+        (StragglersReply, {"stragglers": {"mode": "off"}},
+         r"straggler settings: missing field\(s\) 'alpha', 'threshold', 'window'"),
+    ],
+)
+def test_a_reply_missing_a_field_is_a_protocol_error_that_names_it(reply: type, body: object, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        reply.from_body(body)  # type: ignore[attr-defined]
+
+
+def test_worker_exit_carries_the_store_marks_and_a_sender_without_them_is_still_valid() -> None:
+    old_sender = {"worker_id": "w1", "returncode": -9}
+    validate_body("worker_exit", old_sender)
+
+    assert WorkerExitRequest.from_body(old_sender) == WorkerExitRequest("w1", -9, None, None)
+    marked = WorkerExitRequest("w1", -9, training_ended=True, script_failed=False)
+    assert marked.to_body() == {**old_sender, "training_ended": True, "script_failed": False}
+    with pytest.raises(ProtocolError, match="training_ended"):
+        validate_body("worker_exit", {**old_sender, "training_ended": "yes"})
+
+
+def test_the_registry_names_each_types_reply_dataclass() -> None:
+    assert MESSAGES["status"].reply is StatusReply and MESSAGES["recover"].reply is WaitPlanReply
+    assert MESSAGES["worker_exit"].reply is WorkerExitReply and MESSAGES["shutdown"].reply is EmptyReply
+    for kind in MESSAGES.values():
+        assert callable(kind.reply.to_body) and callable(kind.reply.from_body)
 
 
 def test_the_am_refuses_to_start_with_handlers_out_of_step_with_the_registry() -> None:

@@ -8,8 +8,9 @@ import pytest
 
 from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.state import JobState, StateError
-from lightning_elan.master.transitions import enrolling, launching, recovering, requests, status_view
+from lightning_elan.master.transitions import enrolling, launching, requests, status_view
 from lightning_elan.protocol.contract import EnrolRequest, RegisterRequest
+from tests.unit.am_steps import exited
 
 
 def enrolling_job(minimum: int = 2, maximum: int = 3, grace: float = 5.0) -> JobState:
@@ -85,7 +86,7 @@ def test_scale_cannot_start_workers_of_a_scheduler() -> None:
     for action in ("add", "migrate"):
         with pytest.raises(StateError, match="started by their scheduler"):
             requests.scale(state, action, count=1)
-    assert requests.scale(state, "remove", count=1)["new_workers"] == []
+    assert requests.scale(state, "remove", count=1).new_workers == []
 
 
 def test_a_job_of_elan_run_takes_no_enrolment_and_a_finished_job_none_either() -> None:
@@ -95,7 +96,7 @@ def test_a_job_of_elan_run_takes_no_enrolment_and_a_finished_job_none_either() -
         enrol(plain, 0.0)
     state = enrolling_job(minimum=1, maximum=1)
     enrol(state, 0.0)
-    recovering.worker_exit(state, "w0", 0)
+    exited(state, "w0", 0)
     enrolling.housekeeping(state, now=1.0)
     assert state.finished
     with pytest.raises(StateError, match="has finished"):
@@ -108,7 +109,7 @@ def test_once_a_member_finished_training_a_new_worker_is_refused() -> None:
     state = enrolling_job(minimum=2, maximum=3, grace=0.0)
     enrol(state, 0.0)
     enrol(state, 0.0)
-    recovering.worker_exit(state, "w0", 0)
+    exited(state, "w0", 0)
     with pytest.raises(StateError, match="has finished training"):
         enrol(state, 1.0)
     assert not state.pending
@@ -130,11 +131,11 @@ def test_bad_rules(minimum: int, maximum: int, problem: str) -> None:
 
 def test_status_shows_the_waiting_workers_then_the_start() -> None:
     state = enrolling_job(minimum=2, maximum=3, grace=5.0)
-    assert status_view.status(JobState(job="run"))["enrolment"] is None  # a job of `elan run`
+    assert status_view.status(JobState(job="run")).enrolment is None  # a job of `elan run`
     enrol(state, 0.0, "a")
-    assert status_view.status(state)["enrolment"] == {"min_workers": 2, "max_workers": 3, "started": False,
-                                           "waiting": [{"worker_id": "w0", "host": "a", "pid": 1000}]}
+    assert status_view.status(state).enrolment == {"min_workers": 2, "max_workers": 3, "started": False,
+                                                   "waiting": [{"worker_id": "w0", "host": "a", "pid": 1000}]}
     enrol(state, 0.0, "b")
     enrolling.housekeeping(state, now=5.0)
-    assert status_view.status(state)["enrolment"] == {"min_workers": 2, "max_workers": 3, "started": True,
-                                                      "waiting": []}
+    assert status_view.status(state).enrolment == {"min_workers": 2, "max_workers": 3, "started": True,
+                                                   "waiting": []}

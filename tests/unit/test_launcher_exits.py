@@ -1,14 +1,28 @@
-"""How ``elan run`` reads its workers' exits (issue 27): only an exit the AM waited for is '(expected)'; a SIGTERM death
-after another member finished training ends the job as finished, any other non-zero exit does not."""
+"""How ``elan run`` reads its workers' exits (issue 27): only an exit the AM waited for is '(expected)'; it tells the
+AM what the rendezvous store says of each exit, and obeys the AM's verdict on the job (the rule itself is the AM's:
+``test_am_finishing.py``)."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from lightning_elan.launcher.run import ExitVerdict, JobLauncher, LaunchConfig, WorkerProcess, describe_exit
+from lightning_elan.protocol.contract import (
+    FINISHED_BY_LAUNCHER,
+    AdjustmentPlan,
+    MemberStatus,
+    StatusReply,
+    WorkerExitReply,
+    WorkerExitRequest,
+    script_failed_key,
+    training_ended_key,
+)
 
 
 @pytest.mark.parametrize(
@@ -23,7 +37,7 @@ from lightning_elan.launcher.run import ExitVerdict, JobLauncher, LaunchConfig, 
     ],
 )
 def test_only_an_exit_the_am_waited_for_is_expected(reply: dict, returncode: int, described: str) -> None:
-    verdict = ExitVerdict.from_reply(reply, returncode)
+    verdict = ExitVerdict.from_reply(WorkerExitReply.from_body(reply), returncode)
     assert describe_exit(returncode, verdict.expected, verdict.note) == described
     assert verdict.tolerated == (reply.get("expected") or reply.get("recovering") or False)
 
@@ -35,32 +49,9 @@ def launcher_with(returncodes: dict[str, int | None]) -> JobLauncher:
     return launcher
 
 
-def status_of(*members: str) -> dict:
-    return {"members": [{"worker_id": worker_id} for worker_id in members]}
-
-
-@pytest.mark.parametrize(
-    ("returncodes", "finished"),
-    [
-        ({"w0": 0, "w1": 0}, True),
-        ({"w0": 0, "w1": -15}, True),  # stopped by SIGTERM once its training loop was over
-        ({"w0": 0, "w1": 143}, True),  # the same, through a shell
-        ({"w0": 0, "w1": None}, False),  # still running
-        ({"w0": 0, "w1": 1}, False),  # a crash is not a finish
-        ({"w0": 0, "w1": -9}, False),
-        ({"w0": -15, "w1": -15}, False),  # nobody shows the training complete
-    ],
-)
-def test_the_members_finished(returncodes: dict[str, int | None], finished: bool) -> None:
-    launcher = launcher_with(returncodes)
-    assert launcher._members_finished(status_of(*returncodes)) is finished
-
-
 def launcher_with_store(returncodes: dict[str, int | None], training_ended: list[str]) -> JobLauncher:
     """A launcher whose job store holds the marks of the members whose training loop ended."""
     import torch.distributed as dist
-
-    from lightning_elan.protocol.contract import training_ended_key
 
     launcher = launcher_with(returncodes)
     launcher._store = dist.HashStore()
@@ -69,19 +60,22 @@ def launcher_with_store(returncodes: dict[str, int | None], training_ended: list
     return launcher
 
 
-@pytest.mark.parametrize(
-    ("returncodes", "training_ended", "finished"),
-    [
-        ({"w0": 0, "w1": -9}, ["w0"], True),  # w1 killed after the last step, before its own mark (storm seed 356)
-        ({"w0": 0, "w1": -9}, [], False),  # w0's exit 0 alone (a leaver's, say) does not show the training complete
-        ({"w0": -9, "w1": -9}, ["w1"], True),
-        ({"w0": 0, "w1": None}, ["w0"], False),  # still running
-    ],
-)
-def test_a_death_after_another_members_training_ended_is_a_finish(returncodes: dict[str, int | None],
-                                                                 training_ended: list[str], finished: bool) -> None:
-    launcher = launcher_with_store(returncodes, training_ended)
-    assert launcher._members_finished(status_of(*returncodes)) is finished
+def test_each_exit_is_reported_with_what_the_store_says_of_the_worker() -> None:
+    """The AM decides whether the job is done from these marks (storm seed 356: a member killed after the last step,
+    before its own mark, while another's training loop had ended)."""
+    launcher = launcher_with_store({"w0": 0, "w1": -9, "w2": -6}, training_ended=["w0", "w2"])
+    launcher._store.set(script_failed_key("w2"), b"1")
+
+    reports = [launcher._exit_report(launcher._workers[worker]) for worker in ("w0", "w1", "w2")]
+
+    assert reports == [WorkerExitRequest("w0", 0, training_ended=True, script_failed=False),
+                       WorkerExitRequest("w1", -9, training_ended=False, script_failed=False),
+                       WorkerExitRequest("w2", -6, training_ended=True, script_failed=True)]
+
+
+def test_without_a_store_an_exit_is_reported_unmarked() -> None:
+    launcher = launcher_with({"w0": -9})
+    assert launcher._exit_report(launcher._workers["w0"]) == WorkerExitRequest("w0", -9, False, False)
 
 
 @pytest.mark.parametrize("training_ended", [True, False])
@@ -91,11 +85,27 @@ def test_a_death_after_the_training_ended_is_still_reported_as_a_death(training_
     assert launcher._counted_exit(launcher._workers["w1"], -9) == -9
 
 
-def test_a_death_after_a_script_failed_is_not_a_finish() -> None:
-    """w1's script raised after its training (then crashed at exit): that failure fails the job, although w0's
-    training loop ended."""
-    from lightning_elan.protocol.contract import script_failed_key
+def test_once_the_am_finished_the_job_the_launcher_stops_the_joiners_of_a_stranded_plan(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The AM ended the job because its members finished training with a plan in flight: its joiner (a live child
+    here) is stopped by the launcher, as an expected exit, and the member killed after the training is named."""
+    launcher = launcher_with({"w0": 0, "w1": -9})
+    joiner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        launcher._workers["w2"] = WorkerProcess("w2", "joiner", joiner)
+        plan = AdjustmentPlan("r1", "add", 1, 0, 10, ["w0", "w1", "w2"], ["w0", "w1"], ["w2"], [], {"w2": "w0"}, {})
+        members = [MemberStatus("w0", 0), MemberStatus("w1", 1)]
+        status = StatusReply("j", 0, members, finished=True, in_flight=plan, finish_reason=FINISHED_BY_LAUNCHER)
 
-    launcher = launcher_with_store({"w0": 0, "w1": -6}, ["w0", "w1"])
-    launcher._store.set(script_failed_key("w1"), b"1")
-    assert launcher._members_finished(status_of("w0", "w1")) is False
+        with caplog.at_level(logging.INFO, logger="lightning_elan.launcher.run"):
+            launcher._end_after_training(status)
+
+        assert launcher._workers["w2"].stranded and joiner.poll() == -15
+        assert "job j: w1 was killed by SIGKILL after the training was complete (another member finished it): what " \
+               "its script does after training did not run" in caplog.messages
+        assert "job j: the members finished before adjustment r1 was carried out; stopping its joiner w2" \
+               in caplog.messages
+    finally:
+        joiner.kill()
+        joiner.wait()

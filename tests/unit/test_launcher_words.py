@@ -7,6 +7,13 @@ import logging
 import pytest
 
 from lightning_elan.launcher.run import describe_sizing, generations_phrase
+from lightning_elan.protocol.contract import (
+    AutoscaleReply,
+    AutoscaleRequest,
+    StragglerSettings,
+    StragglersReply,
+    StragglersRequest,
+)
 from lightning_elan.sizing.autoscale import ThroughputAutoscaler, UtilityAutoscaler, UtilityFunction
 
 
@@ -20,19 +27,24 @@ def test_generations_phrase(generations: list[int], text: str) -> None:
 
 
 def test_a_straggler_request_in_words() -> None:
-    reply = {"stragglers": {"mode": "replace", "alpha": 0.1, "threshold": 0.8, "window": 1}}
-    assert describe_sizing("x", "stragglers", {"mode": "replace"}, reply) == (
+    reply = StragglersReply(StragglerSettings("replace", alpha=0.1, threshold=0.8, window=1))
+    assert describe_sizing("x", StragglersRequest("replace"), reply) == (
         "stragglers of job 'x' are replaced: a worker whose throughput stays below 0.8 of the median for 1 round")
-    assert describe_sizing("x", "stragglers", {"mode": "off"}, {}) == "stragglers of job 'x' are only reported"
+    off = StragglersReply(StragglerSettings("off", alpha=0.1, threshold=0.5, window=3))
+    assert describe_sizing("x", StragglersRequest("off"), off) == (
+        "stragglers of job 'x' are only reported: a worker whose throughput stays below 0.5 of the median for 3 "
+        "rounds")
 
 
 def test_an_autoscale_request_in_words_not_json() -> None:
-    reply = {"autoscale": {"policy": "throughput", "config": {"min_workers": 1, "max_workers": 4, "step": 1,
-                                                              "every": 20, "threshold": 0.1}}}
-    text = describe_sizing("x", "autoscale", {"policy": "throughput", "max_workers": 4}, reply)
+    reply = AutoscaleReply({"policy": "throughput", "config": {"min_workers": 1, "max_workers": 4, "step": 1,
+                                                               "every": 20, "threshold": 0.1}})
+    text = describe_sizing("x", AutoscaleRequest("throughput", max_workers=4), reply)
     assert text.startswith("autoscaling of job 'x' is on: throughput policy, 1 to 4 workers, 1 worker a step")
     assert "{" not in text
-    assert describe_sizing("x", "autoscale", {"policy": "off"}, {"autoscale": None}) == "autoscaling of job 'x' is off"
+    assert describe_sizing("x", AutoscaleRequest("off"), AutoscaleReply(None)) == "autoscaling of job 'x' is off"
+    growth = describe_sizing("x", AutoscaleRequest("off", scale_out_command="sbatch w.sh"), AutoscaleReply(None))
+    assert growth == "autoscaling of job 'x' is off; growth runs 'sbatch w.sh'"
 
 
 def test_the_throughput_autoscaler_settles_at_1_worker(caplog: pytest.LogCaptureFixture) -> None:

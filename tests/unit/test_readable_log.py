@@ -24,8 +24,9 @@ from lightning_elan.master.main import CLEAN_FINISHES, Stop, stop_line
 from lightning_elan.master.server import scale_line
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.transitions import launching, recovering, requests
-from lightning_elan.protocol.contract import FINISHED_BY_AM, FINISHED_BY_LAUNCHER
+from lightning_elan.protocol.contract import FINISHED_BY_AM, FINISHED_BY_LAUNCHER, AMStatus, StatusReply
 from lightning_elan.words import describe_autoscale
+from tests.unit.am_steps import exited
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -232,7 +233,7 @@ def test_status_compute_line_lists_the_current_members_only() -> None:
                                 "straggler_scores": {"w0": 1.0, "w1": 0.42},
                                 "stragglers": ["w1"], "compute_s": {"w0": 0.01}}},
     }
-    lines = format_status(status).splitlines()
+    lines = format_status(StatusReply.from_body(status)).splitlines()
     assert "compute (EWMA of throughput / median, stragglers replace): w0 1.00, w3 not scored yet" in lines
     assert not any("w1" in line for line in lines)
     assert "throughput: 1 worker 90.0/s, 2 workers 170.0/s" in lines
@@ -273,8 +274,8 @@ def test_profile_says_its_route(running_job: str, capsys: pytest.CaptureFixture[
 
 
 def test_counts_take_the_right_noun() -> None:
-    assert describe_am({"pid": 1, "restarts": 1}) == "AM: pid 1, restarted 1 time"
-    assert describe_am({"pid": 1, "restarts": 2}) == "AM: pid 1, restarted 2 times"
+    assert describe_am(AMStatus(1, pid=1)) == "AM: pid 1, restarted 1 time"
+    assert describe_am(AMStatus(2, pid=1)) == "AM: pid 1, restarted 2 times"
     assert describe_enrolment({"min_workers": 1, "max_workers": 1, "started": True}) == "enrolment: 1 worker; started"
     assert describe_enrolment({"min_workers": 2, "max_workers": 4, "started": True}) == (
         "enrolment: 2–4 workers; started")
@@ -331,7 +332,7 @@ def test_the_recovery_plan_is_a_sentence_at_info(caplog: pytest.LogCaptureFixtur
     state = JobState("j")
     launching.start_job(state, 3)
     with caplog.at_level(logging.DEBUG, logger="lightning_elan.master.transitions.recovering"):
-        recovering.worker_exit(state, "w1", 1)
+        exited(state, "w1", 1)
         for worker in ("w0", "w2"):
             recovering.recover(state, RecoverRequest(worker_id=worker, generation=0, step=5, has_state=True))
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]

@@ -17,7 +17,7 @@ from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic.scaling import ScalingLink
 from lightning_elan.master.state import JobState
 from lightning_elan.master.transitions import adjustments, launching, requests, status_view
-from lightning_elan.protocol.contract import AdjustmentReport, CoordinateRequest, RegisterRequest
+from lightning_elan.protocol.contract import AdjustmentReport, CoordinateRequest, RegisterRequest, StatusReply
 from lightning_elan.protocol.messages import ProtocolError, validate_body
 
 DECISION = {"global_batch": 24, "local_batch": 6, "k": 2.0, "reason": "weak: global batch x4/2", "lr_scale": 2.0}
@@ -184,9 +184,9 @@ def test_status_keeps_rank0s_last_summary_until_a_new_one_arrives():
     summary = {"policy": "weak", "model_ready": False, "last_decision": DECISION}
     adjustments.coordinate(state, CoordinateRequest("w0", 0, 1, scaling=summary))
     adjustments.coordinate(state, CoordinateRequest("w0", 0, 2))  # no summary this time: the last one stays
-    assert status_view.status(state)["scaling"] == summary
+    assert status_view.status(state).scaling == summary
     restored = JobState.from_dict(state.to_dict())
-    assert status_view.status(restored)["scaling"] == summary
+    assert status_view.status(restored).scaling == summary
 
 
 def test_elan_status_prints_the_model_and_the_last_decision():
@@ -200,12 +200,13 @@ def test_elan_status_prints_the_model_and_the_last_decision():
     }
     record = {"request_id": "r1", "action": "add", "step": 3, "generation": 1, "joiners": ["w2"], "leavers": [],
               "global_batch": 24, "scaling": DECISION}
-    text = format_status({"job": "j", "generation": 1, "members": [], "scaling": summary, "last_adjustment": record})
+    text = format_status(StatusReply(job="j", generation=1, members=[], finished=False, scaling=summary,
+                                     last_adjustment=record))
     assert "global batch 24 (lr x2.0: weak: global batch x4/2)" in text
     assert "scaling: policy hybrid, throughput model ready" in text
     assert "global batch 48: samples/s by workers {1: 800.0, 2: 1200.0, 4: 1300.0}, best 4" in text
     assert "last decision: global batch 24 (local 6, k=2): weak: global batch x4/2" in text
-    assert "scaling:" not in format_status({"job": "j", "generation": 0, "members": []})
+    assert "scaling:" not in format_status(StatusReply(job="j", generation=0, members=[], finished=False))
 
 
 # ---------------------------------------------------------------------- the engine's scaling link

@@ -13,9 +13,12 @@ from lightning_elan.master.measure import Measurements
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.transitions import adjustments, enrolling, launching, requests
 from lightning_elan.protocol.contract import (
+    AutoscaleRequest,
     CoordinateRequest,
+    ProfileRequest,
     ProtocolError,
     RegisterRequest,
+    StragglersRequest,
     WorkerStats,
 )
 
@@ -76,13 +79,13 @@ def test_worker_stats_are_validated() -> None:
 
 def test_stats_of_a_non_member_or_an_old_generation_are_ignored() -> None:
     state = started(2)
-    assert adjustments.worker_stats(state, WorkerStats("w9", 0, 3, 1, 0.1))["ignored"]
-    assert adjustments.worker_stats(state, WorkerStats("w0", 4, 3, 1, 0.1))["ignored"]
+    assert adjustments.worker_stats(state, WorkerStats("w9", 0, 3, 1, 0.1)).ignored
+    assert adjustments.worker_stats(state, WorkerStats("w0", 4, 3, 1, 0.1)).ignored
 
 
 def test_profile_visits_2_then_1_then_returns_to_3_and_records_each_rate() -> None:
     state = started(3)
-    sizing.start_profile(state, {"min": 1, "max": 3, "steps": 4}, now=0.0)
+    sizing.start_profile(state, ProfileRequest(min=1, max=3, steps=4), now=0.0)
     now, step = train(state, 6, 0.5, 0.0)  # 3 workers at 24 samples/s
     sizing.tick(state, now)
     assert state.pending[0].action == "to" and state.pending[0].size == 2
@@ -105,18 +108,18 @@ def test_profile_visits_2_then_1_then_returns_to_3_and_records_each_rate() -> No
 
 def test_a_second_profile_or_autoscaler_during_a_profile_is_refused() -> None:
     state = started(2)
-    sizing.start_profile(state, {"min": 1, "max": 2}, now=0.0)
+    sizing.start_profile(state, ProfileRequest(min=1, max=2), now=0.0)
     with pytest.raises(sizing.SizingError, match="already running"):
-        sizing.start_profile(state, {"min": 1, "max": 2}, now=0.0)
+        sizing.start_profile(state, ProfileRequest(min=1, max=2), now=0.0)
     with pytest.raises(sizing.SizingError, match="profile of this job is running"):
-        sizing.set_autoscale(state, {"policy": "throughput"}, now=0.0)
+        sizing.set_autoscale(state, AutoscaleRequest(policy="throughput"), now=0.0)
     with pytest.raises(sizing.SizingError, match="min_size"):
-        sizing.start_profile(started(2), {"min": 3, "max": 2}, now=0.0)
+        sizing.start_profile(started(2), ProfileRequest(min=3, max=2), now=0.0)
 
 
 def test_throughput_autoscaler_grows_while_it_pays_then_falls_back() -> None:
     state = started(1)
-    sizing.set_autoscale(state, {"policy": "throughput", "every": 3, "threshold": 0.1}, now=0.0)
+    sizing.set_autoscale(state, AutoscaleRequest(policy="throughput", every=3, threshold=0.1), now=0.0)
     now, step = train(state, 4, 1.0, 0.0)  # R1 = 12/s
     sizing.tick(state, now)
     assert state.pending[0].size == 2 and state.pending[0].cause["kind"] == "autoscale"
@@ -133,7 +136,7 @@ def test_throughput_autoscaler_grows_while_it_pays_then_falls_back() -> None:
 
 def test_straggler_replace_adds_first_and_removes_the_straggler_once_the_replacement_joined() -> None:
     state = started(2)
-    sizing.set_stragglers(state, {"mode": "replace", "window": 1}, now=0.0)
+    sizing.set_stragglers(state, StragglersRequest(mode="replace", window=1), now=0.0)
     now, step = train(state, 2, 0.5, 0.0)
     for _ in range(10):
         adjustments.worker_stats(state, WorkerStats("w0", 0, step, 1, 0.1))
@@ -149,7 +152,7 @@ def test_straggler_replace_adds_first_and_removes_the_straggler_once_the_replace
 def test_straggler_remove_keeps_a_job_at_its_minimum() -> None:
     state = JobState(job="job")
     launching.start_job(state, 2, coordinate_every=1, min_workers=2)
-    sizing.set_stragglers(state, {"mode": "remove", "window": 1}, now=0.0)
+    sizing.set_stragglers(state, StragglersRequest(mode="remove", window=1), now=0.0)
     now, step = train(state, 2, 0.5, 0.0)
     for _ in range(10):
         adjustments.worker_stats(state, WorkerStats("w0", 0, step, 1, 0.1))
@@ -161,11 +164,11 @@ def test_straggler_remove_keeps_a_job_at_its_minimum() -> None:
 def test_bad_sizing_requests_say_what_is_wrong() -> None:
     state = started(2)
     with pytest.raises(sizing.SizingError, match="unknown straggler mode"):
-        sizing.set_stragglers(state, {"mode": "fast"}, now=0.0)
+        sizing.set_stragglers(state, StragglersRequest(mode="fast"), now=0.0)
     with pytest.raises(sizing.SizingError, match="unknown autoscale policy"):
-        sizing.set_autoscale(state, {"policy": "magic"}, now=0.0)
+        sizing.set_autoscale(state, AutoscaleRequest(policy="magic"), now=0.0)
     with pytest.raises(sizing.SizingError, match="needs a price"):
-        sizing.set_autoscale(state, {"policy": "utility"}, now=0.0)
+        sizing.set_autoscale(state, AutoscaleRequest(policy="utility"), now=0.0)
     with pytest.raises(StateError):
         requests.scale(state, "to", size=0)
 
@@ -192,12 +195,12 @@ def test_a_job_of_elan_workers_without_a_scale_out_command_cannot_grow_and_says_
     enrolling.enrol(state, EnrolRequest("host", 1), now=0.0)
     enrolling.housekeeping(state, now=1.0)
     assert state.started and state.world_size == 1
-    sizing.set_autoscale(state, {"policy": "throughput", "every": 2}, now=1.0)
+    sizing.set_autoscale(state, AutoscaleRequest(policy="throughput", every=2), now=1.0)
     now, _ = train(state, 3, 1.0, 1.0)
     assert sizing.tick(state, now) == 0
     assert not state.pending and state.sizing.autoscale is None
     assert "no --scale-out-command" in state.sizing.decisions[-1]["reason"]
-    sizing.set_autoscale(state, {"policy": "throughput", "every": 2, "scale_out_command": "true"}, now=now)
+    sizing.set_autoscale(state, AutoscaleRequest(policy="throughput", every=2, scale_out_command="true"), now=now)
     now, _ = train(state, 3, 1.0, now)
     assert sizing.tick(state, now) == 1  # the server runs the command once; the new `elan worker` enrols
     assert sizing.tick(state, now + 1.0) == 0  # ... and is awaited: the command is not run again meanwhile

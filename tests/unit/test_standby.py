@@ -11,8 +11,16 @@ import pytest
 from lightning_elan.cli_status import format_status
 from lightning_elan.master.standby import STANDBY_REQUEST, StandbyPool
 from lightning_elan.master.state import JobState, StateError
-from lightning_elan.master.transitions import adjustments, launching, leaving, pool, recovering, requests, status_view
-from lightning_elan.protocol.contract import CoordinateRequest, RegisterRequest, WaitPlanReply
+from lightning_elan.master.transitions import adjustments, launching, leaving, pool, requests, status_view
+from lightning_elan.protocol.contract import (
+    CoordinateRequest,
+    RegisterRequest,
+    SpawnOrder,
+    StatusReply,
+    WaitPlanReply,
+    WorkerExitReply,
+)
+from tests.unit.am_steps import exited
 
 
 def test_the_pool_gives_the_readiest_oldest_first_and_says_what_is_missing() -> None:
@@ -38,15 +46,15 @@ def ready(state: JobState, worker: str) -> None:
 
 def test_standbys_start_with_the_job_and_wait_without_deadline() -> None:
     state = job_with_standby(2, standby=2)
-    spawned = launching.launcher_poll(state, now=1.0)["spawn"]
-    assert spawned == [{"worker_id": worker, "request_id": STANDBY_REQUEST} for worker in ("w2", "w3")]
+    spawned = launching.launcher_poll(state, now=1.0).spawn
+    assert spawned == [SpawnOrder(worker, STANDBY_REQUEST) for worker in ("w2", "w3")]
     ready(state, "w2")
     assert adjustments.wait_plan(state, "w2") is None and pool.idle_answer(state, "w2") == WaitPlanReply.standby()
     assert pool.idle_answer(state, "w0") == WaitPlanReply.wait()
-    assert status_view.status(state)["standby"] == {"target": 2, "workers": [
+    assert status_view.status(state).standby == {"target": 2, "workers": [
         {"worker_id": "w2", "status": "ready", "host": "h"}, {"worker_id": "w3", "status": "spawned", "host": None}]}
     assert state.projected_size() == 2  # standbys are not members-to-be
-    assert status_view.status(JobState(job="plain"))["standby"] is None
+    assert status_view.status(JobState(job="plain")).standby is None
 
 
 def test_an_add_takes_a_ready_standby_is_decided_at_once_and_the_pool_refills() -> None:
@@ -56,8 +64,8 @@ def test_an_add_takes_a_ready_standby_is_decided_at_once_and_the_pool_refills() 
 
     reply = requests.scale(state, "add", count=1)
 
-    assert reply["new_workers"] == ["w2"] and state.standby.workers == ["w3"]
-    assert launching.launcher_poll(state, now=2.0)["spawn"] == [{"worker_id": "w3", "request_id": STANDBY_REQUEST}]
+    assert reply.new_workers == ["w2"] and state.standby.workers == ["w3"]
+    assert launching.launcher_poll(state, now=2.0).spawn == [SpawnOrder("w3", STANDBY_REQUEST)]
     plan = adjustments.coordinate(state, CoordinateRequest("w0", 0, 5)).plan  # no process start to wait for
     assert plan is not None and plan.joiners == ["w2"] and plan.members == ["w0", "w1", "w2"]
     assert adjustments.wait_plan(state, "w2").plan == plan
@@ -67,7 +75,7 @@ def test_an_add_beyond_the_pool_takes_the_standbys_and_starts_the_rest() -> None
     state = job_with_standby(2, standby=1)
     launching.launcher_poll(state, now=1.0)
     reply = requests.scale(state, "add", count=2)
-    assert reply["new_workers"] == ["w2", "w3"] and state.standby.workers == ["w4"]
+    assert reply.new_workers == ["w2", "w3"] and state.standby.workers == ["w4"]
     # w2 (standby, not ready yet) and w3 start
     assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 5)).plan is None
     ready(state, "w2")
@@ -78,19 +86,19 @@ def test_an_add_beyond_the_pool_takes_the_standbys_and_starts_the_rest() -> None
 def test_a_standby_that_dies_leaves_the_pool_and_a_sigtermed_one_is_replaced() -> None:
     state = job_with_standby(2, standby=2)
     launching.launcher_poll(state, now=1.0)
-    assert recovering.worker_exit(state, "w2", -9) == {"expected": False}
+    assert exited(state, "w2", -9) == WorkerExitReply(False)
     assert state.standby.workers == ["w3"] and "w2" not in state.pending_workers
-    assert status_view.status(state)["failures"][-1]["kind"] == "standby"
-    assert leaving.request_leave(state, "w3")["outcome"] == "cancelled"
+    assert status_view.status(state).failures[-1]["kind"] == "standby"
+    assert leaving.request_leave(state, "w3").outcome == "cancelled"
     assert state.standby.workers == ["w4", "w5"]  # the pool is back at its target (w2's place too)
     assert adjustments.wait_plan(state, "w3").status == "cancelled"
-    assert recovering.worker_exit(state, "w3", 0) == {"expected": True}
+    assert exited(state, "w3", 0) == WorkerExitReply(True)
 
 
 def test_a_standby_that_never_reports_is_stopped() -> None:
     state = job_with_standby(2, standby=1)
     launching.launcher_poll(state, now=1.0)
-    assert launching.launcher_poll(state, now=1.0 + state.report_timeout_s + 1)["stop"] == ["w2"]
+    assert launching.launcher_poll(state, now=1.0 + state.report_timeout_s + 1).stop == ["w2"]
     assert state.standby.workers == [] and adjustments.wait_plan(state, "w2").status == "cancelled"
 
 
@@ -99,7 +107,7 @@ def test_the_end_of_the_job_cancels_the_standbys() -> None:
     launching.launcher_poll(state, now=1.0)
     requests.shutdown(state, "done")
     assert adjustments.wait_plan(state, "w2").status == "cancelled" and state.standby.workers == []
-    assert recovering.worker_exit(state, "w2", 0) == {"expected": True}
+    assert exited(state, "w2", 0) == WorkerExitReply(True)
 
 
 def test_the_pool_survives_a_round_trip_of_the_state_and_is_validated() -> None:
@@ -111,9 +119,9 @@ def test_the_pool_survives_a_round_trip_of_the_state_and_is_validated() -> None:
 
 
 def test_status_text_shows_the_pool() -> None:
-    status = {"job": "j", "generation": 0, "members": [], "standby": {"target": 2, "workers": [
+    status = {"job": "j", "generation": 0, "members": [], "finished": False, "standby": {"target": 2, "workers": [
         {"worker_id": "w4", "status": "ready", "host": "h"}, {"worker_id": "w5", "status": "spawned", "host": None}]}}
-    assert "standby: 1 of 2 ready (w4 ready, w5 spawned)" in format_status(status)
+    assert "standby: 1 of 2 ready (w4 ready, w5 spawned)" in format_status(StatusReply.from_body(status))
 
 
 def test_a_standby_waits_past_its_deadline_until_the_job_ends(tmp_path, monkeypatch) -> None:

@@ -6,7 +6,8 @@ Bottom first (a module imports only those above it in this list, and ``master/st
 * ``requests``: scale requests and the queue (``pending``, the joiners' readiness, failed requests, ``shutdown``)
 * ``leaving``: a worker asks to leave (``leave`` requests at the head of the queue)
 * ``adjustments``: every change of ``members`` and ``generation``: generation 0, plan, commit, report
-* ``recovering``: worker exits and the recovery from a dead member (``recovery``, ``failed_reason``)
+* ``finishing``: whether the job is done (the one rule: the members' exits), and finishing it
+* ``recovering``: worker exits and the recovery from a dead member (``exits``, ``recovery``, ``failed_reason``)
 * ``enrolling``: workers started by a scheduler (``elan worker``) enrol; the AM's own clock for such a job
 * ``launching``: the job of ``elan run``: ``start_job`` and the launcher's poll
 * ``status_view``: the ``status`` reply (reads only)

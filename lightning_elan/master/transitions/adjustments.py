@@ -33,6 +33,7 @@ from lightning_elan.protocol.contract import (
     Transfer,
     WaitPlanReply,
     WorkerStats,
+    WorkerStatsReply,
     worker_number,
 )
 from lightning_elan.replication.sources import plan_replication
@@ -75,12 +76,12 @@ def coordinate(state: JobState, request: CoordinateRequest, now: float | None = 
     return CoordinateReply.none(requests.joiners_coming(state)) if plan is None else CoordinateReply.adjust(plan)
 
 
-def worker_stats(state: JobState, stats: WorkerStats) -> dict[str, Any]:
+def worker_stats(state: JobState, stats: WorkerStats) -> WorkerStatsReply:
     """A member's compute time per step (informational: feeds the straggler detector); answers the stragglers."""
     if stats.generation != state.generation or state.member(stats.worker_id) is None:
-        return {"stragglers": [], "ignored": True}
-    return {"stragglers": state.measured.observe_compute(stats.worker_id, stats.generation, stats.compute_s,
-                                                         state.member_ids)}
+        return WorkerStatsReply([], ignored=True)
+    return WorkerStatsReply(state.measured.observe_compute(stats.worker_id, stats.generation, stats.compute_s,
+                                                           state.member_ids))
 
 
 def report(state: JobState, report: AdjustmentReport, now: float | None = None) -> dict[str, Any] | None:

@@ -9,10 +9,9 @@ import logging
 from lightning_elan.master.enrolment import Enrollee, Enrolment
 from lightning_elan.master.narration import plural, workers_phrase
 from lightning_elan.master.state import SPAWNED, JobState, Member, StateError, now_or_clock
-from lightning_elan.master.transitions import adjustments, recovering, requests
+from lightning_elan.master.transitions import adjustments, finishing, recovering, requests
 from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
-    FINISHED_BY_AM,
     ROLE_WAITING,
     EnrolReply,
     EnrolRequest,
@@ -58,8 +57,8 @@ def enrol(state: JobState, request: EnrolRequest, now: float | None = None) -> E
 
 def housekeeping(state: JobState, now: float | None = None) -> list[str]:
     """The AM's own clock for a job of enrolled workers (``elan run``'s launcher drives it otherwise): start the
-    job, fail joiners that never report, declare silent survivors dead, finish once every member trained out.
-    Returns the workers declared dead."""
+    job, fail joiners that never report, declare silent survivors dead, finish once every member trained out
+    (``finishing``). Returns the workers declared dead."""
     now = now_or_clock(now)
     if state.enrolment is None or state.finished:
         return []
@@ -68,8 +67,7 @@ def housekeeping(state: JobState, now: float | None = None) -> list[str]:
         return []
     dead = requests.fail_unreported(state, now) + recovering.declare_silent_survivors_dead(state, now)
     recovering.form_plan_if_ready(state, now)
-    if state.in_flight is None and state.members and all(w in state.trained_out for w in state.member_ids):
-        requests.shutdown(state, FINISHED_BY_AM)
+    finishing.finish_if_done(state)
     return dead
 
 
@@ -82,11 +80,11 @@ def _enrol_joiner(state: JobState, request: EnrolRequest, now: float) -> EnrolRe
         raise StateError(f"job {state.job} has finished training (a member of generation {state.generation} "
                          "completed it): this worker is not needed")
     queued = requests.queue_add(state, now)
-    worker_id = queued["new_workers"][0]
+    worker_id = queued.new_workers[0]
     pending = state.pending_workers[worker_id]
     pending.status, pending.spawned_at, pending.host, pending.pid = SPAWNED, now, request.host, request.pid
     logger.info("job %s: %s enrolled from %s as a joiner (request %s)", state.job, worker_id, request.host,
-                queued["request_id"])
+                queued.request_id)
     return _enrolment_of(state, worker_id, now)
 
 

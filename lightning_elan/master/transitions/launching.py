@@ -7,8 +7,8 @@ from typing import Any
 
 from lightning_elan.master.standby import StandbyPool
 from lightning_elan.master.state import JobState, Member, StateError, now_or_clock
-from lightning_elan.master.transitions import adjustments, pool, recovering, requests
-from lightning_elan.protocol.contract import MAX_WORLD_SIZE
+from lightning_elan.master.transitions import adjustments, finishing, pool, recovering, requests
+from lightning_elan.protocol.contract import MAX_WORLD_SIZE, LauncherPollReply, StartJobReply
 
 __all__ = ["launcher_poll", "start_job"]
 
@@ -17,7 +17,7 @@ def start_job(
     state: JobState, nproc: int, coordinate_every: int | None = None, hosts: Any = None,
     report_timeout_s: float | None = None, replace_failed: bool = False, min_workers: int | None = None,
     join_timeout_s: float | None = None, standby: int = 0,
-) -> dict[str, Any]:
+) -> StartJobReply:
     """Create generation 0 with members w0..w{nproc-1} (and ``standby`` standby workers, started by the next
     ``launcher_poll``); a started job just returns its current membership."""
     if state.started:
@@ -47,18 +47,20 @@ def start_job(
     return _membership(state)
 
 
-def launcher_poll(state: JobState, now: float | None = None) -> dict[str, Any]:
+def launcher_poll(state: JobState, now: float | None = None) -> LauncherPollReply:
     """Hand the launcher the workers it has to start (marked spawned) and those it has to stop (their request
-    failed because a worker of it never reported ready, or a survivor never checked in)."""
+    failed because a worker of it never reported ready, or a survivor never checked in), and whether the job is
+    finished (``finishing`` looks again: the AM's clock for this job)."""
     now = now_or_clock(now)
     spawn = requests.spawn_requested(state, now)
     stop = requests.fail_unreported(state, now) + recovering.declare_silent_survivors_dead(state, now)
     recovering.form_plan_if_ready(state, now)  # a joiner it waited for may be ready, or its wait over
-    return {"spawn": spawn, "stop": stop, "finished": state.finished}
+    finishing.finish_if_done(state)
+    return LauncherPollReply(spawn, stop, state.finished)
 
 
-def _membership(state: JobState) -> dict[str, Any]:
-    return {"generation": state.generation, "members": state.member_ids}
+def _membership(state: JobState) -> StartJobReply:
+    return StartJobReply(state.generation, state.member_ids)
 
 
 def _initial_hosts(worker_ids: list[str], hosts: Any) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Worker exits and the recovery from a dead member: every transition that changes ``recovery``, ``trained_out`` and
+"""Worker exits and the recovery from a dead member: every transition that changes ``recovery``, ``exits`` and
 ``failed_reason`` — an exit is expected or a death that fails the generation; the survivors check in (``recover``),
 silent ones are declared dead, and the recovery plan forms (``master/recovery.py`` makes it) or the job fails.
 Semantics: docs/architecture.md, *Worker failures*."""
@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
 
 from lightning_elan.master.narration import plural, workers_phrase
 from lightning_elan.master.recovery import CheckIn, Recovery, recovery_plan
@@ -17,16 +16,19 @@ from lightning_elan.master.state import (
     Adjustment,
     JobState,
     StateError,
+    WorkerExit,
     adjustment_failure,
     now_or_clock,
     require_non_negative,
 )
-from lightning_elan.master.transitions import adjustments, requests
+from lightning_elan.master.transitions import adjustments, finishing, requests
 from lightning_elan.protocol.contract import (
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_RECOVERY_TIMEOUT_S,
     RecoverRequest,
     WaitPlanReply,
+    WorkerExitReply,
+    WorkerExitRequest,
 )
 
 logger = logging.getLogger(__name__)
@@ -35,34 +37,51 @@ __all__ = ["declare_silent_survivors_dead", "fail_job", "form_plan_if_ready", "r
            "worker_exit"]
 
 
-def worker_exit(state: JobState, worker_id: str, returncode: int) -> dict[str, Any]:
-    """A worker exited; ``expected``: a leaver, a cancelled joiner or (after shutdown) a member, exiting 0."""
+def worker_exit(state: JobState, request: WorkerExitRequest) -> WorkerExitReply:
+    """A worker exited: judge the exit (one the AM waited for, a death to recover from, …), then whether the job is
+    done (``finishing``: this may have been the last member to finish)."""
+    reply = _judge_exit(state, request)
+    finishing.finish_if_done(state)
+    return reply
+
+
+def _judge_exit(state: JobState, request: WorkerExitRequest) -> WorkerExitReply:
+    """``expected``: a leaver, a cancelled joiner or (after shutdown) a member, exiting 0; the exit is recorded with
+    what the launcher saw of it."""
+    worker_id, returncode = request.worker_id, request.returncode
+    state.require_known(worker_id)
     clean = returncode == 0
-    if worker_id in state.left_workers or (state.in_flight and worker_id in state.in_flight.plan.leavers):
+    in_flight = state.in_flight
+    leaver = worker_id in state.left_workers or (in_flight is not None and worker_id in in_flight.plan.leavers)
+    _record_exit(state, request, left=leaver and clean)
+    if leaver:
         if clean:
-            return {"expected": True}
+            return WorkerExitReply(expected=True)
         if not _serves_a_joiner(state, worker_id):
-            return {"expected": False, "left": True}  # killed after it left: the job goes on
+            return WorkerExitReply(expected=False, left=True)  # killed after it left: the job goes on
         return _member_failed(state, worker_id, returncode, time.time())
-    if clean and state.member(worker_id) is not None and worker_id not in state.trained_out:
-        state.trained_out.append(worker_id)
     if not clean and not state.finished and _takes_part(state, worker_id):
         if state.training_over():
             logger.warning("member %s exited with code %s after a member of generation %s finished training: "
                            "the job's training is complete", worker_id, returncode, state.generation)
-            return {"expected": True}
+            return WorkerExitReply(expected=True)
         return _member_failed(state, worker_id, returncode, time.time())
     pending = state.pending_workers.get(worker_id)
     if pending is not None:
-        return {"expected": requests.pending_worker_exited(state, pending, returncode)}
-    if state.member(worker_id) is not None:
-        if not clean:
-            logger.warning("member %s of generation %s exited with code %s", worker_id, state.generation, returncode)
-        return {"expected": clean and state.finished}
-    raise StateError(f"unknown worker {worker_id}")
+        return WorkerExitReply(expected=requests.pending_worker_exited(state, pending, returncode))
+    if not clean:  # a member (a leaver, a joiner or a standby is answered above)
+        logger.warning("member %s of generation %s exited with code %s", worker_id, state.generation, returncode)
+    return WorkerExitReply(expected=clean and state.finished)
 
 
-def recover(state: JobState, request: RecoverRequest, now: float | None = None) -> dict[str, Any]:
+def _record_exit(state: JobState, request: WorkerExitRequest, left: bool) -> None:
+    """Keep how the worker exited (``finishing`` decides from the members' exits whether the job is done; a joiner
+    whose exit came before its plan committed is a member then)."""
+    state.exits[request.worker_id] = WorkerExit(request.returncode, bool(request.training_ended),
+                                                bool(request.script_failed), left)
+
+
+def recover(state: JobState, request: RecoverRequest, now: float | None = None) -> WaitPlanReply:
     """A survivor of a failed generation checks in; the reply is ``wait_plan``'s (it then long-polls that)."""
     worker_id = request.worker_id
     state.require_known(worker_id)
@@ -71,7 +90,7 @@ def recover(state: JobState, request: RecoverRequest, now: float | None = None) 
     if recovery is None:
         answer = adjustments.wait_plan(state, worker_id)
         if answer is not None and (answer.plan is None or answer.plan.generation > request.generation):
-            return answer.to_body()  # asked again after the recovery plan was formed, or cancelled
+            return answer  # asked again after the recovery plan was formed, or cancelled
         raise StateError(f"generation {request.generation} has not failed (current generation {state.generation})")
     if request.generation not in recovery.failed_generations:
         raise StateError(f"generation {request.generation} is not one of the failed generations "
@@ -82,7 +101,7 @@ def recover(state: JobState, request: RecoverRequest, now: float | None = None) 
                                                  uncertain=request.has_state and request.uncertain)
         form_plan_if_ready(state, now_or_clock(now))
     answer = adjustments.wait_plan(state, worker_id)
-    return (answer or WaitPlanReply.wait()).to_body()
+    return answer or WaitPlanReply.wait()
 
 
 def declare_silent_survivors_dead(state: JobState, now: float) -> list[str]:
@@ -154,7 +173,7 @@ def set_failure_policy(state: JobState, replace_failed: bool, min_workers: int |
     state.join_timeout_s = float(join_timeout_s or DEFAULT_JOIN_TIMEOUT_S)
 
 
-def _member_failed(state: JobState, worker_id: str, returncode: int, now: float) -> dict[str, Any]:
+def _member_failed(state: JobState, worker_id: str, returncode: int, now: float) -> WorkerExitReply:
     """A member (or a joiner of the plan in flight) died: recover without it, unless nobody is left."""
     logger.warning("worker %s of generation %s died (exit code %s)", worker_id, state.generation, returncode)
     recovery = state.recovery or _begin_recovery(state, now)
@@ -165,9 +184,9 @@ def _member_failed(state: JobState, worker_id: str, returncode: int, now: float)
         _queue_replacement(state, now)
     if not recovery.survivors:
         fail_job(state, f"every worker of generation {state.generation} died", now)
-        return {"expected": False, "recovering": False}
+        return WorkerExitReply(expected=False, recovering=False)
     form_plan_if_ready(state, now)
-    return {"expected": False, "recovering": True, "failed_generations": list(recovery.failed_generations)}
+    return WorkerExitReply(expected=False, recovering=True, failed_generations=list(recovery.failed_generations))
 
 
 def _begin_recovery(state: JobState, now: float) -> Recovery:
@@ -196,7 +215,7 @@ def _queue_replacement(state: JobState, now: float) -> None:
     if state.finished:
         return
     reply = requests.queue_add(state, now)
-    logger.info("replacement %s requested (%s)", ", ".join(reply["new_workers"]), reply["request_id"])
+    logger.info("replacement %s requested (%s)", ", ".join(reply.new_workers), reply.request_id)
 
 
 def _replacements_for(state: JobState, recovery: Recovery, now: float) -> list[str] | None:

@@ -24,7 +24,14 @@ from lightning_elan.master.state import (
     now_or_clock,
 )
 from lightning_elan.master.transitions import pool
-from lightning_elan.protocol.contract import MAX_WORLD_SIZE, RegisterRequest
+from lightning_elan.protocol.contract import (
+    MAX_WORLD_SIZE,
+    EmptyReply,
+    RegisterReply,
+    RegisterRequest,
+    ScaleReply,
+    SpawnOrder,
+)
 from lightning_elan.replication.topology import WorkerTopology
 
 logger = logging.getLogger(__name__)
@@ -44,9 +51,9 @@ def scale(
     at_step: int | None = None,
     now: float | None = None,
     cause: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Queue a scale request and create its new workers; returns ``{request_id, new_workers}``. ``cause``: the AM's
-    own decision behind it (recorded with the adjustment)."""
+) -> ScaleReply:
+    """Queue a scale request and create its new workers; returns the request's id and its new workers. ``cause``: the
+    AM's own decision behind it (recorded with the adjustment)."""
     state.require_running()
     if state.in_flight is not None:
         raise StateError(
@@ -62,14 +69,14 @@ def scale(
     return queue(state, request, now)
 
 
-def queue_add(state: JobState, now: float | None) -> dict[str, Any]:
+def queue_add(state: JobState, now: float | None) -> ScaleReply:
     """Queue an ``add 1`` of the AM's own (a joiner that enrolled, a replacement for a dead member)."""
     request = ScaleRequest(request_id="", action="add", count=1, size=None, at_step=None)
     request.add_count = 1
     return queue(state, request, now)
 
 
-def queue(state: JobState, request: ScaleRequest, now: float | None) -> dict[str, Any]:
+def queue(state: JobState, request: ScaleRequest, now: float | None) -> ScaleReply:
     """Give a resolved request its id and new workers (standbys first) and append it to the queue."""
     request.request_id = state.new_request_id()
     request.requested_at = now_or_clock(now)
@@ -82,10 +89,10 @@ def queue(state: JobState, request: ScaleRequest, now: float | None) -> dict[str
         request.all_reported_at = request.requested_at  # nothing to start: standbys, or no new worker at all
     state.pending.append(request)
     pool.refill(state)
-    return {"request_id": request.request_id, "new_workers": list(request.new_workers)}
+    return ScaleReply(request.request_id, list(request.new_workers))
 
 
-def register(state: JobState, request: RegisterRequest, now: float | None = None) -> dict[str, Any]:
+def register(state: JobState, request: RegisterRequest, now: float | None = None) -> RegisterReply:
     """Record a worker's host/device/pid (and topology); for a joiner this is *report ready*. A member learns whether
     new workers are coming (``joiners_coming``): then it prepares to serve them from its first step on."""
     worker_id = request.worker_id
@@ -93,7 +100,7 @@ def register(state: JobState, request: RegisterRequest, now: float | None = None
     member = state.member(worker_id)
     if member is not None:
         member.host, member.device, member.pid, member.topology = where
-        return {"joiners_coming": True} if joiners_coming(state) else {}
+        return RegisterReply(joiners_coming=True if joiners_coming(state) else None)
     pending = state.pending_workers.get(worker_id)
     if pending is None:
         if worker_id in state.left_workers:
@@ -104,7 +111,7 @@ def register(state: JobState, request: RegisterRequest, now: float | None = None
         pending.status = READY
         pending.ready_at = now_or_clock(now)
         _note_ready(state, pending.request_id, pending.ready_at)
-    return {}
+    return RegisterReply()
 
 
 def joiners_coming(state: JobState) -> bool:
@@ -112,14 +119,14 @@ def joiners_coming(state: JobState) -> bool:
     return not state.finished and any(request.new_workers for request in state.pending)
 
 
-def spawn_requested(state: JobState, now: float) -> list[dict[str, Any]]:
+def spawn_requested(state: JobState, now: float) -> list[SpawnOrder]:
     """The requested workers the launcher has to start now (marked spawned)."""
     spawn = []
     for pending in state.pending_workers.values():
         if pending.status == REQUESTED:
             pending.status = SPAWNED
             pending.spawned_at = now
-            spawn.append({"worker_id": pending.worker_id, "request_id": pending.request_id})
+            spawn.append(SpawnOrder(pending.worker_id, pending.request_id))
     return spawn
 
 
@@ -183,10 +190,10 @@ def cancel_workers(state: JobState, request: ScaleRequest, reason: str) -> None:
             pending.reason = reason
 
 
-def shutdown(state: JobState, reason: str | None = None) -> dict[str, Any]:
+def shutdown(state: JobState, reason: str | None = None) -> EmptyReply:
     """Cancel the pending requests and the standby pool and mark the job finished (idempotent)."""
     if state.finished:
-        return {}
+        return EmptyReply()
     reason = reason or "shutdown"
     for request in state.pending:
         cancel_workers(state, request, f"job shut down: {reason}")
@@ -195,7 +202,7 @@ def shutdown(state: JobState, reason: str | None = None) -> dict[str, Any]:
     pool.cancel_pool(state, f"job shut down: {reason}")
     state.finished = True
     state.finish_reason = reason
-    return {}
+    return EmptyReply()
 
 
 def request_failure(request: ScaleRequest, outcome: str, reason: str) -> dict[str, Any]:

@@ -6,33 +6,35 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_elan.master.state import JobState, Member, ScaleRequest
+from lightning_elan.protocol.contract import AMStatus, MemberStatus, StatusReply
 
 __all__ = ["status"]
 
 
-def status(state: JobState) -> dict[str, Any]:
-    """The reply body of ``status``."""
-    return {
-        "job": state.job,
-        "generation": state.generation,
-        "members": [_member_summary(state, rank, member) for rank, member in enumerate(state.members)],
-        "step": state.progress.step,
-        "epoch": state.progress.epoch,
-        "position": state.progress.position,
-        "global_batch": state.progress.global_batch,
-        "scaling": state.progress.scaling,
-        "pending": [_pending_summary(state, request) for request in state.pending],
-        "in_flight": state.in_flight.plan.to_dict() if state.in_flight else None,
-        "last_adjustment": state.last_adjustment,
-        "failures": [dict(failure) for failure in state.failures],
-        "am": {"restarts": state.am_restarts},
-        "recovery": _recovery_summary(state),
-        "enrolment": _enrolment_summary(state),
-        "standby": _standby_summary(state),
-        "sizing": {**state.sizing.summary(), "measured": state.measured.summary()},
-        "finished": state.finished,
-        "failed_reason": state.failed_reason,
-    }
+def status(state: JobState) -> StatusReply:
+    """The reply to ``status`` (the server adds the AM process's part of ``am``)."""
+    return StatusReply(
+        job=state.job,
+        generation=state.generation,
+        members=[_member_summary(state, rank, member) for rank, member in enumerate(state.members)],
+        finished=state.finished,
+        step=state.progress.step,
+        epoch=state.progress.epoch,
+        position=state.progress.position,
+        global_batch=state.progress.global_batch,
+        scaling=state.progress.scaling,
+        pending=[_pending_summary(state, request) for request in state.pending],
+        in_flight=state.in_flight.plan if state.in_flight else None,
+        last_adjustment=state.last_adjustment,
+        failures=[dict(failure) for failure in state.failures],
+        am=AMStatus(state.am_restarts),
+        recovery=_recovery_summary(state),
+        enrolment=_enrolment_summary(state),
+        standby=_standby_summary(state),
+        sizing={**state.sizing.summary(), "measured": state.measured.summary()},
+        failed_reason=state.failed_reason,
+        finish_reason=state.finish_reason,
+    )
 
 
 def _standby_summary(state: JobState) -> dict[str, Any] | None:
@@ -62,21 +64,12 @@ def _recovery_summary(state: JobState) -> dict[str, Any] | None:
             "checked_in": sorted(recovery.checked_in), "detected_at": recovery.detected_at}
 
 
-def _member_summary(state: JobState, rank: int, member: Member) -> dict[str, Any]:
+def _member_summary(state: JobState, rank: int, member: Member) -> MemberStatus:
     """One member in ``status``: where it runs and its last known step (``last_step_from`` says how it is known:
     ``coordinate`` = its last coordinate, ``report`` = its last adjustment report; None = not heard of yet)."""
     last = state.progress.workers.get(member.worker_id) or {}
-    return {
-        "worker_id": member.worker_id,
-        "rank": rank,
-        "host": member.host,
-        "device": member.device,
-        "pid": member.pid,
-        "joined_generation": member.joined_generation,
-        "last_step": last.get("step"),
-        "last_step_from": last.get("source"),
-        "last_seen_at": last.get("at"),
-    }
+    return MemberStatus(member.worker_id, rank, member.host, member.device, member.pid, member.joined_generation,
+                        last.get("step"), last.get("source"), last.get("at"))
 
 
 def _pending_summary(state: JobState, request: ScaleRequest) -> dict[str, Any]:
