@@ -156,6 +156,12 @@ def pause_around(
     )
 
 
+def job_pause(processes: Sequence[ProcessSteps], step: int, window: int = TYPICAL_WINDOW) -> Pause | None:
+    """The pause after ``step`` on the job-wide clock: a step completes when the last rank training it completes it
+    (leavers and joiners included), the gap runs from the job's ``step`` to its ``step + 1``."""
+    return pause_around(processes, processes, step, window)
+
+
 def split_at(processes: Iterable[ProcessSteps], when: float) -> tuple[list[ProcessSteps], list[ProcessSteps]]:
     """Processes started before ``when`` and those started at or after it."""
     processes = list(processes)

@@ -6,6 +6,7 @@ Models are plain MLPs in float32 trained with Adam, sized by parameter count: ``
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -91,8 +92,11 @@ class StepFile:
         worker = os.environ.get("ELAN_WORKER_ID") or os.environ.get("RANK") or "w0"
         self._write({"event": "start", "pid": os.getpid(), "worker": worker, "spawn": spawn_time(), "t": time.time()})
 
-    def step(self, step: int, world_size: int, rank: int) -> None:
-        self._write({"s": step, "t": time.time(), "w": world_size, "r": rank})
+    def step(self, step: int, world_size: int, rank: int, phases: list[float] | None = None) -> None:
+        record: dict[str, Any] = {"s": step, "t": time.time(), "w": world_size, "r": rank}
+        if phases:
+            record["p"] = [round(seconds, 4) for seconds in phases]
+        self._write(record)
 
     def flush(self) -> None:
         self._file.flush()
@@ -102,17 +106,36 @@ class StepFile:
 
 
 class StepTimes(Callback):
-    """A :class:`StepFile` fed by Lightning: one line per trained batch."""
+    """A :class:`StepFile` fed by Lightning: one line per trained batch, with the seconds of its phases (``p``: from
+    the previous batch's end (an adjustment runs there), forward, backward with the gradient all-reduce, the commit
+    vote, the optimizer step to the batch's end)."""
 
     def __init__(self, directory: Path, label: str) -> None:
         self.file = StepFile(directory, label)
+        self._marks: list[float] = []
+        self._last_end: float | None = None
 
     @property
     def path(self) -> Path:
         return self.file.path
 
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._marks = [self._last_end or time.perf_counter(), time.perf_counter()]
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._marks.append(time.perf_counter())
+
+    def on_after_backward(self, *args: Any) -> None:
+        self._marks.append(time.perf_counter())
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self._marks.append(time.perf_counter())
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self.file.step(trainer.global_step, trainer.world_size, trainer.global_rank)
+        self._last_end = time.perf_counter()
+        marks = [*self._marks, self._last_end]
+        phases = [later - earlier for earlier, later in itertools.pairwise(marks)] if len(marks) == 6 else None
+        self.file.step(trainer.global_step, trainer.world_size, trainer.global_rank, phases)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.file.flush()

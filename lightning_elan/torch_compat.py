@@ -31,6 +31,7 @@ __all__ = [
     "SUPPORTED_TORCH",
     "C10dBackend",
     "backend_of",
+    "backward_alone",
     "check_torch_version",
     "forget_scaler_step",
     "keep_alive_forever",
@@ -155,6 +156,19 @@ def settle_bucket_layout(reducer: Any) -> bool:
     tensors, views re-pointed)."""
     reducer._push_all_rebuilt_params()
     return bool(reducer._rebuild_buckets())
+
+
+def backward_alone(reducer: Any, parameters: list[torch.Tensor]) -> None:
+    """One backward of zero gradients into ``parameters`` through the reducer, with no forward: it writes every
+    gradient into its bucket, runs the communication hook on each bucket and copies the buckets back, as a real
+    iteration does, and ends with the reducer finalized (as after any iteration).
+
+    ``Reducer.prepare_for_backward`` (what DDP's forward calls after the module's forward, ``outputs`` empty without
+    ``find_unused_parameters``): arms the autograd hooks and resets the per-iteration bucket counts; the hooks on each
+    parameter's ``AccumulateGrad`` (``autograd_hook``) then mark it ready and ``finalize_backward`` runs as the
+    engine's final callback."""
+    reducer.prepare_for_backward([])
+    torch.autograd.backward(parameters, grad_tensors=[torch.zeros_like(parameter) for parameter in parameters])
 
 
 def reset_reducer(reducer: Any) -> None:

@@ -92,7 +92,7 @@ class ElasticAccelerator(Accelerator):
         self.elastic_plugin = plugin
         self.engine = ElasticWorker(environment, coordinate_every=plugin.coordinate_every,
                                     join_timeout_s=plugin.join_timeout_s, replication=plugin.replication,
-                                    global_batch=plugin.global_batch_size)
+                                    global_batch=plugin.global_batch_size, send_ahead=plugin.send_ahead)
         self.engine.attach(self)
         self.optimizer_steps = 0
         self.launch_world_size = max(environment.world_size, 1)  # a joiner receives the job's with its state
@@ -218,6 +218,9 @@ class ElasticAccelerator(Accelerator):
         return result
 
     def _join(self) -> None:
+        for model in compat.prepared_models(self):
+            if isinstance(model, ElasticDistributedDataParallel):
+                model.warm_up_alone()
         try:
             self.engine.join()
             self._joined_running_job = self._awaiting_first_batch = True
@@ -518,6 +521,11 @@ class ElasticAccelerator(Accelerator):
     def state_nbytes_beyond_model(self) -> int:
         return tensor_nbytes([getattr(optimizer, "optimizer", optimizer).state
                               for optimizer in compat.prepared_optimizers(self)])
+
+    def state_nbytes(self) -> int:
+        models = [self.unwrap_model(model) for model in compat.prepared_models(self)]
+        return tensor_nbytes([[*model.parameters(), *model.buffers()] for model in models]) + \
+            self.state_nbytes_beyond_model()
 
     def _loop_state(self) -> dict[str, Any]:
         return {"optimizer_steps": self.optimizer_steps, "accelerate_step": self.step,

@@ -23,6 +23,9 @@ class ElasticPlugin:
         join_timeout_s: how long a new worker waits inside ``prepare()`` to be admitted.
         replication: ``"auto"`` (nearest worker over CUDA IPC, shared memory or the network) or ``"collective"``;
             default ``$ELAN_REPLICATION``, else ``"auto"``.
+        send_ahead: when a worker makes its shared-memory send segment before an adjustment: ``"joiners"``,
+            ``"always"`` or ``"off"`` (``ElanStrategy``'s ``send_ahead``); default ``$ELAN_SEND_AHEAD``, else
+            ``"joiners"``.
         scaling: ``"strong"`` (global batch kept), ``"weak"`` (× N'/N) or ``"hybrid"`` (Elan's Algorithm 1).
         lr_rule: ``"linear"`` or ``"sqrt"``: the LR multiplier for a global batch multiplied by k.
         lr_ramp_steps: optimizer steps over which the LR reaches its new multiplier after a resize (Elan eq. 2–3).
@@ -34,6 +37,7 @@ class ElasticPlugin:
     coordinate_every: int | None = None
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     replication: str | None = None
+    send_ahead: str | None = None
     scaling: str = "strong"
     lr_rule: str = "linear"
     lr_ramp_steps: int = 100

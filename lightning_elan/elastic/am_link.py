@@ -55,10 +55,11 @@ class AMLink:
     def worker_id(self) -> str:
         return self.environment.worker_id
 
-    def register(self, device: str, topology: dict[str, Any] | None = None) -> None:
-        """Tell the AM where this worker lives; for a joiner this is *report ready*."""
+    def register(self, device: str, topology: dict[str, Any] | None = None) -> bool:
+        """Tell the AM where this worker lives; for a joiner this is *report ready*. Returns whether new workers are
+        coming (to a member)."""
         request = RegisterRequest(self.worker_id, socket.gethostname(), device, os.getpid(), topology)
-        self._client.register(request, timeout_s=5.0, retries=5)
+        return self._client.register(request, timeout_s=5.0, retries=5)
 
     def coordinate(self, request: CoordinateRequest) -> CoordinateReply:
         """Ask whether to adjust; any failure means "no decision" and training goes on."""

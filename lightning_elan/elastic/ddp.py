@@ -102,6 +102,25 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
         self._fix_bucket_layout()
         log.debug("elastic DDP: the interrupted iteration is discarded")
 
+    def warm_up_alone(self) -> bool:
+        """A joiner before its first step: one backward of zero gradients on this process alone (no forward, so no
+        user code; no collective), so that the memory its first real backward writes — the gradient buckets, which the
+        constructor allocates but never writes, and the gradients — has been touched before the stayers wait for it.
+        The gradients are None again afterwards, as they were. Skipped (False) where it could run code of the user's
+        or leave a trace: gradients already there, hooks on a parameter, ``find_unused_parameters``, a joined
+        generation (the hook would all-reduce)."""
+        parameters = [parameter for parameter in self.module.parameters() if parameter.requires_grad]
+        if (not parameters or self.current_group() is not None or self.find_unused_parameters
+                or any(parameter.grad is not None or _has_hooks(parameter) for parameter in parameters)):
+            return False
+        try:
+            torch_compat.backward_alone(self.reducer, parameters)
+        finally:
+            for parameter in parameters:
+                parameter.grad = None
+        log.debug("elastic DDP: warmed up %d parameters' gradient buckets", len(parameters))
+        return True
+
     def broadcast_module_state(self) -> None:
         """Rank 0's parameters and buffers on every process of the current generation (what DDP's constructor does
         with ``init_sync``; a generation formed by a replication needs none)."""
@@ -117,6 +136,11 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         raise RuntimeError("an elastic DDP all-reduces on the current generation with its own communication hook; "
                            "another hook would bypass it")
+
+
+def _has_hooks(parameter: torch.Tensor) -> bool:
+    """Whether the user registered a gradient hook on ``parameter`` (a backward would run it)."""
+    return bool(getattr(parameter, "_backward_hooks", None) or getattr(parameter, "_post_accumulate_grad_hooks", None))
 
 
 def _allreduce_on_current_group(model, bucket):  # no annotations: DDP checks them (strings fail)

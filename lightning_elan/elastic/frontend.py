@@ -45,6 +45,10 @@ class FrontEnd(Protocol):
     def state_nbytes_beyond_model(self) -> int:
         """Bytes of the training state's tensors a joiner has no tensor of its own for yet (optimizer moments...)."""
 
+    def state_nbytes(self) -> int:
+        """Bytes of the whole training state's tensors (model and beyond), counted without dumping the state: no user
+        hook runs. A source makes its send segment this large ahead of an adjustment."""
+
     def shared_state(self) -> dict[str, Any]:
         """Rank 0's small framework state every member adopts at an adjustment (e.g. logger versions)."""
 

@@ -38,8 +38,8 @@ class StepTimeline:
 class PhaseClock:
     """Milliseconds spent in each named phase, for the adjustment log line."""
 
-    def __init__(self) -> None:
-        self._last = time.perf_counter()
+    def __init__(self, since: float | None = None) -> None:
+        self._last = time.perf_counter() if since is None else since
         self._phases: list[tuple[str, float]] = []
 
     def mark(self, phase: str) -> None:

@@ -42,12 +42,14 @@ from lightning_elan.elastic.process_group import (
 from lightning_elan.elastic.rng import rng_state, set_rng_state
 from lightning_elan.elastic.scaling import ScalingLink
 from lightning_elan.elastic.script_end import mark_script_end_at_exit, mark_training_ended
+from lightning_elan.elastic.send_ahead import SendAhead
 from lightning_elan.elastic.state_size import StateSizeNotice, fault_in_for_joiner
 from lightning_elan.elastic.termination import TerminationWatch, any_rank_leaving
 from lightning_elan.elastic.timeline import PhaseClock, StepTimeline
 from lightning_elan.protocol.contract import (
     DEFAULT_JOIN_TIMEOUT_S,
     ENV_REPLICATION,
+    ENV_SEND_AHEAD,
     AdjustmentPlan,
     AdjustmentReport,
     CoordinateRequest,
@@ -70,19 +72,31 @@ FAILURE_NOTICE_S = 10.0
 """How long a worker whose collective raised waits for the AM to declare a member dead before it treats the error as
 its own (a bug, not a peer's death) and re-raises it."""
 
+LEAVER_NICENESS = 19
+"""A worker that left the job runs at this niceness (the lowest priority) until it exits."""
+
 VOTE_STORE_KEY = "vote-store"
 """Under a generation's prefix in the job store: ``HOST:PORT`` of the generation's fast store (etcd job stores only)."""
 PRE_LOOP_POSITION_KEY = "pre_loop_position/"
 """Under a recovery generation's prefix: each survivor's position among the collectives made before the training
 loop (``elastic/pre_loop.py``)."""
 
-# what rank 0 broadcasts at a coordination point
-_NO_CHANGE, _ADJUST, _DEFERRED = 0, 1, 2
+# what rank 0 broadcasts at a coordination point (_PREPARE: no change, but a queued request's joiners warm up)
+_NO_CHANGE, _ADJUST, _DEFERRED, _PREPARE = 0, 1, 2, 3
 REPLICATION_MODES = ("auto", "collective")
 
 
 class NotAMember(RuntimeError):
     """Raised by :meth:`ElasticWorker.join` when the AM cancelled this joiner (its request failed or the job ended)."""
+
+
+def yield_cpu() -> None:
+    """A leaver, out of the job: what it still runs (the framework's teardown, freeing its state, the rest of the
+    script) gets the lowest CPU priority, so that it does not slow the stayers' first steps on a shared host."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, LEAVER_NICENESS)
+    except (AttributeError, OSError) as error:  # not on this platform, or not allowed: it only costs time
+        log.debug("a leaver could not lower its priority: %s", error)
 
 
 def generation_prefix(generation: int) -> str:
@@ -130,6 +144,7 @@ class ElasticWorker:
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
         replication: str | None = None,
         global_batch: int | None = None,
+        send_ahead: str | None = None,
     ) -> None:
         self.environment = environment
         self.coordinate_every = coordinate_every or environment.coordinate_every
@@ -138,6 +153,8 @@ class ElasticWorker:
         self.replication = replication or os.environ.get(ENV_REPLICATION, "auto")
         if self.replication not in REPLICATION_MODES:
             raise ValueError(f"replication must be one of {REPLICATION_MODES}, got {self.replication!r}")
+        send_ahead = send_ahead or os.environ.get(ENV_SEND_AHEAD) or "joiners"
+        self._send_ahead = SendAhead("off" if self.replication == "collective" else send_ahead)
         self.backend = "gloo"
         self.device = torch.device("cpu")
         self.timeout = timedelta(minutes=5)
@@ -167,6 +184,7 @@ class ElasticWorker:
         self._uncommitted: dict[str, Any] | None = None  # the data position before the batch not yet committed
         self._termination: TerminationWatch | None = None
         self._leave_in_vote: bool | None = None  # this batch's commit vote said whether a leave is queued
+        self._boundary_started: float | None = None  # when the last batch boundary began (the adjustment's log line)
 
     # ------------------------------------------------------------------ wiring
 
@@ -237,7 +255,7 @@ class ElasticWorker:
         install_default_group(self.group)
         self._generation_formed()
         if self._link is not None:
-            self._link.register(str(self.device), self._topology())
+            self._send_ahead.joiners_coming_at_start = self._link.register(str(self.device), self._topology())
 
     @property
     def in_launch_generation(self) -> bool:
@@ -521,12 +539,15 @@ class ElasticWorker:
         A member's death noticed here (in a transfer, the agreement or the adjustment) leaves the step committed:
         the survivors recover from it.
         """
+        self._boundary_started = time.perf_counter()
         try:
             self._finish_outgoing()
             pause = self._timeline.step_ended()
             if pause is not None and self._pending_report is not None:
                 self._send_report(pause, step)
             self._send_stats_if_due(step)
+            self._publish_state_size()
+            self._prepare_send_at_first_step()
             if self.peer_failed:
                 raise PeerFailure(self.generation or 0)
             if self._link is not None:
@@ -536,6 +557,23 @@ class ElasticWorker:
                 raise  # the front-end's way out of its loop for a leaver
             self._confirm_peer_failure(error)
             self.recover(step)
+
+    def _publish_state_size(self) -> None:
+        """Rank 0: what a joiner will receive beyond its model, in the job store as soon as the optimizer has state
+        (the first boundary of each generation, or the next ones while it is 0), so that a joiner ready before the
+        first coordination faults its memory in before it, not in the pause."""
+        if self.is_member and self._link is not None and self.rank == 0:
+            self._state_size.publish_if_due(self._group().store, self.frontend.state_nbytes_beyond_model)
+
+    def _prepare_send_at_first_step(self) -> None:
+        """A member that learned at its start that joiners are coming: prepare its send path after its first step
+        (the state exists), before the first coordination, which may already bring them in."""
+        if self._send_ahead.joiners_coming_at_start and self.is_member and self._may_send_ahead():
+            self._send_ahead.joiners_coming_at_start = False
+            self._send_ahead.at_coordination(True, self.frontend.state_nbytes)
+
+    def _may_send_ahead(self) -> bool:
+        return self.device.type == "cpu" or self._send_ahead.mode == "always"
 
     def _send_stats_if_due(self, step: int) -> None:
         """Every few seconds: this member's compute time per step to the AM (queued, sent off this thread)."""
@@ -560,10 +598,10 @@ class ElasticWorker:
         code, decision = self._agree(step)
         self._deferred = code == _DEFERRED
         self._delete_finished_keys()
-        if self.rank == 0:
-            self._state_size.publish_if_due(self._group().store, self.frontend.state_nbytes_beyond_model)
         if decision is not None:
             self._adjust(decision)
+        elif code != _DEFERRED and self._may_send_ahead():
+            self._send_ahead.at_coordination(code == _PREPARE, self.frontend.state_nbytes)
 
     def _leave_requested(self) -> bool:
         """Whether a rank's SIGTERM leave is queued at the AM (then rank 0 coordinates now): carried by the step's
@@ -605,9 +643,10 @@ class ElasticWorker:
             global_batch=self.data.global_batch, scaling=self._scaling.summary_if_due(),
             remaining_samples=self.remaining_samples(),
         )
-        plan = self._require_link().coordinate(request).plan
+        reply = self._require_link().coordinate(request)
+        plan = reply.plan
         if plan is None:
-            return _NO_CHANGE, None
+            return (_PREPARE if reply.joiners_coming else _NO_CHANGE), None
         scaling = self._scaling.decide(self.world_size, plan.world_size, self.data.global_batch)
         return _ADJUST, _Adjust(plan, self.frontend.shared_state(), scaling)
 
@@ -616,10 +655,11 @@ class ElasticWorker:
     def _adjust(self, decision: _Adjust) -> None:
         """Stayers re-form and rewire, sources send the state, leavers leave."""
         plan, started = decision.plan, time.perf_counter()
+        phases = PhaseClock(since=self._boundary_started)
+        phases.mark("agree")  # since the batch boundary began: reports, the coordination, the plan's broadcast
         self._timeline.adjustment_started()
         self.frontend.adopt_shared_state(decision.shared)
         self._scaling.apply(self.data, decision.scaling)  # before the snapshot: joiners inherit batch and LR ramp
-        phases = PhaseClock()
         snapshot = self._snapshot() if plan.joiners_served_by(self.worker_id) else None
         phases.mark("snapshot")
         self.frontend.before_resize()
@@ -654,6 +694,7 @@ class ElasticWorker:
         report = AdjustmentReport(self.worker_id, plan.generation, "leaver", pause_s=elapsed, bytes_sent=sent)
         self._require_link().report(report, wait=True)
         self.has_left = True
+        yield_cpu()
         self.frontend.leave()
 
     # ------------------------------------------------------------------ state replication
@@ -698,7 +739,8 @@ class ElasticWorker:
         prefix = f"{generation_prefix(plan.generation)}transfer"
         generation = plan.generation
         return ReplicationContext(self._group().store, prefix, self.backend, self.timeout, self.device,
-                                  lambda: self._watch is not None and self._watch.failed(generation))
+                                  lambda: self._watch is not None and self._watch.failed(generation),
+                                  self._send_ahead.segment)
 
     def _device_for(self, device_type: str) -> torch.device:
         return torch.device("cpu") if device_type == "cpu" else self.device
@@ -741,6 +783,7 @@ class ElasticWorker:
         ``wait_for_everyone`` before the main process saves, ``trainer.test`` — instead of leaving them to gloo's
         timeout)."""
         self._finish_outgoing()
+        self._send_ahead.close()
         if self._termination is not None:
             self._termination.disarm()
         if self._link is not None:

@@ -23,6 +23,7 @@ from lightning_elan.protocol.contract import (
     CoordinateRequest,
     LeaveReply,
     LeaveRequest,
+    RegisterReply,
     RegisterRequest,
     ScaleCommand,
     StatusRequest,
@@ -141,9 +142,11 @@ class AMClient:
         """The job's status as the AM sent it (docs/architecture.md, *Status*; ``StatusReply.from_body`` types it)."""
         return self.request(StatusRequest.TYPE)
 
-    def register(self, request: RegisterRequest, *, timeout_s: float | None = None, retries: int | None = None) -> None:
-        """Tell the AM where a worker lives; for a joiner this is *report ready*."""
-        self.request(request.TYPE, request.to_body(), timeout_s=timeout_s, retries=retries)
+    def register(self, request: RegisterRequest, *, timeout_s: float | None = None, retries: int | None = None) -> bool:
+        """Tell the AM where a worker lives; for a joiner this is *report ready*. Returns whether new workers are
+        coming (a member's registration: a queued request starts some)."""
+        body = self.request(request.TYPE, request.to_body(), timeout_s=timeout_s, retries=retries)
+        return bool(RegisterReply.from_body(body).joiners_coming)
 
     def coordinate(
         self, request: CoordinateRequest, *, timeout_s: float | None = None, retries: int | None = None

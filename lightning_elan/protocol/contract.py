@@ -123,6 +123,7 @@ STRIPPED_ENV_VARS = frozenset(WORKER_ENV_VARS + SCHEDULER_WORLD_ENV_VARS)
 
 # user settings, read where they apply and inherited by the workers
 ENV_REPLICATION = ENV_PREFIX + "REPLICATION"  # "collective" forces collective replication (no topology registered)
+ENV_SEND_AHEAD = ENV_PREFIX + "SEND_AHEAD"  # when a source makes its shared-memory segment ahead: joiners, always, off
 ENV_SHM_DIR = ENV_PREFIX + "SHM_DIR"  # directory of the shared-memory segments (default /dev/shm)
 ENV_HOME = ENV_PREFIX + "HOME"  # the job registry and default state dirs (default ~/.elan)
 ENV_BUILD_CUDA_EXT = ENV_PREFIX + "BUILD_CUDA_EXT"  # "1": build the optional CUDA extension on first use
@@ -134,8 +135,8 @@ ENV_SECRET_FILE = ENV_PREFIX + "SECRET_FILE"  # the shared secret authenticating
 ENV_AM = ENV_PREFIX + "AM"  # `elan worker --am` from the environment (a pod spec or an `srun` line sets it)
 ENV_SCALE_OUT_COUNT = ENV_PREFIX + "SCALE_OUT_COUNT"  # the workers a `--scale-out-command` is asked to start
 USER_ENV_VARS: tuple[str, ...] = (
-    ENV_REPLICATION, ENV_SHM_DIR, ENV_HOME, ENV_BUILD_CUDA_EXT, ENV_NO_CUDA_EXT, ENV_CUDA_EXT_DIR, ENV_CUDA_ARCHS,
-    ENV_IFACE, ENV_SECRET_FILE,
+    ENV_REPLICATION, ENV_SEND_AHEAD, ENV_SHM_DIR, ENV_HOME, ENV_BUILD_CUDA_EXT, ENV_NO_CUDA_EXT, ENV_CUDA_EXT_DIR,
+    ENV_CUDA_ARCHS, ENV_IFACE, ENV_SECRET_FILE,
 )
 """The user's settings: inherited by every worker (never stripped by the launcher)."""
 COMMAND_ENV_VARS: tuple[str, ...] = (ENV_AM, ENV_SCALE_OUT_COUNT)
@@ -624,10 +625,12 @@ MAX_STANDBY = 64
 
 @dataclass(frozen=True)
 class CoordinateReply:
-    """The answer to ``coordinate``: ``none``, or ``adjust`` with the plan."""
+    """The answer to ``coordinate``: ``none``, or ``adjust`` with the plan; ``joiners_coming`` (with ``none``): a queued
+    request starts new workers, so the members may prepare to serve them (``ELAN_SEND_AHEAD``)."""
 
     decision: str
     plan: AdjustmentPlan | None = None
+    joiners_coming: bool = False
 
     def __post_init__(self) -> None:
         if self.decision not in (DECISION_NONE, DECISION_ADJUST):
@@ -636,8 +639,8 @@ class CoordinateReply:
             raise ProtocolError(f"coordinate reply: decision {self.decision!r} with plan {self.plan!r}")
 
     @classmethod
-    def none(cls) -> CoordinateReply:
-        return cls(DECISION_NONE)
+    def none(cls, joiners_coming: bool = False) -> CoordinateReply:
+        return cls(DECISION_NONE, joiners_coming=joiners_coming)
 
     @classmethod
     def adjust(cls, plan: AdjustmentPlan) -> CoordinateReply:
@@ -645,13 +648,14 @@ class CoordinateReply:
 
     def to_body(self) -> dict[str, Any]:
         if self.plan is None:
-            return {"decision": self.decision}
+            return {"decision": self.decision, **({"joiners_coming": True} if self.joiners_coming else {})}
         return {"decision": self.decision, "plan": self.plan.to_dict()}
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> CoordinateReply:
         plan = body.get("plan")
-        return cls(body.get("decision"), None if plan is None else AdjustmentPlan.from_dict(plan))
+        return cls(body.get("decision"), None if plan is None else AdjustmentPlan.from_dict(plan),
+                   bool(body.get("joiners_coming", False)))
 
 
 @dataclass(frozen=True)
@@ -1109,10 +1113,18 @@ class WorkerStatsReply:
     ignored: bool | None = None
 
 
+@_reply("register reply")
+@dataclass(frozen=True)
+class RegisterReply:
+    """The answer to ``register``: to a member, ``joiners_coming`` when a queued request starts new workers (it then
+    prepares to serve them from its first step on); ``{}`` otherwise."""
+
+    joiners_coming: bool | None = None
+
+
 @dataclass(frozen=True)
 class EmptyReply:
-    """The answer to a request whose reply says nothing but that it was applied (``register``, ``report``,
-    ``shutdown``): ``{}``."""
+    """The answer to a request whose reply says nothing but that it was applied (``report``, ``shutdown``): ``{}``."""
 
     def to_body(self) -> dict[str, Any]:
         return {}
@@ -1148,7 +1160,7 @@ MESSAGES: dict[str, MessageKind] = {
         MessageKind(LauncherPollRequest, LauncherPollReply, mutating=True),
         MessageKind(WorkerExitRequest, WorkerExitReply, mutating=True),
         MessageKind(ShutdownRequest, EmptyReply, mutating=True),
-        MessageKind(RegisterRequest, EmptyReply, mutating=True),
+        MessageKind(RegisterRequest, RegisterReply, mutating=True),
         MessageKind(EnrolRequest, EnrolReply, mutating=True),
         MessageKind(CoordinateRequest, CoordinateReply, mutating=True),
         MessageKind(WaitPlanRequest, WaitPlanReply, mutating=False),
@@ -1330,6 +1342,7 @@ __all__ = [
     "ENV_ROLE",
     "ENV_SCALE_OUT_COUNT",
     "ENV_SECRET_FILE",
+    "ENV_SEND_AHEAD",
     "ENV_SHM_DIR",
     "ENV_SPAWN_TIME",
     "ENV_STORE_ADDRESS",
@@ -1388,6 +1401,7 @@ __all__ = [
     "ProfileRequest",
     "ProtocolError",
     "RecoverRequest",
+    "RegisterReply",
     "RegisterRequest",
     "ScaleCommand",
     "ScaleReply",

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from lightning_elan.replication.planner import TRANSPORT_COLLECTIVE, Transfer, wave_sizes
 from lightning_elan.replication.reception import ReceiveInto
+from lightning_elan.replication.send_segment import SendSegment
 from lightning_elan.replication.topology import L4_NETWORK
 from lightning_elan.replication.transports import (
     TRANSPORTS,
@@ -74,6 +75,7 @@ class ReplicationContext:
     timeout: datetime.timedelta
     device: torch.device
     cancelled: Callable[[], bool] | None = None  # True once the adjustment's generation failed
+    send_segment: SendSegment | None = None  # a source's shared-memory segment made ahead of the adjustment
 
     def channel(self, source: str, route: str) -> Channel:
         """The channel of ``source``'s publication over ``route`` (a transport name, or its fallback's)."""
@@ -176,7 +178,7 @@ def _serve(
     tensors: list[torch.Tensor],
 ) -> bool:
     """Send over transport ``name`` on ``source``'s channel ``route``; False if it published a fallback instead."""
-    transport = transport_for(name, context.channel(source, route))
+    transport = transport_for(name, context.channel(source, route), context.send_segment)
     outgoing._transports.append(transport)
     try:
         outgoing.bytes_sent += transport.send(cpu_state, tensors, len(joiners))

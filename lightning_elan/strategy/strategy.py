@@ -62,6 +62,10 @@ class ElanStrategy(DDPStrategy):
         replication: ``"auto"`` (default: each joiner copies from its nearest worker over CUDA IPC, shared memory or
             the network, as the application master plans from every worker's topology) or ``"collective"`` (always a
             broadcast on a transfer group). Default: ``$ELAN_REPLICATION``, else ``"auto"``.
+        send_ahead: when this worker makes its shared-memory send segment (the state's size of ``/dev/shm``) before
+            an adjustment, so that its first write is not in the pause: ``"joiners"`` (while a request's new workers
+            warm up; CPU workers), ``"always"`` (kept for the whole run) or ``"off"``. Default: ``$ELAN_SEND_AHEAD``,
+            else ``"joiners"``.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and from there to DDP).
     """
 
@@ -73,6 +77,7 @@ class ElanStrategy(DDPStrategy):
         global_batch_size: int | None = None,
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
         replication: str | None = None,
+        send_ahead: str | None = None,
         **kwargs: Any,
     ) -> None:
         environment = WorkerEnvironment.from_env()
@@ -80,7 +85,7 @@ class ElanStrategy(DDPStrategy):
         super().__init__(cluster_environment=ElanEnvironment(), **kwargs)
         self.engine = ElasticWorker(
             environment, coordinate_every=coordinate_every, join_timeout_s=join_timeout_s, replication=replication,
-            global_batch=global_batch_size,
+            global_batch=global_batch_size, send_ahead=send_ahead,
         )
         self.engine.attach(self)
         self._collectives_local = False
@@ -242,6 +247,8 @@ class ElanStrategy(DDPStrategy):
 
     def _join(self) -> None:
         """A joiner, warmed up (model on its device): wait for the adjustment and take the state from the source."""
+        if self._ddp is not None:
+            self._ddp.warm_up_alone()
         try:
             self.engine.join()
         except NotAMember as reason:
@@ -278,6 +285,10 @@ class ElanStrategy(DDPStrategy):
 
     def state_nbytes_beyond_model(self) -> int:
         return tensor_nbytes([optimizer.state for optimizer in self.optimizers])
+
+    def state_nbytes(self) -> int:
+        module = self.lightning_module
+        return tensor_nbytes([*module.parameters(), *module.buffers()]) + self.state_nbytes_beyond_model()
 
     def shared_state(self) -> dict[str, Any]:
         return {"logger_versions": compat.logger_versions(self.lightning_module.trainer)}

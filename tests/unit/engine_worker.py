@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import sys
 import time
 from datetime import timedelta
@@ -67,6 +69,9 @@ class TorchLoop:
     def state_nbytes_beyond_model(self) -> int:
         return tensor_nbytes(self.optimizer.state)
 
+    def state_nbytes(self) -> int:
+        return tensor_nbytes(self.model.state_dict()) + self.state_nbytes_beyond_model()
+
     def shared_state(self) -> dict[str, Any]:
         return {}
 
@@ -117,6 +122,7 @@ def train_one_step(loop: TorchLoop, x: torch.Tensor, y: torch.Tensor, consumed: 
 
 
 def main(out_path: str) -> None:
+    logging.basicConfig(level=os.environ.get("ENGINE_WORKER_LOG", "WARNING"), format="%(name)s: %(message)s")
     environment = WorkerEnvironment.from_env()
     engine = ElasticWorker(environment, coordinate_every=1, global_batch=GLOBAL_BATCH)
     loop = TorchLoop(engine)

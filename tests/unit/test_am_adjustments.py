@@ -5,7 +5,13 @@ from __future__ import annotations
 from lightning_elan.master.state import JobState, Member
 from lightning_elan.master.transitions import adjustments, requests
 from lightning_elan.master.transitions.adjustments import MAX_COMPLETING
-from lightning_elan.protocol.contract import AdjustmentReport, CoordinateRequest
+from lightning_elan.protocol.contract import (
+    AdjustmentReport,
+    CoordinateReply,
+    CoordinateRequest,
+    RegisterReply,
+    RegisterRequest,
+)
 from tests.unit.am_steps import commit, decide, ready, started
 
 
@@ -71,3 +77,20 @@ def test_adjustments_that_never_complete_are_dropped_and_recorded() -> None:
     dropped = state.failures[-1]
     assert (dropped["kind"], dropped["generation"]) == ("adjustment", 1)
     assert dropped["reason"].startswith("never completed: no report from w0")
+
+
+def test_members_hear_of_joiners_coming_until_they_are_in() -> None:
+    state = started(2)
+    register = lambda: requests.register(state, RegisterRequest("w0", host="host", device="cpu", pid=1))  # noqa: E731
+    coordinate = lambda step: adjustments.coordinate(state, CoordinateRequest("w0", state.generation, step))  # noqa: E731
+    assert register() == RegisterReply() and register().to_body() == {} and not coordinate(1).joiners_coming
+    requests.scale(state, "add", count=1, at_step=20)
+    assert register().to_body() == {"joiners_coming": True}  # a member registering now prepares from its first step
+    reply = coordinate(3)
+    assert reply.plan is None and reply.joiners_coming and reply.to_body()["joiners_coming"] is True
+    assert CoordinateReply.from_body(reply.to_body()) == reply
+    ready(state, "w2")
+    commit(state, decide(state, step=20))
+    assert not coordinate(21).joiners_coming and "joiners_coming" not in coordinate(22).to_body()
+    requests.scale(state, "remove", count=1, at_step=50)
+    assert not coordinate(23).joiners_coming  # a removal starts no worker

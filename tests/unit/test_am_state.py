@@ -74,7 +74,7 @@ def test_add_spawns_new_workers_then_plans_them_in_after_they_report_ready() -> 
     assert reply == ScaleReply("r1", ["w2", "w3"])
     assert first_poll == LauncherPollReply([SpawnOrder("w2", "r1"), SpawnOrder("w3", "r1")], [], False)
     assert second_poll.spawn == []
-    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 5)) == CoordinateReply.none()
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 5)) == CoordinateReply.none(joiners_coming=True)
     ready(state, ["w2", "w3"])
     plan = decide(state, step=10)
     assert plan.to_dict() == {
@@ -98,7 +98,7 @@ def test_decision_waits_until_all_new_workers_reported() -> None:
 
     ready(state, ["w2"])
 
-    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 10)) == CoordinateReply.none()
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 10)) == CoordinateReply.none(joiners_coming=True)
     ready(state, ["w3"])
     assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 15)).decision == "adjust"
 
@@ -108,7 +108,7 @@ def test_at_step_defers_the_decision_to_the_first_coordination_at_or_after_it() 
     requests.scale(state, "add", count=1, at_step=20)
     ready(state, ["w2"])
 
-    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 15)) == CoordinateReply.none()
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 15)) == CoordinateReply.none(joiners_coming=True)
     assert decide(state, step=25).step == 25
 
 
@@ -117,7 +117,7 @@ def test_only_the_head_request_is_considered() -> None:
     requests.scale(state, "add", count=1, at_step=100)
     requests.scale(state, "remove", count=1)
 
-    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 10)) == CoordinateReply.none()
+    assert adjustments.coordinate(state, CoordinateRequest("w0", 0, 10)) == CoordinateReply.none(joiners_coming=True)
     assert [request["request_id"] for request in status_view.status(state).pending] == ["r1", "r2"]
 
 

@@ -73,7 +73,7 @@ def coordinate(state: JobState, request: CoordinateRequest, now: float | None = 
     if state.recovery is not None:  # the members are about to learn that the generation failed
         return CoordinateReply.none()
     plan = None if state.finished else _decide_head(state, request.step, now)
-    return CoordinateReply.none() if plan is None else CoordinateReply.adjust(plan)
+    return CoordinateReply.none(requests.joiners_coming(state)) if plan is None else CoordinateReply.adjust(plan)
 
 
 def worker_stats(state: JobState, stats: WorkerStats) -> WorkerStatsReply:

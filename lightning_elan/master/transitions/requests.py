@@ -24,7 +24,14 @@ from lightning_elan.master.state import (
     now_or_clock,
 )
 from lightning_elan.master.transitions import pool
-from lightning_elan.protocol.contract import MAX_WORLD_SIZE, EmptyReply, RegisterRequest, ScaleReply, SpawnOrder
+from lightning_elan.protocol.contract import (
+    MAX_WORLD_SIZE,
+    EmptyReply,
+    RegisterReply,
+    RegisterRequest,
+    ScaleReply,
+    SpawnOrder,
+)
 from lightning_elan.replication.topology import WorkerTopology
 
 logger = logging.getLogger(__name__)
@@ -85,14 +92,15 @@ def queue(state: JobState, request: ScaleRequest, now: float | None) -> ScaleRep
     return ScaleReply(request.request_id, list(request.new_workers))
 
 
-def register(state: JobState, request: RegisterRequest, now: float | None = None) -> EmptyReply:
-    """Record a worker's host/device/pid (and topology); for a joiner this is *report ready*."""
+def register(state: JobState, request: RegisterRequest, now: float | None = None) -> RegisterReply:
+    """Record a worker's host/device/pid (and topology); for a joiner this is *report ready*. A member learns whether
+    new workers are coming (``joiners_coming``): then it prepares to serve them from its first step on."""
     worker_id = request.worker_id
     where = (request.host, request.device, request.pid, _checked_topology(worker_id, request.topology))
     member = state.member(worker_id)
     if member is not None:
         member.host, member.device, member.pid, member.topology = where
-        return EmptyReply()
+        return RegisterReply(joiners_coming=True if joiners_coming(state) else None)
     pending = state.pending_workers.get(worker_id)
     if pending is None:
         if worker_id in state.left_workers:
@@ -103,7 +111,12 @@ def register(state: JobState, request: RegisterRequest, now: float | None = None
         pending.status = READY
         pending.ready_at = now_or_clock(now)
         _note_ready(state, pending.request_id, pending.ready_at)
-    return EmptyReply()
+    return RegisterReply()
+
+
+def joiners_coming(state: JobState) -> bool:
+    """A queued request starts new workers: the members may prepare to serve them while they warm up."""
+    return not state.finished and any(request.new_workers for request in state.pending)
 
 
 def spawn_requested(state: JobState, now: float) -> list[SpawnOrder]:

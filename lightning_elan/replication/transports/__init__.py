@@ -7,6 +7,7 @@ classes; :func:`transport_for` builds one for a channel.
 from __future__ import annotations
 
 from lightning_elan.replication.planner import TRANSPORT_COLLECTIVE, TRANSPORT_CUDA_IPC, TRANSPORT_SHM
+from lightning_elan.replication.send_segment import SendSegment
 from lightning_elan.replication.transports.base import (
     Channel,
     DeviceFor,
@@ -38,10 +39,13 @@ TRANSPORTS: dict[str, type[StateTransport]] = {
 }
 
 
-def transport_for(name: str, channel: Channel) -> StateTransport:
-    """A new transport of kind ``name`` on ``channel``; ``ValueError`` for a name no transport has."""
+def transport_for(name: str, channel: Channel, send_segment: SendSegment | None = None) -> StateTransport:
+    """A new transport of kind ``name`` on ``channel``; ``ValueError`` for a name no transport has. ``send_segment``: a
+    source's shared-memory segment made ahead, which the shared-memory transport writes into."""
     try:
         cls = TRANSPORTS[name]
     except KeyError:
         raise ValueError(f"unknown transport {name!r}; known: {sorted(TRANSPORTS)}") from None
+    if cls is ShmTransport:
+        return ShmTransport(channel, segment=send_segment)
     return cls(channel)

@@ -52,6 +52,7 @@ from lightning_elan.replication.reception import (
     receive_pieces,
     usable_destinations,
 )
+from lightning_elan.replication.send_segment import PreparedFile, SendSegment
 from lightning_elan.replication.transports.base import (
     DEFAULT_TIMEOUT,
     Channel,
@@ -91,25 +92,26 @@ class ShmTransport(StateTransport):
     same_host = True
 
     def __init__(
-        self, channel: Channel, *, shm_dir: str | os.PathLike[str] | None = None, zero_copy: bool = False
+        self, channel: Channel, *, shm_dir: str | os.PathLike[str] | None = None, zero_copy: bool = False,
+        segment: SendSegment | None = None,
     ) -> None:
         super().__init__(channel)
         self.shm_dir = Path(shm_dir) if shm_dir is not None else None
         self.zero_copy = zero_copy
+        self.segment = segment  # the source's segment made ahead (sending), written instead of a new file
         self.path: Path | None = None
+        self._prepared: PreparedFile | None = None  # taken from ``segment`` for this send
         self._readers = 0
 
     @override
     def send(self, cpu_state: Any, tensors: list[torch.Tensor], readers: int) -> int:
-        """Create the segment, publish the header, then write the state while readers copy what is written; raises
-        :class:`TransportUnavailable` if the segment cannot be made or written (its readers learn it from the count)."""
+        """Create the segment (or take the one made ahead), publish the header, then write the state while readers
+        copy what is written; raises :class:`TransportUnavailable` if the segment cannot be made or written (its
+        readers learn it from the count)."""
         t0 = time.perf_counter()
         layout = make_layout(tensors)
         places = arena_layout(layout)
-        directory = self.shm_dir or default_shm_dir()
-        remove_stale_segments(directory)
-        path = directory / f"elan-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        fd = _create_segment(path, places.nbytes)
+        path, fd = self._open_for_writing(places.nbytes)
         self.path, self._readers = path, readers
         header = {"format": self.header_format, "cpu_state": cpu_state, "layout": layout, "arena": places,
                   "path": str(path)}  # fmt: skip
@@ -118,12 +120,24 @@ class ShmTransport(StateTransport):
             _write_segment(fd, path, tensors, layout, places, self._progress)
         except TransportUnavailable:
             self.channel.store.add(self._written_key, _WRITE_FAILED)
-            self._unlink()
+            self._discard()
             raise
         finally:
             os.close(fd)
-        log.debug("shm %s: %d bytes written into %s in %.1f ms", self.channel.prefix, places.nbytes, path, _ms(t0))
+        log.debug("shm %s: %d bytes written into %s %s in %.1f ms", self.channel.prefix, places.nbytes,
+                  "made ahead" if self._prepared is not None else "new", path, _ms(t0))
         return sum(places.sizes.values()) + header_len
+
+    def _open_for_writing(self, nbytes: int) -> tuple[Path, int]:
+        """The segment this send writes (a descriptor of its own): the one made ahead if there is one, else new."""
+        prepared = self.segment.take(nbytes) if self.segment is not None else None
+        if prepared is not None:
+            self._prepared = prepared
+            return prepared.path, os.dup(prepared.fd)
+        directory = self.shm_dir or default_shm_dir()
+        remove_stale_segments(directory)
+        path = directory / f"elan-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        return path, _create_segment(path, nbytes)
 
     @property
     def _written_key(self) -> str:
@@ -231,9 +245,21 @@ class ShmTransport(StateTransport):
         super().shutdown()
 
     def _unlink(self) -> None:
-        if self.path is not None:
+        """Done with the segment: a segment made ahead goes back to its holder (kept for the next send), a new one is
+        unlinked."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and self.segment is not None:
+            self.segment.give_back(prepared)
+        elif self.path is not None:
             self.path.unlink(missing_ok=True)
-            self.path = None
+        self.path = None
+
+    def _discard(self) -> None:
+        """Writing failed: remove the segment, the one made ahead included."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and self.segment is not None:
+            self.segment.discard(prepared)
+        self._unlink()
 
 
 def remove_stale_segments(directory: Path, older_than: datetime.timedelta = 2 * DEFAULT_TIMEOUT) -> list[Path]:
