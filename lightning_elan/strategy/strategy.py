@@ -341,9 +341,14 @@ class ElanStrategy(DDPStrategy):
             log.warning("%s is not a map-style DataLoader: it is not made elastic", type(dataloader).__name__)
             return dataloader
         if self.data_position.global_batch is None:
-            self.data_position.change_global_batch(dataloader.batch_size * self.world_size)
+            self.data_position.change_global_batch(dataloader.batch_size * self._launch_world_size())
         seed = int(os.getenv("PL_GLOBAL_SEED", 0))
         return ElasticDataLoader(dataloader, self.data_position, self._world_view, seed)
+
+    def _launch_world_size(self) -> int:
+        """The job's world when it started (``elan run --nproc``): the global batch a user's per-process
+        ``batch_size`` means, also when a member died before the loop and the world is smaller already."""
+        return self.engine.environment.world_size or self.world_size
 
     def _world_view(self) -> tuple[int, int]:
         return self.global_rank, self.world_size

@@ -211,6 +211,22 @@ def test_manual_optimization_redoes_a_step_cut_by_a_death(runs: Callable[[str, b
     assert_states_close(run.final_state(), static.final_state())
 
 
+def test_a_member_killed_before_the_training_loop_changes_nothing(runs: Callable[[str, bool], Run],
+                                                                   tmp_path: Path) -> None:
+    """The DataModule script loses its rank 1 in the callbacks' ``setup`` (after its ``prepare_data`` wrote the
+    files, before ``ModelCheckpoint`` broadcasts its directory and Lightning's ``post_setup`` barrier): the survivor
+    trains the whole job alone and ends where the static run ends — its logs and checkpoints included."""
+    static = runs("datamodule_callbacks", False)
+    run = run_job(tmp_path, Job("dm_setup_kill", CORPUS["datamodule_callbacks"].command, kill="setup"))
+    assert_ok(run)
+    assert [kill["phase"] for kill in run.kills()] == ["setup"]
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 1)]
+    assert_same_samples(run, static)
+    assert assert_members_agree(run) == sorted(static.digests_by_step())
+    assert_states_close(run.final_state(), static.final_state())
+    check_datamodule_callbacks(run, static)
+
+
 # ---------------------------------------------------------------------- each script's own outputs
 
 

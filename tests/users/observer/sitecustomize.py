@@ -22,7 +22,9 @@ SIGKILLs itself (once per job, written first to ``$USERS_OBSERVE/kills.log``). `
 starts, so the others meet its death inside ``training_step`` (the forward's collectives, the gradient all-reduce) and
 redo the step without it; ``optimizer``: at the batch's first optimizer step, after every member committed it (with
 two optimizers, the others apply the first step and meet the death in the second); ``end``: after the batch's step is
-applied and its samples recorded, so the others meet it at the batch boundary.
+applied and its samples recorded, so the others meet it at the batch boundary. ``$USERS_KILL=setup``: the process
+that is rank 1 SIGKILLs itself in the callbacks' ``setup`` hook, before the training loop (the others meet its death in
+``ModelCheckpoint``'s directory broadcast or Lightning's ``post_setup`` barrier).
 """
 
 from __future__ import annotations
@@ -133,7 +135,9 @@ def _kill_if_due(step: int, rank: int, phase: str) -> None:
     if not plan or rank != 1 or "ELAN_WORKER_ID" not in os.environ:
         return
     kill_step, _, kill_phase = plan.partition(":")
-    if step != int(kill_step) or phase != (kill_phase or "start"):
+    due = phase == "setup" if plan == "setup" else phase != "setup" and (step, phase) == (int(kill_step),
+                                                                                            kill_phase or "start")
+    if not due:
         return
     try:
         log = open(os.path.join(_observe_dir() or ".", "kills.log"), "x")  # the job's first kill only
@@ -151,6 +155,9 @@ def _kill_if_due(step: int, rank: int, phase: str) -> None:
 def _observer_class(callback_base: type) -> type:
     class CorpusObserver(callback_base):  # type: ignore[misc, valid-type]
         batch_step = -1  # the global step at which the current training batch started
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            _kill_if_due(-1, trainer.global_rank, "setup")
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             step, rank = trainer.global_step, trainer.global_rank
