@@ -253,9 +253,9 @@ def main() -> None:
                     kill.now()
                 if accelerator.sync_gradients:
                     gathered = accelerator.gather(loss.detach()[None])  # one value per process of the live world
+                    lr = used_lr[-1] if used_lr else None  # none yet: the job's first step was discarded
                     steps.append([step, epoch, accelerator.num_processes,
-                                  accelerator.data_position.global_batch if elastic else None, used_lr[-1],
-                                  gathered.numel()])
+                                  accelerator.data_position.global_batch if elastic else None, lr, gathered.numel()])
                 scheduler.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:  # discarded: redone later

@@ -79,3 +79,16 @@ def test_a_member_killed_after_its_loop_ended_fails_nothing(plain_runs, tmp_path
     assert_counted_once(committed_batches(run), SAMPLES, EPOCHS)
     assert_states_close(run.final_state(), plain_runs[1].final_state(), TOLERANCE)
     assert "what its script does after training did not run" in run.output, run.excerpt()
+
+
+def test_a_member_killed_in_prepare_before_the_loop_is_recovered(plain_runs, tmp_path):
+    """w1 is SIGKILLed as it calls ``accelerator.prepare`` (before its training loop; w0 is in ``prepare``'s DDP
+    broadcast of rank 0's weights or its first step): w0 trains the whole job alone, exactly."""
+    env = {"ELAN_TEST_KILL": "w1:preparing",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_KILL_DIR), os.environ.get("PYTHONPATH")]))}
+    run = accelerate_run(tmp_path, "prepare_kill", 2, list(JOB_ARGS[1]), env=env)
+    assert run.returncode == 0, run.excerpt()
+    kills = (tmp_path / "elan-home" / "fault-kills.log").read_text().split()
+    assert kills[:2] == ["w1", "preparing"], kills
+    assert_counted_once(committed_batches(run), SAMPLES, EPOCHS)
+    assert_states_close(run.final_state(), plain_runs[1].final_state(), TOLERANCE)

@@ -19,6 +19,8 @@
   meet its death in that barrier (storm seed 953);
 * ``broadcast`` — a member at its first ``ElanStrategy.broadcast`` (``ModelCheckpoint``'s directory, in ``setup``),
   before it enters it: the source may complete it while the others meet the death;
+* ``preparing`` — an Accelerate member as it calls ``accelerator.prepare`` (before its training loop): the others meet
+  its death in ``prepare``'s collectives (the DDP's broadcast of rank 0's weights) or their first step;
 * ``connecting`` — such a survivor once it has arrived in the recovery's generation (every member has), before its
   backend connects: the others meet its death inside their backend's rendezvous.
 
@@ -38,7 +40,8 @@ _FRONT_ENDS = {"train_end": ("lightning_elan.strategy.strategy", "_ElanCoordinat
                "trained": ("lightning_elan.strategy.strategy", "ElanStrategy", "teardown"),
                "loop_over": ("lightning_elan.accelerate.accelerator", "ElasticAccelerator", "_training_over"),
                "barrier": ("lightning_elan.strategy.strategy", "ElanStrategy", "barrier"),
-               "broadcast": ("lightning_elan.strategy.strategy", "ElanStrategy", "broadcast")}
+               "broadcast": ("lightning_elan.strategy.strategy", "ElanStrategy", "broadcast"),
+               "preparing": ("lightning_elan.accelerate.accelerator", "ElasticAccelerator", "prepare")}
 _AFTER = {"recovering", "trained", "loop_over"}  # killed when the method returns, not when it is called
 
 
