@@ -51,10 +51,12 @@ def dead_workers(out: Path) -> list[str]:
 
 
 def unfinished_batch(out: Path, worker: str) -> dict | None:
-    """The batch a killed worker started and did not log as completed, if any."""
+    """The batch a killed worker started and did not log as completed, if any. A started batch is logged with the
+    steps done before it (``global_step`` as it starts), a completed one with the steps done after it (storm seed
+    1011: comparing the two as equal took the batch before the last as the unfinished one)."""
     training = read_jsonl(out / f"training-{worker}.jsonl")
     completed = {(e["epoch"], e["step"]) for e in read_jsonl(out / f"completed-{worker}.jsonl")}
-    left = [entry for entry in training if (entry["epoch"], entry["step"]) not in completed]
+    left = [entry for entry in training if (entry["epoch"], entry["step"] + 1) not in completed]
     return left[-1] if left else None
 
 
