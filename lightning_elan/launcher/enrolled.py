@@ -22,6 +22,7 @@ from types import FrameType
 
 from lightning_elan.launcher.lifeline import die_with_parent, sigterm_held
 from lightning_elan.launcher.run import generations_phrase
+from lightning_elan.launcher.segments import remove_segments_of
 from lightning_elan.protocol.addresses import am_address_list
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
@@ -134,9 +135,12 @@ class EnrolledWorker:
         log.info("%s (%s) started: pid %d", enrolment.worker_id, where, self._child.pid)
         previous = signal.signal(signal.SIGTERM, self._forward)
         try:
-            return self._wait(self._child)
+            returncode = self._wait(self._child)
         finally:
             signal.signal(signal.SIGTERM, previous)
+        if returncode != 0:  # killed or crashed: its shared-memory segments are still there
+            remove_segments_of(self._child.pid, env)
+        return returncode
 
     def _wait(self, child: subprocess.Popen[bytes]) -> int:
         """The command's exit code. It starts with SIGTERM blocked (``launcher/lifeline.py``) until its SIGTERM watch

@@ -39,6 +39,7 @@ from typing import Any
 from lightning_elan.launcher.am_process import DEFAULT_MAX_RESTARTS, AMFailed, AMProcess, describe_status
 from lightning_elan.launcher.lifeline import die_with_parent, sigterm_held
 from lightning_elan.launcher.schedule import ScaleAction, format_schedule_item
+from lightning_elan.launcher.segments import remove_segments_of
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import (
     DEFAULT_COORDINATE_EVERY,
@@ -440,6 +441,8 @@ class JobLauncher:
             returncode = worker.process.poll()
             if returncode is None:
                 continue
+            if returncode != 0:  # killed or crashed: its shared-memory segments are still there
+                remove_segments_of(worker.process.pid)
             worker.returncode = returncode = self._counted_exit(worker, returncode)
             self._exit_seen = True
             verdict = self._report_exit(worker)
