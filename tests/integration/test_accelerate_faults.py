@@ -70,25 +70,25 @@ def test_a_member_killed_after_its_loop_ended_fails_nothing(plain_runs, tmp_path
     """w1 is SIGKILLed once its ``epochs()`` loop ran out (the job's last step was trained by every member), while w0
     waits for everyone before it saves (the probe's ``wait_for_everyone``, Accelerate's usual pattern): the death
     releases that barrier, w0 saves the final state and the job ends 0, saying what did not run on w1."""
-    env = {"ELAN_TEST_KILL": "w1:loop_over",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_KILL_DIR), os.environ.get("PYTHONPATH")]))}
-    run = accelerate_run(tmp_path, "after", 2, list(JOB_ARGS[1]), env=env)
-    assert run.returncode == 0, run.excerpt()
-    kills = (tmp_path / "elan-home" / "fault-kills.log").read_text().split()
-    assert kills[:2] == ["w1", "loop_over"], kills
-    assert_counted_once(committed_batches(run), SAMPLES, EPOCHS)
-    assert_states_close(run.final_state(), plain_runs[1].final_state(), TOLERANCE)
+    run = _exact_after_a_library_kill(plain_runs, tmp_path, "after", "w1:loop_over")
     assert "what its script does after training did not run" in run.output, run.excerpt()
 
 
 def test_a_member_killed_in_prepare_before_the_loop_is_recovered(plain_runs, tmp_path):
     """w1 is SIGKILLed as it calls ``accelerator.prepare`` (before its training loop; w0 is in ``prepare``'s DDP
     broadcast of rank 0's weights or its first step): w0 trains the whole job alone, exactly."""
-    env = {"ELAN_TEST_KILL": "w1:preparing",
+    _exact_after_a_library_kill(plain_runs, tmp_path, "prepare_kill", "w1:preparing")
+
+
+def _exact_after_a_library_kill(plain_runs, tmp_path, job, kill):
+    """A 2-worker job whose ``kill`` (``WORKER:PHASE``, tests/integration/fault_kill) SIGKILLs that worker: exit 0,
+    that kill, every sample once per epoch, the plain run's final state."""
+    env = {"ELAN_TEST_KILL": kill,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_KILL_DIR), os.environ.get("PYTHONPATH")]))}
-    run = accelerate_run(tmp_path, "prepare_kill", 2, list(JOB_ARGS[1]), env=env)
+    run = accelerate_run(tmp_path, job, 2, list(JOB_ARGS[1]), env=env)
     assert run.returncode == 0, run.excerpt()
     kills = (tmp_path / "elan-home" / "fault-kills.log").read_text().split()
-    assert kills[:2] == ["w1", "preparing"], kills
+    assert kills[:2] == kill.split(":"), kills
     assert_counted_once(committed_batches(run), SAMPLES, EPOCHS)
     assert_states_close(run.final_state(), plain_runs[1].final_state(), TOLERANCE)
+    return run
