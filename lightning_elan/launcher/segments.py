@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from lightning_elan.protocol.contract import ENV_SHM_DIR
+from lightning_elan.protocol.contract import shm_directory
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +23,7 @@ __all__ = ["remove_segments_of"]
 def remove_segments_of(pid: int, env: Mapping[str, str] = os.environ) -> list[Path]:
     """Unlink the segments worker ``pid`` left in its shared-memory directory; returns what was removed."""
     removed = []
-    for path in _segment_directory(env).glob(f"elan-{pid}-*"):
+    for path in shm_directory(env).glob(f"elan-{pid}-*"):
         try:
             path.unlink()
             removed.append(path)
@@ -33,11 +32,3 @@ def remove_segments_of(pid: int, env: Mapping[str, str] = os.environ) -> list[Pa
     if removed:
         log.info("removed %d shared-memory segment(s) of the dead worker (pid %d)", len(removed), pid)
     return removed
-
-
-def _segment_directory(env: Mapping[str, str]) -> Path:
-    """Where the worker made its segments (``replication/transports/shm.default_shm_dir``, without importing torch)."""
-    if env.get(ENV_SHM_DIR):
-        return Path(env[ENV_SHM_DIR])
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())

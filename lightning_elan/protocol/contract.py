@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from lightning_elan.protocol.addresses import am_address_list
@@ -148,6 +150,16 @@ ROLE_JOINER = "joiner"
 ROLE_STANDALONE = "standalone"
 ROLE_WAITING = "waiting"  # enrolled with the AM (``elan worker``), the job has not started yet
 LAUNCHED_ROLES = (ROLE_MEMBER, ROLE_JOINER)
+
+
+def shm_directory(env: Mapping[str, str]) -> Path:
+    """Where a worker makes its shared-memory segments (``elan-<pid>-<id>``): ``$ELAN_SHM_DIR`` if set (e.g. a larger
+    tmpfs than a container's 64 MB ``/dev/shm``), else ``/dev/shm`` where it exists (Linux tmpfs), else the temporary
+    directory."""
+    if env.get(ENV_SHM_DIR):
+        return Path(env[ENV_SHM_DIR])
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 class ProtocolError(ValueError):

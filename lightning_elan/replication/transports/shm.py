@@ -20,7 +20,6 @@ import datetime
 import logging
 import mmap
 import os
-import tempfile
 import time
 import uuid
 import warnings
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_elan.protocol.contract import ENV_SHM_DIR
+from lightning_elan.protocol.contract import shm_directory
 from lightning_elan.replication.cuda import kernels
 from lightning_elan.replication.packing import (
     ArenaLayout,
@@ -74,14 +73,8 @@ _WRITE_FAILED = -(1 << 62)  # added to the written-bytes count by a source whose
 
 
 def default_shm_dir() -> Path:
-    """``$ELAN_SHM_DIR`` if set (e.g. a larger tmpfs than a container's 64 MB ``/dev/shm``), else ``/dev/shm`` where
-    it exists (Linux tmpfs), else the temporary directory."""
-    if os.environ.get(ENV_SHM_DIR):
-        return Path(os.environ[ENV_SHM_DIR])
-    path = Path("/dev/shm")
-    if path.is_dir() and os.access(path, os.W_OK):
-        return path
-    return Path(tempfile.gettempdir())
+    """This process's segment directory (:func:`~lightning_elan.protocol.contract.shm_directory`)."""
+    return shm_directory(os.environ)
 
 
 class ShmTransport(StateTransport):
