@@ -131,7 +131,7 @@ class AMProcess:
 
     def _spawn(self, bind: str) -> subprocess.Popen[bytes]:
         self._process = subprocess.Popen(self._command(bind), env=self._env, start_new_session=True,
-                                         preexec_fn=die_with_parent(signal.SIGTERM))
+                                         preexec_fn=die_with_parent(signal.SIGTERM, hold_sigterm=True))
         self._started_at = time.monotonic()
         return self._process
 

@@ -6,7 +6,8 @@ start asks, in a ``preexec_fn`` (it runs in the child after ``fork``, before ``e
 * ``elan run``'s workers (members, joiners, standbys) for SIGKILL: the job's rendezvous store lives in the launcher,
   so without it the job cannot go on, and nobody would be left to stop them;
 * the AM ``elan run`` starts for SIGTERM: it stops as on Ctrl-C (its registry entry is removed, its state stays in the
-  state directory); its ``--parent-pid`` watch is the fallback;
+  state directory); its ``--parent-pid`` watch is the fallback. It too starts with SIGTERM held (below), until
+  ``elan am`` has installed its handler, before it binds and registers;
 * ``elan worker``'s training command for SIGTERM: its job goes on without it (the AM and the store are elsewhere),
   so the command leaves it gracefully, or takes the crash path ``--term-grace`` seconds later (a command still
   starting takes it once its SIGTERM watch is installed, below; one that never installs it is not stopped).

@@ -55,10 +55,11 @@ class AMOptions:
 def serve(options: AMOptions) -> int:
     """Serve the job's AM until SIGINT/SIGTERM, the launcher's death or (``elan worker`` jobs) the job's end; the exit
     code of ``elan am``. :class:`AMStartError` if it cannot start."""
-    return _serve_elected(options) if options.in_etcd else _serve_with_file_store(options)
+    with StopSignals() as signals:
+        return _serve_elected(options, signals) if options.in_etcd else _serve_with_file_store(options, signals)
 
 
-def _serve_with_file_store(options: AMOptions) -> int:
+def _serve_with_file_store(options: AMOptions, signals: StopSignals) -> int:
     from lightning_elan.master import ApplicationMaster, FileStore
     from lightning_elan.protocol.auth import AuthError, secret_from_env
 
@@ -82,7 +83,8 @@ def _serve_with_file_store(options: AMOptions) -> int:
     _configure_sizing(am.address, options.job, options.sizing)
     log.info("AM of job %s (pid %d) at %s: state in %s; Ctrl-C stops it", options.job, os.getpid(), am.address,
              options.state_dir)
-    stopped = wait_for_stop(options.parent_pid, done=lambda: am.finished if options.enrolment is not None else False)
+    enrolled = options.enrolment is not None
+    stopped = wait_for_stop(signals, options.parent_pid, done=lambda: am.finished if enrolled else False)
     log_stop(stop_line(options.job, stopped, am.finished, am.finish_reason))
     am.stop()
     return 0
@@ -144,7 +146,7 @@ def _advertised_host(bind: str) -> str | None:
     return None if host in ("*", "0.0.0.0", "::", "") else host
 
 
-def _serve_elected(options: AMOptions) -> int:
+def _serve_elected(options: AMOptions, signals: StopSignals) -> int:
     """``--store etcd://…``: lead or stand by until stopped. The rendezvous store of such a job is in etcd too (no
     TCPStore): it outlives every AM process, so the workers' next rendezvous survives a fail-over."""
     from lightning_elan.etcd import StoreError
@@ -170,7 +172,7 @@ def _serve_elected(options: AMOptions) -> int:
     runner.start()
     log.info("AM of job %s (pid %d): state in %s; Ctrl-C stops it", options.job, os.getpid(), locator.url())
     done = elected.job_over if options.enrolment is not None else (lambda: False)
-    stopped = wait_for_stop(options.parent_pid, done=done)
+    stopped = wait_for_stop(signals, options.parent_pid, done=done)
     log_stop(stop_line(options.job, stopped, elected.job_over(), None))
     stop.set()
     runner.join(30)
@@ -228,26 +230,41 @@ def _job_end(reason: str | None) -> str:
     return "the job was shut down" if reason == "shutdown" else f"the job was stopped: {reason}"
 
 
-def wait_for_stop(parent_pid: int | None = None, done: Callable[[], bool] = lambda: False) -> Stop:
-    """Block until SIGINT or SIGTERM (or until ``parent_pid`` is no longer our parent, or ``done()``); return why."""
-    received: list[int] = []
-    wake = threading.Event()
+class StopSignals:
+    """SIGINT and SIGTERM recorded from the moment ``serve`` starts: one that comes while the AM starts (after its
+    registry entry is written, before it waits) is a stop like any other, never the default handler's death that
+    would leave the entry behind. ``elan run`` starts its AM with SIGTERM blocked (the lifeline's ``hold_sigterm``):
+    a SIGTERM during the imports waits here, and is unblocked once the handler is in place."""
 
-    def on_signal(signum: int, frame: Any) -> None:
-        received.append(signum)
-        wake.set()
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.wake = threading.Event()
+        self._previous: dict[int, Any] = {}
 
-    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not wake.wait(0.5):
-            if parent_pid is not None and os.getppid() != parent_pid:
-                return Stop("parent", parent_pid=parent_pid)
-            if done():
-                return Stop("done")
-    finally:
-        for signum, handler in previous.items():
+    def __enter__(self) -> StopSignals:
+        self._previous = {signum: signal.signal(signum, self._on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
             signal.signal(signum, handler)
-    name = signal.Signals(received[0]).name
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        self.wake.set()
+
+
+def wait_for_stop(signals: StopSignals, parent_pid: int | None = None,
+                  done: Callable[[], bool] = lambda: False) -> Stop:
+    """Block until ``signals`` records SIGINT or SIGTERM (or until ``parent_pid`` is no longer our parent, or
+    ``done()``); return why."""
+    while not signals.wake.wait(0.5):
+        if parent_pid is not None and os.getppid() != parent_pid:
+            return Stop("parent", parent_pid=parent_pid)
+        if done():
+            return Stop("done")
+    name = signal.Signals(signals.received[0]).name
     if parent_pid is not None and os.getppid() != parent_pid:  # the kernel's SIGTERM as the launcher died
         return Stop("parent", name, parent_pid)
     return Stop("signal", name)

@@ -20,6 +20,7 @@ import pytest
 from lightning_elan import cli_status
 from lightning_elan.cli import main
 from lightning_elan.cli_status import describe_am, describe_enrolment, format_status
+from lightning_elan.launcher.lifeline import die_with_parent
 from lightning_elan.master.main import CLEAN_FINISHES, Stop, stop_line
 from lightning_elan.master.server import scale_line
 from lightning_elan.master.state import JobState, StateError
@@ -146,7 +147,7 @@ PARENT = textwrap.dedent(
     log = open(sys.argv[1], "w")
     am = subprocess.Popen([sys.executable, "-m", "lightning_elan.cli", "am", "--job", "orphan", "--parent-pid",
                            str(os.getpid())], stderr=log, start_new_session=True,
-                          preexec_fn=die_with_parent(signal.SIGTERM))
+                          preexec_fn=die_with_parent(signal.SIGTERM, hold_sigterm=True))
     print(am.pid, flush=True)
     time.sleep(600)
     """
@@ -178,6 +179,45 @@ def test_an_am_whose_launcher_died_says_so(tmp_path: Path) -> None:
     text = log.read_text()
     assert f"elan: warning: AM of job 'orphan' stopped: its launcher (pid {parent.pid}) is gone" in text, text
     assert "received SIGTERM" not in text, text
+
+
+def test_an_am_told_to_stop_while_it_starts_stops_cleanly(tmp_path: Path) -> None:
+    """As ``elan run`` starts it (SIGTERM held until its handler is in place): a SIGTERM while it still imports is a
+    stop, not a death — it exits 0, says so, and leaves no registry entry behind (CI at deaa96a: a launcher killed just
+    as its AM registered left the entry of a dead AM)."""
+    home = tmp_path / "home"
+    am = subprocess.Popen([sys.executable, "-m", "lightning_elan.cli", "am", "--job", "early"], env=_env(home),
+                          cwd=REPO, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=die_with_parent(signal.SIGTERM, hold_sigterm=True))
+    try:
+        am.send_signal(signal.SIGTERM)
+        _, stderr = am.communicate(timeout=60)
+    finally:
+        if am.poll() is None:
+            am.kill()
+            am.wait()
+    assert am.returncode == 0, stderr
+    assert "elan: received SIGTERM: stopping the AM of job 'early'" in stderr.splitlines(), stderr
+    assert not (home / "jobs" / "early.json").exists()
+
+
+def test_an_am_told_to_stop_as_it_registers_removes_its_entry(tmp_path: Path) -> None:
+    """A SIGTERM the moment the registry entry appears (before ``elan am`` logs that it serves) is a clean stop."""
+    home = tmp_path / "home"
+    am = subprocess.Popen([sys.executable, "-m", "lightning_elan.cli", "am", "--job", "racing"], env=_env(home),
+                          cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (home / "jobs" / "racing.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        am.send_signal(signal.SIGTERM)
+        _, stderr = am.communicate(timeout=60)
+    finally:
+        if am.poll() is None:
+            am.kill()
+            am.wait()
+    assert am.returncode == 0, stderr
+    assert not (home / "jobs" / "racing.json").exists(), stderr
 
 
 def _end(pid: int, timeout_s: float = 10.0) -> None:
