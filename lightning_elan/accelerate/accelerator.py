@@ -26,7 +26,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
+from lightning_elan.elastic.pre_loop import PreLoopCollectives
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember, generation_prefix
 from lightning_elan.protocol.contract import WorkerEnvironment
 from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
@@ -118,6 +119,7 @@ class ElasticAccelerator(Accelerator):
         self._step_open = False  # micro-batches were taken since the last committed optimizer step
         self._step_counter_at_open = 0  # Accelerate's micro-step counter when the open step began
         self.recoveries = 0  # member deaths this worker recovered from
+        self._pre_loop = PreLoopCollectives(self._recover_before_the_loop, self.engine.earliest_position)
         self._group_view: torch.distributed.ProcessGroup | None = None
         with compat.single_process_initialisation():
             super().__init__(*args, **kwargs)
@@ -167,6 +169,8 @@ class ElasticAccelerator(Accelerator):
         early (``break``). Ends on a worker that left the job."""
         epoch: int | None = None
         self._epoch_loops += 1
+        self._pre_loop.loop_started()
+        self.engine.training_loop_started()
         while not self.has_left:
             try:
                 self._boundary_between_passes()  # a loop left early: its last batch ends first
@@ -367,6 +371,7 @@ class ElasticAccelerator(Accelerator):
                 self._absorb_failure(error)
             else:
                 self._committed, self._step_open = True, False
+                self._pre_loop.step_committed()
                 self.elastic_scaling.policy.timer.optimizer_step()
         if self._aborted:
             return False, None
@@ -467,6 +472,15 @@ class ElasticAccelerator(Accelerator):
         self._aborted = self._recovery_due = False
         self.recoveries += 1
         self.engine.recover(self.optimizer_steps)
+        self._pre_loop.catch_up()
+
+    def _recover_before_the_loop(self, error: BaseException) -> None:
+        """A collective before the training loop raised: recover if a member died (see ``elastic/pre_loop.py``)."""
+        self.engine.confirm_peer_failure(error)
+        log.warning("worker %s: a member died before the training loop; its collective runs again without it",
+                    self.engine.worker_id)
+        self.recoveries += 1
+        self.engine.recover(self.optimizer_steps)
 
     def _observe_step(self) -> None:
         sample = self.elastic_scaling.policy.timer.batch_end(time.perf_counter())
@@ -506,6 +520,7 @@ class ElasticAccelerator(Accelerator):
             self.scaler.load_state_dict(state["scaler"])
         self._objects.load_state_dict(state["objects"])
         self._load_loop_state(state["loop"])
+        self._pre_loop.joined()
         self._tracker_args = state["loop"].get("trackers")
         self.project_configuration.iteration = int(state["loop"]["save_iteration"])  # automatic checkpoint names
         if self.is_main_process:
@@ -599,32 +614,46 @@ class ElasticAccelerator(Accelerator):
 
     @override
     def gather(self, tensor: Any) -> Any:
-        """Accelerate's ``gather``; when a member just died, this worker's own values (the step is discarded)."""
-        self._announce_loop_end()
-        try:
-            return super().gather(tensor)
-        except Exception as error:
-            self._absorb_failure(error)
-            return tensor
+        """Accelerate's ``gather``; when a member just died in the loop, this worker's own values (the step is
+        discarded)."""
+        gather = super().gather
+        return self._collective(lambda: gather(tensor), tensor)
 
     @override
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """Accelerate's ``reduce``; when a member just died, this worker's own values (the step is discarded)."""
-        self._announce_loop_end()
-        try:
-            return super().reduce(tensor, reduction, scale)
-        except Exception as error:
-            self._absorb_failure(error)
-            return tensor
+        """Accelerate's ``reduce`` (it reduces a copy); when a member just died in the loop, this worker's own values
+        (the step is discarded)."""
+        reduce = super().reduce
+        return self._collective(lambda: reduce(tensor, reduction, scale), tensor)
 
     @override
     def wait_for_everyone(self) -> None:
-        """Accelerate's barrier; when a member just died, it returns (the survivors recover at the next batch)."""
+        """Accelerate's barrier; when a member just died in the loop, it returns (the survivors recover at the next
+        batch); before the loop, the survivors recover and meet in it again."""
+        self.engine.wait_for_training_loop()  # a joiner before its admission (see the engine)
+        barrier = super().wait_for_everyone
+        self._collective(barrier, None)
+
+    def _collective(self, collective: Callable[[], Any], own: Any) -> Any:
+        """Run one of the job's collectives, or return ``own`` (this worker's values) where there is no one to meet:
+
+        * a joiner admitted in ``prepare()``, before it enters :meth:`epochs`: the members made the collectives of the
+          code between ``prepare()`` and their loop before they started training (local, like Lightning's);
+        * before :meth:`epochs`: a member's death is recovered from and the collective runs again
+          (:class:`~lightning_elan.elastic.pre_loop.PreLoopCollectives`);
+        * from :meth:`epochs` on: a member's death discards the step (see :meth:`_absorb_failure`), the survivors
+          recover at the next batch boundary.
+        """
         self._announce_loop_end()
+        if self._joined_running_job and self._pre_loop.recording:
+            return own
+        if self._pre_loop.recording and self.engine.is_member:
+            return self._pre_loop.run(collective)
         try:
-            super().wait_for_everyone()
+            return collective()
         except Exception as error:
             self._absorb_failure(error)
+            return own
 
     # ------------------------------------------------------------------ trackers
 

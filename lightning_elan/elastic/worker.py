@@ -78,6 +78,11 @@ LEAVER_NICENESS = 19
 VOTE_STORE_KEY = "vote-store"
 """Under a generation's prefix in the job store: ``HOST:PORT`` of the generation's fast store (etcd job stores only)."""
 PRE_LOOP_POSITION_KEY = "pre_loop_position/"
+LOOP_STARTED_KEY = "elan/loop_started"
+"""In the job store, set by each member as it enters its training loop: the job is past the collectives made before
+it (a main process's data preparation behind a barrier), which a joiner's barrier before its admission waits for."""
+LOOP_WAIT_NOTICE_S = 30.0
+"""How often a joiner waiting for the job's training loop says so."""
 """Under a recovery generation's prefix: each survivor's position among the collectives made before the training
 loop (``elastic/pre_loop.py``)."""
 
@@ -497,6 +502,25 @@ class ElasticWorker:
         self._await_key(store, key)
         host, _, port = store.get(key).decode().rpartition(":")
         return dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout, wait_for_workers=False)
+
+    def training_loop_started(self) -> None:
+        """This member entered its training loop: the job is past its collectives before the loop."""
+        if self.is_member and self.group is not None and not self.environment.standalone:
+            self.group.store.set(LOOP_STARTED_KEY, "1")
+
+    def wait_for_training_loop(self) -> None:
+        """A joiner not admitted yet, in a barrier of the code before its training loop: the members made that barrier
+        (or will) before their loop, behind which the main process prepares what every process reads next; wait until
+        they are in their loop (at once once they are: a joiner is admitted only at a batch boundary)."""
+        if self.is_member or self.has_left or self.group is None or self.environment.standalone:
+            return
+        store, notice = self.group.store, 0.0
+        while not store.check([LOOP_STARTED_KEY]):
+            if time.monotonic() >= notice:
+                log.info("worker %s waits in a barrier before its training loop until the job's members are in "
+                         "theirs", self.worker_id)
+                notice = time.monotonic() + LOOP_WAIT_NOTICE_S
+            time.sleep(0.1)
 
     def _await_key(self, store: dist.Store, key: str, publisher: str = "rank 0") -> None:
         """Wait for ``key`` (rank 0 sets the vote store's right after the group's rendezvous); :class:`PeerFailure`

@@ -1,0 +1,118 @@
+"""An ordinary Accelerate script whose main process prepares the data while the others wait in
+``wait_for_everyone()``, and whose processes meet once more after ``prepare()`` (``regress_prepared_on_main.py``),
+under the real ``elan run``: a member SIGKILLed while the main process is still preparing, and a worker that joins
+the running job (its ``wait_for_everyone()`` after ``prepare()`` is one the members made long ago). Each run must
+end 0, train every sample once per epoch and end where the static run of the same launch ends (float64, 1e-9)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import processes
+from tests.users.accelerate.corpus_runs import (
+    Job,
+    Run,
+    assert_adjustments,
+    assert_each_sample_once,
+    assert_members_agree,
+    assert_ok,
+    assert_states_close,
+    assert_steps_applied_once,
+    elan_command,
+    job_env,
+    run_job,
+)
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = "regress_prepared_on_main.py"
+SAMPLES, EPOCHS, BATCH = 96, 2, 4
+PREPARATION_S = 8.0  # the main process's data preparation: the kill lands inside it
+
+
+def _steps(world: int) -> range:
+    return range(EPOCHS * SAMPLES // (BATCH * world))
+
+
+def _final(run: Run) -> dict[str, torch.Tensor]:
+    return torch.load(run.out / "final.pt")
+
+
+def _assert_exact(run: Run, static: Run, launch_world: int) -> None:
+    assert_ok(run)
+    assert_each_sample_once(run.trained(), SAMPLES, EPOCHS)
+    assert_steps_applied_once(run.trained(), _steps(launch_world))
+    assert_members_agree(run)
+    assert_states_close(_final(run), _final(static), where="final model")
+
+
+@pytest.fixture(scope="module")
+def static_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
+    """The static runs the elastic ones must equal: 2 and 3 workers from the start to the end."""
+    runs = {}
+    for world in (2, 3):
+        run = run_job(tmp_path_factory.mktemp(f"static{world}"), Job(f"static{world}", SCRIPT, nproc=world))
+        assert_ok(run)
+        assert_steps_applied_once(run.trained(), _steps(world))
+        runs[world] = run
+    return runs
+
+
+def test_a_member_killed_while_the_main_process_prepares_the_data(static_runs: dict[int, Run],
+                                                                   tmp_path: Path) -> None:
+    """Rank 2 is SIGKILLed while rank 0 still makes the data and rank 1 waits for it in ``wait_for_everyone()``: the
+    barrier does not let rank 1 through before the data is there; the two survivors train the job exactly."""
+    job = Job("prepare_kill", SCRIPT, ("--preparation_seconds", str(PREPARATION_S)), nproc=3)
+    (tmp_path / "observe").mkdir()
+    env = job_env(tmp_path, job)
+    proc = subprocess.Popen(elan_command(tmp_path, job), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        victim = _rank_2_once_the_data_is_being_prepared(proc.pid, tmp_path / "out")
+        os.kill(victim["pid"], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    (tmp_path / "output.log").write_text(output)
+    run = Run(job, tmp_path, proc.returncode, output)
+    _assert_exact(run, static_runs[3], 3)
+    assert [(r["action"], r["failure"]["dead"]) for r in run.adjustments()] == [("failure", [victim["worker_id"]])]
+
+
+def _rank_2_once_the_data_is_being_prepared(launcher: int, out: Path) -> dict:
+    """The worker launched as rank 2 (``w2``: its id and pid), once the main process has started preparing the data
+    (and not finished)."""
+    deadline = time.monotonic() + 120
+    while not (out / "preparing").exists():
+        assert time.monotonic() < deadline, "the main process never started preparing the data"
+        time.sleep(0.02)
+    assert not (out / "data.pt").exists(), "the data was ready before the kill"
+    workers = [pid for pid in processes.descendants(launcher) if b"ELAN_WORKER_ID=w2\0" in _environ(pid)]
+    assert len(workers) == 1, workers
+    return {"worker_id": "w2", "pid": workers[0]}
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_a_joiner_meets_nobody_in_its_wait_for_everyone_after_prepare(static_runs: dict[int, Run],
+                                                                      tmp_path: Path) -> None:
+    """A worker added at step 3 runs the script's ``wait_for_everyone()`` after ``prepare()`` once it holds the job's
+    state: the members made that barrier before their loop, so it is this process's alone; the job is exact."""
+    job = Job("joiner_barrier", SCRIPT, ("--step_seconds", "0.05"), nproc=2, schedule="3:add=1")
+    run = run_job(tmp_path, job)
+    _assert_exact(run, static_runs[2], 2)
+    assert_adjustments(run, [("add", 3)])
