@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,15 +231,22 @@ def _job_end(reason: str | None) -> str:
     return "the job was shut down" if reason == "shutdown" else f"the job was stopped: {reason}"
 
 
+STOP_POLL_S = 0.1
+"""How often ``elan am`` looks for a stop (a signal recorded, its launcher gone, the job over)."""
+
+
 class StopSignals:
     """SIGINT and SIGTERM recorded from the moment ``serve`` starts: one that comes while the AM starts (after its
     registry entry is written, before it waits) is a stop like any other, never the default handler's death that
     would leave the entry behind. ``elan run`` starts its AM with SIGTERM blocked (the lifeline's ``hold_sigterm``):
-    a SIGTERM during the imports waits here, and is unblocked once the handler is in place."""
+    a SIGTERM during the imports waits here, and is unblocked once the handler is in place.
+
+    The handler only appends to a list: it runs on the main thread between any two of its bytecodes, so it must take
+    no lock (an ``Event.set`` there deadlocks when the signal lands while the main thread holds the event's lock
+    inside ``Event.wait``: the AM then never stopped, and its registry entry outlived it)."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
-        self.wake = threading.Event()
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -252,18 +260,18 @@ class StopSignals:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
-        self.wake.set()
 
 
 def wait_for_stop(signals: StopSignals, parent_pid: int | None = None,
                   done: Callable[[], bool] = lambda: False) -> Stop:
     """Block until ``signals`` records SIGINT or SIGTERM (or until ``parent_pid`` is no longer our parent, or
     ``done()``); return why."""
-    while not signals.wake.wait(0.5):
+    while not signals.received:
         if parent_pid is not None and os.getppid() != parent_pid:
             return Stop("parent", parent_pid=parent_pid)
         if done():
             return Stop("done")
+        time.sleep(STOP_POLL_S)
     name = signal.Signals(signals.received[0]).name
     if parent_pid is not None and os.getppid() != parent_pid:  # the kernel's SIGTERM as the launcher died
         return Stop("parent", name, parent_pid)
