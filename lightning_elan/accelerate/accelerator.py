@@ -101,6 +101,7 @@ class ElasticAccelerator(Accelerator):
         self.engine.register_scaling(self.elastic_scaling)
         self._train_loader: ElasticTrainLoader | None = None
         self._joined_running_job = False  # admitted in prepare(): holds the job's current state
+        self._catching_up = False  # a joiner, until its first pass over the training loader: its code the members ran
         self._awaiting_first_batch = False  # a joiner before its first batch: its position is the job's
         self._loop_epoch: int | None = None  # the epoch `for epoch in accelerator.epochs(n)` is in (its body runs)
         self._between_passes = False  # a boundary where a pass over the training loader or an epoch starts
@@ -227,7 +228,7 @@ class ElasticAccelerator(Accelerator):
                 model.warm_up_alone()
         try:
             self.engine.join()
-            self._joined_running_job = self._awaiting_first_batch = True
+            self._joined_running_job = self._awaiting_first_batch = self._catching_up = True
             self._watch_loop_end()
         except NotAMember as reason:
             log.info("%s; leaving", reason)
@@ -404,6 +405,7 @@ class ElasticAccelerator(Accelerator):
         the epoch's last batch, a second pass in one epoch). Under `elan run`, only inside :meth:`epochs`."""
         self._boundary_between_passes()
         self._require_epoch_loop()
+        self._catching_up = False
         data = self.engine.data
         if self.epoch_complete() and self._loop_epoch != data.epoch:
             loader.set_epoch(data.epoch + 1)
@@ -637,15 +639,18 @@ class ElasticAccelerator(Accelerator):
     def _collective(self, collective: Callable[[], Any], own: Any) -> Any:
         """Run one of the job's collectives, or return ``own`` (this worker's values) where there is no one to meet:
 
-        * a joiner admitted in ``prepare()``, before it enters :meth:`epochs`: the members made the collectives of the
-          code between ``prepare()`` and their loop before they started training (local, like Lightning's);
+        * a joiner admitted in ``prepare()``, until its first pass over the training loader: the members made the
+          collectives of the code between ``prepare()`` and that pass (after ``prepare()``, at the epoch's start)
+          before they trained the batches it joins at (local, like Lightning's); a real one would pair with their
+          gradient all-reduce. From that pass on (an empty one when it joined after the epoch's last batch) it is
+          where the members are: the code after the loop over the batches meets them;
         * before :meth:`epochs`: a member's death is recovered from and the collective runs again
           (:class:`~lightning_elan.elastic.pre_loop.PreLoopCollectives`);
         * from :meth:`epochs` on: a member's death discards the step (see :meth:`_absorb_failure`), the survivors
           recover at the next batch boundary.
         """
         self._announce_loop_end()
-        if self._joined_running_job and self._pre_loop.recording:
+        if self._catching_up:
             return own
         if self._pre_loop.recording and self.engine.is_member:
             return self._pre_loop.run(collective)

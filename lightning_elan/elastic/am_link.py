@@ -90,10 +90,13 @@ class AMLink:
                 return reply
         return WaitPlanReply.cancelled(f"no plan within {deadline_s:.0f} s")
 
-    def recover(self, generation: int, step: int | None, deadline_s: float, uncertain: bool = False) -> WaitPlanReply:
+    def recover(self, generation: int, step: int | None, deadline_s: float, uncertain: bool = False,
+                before_loop: bool = False) -> WaitPlanReply:
         """Check in as a survivor of ``generation`` (``step`` None: no state held; ``uncertain``: it voted on the step
-        after ``step`` and does not know the decision), then wait for the recovery plan."""
-        request = RecoverRequest(self.worker_id, generation, has_state=step is not None, step=step, uncertain=uncertain)
+        after ``step`` and does not know the decision; ``before_loop``: not in its training loop yet), then wait for
+        the recovery plan."""
+        request = RecoverRequest(self.worker_id, generation, has_state=step is not None, step=step, uncertain=uncertain,
+                                 before_loop=before_loop)
         try:
             body = self._client.request(request.TYPE, request.to_body(), timeout_s=REPORT_ATTEMPT_S,
                                         retries=REPORT_ATTEMPTS - 1)

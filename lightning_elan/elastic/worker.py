@@ -169,6 +169,7 @@ class ElasticWorker:
         self.generation: int | None = None
         self._launch_generation: int | None = None  # the generation formed at start (None for a joiner)
         self.has_left = False
+        self._in_training_loop = False  # the front-end's loop started (a joiner: admitted at a batch boundary)
         self._frontend: FrontEnd | None = None
         self._scaling = ScalingLink()
         self._link: AMLink | None = None
@@ -315,6 +316,7 @@ class ElasticWorker:
                 self._group().abort()
                 reply = link.recover(plan.generation, None, self.join_timeout_s)
         phases.mark("receive")
+        self._in_training_loop = True  # admitted at the members' batch boundary
         self._spare = None  # taken, or of no use to the route the plan chose: unmapped now
         self.frontend.load_training_state(state)
         phases.mark("restore")
@@ -444,7 +446,8 @@ class ElasticWorker:
         return min(positions)
 
     def _recovery_plan_for(self, failed: int, committed_step: int) -> AdjustmentPlan:
-        reply = self._require_link().recover(failed, committed_step, self.join_timeout_s)
+        reply = self._require_link().recover(failed, committed_step, self.join_timeout_s,
+                                             before_loop=not self._in_training_loop)
         if reply.plan is None:
             raise RuntimeError(f"worker {self.worker_id} cannot recover from the failure of generation {failed}: "
                                f"{reply.reason}")
@@ -505,6 +508,7 @@ class ElasticWorker:
 
     def training_loop_started(self) -> None:
         """This member entered its training loop: the job is past its collectives before the loop."""
+        self._in_training_loop = True
         if self.is_member and self.group is not None and not self.environment.standalone:
             self.group.store.set(LOOP_STARTED_KEY, "1")
 

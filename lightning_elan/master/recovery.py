@@ -31,6 +31,7 @@ class CheckIn:
     step: int | None
     at: float
     uncertain: bool = False
+    before_loop: bool = False  # a state holder not in its training loop yet
 
     def step_after(self, newest: int) -> int | None:
         """The step this survivor holds once the recovery plan says the newest committed one is ``newest``: an

@@ -491,7 +491,8 @@ class RecoverRequest:
     ``step`` is the last optimizer step every member committed (None with ``has_state`` False: a joiner that had not
     received its state when the generation failed). ``uncertain``: the survivor voted on step ``step + 1`` and lost
     the store holding the vote before it read the decision; it applies that step if another survivor did (the plan's
-    ``step`` says which) and discards it otherwise.
+    ``step`` says which) and discards it otherwise. ``before_loop``: the survivor has not entered its training loop
+    yet (a death in a collective before it): the recovery then admits no joiner (see ``transitions/recovering.py``).
     """
 
     TYPE: ClassVar[str] = "recover"
@@ -502,6 +503,7 @@ class RecoverRequest:
         "step": Field(_INT),
         "timeout_s": Field(_NUMBER),
         "uncertain": Field((bool,)),
+        "before_loop": Field((bool,)),
     }
 
     worker_id: str
@@ -510,6 +512,7 @@ class RecoverRequest:
     step: int | None = None
     timeout_s: float | None = None
     uncertain: bool = False
+    before_loop: bool = False
 
     def to_body(self) -> dict[str, Any]:
         return _wire(self)

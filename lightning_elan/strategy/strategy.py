@@ -466,6 +466,7 @@ class ElanStrategy(DDPStrategy):
     def training_loop_started(self) -> None:
         """The fit loop's ``on_train_start``: from here a member's death redoes the interrupted batch."""
         self._pre_loop.loop_started()
+        self.engine.training_loop_started()
 
     def _discard_interrupted_step(self) -> None:
         """Whatever phase the death cut short (forward, backward, all-reduce, vote), the redo starts clean: the elastic

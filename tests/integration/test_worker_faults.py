@@ -137,6 +137,21 @@ def test_a_member_killed_in_a_collective_before_the_training_loop_is_recovered(t
     check_fault_run(run, static_run, [victim])
 
 
+def test_below_min_workers_before_the_loop_the_replacement_joins_in_the_loop(tmp_path: Path,
+                                                                             static_run: RunResult) -> None:
+    """w1 of 2 is SIGKILLed in Lightning's first barrier under ``--min-workers 2``: w0 alone is below the minimum, but
+    it is before its training loop (its model not set up, its collectives before the loop not made by a joiner), so
+    it goes on alone and the replacement joins at a batch boundary; the job is exact (before: the replacement was
+    admitted into the recovery with an empty state, and w0's barrier waited for it forever)."""
+    run = fault_run(tmp_path, "preloop_min", 2, ["--wait-for-joiners"], library_kill="w1:barrier",
+                    launcher_args=("--replace-failed", "--min-workers", "2", "--join-timeout", "240"))
+
+    assert _killed(tmp_path) == "w1"
+    check_fault_run(run, static_run, ["w1"])
+    assert [(record["action"], len(record["members"])) for record in run.adjustments()] == [("failure", 1),
+                                                                                            ("add", 2)]
+
+
 def _killed(tmp: Path) -> str:
     lines = (tmp / "elan-home" / "fault-kills.log").read_text().splitlines()
     assert len(lines) == 1, lines

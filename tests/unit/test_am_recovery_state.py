@@ -165,6 +165,19 @@ def test_below_min_workers_the_recovery_waits_for_a_ready_joiner() -> None:
     assert plan.members == ["w0", "w2"] and plan.joiners == ["w2"]
 
 
+def test_below_min_workers_survivors_before_their_loop_go_on_without_a_joiner() -> None:
+    """A survivor not in its training loop yet (a death in a collective before it) forms the recovery alone: a joiner
+    admitted there would receive a state not set up yet; the replacement stays queued for the first batch boundary."""
+    state = started(2, replace_failed=True, min_workers=2, join_timeout_s=30)
+    exited(state, "w1", -9)
+
+    recovering.recover(state, RecoverRequest("w0", 0, has_state=True, step=0, before_loop=True))
+
+    plan = adjustments.wait_plan(state, "w0").plan
+    assert plan.members == ["w0"] and plan.joiners == []
+    assert [request["action"] for request in status_view.status(state).pending] == ["add"]
+
+
 def test_below_min_workers_the_job_fails_after_the_join_timeout() -> None:
     state = started(2, min_workers=2, join_timeout_s=5)
     exited(state, "w1", -9)

@@ -98,7 +98,8 @@ def recover(state: JobState, request: RecoverRequest, now: float | None = None) 
     if worker_id in recovery.survivors:
         step = request.step if request.has_state else None
         recovery.checked_in[worker_id] = CheckIn(request.has_state, step, now_or_clock(now),
-                                                 uncertain=request.has_state and request.uncertain)
+                                                 uncertain=request.has_state and request.uncertain,
+                                                 before_loop=request.has_state and request.before_loop)
         form_plan_if_ready(state, now_or_clock(now))
     answer = adjustments.wait_plan(state, worker_id)
     return answer or WaitPlanReply.wait()
@@ -221,9 +222,11 @@ def _queue_replacement(state: JobState, now: float) -> None:
 def _replacements_for(state: JobState, recovery: Recovery, now: float) -> list[str] | None:
     """Ready joiners (of whole add requests) that bring the world up to ``min_workers`` ([] when not needed); None:
     keep waiting — or, past ``join_timeout_s`` since the death, the job fails (whether or not every survivor
-    checked in)."""
+    checked in). [] while a survivor holding the state is before its training loop: a joiner admitted there would
+    receive a state the survivors have not set up, and would not make their collectives before the loop; the
+    survivors go on below the minimum and the replacement joins at their first batch boundary."""
     needed = state.min_workers - len(recovery.survivors)
-    if needed <= 0:
+    if needed <= 0 or any(check_in.before_loop for check_in in recovery.checked_in.values()):
         return []
     ready: list[str] = []
     for request in state.pending:

@@ -4,13 +4,16 @@ generates and writes it, as a download or a tokenisation pass would) while the o
 before training (as transformers' ``*_no_trainer.py`` examples do around their set-up). Launch with
 ``elan run --nproc 2 --job regress -- python regress_prepared_on_main.py --output_dir OUT``.
 
+Each epoch starts with a ``wait_for_everyone()`` and ends with a ``gather`` of each process's mean loss.
 Writes ``OUT/data.pt`` (main process), ``OUT/preparing`` while it is being made, ``OUT/trained-<pid>.jsonl`` (the
-samples of each applied step) and ``OUT/final.pt`` (the trained model, main process).
+samples of each applied step), ``OUT/epochs.jsonl`` (main process: how many processes the epoch's gather saw) and
+``OUT/final.pt`` (the trained model, main process).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -65,10 +68,13 @@ def main() -> None:
     trained = SampleLog(args.output_dir)
     for epoch in accelerator.epochs(args.num_train_epochs):
         model.train()
+        accelerator.wait_for_everyone()  # every process starts the epoch together
+        losses = []
         for ids, x, y in loader:
             trained.add(ids.tolist())
             time.sleep(args.step_seconds)
             loss = torch.nn.functional.mse_loss(model(x), y)
+            losses.append(loss.detach())
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
@@ -77,6 +83,11 @@ def main() -> None:
                 continue
             trained.step_applied(epoch, accelerator.optimizer_steps, accelerator.process_index,
                                  accelerator.num_processes)
+        mean_loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float64)
+        epoch_losses = accelerator.gather(mean_loss.reshape(1))  # each process's mean training loss of the epoch
+        if accelerator.is_main_process:
+            with (args.output_dir / "epochs.jsonl").open("a") as log:
+                log.write(json.dumps({"epoch": epoch, "processes": len(epoch_losses)}) + "\n")
 
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

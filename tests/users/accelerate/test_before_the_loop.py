@@ -6,6 +6,7 @@ end 0, train every sample once per epoch and end where the static run of the sam
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -41,6 +42,12 @@ def _steps(world: int) -> range:
     return range(EPOCHS * SAMPLES // (BATCH * world))
 
 
+def _epoch_gathers(run: Run) -> list[tuple[int, int]]:
+    """(epoch, how many processes its closing ``gather`` saw), from the main process's ``epochs.jsonl``."""
+    lines = (run.out / "epochs.jsonl").read_text().splitlines()
+    return [(line["epoch"], line["processes"]) for line in map(json.loads, lines)]
+
+
 def _final(run: Run) -> dict[str, torch.Tensor]:
     return torch.load(run.out / "final.pt")
 
@@ -61,6 +68,7 @@ def static_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
         run = run_job(tmp_path_factory.mktemp(f"static{world}"), Job(f"static{world}", SCRIPT, nproc=world))
         assert_ok(run)
         assert_steps_applied_once(run.trained(), _steps(world))
+        assert _epoch_gathers(run) == [(0, world), (1, world)]
         runs[world] = run
     return runs
 
@@ -86,6 +94,7 @@ def test_a_member_killed_while_the_main_process_prepares_the_data(static_runs: d
     run = Run(job, tmp_path, proc.returncode, output)
     _assert_exact(run, static_runs[3], 3)
     assert [(r["action"], r["failure"]["dead"]) for r in run.adjustments()] == [("failure", [victim["worker_id"]])]
+    assert _epoch_gathers(run) == [(0, 2), (1, 2)]
 
 
 def _rank_2_once_the_data_is_being_prepared(launcher: int, out: Path) -> dict:
@@ -108,11 +117,14 @@ def _environ(pid: int) -> bytes:
         return b""
 
 
-def test_a_joiner_meets_nobody_in_its_wait_for_everyone_after_prepare(static_runs: dict[int, Run],
-                                                                      tmp_path: Path) -> None:
-    """A worker added at step 3 runs the script's ``wait_for_everyone()`` after ``prepare()`` once it holds the job's
-    state: the members made that barrier before their loop, so it is this process's alone; the job is exact."""
-    job = Job("joiner_barrier", SCRIPT, ("--step_seconds", "0.05"), nproc=2, schedule="3:add=1")
+@pytest.mark.parametrize("step", [3, 12], ids=["mid-epoch", "after-the-epochs-last-batch"])
+def test_a_joiners_code_before_its_first_batch_meets_nobody(static_runs: dict[int, Run], tmp_path: Path,
+                                                            step: int) -> None:
+    """A worker added at step 3 (mid-epoch 0), or at step 12 (after epoch 0's last batch), runs the code the members
+    ran before the batches it joins at — ``wait_for_everyone()`` after ``prepare()`` and at the epoch's start — on its
+    own (the members made those collectives before they trained), and the epoch's closing ``gather`` with them."""
+    job = Job("joiner_barrier", SCRIPT, ("--step_seconds", "0.05"), nproc=2, schedule=f"{step}:add=1")
     run = run_job(tmp_path, job)
     _assert_exact(run, static_runs[2], 2)
     assert_adjustments(run, [("add", 3)])
+    assert _epoch_gathers(run) == [(0, 3), (1, 3)], "the epochs' closing gather saw every process"
