@@ -238,6 +238,7 @@ class JobLauncher:
             self._abort(f"cannot start the worker command: {exc}")
             return 1
         finally:
+            self._remove_dead_workers_segments()
             self._stop_services()
             self._restore_signal_handlers()
 
@@ -618,6 +619,13 @@ class JobLauncher:
             except (AMError, AMUnavailable) as exc:
                 log.debug("shutdown after failure not acknowledged: %s", exc)
         self._terminate_children()
+
+    def _remove_dead_workers_segments(self) -> None:
+        """However the run ended: the shared-memory segments of every worker that did not exit 0 (a stop kills
+        workers without reaping them, see :meth:`_terminate_children`)."""
+        for worker in self._workers.values():
+            if worker.process.poll() not in (None, 0):
+                remove_segments_of(worker.process.pid)
 
     def _terminate_children(self) -> None:
         """SIGTERM every live child, SIGKILL whatever is still running after ``kill_grace_s``."""

@@ -238,6 +238,33 @@ def test_sigterm_to_launcher_is_forwarded(tmp_path: Path) -> None:
     assert "stopping the AM" not in stderr, stderr
 
 
+SEGMENT_MAKER = ("import os, time; open(os.path.join(os.environ['ELAN_SHM_DIR'], f'elan-{os.getpid()}-0a1b2c'), 'w')"
+                 ".write('x'); time.sleep(120)")
+"""A worker that makes a segment named as the engine names them, then never leaves (its SIGTERM stays held)."""
+
+
+def test_a_stopped_launcher_removes_the_segments_of_the_workers_it_killed(tmp_path: Path) -> None:
+    """SIGTERM to ``elan run``: its workers, killed as it stops, leave no shared-memory segment behind."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    argv = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "2", "--job", "segments", "--",
+            sys.executable, "-c", SEGMENT_MAKER]
+    launcher = subprocess.Popen(argv, env={**_env(tmp_path), "ELAN_SHM_DIR": str(shm)}, cwd=REPO,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(shm.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(shm.iterdir())) == 2
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert list(shm.iterdir()) == [], stderr
+
+
 def test_joiner_that_never_reports_fails_its_request_and_is_stopped(tmp_path: Path) -> None:
     result = elan_run(tmp_path, "silent", 1, "joiner-silent", "--schedule", "1:add=1", "--report-timeout", "2")
     assert result.returncode == 0, result.stderr
