@@ -222,10 +222,7 @@ def test_sigterm_to_launcher_is_forwarded(tmp_path: Path) -> None:
     argv += ["--", sys.executable, str(script), str(out), "sleep"]
     launcher = subprocess.Popen(argv, env=_env(tmp_path), cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while len(worker_files(tmp_path)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(worker_files(tmp_path)) == 2
+        _wait_until(lambda: len(worker_files(tmp_path)) == 2, "both workers started")
         launcher.send_signal(signal.SIGTERM)
         _, stderr = launcher.communicate(timeout=60)
     finally:
@@ -236,6 +233,13 @@ def test_sigterm_to_launcher_is_forwarded(tmp_path: Path) -> None:
         assert (out / f"{worker_id}.terminated.json").exists()
     assert "elan: AM of job 'term' stopped: the job was stopped: the launcher received SIGTERM" in stderr, stderr
     assert "stopping the AM" not in stderr, stderr
+
+
+def _wait_until(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(0.05)
 
 
 SEGMENT_MAKER = ("import os, time; open(os.path.join(os.environ['ELAN_SHM_DIR'], f'elan-{os.getpid()}-0a1b2c'), 'w')"
@@ -252,10 +256,7 @@ def test_a_stopped_launcher_removes_the_segments_of_the_workers_it_killed(tmp_pa
     launcher = subprocess.Popen(argv, env={**_env(tmp_path), "ELAN_SHM_DIR": str(shm)}, cwd=REPO,
                                 stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while len(list(shm.iterdir())) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(list(shm.iterdir())) == 2
+        _wait_until(lambda: len(list(shm.iterdir())) == 2, "both workers made their segment")
         launcher.send_signal(signal.SIGTERM)
         _, stderr = launcher.communicate(timeout=60)
     finally:

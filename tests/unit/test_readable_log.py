@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -121,20 +121,15 @@ def test_an_am_stopped_by_its_launcher_after_the_job_finished_says_so(tmp_path: 
     from lightning_elan.protocol.client import AMClient
 
     home = tmp_path / "home"
-    am = subprocess.Popen([sys.executable, "-m", "lightning_elan.cli", "am", "--job", "fin", "--parent-pid",
-                           str(os.getpid())], env=_env(home), cwd=REPO, stderr=subprocess.PIPE, text=True)
-    try:
+
+    def finish_the_job() -> None:
         entry = _wait_for_registry(home, "fin")
         with AMClient(str(entry["address"]), "fin") as client:
             client.request("start_job", {"nproc": 1})
             client.request("shutdown", {"reason": "all members finished"})
-        am.send_signal(signal.SIGTERM)
-        _, stderr = am.communicate(timeout=30)
-    finally:
-        if am.poll() is None:
-            am.kill()
-            am.wait()
-    assert am.returncode == 0, stderr
+
+    returncode, stderr = _sigterm_am(home, "fin", ["--parent-pid", str(os.getpid())], before=finish_the_job)
+    assert returncode == 0, stderr
     assert "elan: AM of job 'fin' stopped: the job finished" in stderr.splitlines(), stderr
     assert "received SIGTERM" not in stderr and "warning" not in stderr, stderr
 
@@ -186,17 +181,8 @@ def test_an_am_told_to_stop_while_it_starts_stops_cleanly(tmp_path: Path) -> Non
     stop, not a death — it exits 0, says so, and leaves no registry entry behind (CI at deaa96a: a launcher killed just
     as its AM registered left the entry of a dead AM)."""
     home = tmp_path / "home"
-    am = subprocess.Popen([sys.executable, "-m", "lightning_elan.cli", "am", "--job", "early"], env=_env(home),
-                          cwd=REPO, stderr=subprocess.PIPE, text=True,
-                          preexec_fn=die_with_parent(signal.SIGTERM, hold_sigterm=True))
-    try:
-        am.send_signal(signal.SIGTERM)
-        _, stderr = am.communicate(timeout=60)
-    finally:
-        if am.poll() is None:
-            am.kill()
-            am.wait()
-    assert am.returncode == 0, stderr
+    returncode, stderr = _sigterm_am(home, "early", preexec_fn=die_with_parent(signal.SIGTERM, hold_sigterm=True))
+    assert returncode == 0, stderr
     assert "elan: received SIGTERM: stopping the AM of job 'early'" in stderr.splitlines(), stderr
     assert not (home / "jobs" / "early.json").exists()
 
@@ -204,20 +190,31 @@ def test_an_am_told_to_stop_while_it_starts_stops_cleanly(tmp_path: Path) -> Non
 def test_an_am_told_to_stop_as_it_registers_removes_its_entry(tmp_path: Path) -> None:
     """A SIGTERM the moment the registry entry appears (before ``elan am`` logs that it serves) is a clean stop."""
     home = tmp_path / "home"
-    am = subprocess.Popen([sys.executable, "-m", "lightning_elan.cli", "am", "--job", "racing"], env=_env(home),
-                          cwd=REPO, stderr=subprocess.PIPE, text=True)
-    try:
+
+    def until_registered() -> None:
         deadline = time.monotonic() + 60
         while not (home / "jobs" / "racing.json").exists() and time.monotonic() < deadline:
             time.sleep(0.001)
+
+    returncode, stderr = _sigterm_am(home, "racing", before=until_registered)
+    assert returncode == 0, stderr
+    assert not (home / "jobs" / "racing.json").exists(), stderr
+
+
+def _sigterm_am(home: Path, job: str, args: list[str] | None = None, before: Callable[[], None] = lambda: None,
+                preexec_fn: Callable[[], None] | None = None) -> tuple[int, str]:
+    """Start ``elan am --job JOB ARGS``, run ``before()``, SIGTERM it; its exit code and stderr (killed past 60 s)."""
+    am = subprocess.Popen([sys.executable, "-m", "lightning_elan.cli", "am", "--job", job, *(args or [])],
+                          env=_env(home), cwd=REPO, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+    try:
+        before()
         am.send_signal(signal.SIGTERM)
         _, stderr = am.communicate(timeout=60)
     finally:
         if am.poll() is None:
             am.kill()
             am.wait()
-    assert am.returncode == 0, stderr
-    assert not (home / "jobs" / "racing.json").exists(), stderr
+    return am.returncode, stderr
 
 
 def _end(pid: int, timeout_s: float = 10.0) -> None:
