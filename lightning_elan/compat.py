@@ -147,6 +147,88 @@ def call_on_load_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> 
     call._call_lightning_module_hook(trainer, "on_load_checkpoint", checkpoint)
 
 
+def follow_fit_loop_restores(trainer: pl.Trainer, restored: Callable[[int, bool], None]) -> None:
+    """Call ``restored(epoch, with_loader_state)`` each time Lightning loads the fit loop's state.
+
+    ``_CheckpointConnector.restore_loops`` loads it with ``fit_loop.load_state_dict`` (progress first, then
+    ``_FitLoop.on_load_checkpoint``, which keeps the saved loaders' states in ``_combined_loader_states_to_load``). The
+    LR finder (``tuner/lr_finder.py`` ``_lr_find``) loads the state it dumped before its range test and restores its
+    checkpoint, then sets ``fit_loop.restarting = False``: ``_FitLoop._load_combined_loader_states`` then applies no
+    loader state, and Lightning's next loader iterator starts ``epoch`` from its first batch.
+    """
+    fit_loop = trainer.fit_loop
+    if getattr(fit_loop, "_elan_restored", None) is restored:
+        return
+    load = type(fit_loop).load_state_dict
+
+    def load_state_dict(state_dict: dict, prefix: str = "") -> None:
+        load(fit_loop, state_dict, prefix)
+        restored(fit_loop.epoch_progress.current.processed, bool(fit_loop._combined_loader_states_to_load))
+
+    fit_loop.load_state_dict = load_state_dict
+    fit_loop._elan_restored = restored
+
+
+def tuning(trainer: pl.Trainer) -> bool:
+    """This ``fit`` is ``Tuner.lr_find``'s: it runs only the LR finder's range test (``tuner/tuning.py`` adds a
+    ``LearningRateFinder`` with ``_early_exit = True``, which raises ``_TunerExitException`` after the test)."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    return any(isinstance(callback, LearningRateFinder) and getattr(callback, "_early_exit", False)
+               for callback in trainer.callbacks)
+
+
+LRFindRunner = Callable[..., Any]
+"""``run(lr_find, trainer, model, **options)``: runs (or stands in for) Lightning's ``_lr_find``."""
+
+
+def route_lr_find() -> None:
+    """Send every LR range test through its trainer's strategy when the strategy has ``run_lr_find(lr_find, trainer,
+    model, **options)`` (``LearningRateFinder.lr_find`` calls ``callbacks/lr_finder.py``'s ``_lr_find``, and
+    ``Tuner.lr_find`` runs that callback); other strategies get Lightning's own."""
+    from lightning.pytorch.callbacks import lr_finder as callback_module
+
+    lr_find = callback_module._lr_find
+    if getattr(lr_find, "_elan_routed", False):
+        return
+
+    def routed(trainer: pl.Trainer, model: pl.LightningModule, **options: Any) -> Any:
+        run: LRFindRunner | None = getattr(trainer.strategy, "run_lr_find", None)
+        return lr_find(trainer, model, **options) if run is None else run(lr_find, trainer, model, **options)
+
+    routed._elan_routed = True  # type: ignore[attr-defined]
+    callback_module._lr_find = routed
+
+
+def lr_find_results(finder: Any) -> dict[str, Any] | None:
+    """What an ``_LRFinder`` found (its ``results`` and ``_total_batch_idx``; None: the test was skipped)."""
+    if finder is None:
+        return None
+    return {"results": finder.results, "total_batch_idx": finder._total_batch_idx}
+
+
+def lr_finder_from_results(trainer: pl.Trainer, model: pl.LightningModule, found: dict[str, Any] | None,
+                           options: dict[str, Any]) -> Any:
+    """The ``_LRFinder`` that ``_lr_find(trainer, model, **options)`` returns, made from another process's ``found``,
+    with ``_lr_find``'s ``update_attr`` applied (the model's LR attribute and its optimizers' LR set to the
+    suggestion)."""
+    from lightning.pytorch.tuner.lr_finder import _determine_lr_attr_name, _LRFinder
+    from lightning.pytorch.utilities.parsing import lightning_setattr
+
+    if found is None:
+        return None
+    finder = _LRFinder(options.get("mode", "exponential"), options.get("min_lr", 1e-8), options.get("max_lr", 1.0),
+                       options.get("num_training", 100))
+    finder.results, finder._total_batch_idx = found["results"], found["total_batch_idx"]
+    suggestion = finder.suggestion() if options.get("update_attr", False) else None
+    if suggestion is not None:
+        lightning_setattr(model, _determine_lr_attr_name(model, options.get("attr_name", "")), suggestion)
+        for optimizer in trainer.optimizers or []:
+            for group in optimizer.param_groups:
+                group["lr"] = suggestion
+    return finder
+
+
 def call_after_each_trained_batch(trainer: pl.Trainer, hook: Callable[[], None]) -> None:
     """Run ``hook`` once a training batch is completely over, after every hook Lightning runs for it.
 

@@ -78,13 +78,16 @@ LEAVER_NICENESS = 19
 VOTE_STORE_KEY = "vote-store"
 """Under a generation's prefix in the job store: ``HOST:PORT`` of the generation's fast store (etcd job stores only)."""
 PRE_LOOP_POSITION_KEY = "pre_loop_position/"
+"""Under a recovery generation's prefix: each survivor's position among the collectives made before the training
+loop (``elastic/pre_loop.py``)."""
 LOOP_STARTED_KEY = "elan/loop_started"
 """In the job store, set by each member as it enters its training loop: the job is past the collectives made before
 it (a main process's data preparation behind a barrier), which a joiner's barrier before its admission waits for."""
 LOOP_WAIT_NOTICE_S = 30.0
-"""How often a joiner waiting for the job's training loop says so."""
-"""Under a recovery generation's prefix: each survivor's position among the collectives made before the training
-loop (``elastic/pre_loop.py``)."""
+"""How often a joiner waiting for the job's training loop (or a result of its start) says so."""
+START_RESULT_PREFIX = "elan/start/"
+"""In the job store: what the launch members computed at the script's start and a joiner takes instead of computing
+it alone (the LR finder's range test: ``elan/start/lr_find/<n>``)."""
 
 # what rank 0 broadcasts at a coordination point (_PREPARE: no change, but a queued request's joiners warm up)
 _NO_CHANGE, _ADJUST, _DEFERRED, _PREPARE = 0, 1, 2, 3
@@ -525,6 +528,23 @@ class ElasticWorker:
                          "theirs", self.worker_id)
                 notice = time.monotonic() + LOOP_WAIT_NOTICE_S
             time.sleep(0.1)
+
+    def publish_start_result(self, name: str, value: str) -> None:
+        """Rank 0 of the launch generation: what the script's start computed (see :meth:`start_result`)."""
+        if self.group is not None and not self.environment.standalone:
+            self.group.store.set(START_RESULT_PREFIX + name, value)
+
+    def start_result(self, name: str) -> str:
+        """A joiner: the launch members' result of a step of the script's start that ran before their training loop
+        (it cannot run it with them); waits until rank 0 publishes it."""
+        assert self.group is not None, "start() first"
+        store, key, notice = self.group.store, START_RESULT_PREFIX + name, 0.0
+        while not store.check([key]):
+            if time.monotonic() >= notice:
+                log.info("worker %s waits for the job's members to publish their %s", self.worker_id, name)
+                notice = time.monotonic() + LOOP_WAIT_NOTICE_S
+            time.sleep(0.1)
+        return store.get(key).decode()
 
     def _await_key(self, store: dist.Store, key: str, publisher: str = "rank 0") -> None:
         """Wait for ``key`` (rank 0 sets the vote store's right after the group's rendezvous); :class:`PeerFailure`

@@ -8,6 +8,7 @@ touch goes through :mod:`lightning_elan.compat`.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -89,6 +90,8 @@ class ElanStrategy(DDPStrategy):
         )
         self.engine.attach(self)
         self._collectives_local = False
+        self._training_fit = False  # from setup to teardown of a fit that trains (not Tuner.lr_find's)
+        self._lr_finds = 0  # LR range tests this process ran or took from the members
         self._current_share: LocalShare | None = None
         self._applied_steps = AppliedSteps()  # manual optimization: the batch's steps, until it stands
         self._ddp: ElasticDistributedDataParallel | None = None
@@ -159,6 +162,8 @@ class ElanStrategy(DDPStrategy):
         if trainer is not None:
             compat.disable_distributed_sampler(trainer)
             _install_coordinator(trainer, self)
+            compat.follow_fit_loop_restores(trainer, self._fit_loop_restored)
+            compat.route_lr_find()
             if not self.engine.environment.standalone:  # SIGTERM = leave the job (elastic/termination.py)
                 compat.keep_sigterm_handler(trainer, lambda: self.engine.sigterm_handler)
                 compat.drop_sigterm_broadcast(trainer)
@@ -194,21 +199,34 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """A worker that left the job during ``fit`` evaluates nothing afterwards (see :meth:`_setup_as_leaver`)."""
-        if self.engine.has_left and trainer.state.fn != TrainerFn.FITTING:
+        """A worker that left the job during ``fit`` evaluates nothing afterwards (see :meth:`_setup_as_leaver`); a
+        joiner's ``validate``/``test``/``predict`` before its ``fit`` runs alone (see :meth:`_setup_alone`)."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._training_fit = not compat.tuning(trainer)
+            super().setup(trainer)
+        elif self.engine.has_left:
             self._setup_as_leaver(trainer)
+        elif not self.engine.is_member:
+            self._setup_alone(trainer)
         else:
             super().setup(trainer)
 
-    def _setup_as_leaver(self, trainer: pl.Trainer) -> None:
-        """``validate``/``test``/``predict`` after this worker left: skipped, with one info line. Its model stopped
-        training when it left, so its results would be a stale model's; the job's final workers evaluate. The model is
-        set up as DDP's would be, without the state sync that needs the job (``DDPStrategy.setup``'s order)."""
+    def _setup_alone(self, trainer: pl.Trainer) -> None:
+        """The model set up as DDP's ``setup`` does for an evaluation, without the state sync that needs the job.
+
+        A joiner runs the user's script from its top: an evaluation before ``fit`` (a baseline ``trainer.validate``)
+        is one the members ran when the job started. The joiner runs it alone, on the whole of its data, while it warms
+        up (its collectives stay in the process), so the script gets the results it expects."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.setup_precision_plugin()
+
+    def _setup_as_leaver(self, trainer: pl.Trainer) -> None:
+        """``validate``/``test``/``predict`` after this worker left: skipped, with one info line. Its model stopped
+        training when it left, so its results would be a stale model's; the job's final workers evaluate."""
+        self._setup_alone(trainer)
         stage = _LIMIT_OF_STAGE.get(trainer.state.fn)
         if stage is not None:
             setattr(trainer, stage, 0)  # Lightning's own skip: the loop runs no hook and loads no data
@@ -219,9 +237,10 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """A joiner builds its elastic DDP while it warms up (it needs no group), then waits for its adjustment."""
+        """A joiner builds its elastic DDP while it warms up (it needs no group), then waits for its adjustment (in the
+        fit that trains: ``Tuner.lr_find``'s fit is over before the members train, see :meth:`run_lr_find`)."""
         super().configure_ddp()
-        if not self.engine.is_member:
+        if not self.engine.is_member and self._training_fit:
             self._join()
 
     @override
@@ -345,6 +364,29 @@ class ElanStrategy(DDPStrategy):
         seed = int(os.getenv("PL_GLOBAL_SEED", 0))
         return ElasticDataLoader(dataloader, self.data_position, self._world_view, seed)
 
+    def _fit_loop_restored(self, epoch: int, with_loader_state: bool) -> None:
+        """Lightning restored its fit loop from a state that holds no position of the training data (the LR finder's,
+        saved before the loop): like Lightning's fresh loader, the data starts ``epoch`` from its first sample. A state
+        with a position (a checkpoint saved in the loop, a joiner's) loads it through ``ElasticDataLoader``."""
+        if not with_loader_state:
+            self.data_position.start_epoch(epoch)
+
+    def run_lr_find(self, lr_find: Callable[..., Any], trainer: pl.Trainer, model: pl.LightningModule,
+                    **options: Any) -> Any:
+        """The LR finder's range test (``Tuner.lr_find``, a ``LearningRateFinder``): the launch members run it before
+        their training loop and rank 0 publishes what it found; a joiner, which cannot run it with them, takes that
+        (its ``update_attr`` applied), so the script sees the members' result. Nothing else changes: no adjustment
+        lands in a range test (Lightning runs it with its own callbacks only), and its data does not count."""
+        name = f"lr_find/{self._lr_finds}"
+        self._lr_finds += 1
+        if self.engine.environment.joiner:
+            found = json.loads(self.engine.start_result(name))
+            return compat.lr_finder_from_results(trainer, model, found, options)
+        finder = lr_find(trainer, model, **options)
+        if self.is_global_zero:
+            self.engine.publish_start_result(name, json.dumps(compat.lr_find_results(finder)))
+        return finder
+
     def _launch_world_size(self) -> int:
         """The job's world when it started (``elan run --nproc``): the global batch a user's per-process
         ``batch_size`` means, also when a member died before the loop and the world is smaller already."""
@@ -357,6 +399,7 @@ class ElanStrategy(DDPStrategy):
         if (
             not compat.user_wants_distributed_sampler(trainer)
             or self.world_size < 2
+            or not self.engine.is_member  # a joiner before its fit evaluates alone (see _setup_alone)
             or not isinstance(dataloader, DataLoader)
             or isinstance(dataloader.sampler, DistributedSampler)
             or _has_iterable_dataset(dataloader)
@@ -535,7 +578,9 @@ class ElanStrategy(DDPStrategy):
         if getattr(self, "_training_loop_ended", False):
             self._training_loop_ended = False
             self.engine.training_ended()
-        self.engine.close()
+        if self.engine.has_left or (self._training_fit and self.engine.is_member):
+            self.engine.close()  # training is over: an evaluation or LR range test before it keeps the AM link
+        self._training_fit = False
         super().teardown()
         self._sync_environment()
         if self.engine.environment.standalone:

@@ -103,6 +103,7 @@ CORPUS: dict[str, Script] = {
                                  tuple(range(16))),
     "evaluate_after_fit": Script(("{scripts}/evaluate_after_fit.py", "{out}"), True, epochs(2, 96),
                                  tuple(range(16))),
+    "tune_then_fit": Script(("{scripts}/tune_then_fit.py", "{out}"), True, epochs(2, 96), tuple(range(16))),
     "transformer_cli": Script(("{scripts}/transformer_cli.py", "fit", "--seed_everything=7",
                                "--trainer.strategy=elan", "--trainer.accelerator=cpu",
                                "--trainer.precision=bf16-mixed", "--trainer.max_epochs=2",
@@ -322,6 +323,25 @@ def check_evaluate_after_fit(run: Run, static: Run | None) -> None:
         assert abs(value - expected[index]) <= TOLERANCE, f"prediction of sample {index}"
 
 
+def check_tune_then_fit(run: Run, static: Run | None) -> None:
+    """Every process of the job, joiners included, saw the launch members' baseline validation and LR suggestion
+    before its ``fit`` (a joiner validates alone and takes the members' range test), and the model trained with it."""
+    before = json.loads((run.out / "before_fit.json").read_text())
+    starts = [json.loads(path.read_text()) for path in sorted((run.out / "starts").glob("*.json"))]
+    assert len(starts) == (2 if static is None else 4), "one start per process: 2 members (+ 2 joiners)"
+    for start in starts:
+        assert start["suggestion"] == before["suggestion"] == start["lr"]
+        assert start["losses"] == before["losses"]
+        assert abs(start["baseline"][0]["val_loss"] - before["baseline"][0]["val_loss"]) <= TOLERANCE
+    if static is None:
+        return
+    reference = json.loads((static.out / "before_fit.json").read_text())
+    assert before["suggestion"] == reference["suggestion"]
+    assert abs(before["baseline"][0]["val_loss"] - reference["baseline"][0]["val_loss"]) <= TOLERANCE
+    after = json.loads((run.out / "after_fit.json").read_text())["validate"][0]["val_loss"]
+    assert abs(after - json.loads((static.out / "after_fit.json").read_text())["validate"][0]["val_loss"]) <= TOLERANCE
+
+
 def predicted(run: Run) -> list[tuple[int, float]]:
     """(sample index, prediction) of every prediction any process wrote."""
     pairs = []
@@ -346,6 +366,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "cnn_batchnorm_bf16": check_cnn_batchnorm_bf16,
     "compiled_regressor": check_compiled_regressor,
     "evaluate_after_fit": check_evaluate_after_fit,
+    "tune_then_fit": check_tune_then_fit,
     "transformer_cli": check_transformer_cli,
 }
 
