@@ -43,7 +43,9 @@ def completed_line(job: str, record: Mapping[str, Any]) -> str:
     failure = record.get("failure")
     if failure:
         return f"{head} after the death of {workers_phrase(failure.get('dead') or [])}{_recovery(failure)}"
-    return f"{head}{_pause(record.get('pause_s') or {})}{_copied(record)}{_startup(record)}"
+    unreported = record.get("unreported")
+    cut_short = f" (no report from {workers_phrase(unreported)}: a failure came first)" if unreported else ""
+    return f"{head}{_pause(record.get('pause_s') or {})}{_copied(record)}{_startup(record)}{cut_short}"
 
 
 def _recovery(failure: Mapping[str, Any]) -> str:

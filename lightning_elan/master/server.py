@@ -610,9 +610,7 @@ class ApplicationMaster:
         return reply
 
     def _on_report(self, body: dict[str, Any]) -> EmptyReply:
-        record = adjustments.report(self._state, AdjustmentReport.from_body(body))
-        if record is not None:
-            self._records_to_write.append(record)
+        self._records_to_write.extend(adjustments.report_completing(self._state, AdjustmentReport.from_body(body)))
         return EmptyReply()
 
     def _on_leave(self, body: dict[str, Any]) -> LeaveReply:

@@ -179,25 +179,33 @@ class Adjustment:
             "sources": dict(plan.sources),
             "transfers": None if plan.transfers is None else [transfer.to_dict() for transfer in plan.transfers],
             "bytes_replicated": sum(report.get("bytes_received") or 0 for report in self.reports.values()),
-            "pause_s": {worker: self.reports[worker].get("pause_s") for worker in plan.stayers},
-            "joiner_startup_s": {worker: self.reports[worker].get("startup_s") for worker in plan.joiners},
+            "pause_s": {worker: self._report(worker).get("pause_s") for worker in plan.stayers},
+            "joiner_startup_s": {worker: self._report(worker).get("startup_s") for worker in plan.joiners},
             "received": {
-                worker: {"source": self.reports[worker].get("received_from"),
-                         "route": self.reports[worker].get("received_over"),
-                         "in_place_bytes": self.reports[worker].get("bytes_in_place"),
-                         "prefaulted": self.reports[worker].get("prefaulted")}
+                worker: {"source": self._report(worker).get("received_from"),
+                         "route": self._report(worker).get("received_over"),
+                         "in_place_bytes": self._report(worker).get("bytes_in_place"),
+                         "prefaulted": self._report(worker).get("prefaulted")}
                 for worker in plan.joiners
             },
             **self._scaling_outcome(),
+            **({"unreported": unreported} if (unreported := self.unreported()) else {}),
             **({"failure": self.failure} if self.failure else {}),
             **({"cause": self.cause} if self.cause else {}),
         }
+
+    def unreported(self) -> list[str]:
+        """Members that never reported this adjustment (a recovery cut it short: they died or recovered first)."""
+        return [worker for worker in self.plan.members if worker not in self.reports]
+
+    def _report(self, worker: str) -> dict[str, Any]:
+        return self.reports.get(worker, {})
 
     def _scaling_outcome(self) -> dict[str, Any]:
         """The global batch and scaling decision the new members report they applied (they must all agree)."""
         applied = {
             worker: (self.reports[worker].get("global_batch"), self.reports[worker].get("scaling"))
-            for worker in self.plan.members
+            for worker in self.plan.members if worker in self.reports
         }
         distinct = {json.dumps(value, sort_keys=True) for value in applied.values()}
         if len(distinct) > 1:

@@ -18,7 +18,7 @@ from lightning_elan.protocol.contract import (
     WaitPlanReply,
     WorkerExitReply,
 )
-from tests.unit.am_steps import exited
+from tests.unit.am_steps import commit, decide, exited, ready
 
 
 def started(nproc: int = 3, **policy: object) -> JobState:
@@ -63,6 +63,27 @@ def test_the_recovery_plan_forms_once_every_survivor_checked_in() -> None:
     assert record["failure"]["dead"] == ["w1"] and record["failure"]["step_redone"] == 8
     assert state.member_ids == ["w0", "w2"] and state.generation == 1
     assert adjustments.wait_plan(state, "w1").status == "cancelled"
+
+
+def test_an_adjustment_a_death_cut_short_is_recorded_before_the_recovery() -> None:
+    """The migration's joiner dies before it reports the migration: the survivor's recovery report replaces its own,
+    so the migration completes with the reports it has (w3's missing), and its record precedes the recovery's."""
+    state = started(2)
+    requests.scale(state, "migrate", count=1)
+    ready(state, "w2")
+    plan = decide(state, step=9)
+    commit(state, plan)
+    adjustments.report(state, AdjustmentReport("w1", 1, "leaver", pause_s=0.0))
+    assert adjustments.report_completing(state, AdjustmentReport("w0", 1, "stayer", pause_s=0.2, step=10)) == []
+    exited(state, "w2", -9)
+    check_in(state, "w0", generation=1, step=11)
+
+    records = adjustments.report_completing(state, AdjustmentReport("w0", 2, "stayer", pause_s=0.1, step=12))
+
+    assert [(r["action"], r["generation"], r.get("unreported")) for r in records] == [("migrate", 1, ["w2"]),
+                                                                                      ("failure", 2, None)]
+    assert records[0]["pause_s"] == {"w0": 0.2} and records[0]["joiner_startup_s"] == {"w2": None}
+    assert state.completing == [] and state.last_adjustment == records[1]
 
 
 def uncertain_check_in(state: JobState, worker: str, step: int) -> dict:

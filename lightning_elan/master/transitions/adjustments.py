@@ -41,7 +41,7 @@ from lightning_elan.replication.sources import plan_replication
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_COMPLETING", "commit_if_new_generation", "coordinate", "form_generation_zero", "report",
-           "wait_plan", "worker_stats"]
+           "report_completing", "wait_plan", "worker_stats"]
 
 MAX_COMPLETING = 8  # committed adjustments still waiting for reports; older ones are dropped
 
@@ -87,6 +87,13 @@ def worker_stats(state: JobState, stats: WorkerStats) -> WorkerStatsReply:
 def report(state: JobState, report: AdjustmentReport, now: float | None = None) -> dict[str, Any] | None:
     """Record a worker's report after an adjustment; returns the adjustment record once all members reported.
     ``global_batch`` and ``scaling`` are the global batch and the scaling decision the worker applied."""
+    records = report_completing(state, report, now)
+    return records[-1] if records else None
+
+
+def report_completing(state: JobState, report: AdjustmentReport, now: float | None = None) -> list[dict[str, Any]]:
+    """:func:`report`, returning every record it completes: a recovery's, once all its members reported, comes after
+    the records of the earlier adjustments it cut short (a member died, or recovered, before it reported them)."""
     worker_id, generation = report.worker_id, report.generation
     require_non_negative(generation=generation, step=report.step)
     state.require_known(worker_id)
@@ -96,13 +103,13 @@ def report(state: JobState, report: AdjustmentReport, now: float | None = None) 
     adjustment = _adjustment_to(state, generation)
     if adjustment is None:
         if generation <= state.generation:  # a late duplicate: the adjustment is already recorded
-            return None
+            return []
         raise StateError(f"no adjustment to generation {generation} (current generation {state.generation})")
     if not adjustment.plan.involves(worker_id):
         raise StateError(f"worker {worker_id} is not part of the adjustment to generation {generation}")
     if worker_id in adjustment.reports:  # a duplicate (resent under a new id): the first report stands
         logger.debug("duplicate report of %s for generation %s: ignored", worker_id, generation)
-        return None
+        return []
     adjustment.reports[worker_id] = _stored_report(report, now_or_clock(now))
     if worker_id in adjustment.plan.members and state.member(worker_id) is not None:
         step = adjustment.plan.step if report.step is None else report.step
@@ -268,13 +275,24 @@ def _adjustment_to(state: JobState, generation: int) -> Adjustment | None:
     return next((a for a in state.completing if a.plan.generation == generation), None)
 
 
-def _complete_if_all_reported(state: JobState, adjustment: Adjustment, now: float | None) -> dict[str, Any] | None:
+def _complete_if_all_reported(state: JobState, adjustment: Adjustment, now: float | None) -> list[dict[str, Any]]:
     if not adjustment.all_members_reported():
-        return None
+        return []
+    records = _complete_cut_short(state, adjustment, now) if adjustment.failure is not None else []
     record = adjustment.record(state.job, now_or_clock(now))
     state.completing.remove(adjustment)
     state.last_adjustment = record
-    return record
+    return [*records, record]
+
+
+def _complete_cut_short(state: JobState, recovery: Adjustment, now: float | None) -> list[dict[str, Any]]:
+    """The committed adjustments before ``recovery`` still waiting for reports: none will come (a dead member sends
+    none, a survivor's recovery report replaced its own), so they are recorded with the reports they have."""
+    cut_short = [adjustment for adjustment in state.completing
+                 if adjustment.committed_at is not None and adjustment.plan.generation < recovery.plan.generation]
+    for adjustment in cut_short:
+        state.completing.remove(adjustment)
+    return [adjustment.record(state.job, now_or_clock(now)) for adjustment in cut_short]
 
 
 def _stored_report(report: AdjustmentReport, reported_at: float) -> dict[str, Any]:
