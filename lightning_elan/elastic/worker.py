@@ -66,7 +66,7 @@ from lightning_elan.replication.transports import Received
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticWorker", "NotAMember", "PeerFailure", "generation_prefix"]
+__all__ = ["ElasticWorker", "NotAMember", "PeerFailure", "engine_of_process", "generation_prefix"]
 
 FAILURE_NOTICE_S = 10.0
 """How long a worker whose collective raised waits for the AM to declare a member dead before it treats the error as
@@ -92,6 +92,15 @@ it alone (the LR finder's range test: ``elan/start/lr_find/<n>``)."""
 # what rank 0 broadcasts at a coordination point (_PREPARE: no change, but a queued request's joiners warm up)
 _NO_CHANGE, _ADJUST, _DEFERRED, _PREPARE = 0, 1, 2, 3
 REPLICATION_MODES = ("auto", "collective")
+
+_PROCESS_ENGINE: ElasticWorker | None = None
+"""The engine of this process's ``elan run`` job once it started: it owns torch's default group, so every later
+front-end of the process (a second ``Trainer``) takes it (:func:`engine_of_process`)."""
+
+
+def engine_of_process() -> ElasticWorker | None:
+    """The started engine of this process's job, if any (None in a standalone run: each Trainer starts its own)."""
+    return _PROCESS_ENGINE
 
 
 class NotAMember(RuntimeError):
@@ -168,6 +177,9 @@ class ElasticWorker:
         self.timeout = timedelta(minutes=5)
         self.join_timeout_s = join_timeout_s
         self.data = DataPosition(global_batch=global_batch)
+        self._configured_global_batch = global_batch
+        self.training_fits = 0  # training loops this process ran to their end as a member
+        self._start_results = 0  # results of the script's start published or taken (see start_result)
         self.group: ElasticProcessGroup | None = None
         self.generation: int | None = None
         self._launch_generation: int | None = None  # the generation formed at start (None for a joiner)
@@ -252,6 +264,8 @@ class ElasticWorker:
         store = self._connect_store()
         self.group = ElasticProcessGroup(store, self.backend, self.timeout, self.device)
         if not self.environment.standalone:
+            global _PROCESS_ENGINE
+            _PROCESS_ENGINE = self
             mark_script_end_at_exit(store, self.worker_id)
             self._link = AMLink(self.environment)
             self._watch = FailureWatch(self.environment.store_address or "", self._on_generation_failed, timeout)
@@ -528,6 +542,11 @@ class ElasticWorker:
                          "theirs", self.worker_id)
                 notice = time.monotonic() + LOOP_WAIT_NOTICE_S
             time.sleep(0.1)
+
+    def next_start_result_name(self, kind: str) -> str:
+        """The name of this process's next start result of ``kind``: the n-th of the script in every process."""
+        self._start_results += 1
+        return f"{kind}/{self._start_results - 1}"
 
     def publish_start_result(self, name: str, value: str) -> None:
         """Rank 0 of the launch generation: what the script's start computed (see :meth:`start_result`)."""
@@ -821,9 +840,19 @@ class ElasticWorker:
     def training_ended(self) -> None:
         """This member's training loop ended having trained the job's last step: once every member has exited, a death
         from here on is a death after the job's training (the launcher ends the job as finished)."""
+        self.training_fits += 1
         if self.environment.standalone or self.has_left or self.group is None:
             return
         mark_training_ended(self.group.store, self.worker_id)
+
+    def start_later_fit(self, epoch: int) -> None:
+        """A member starts a training fit after the one it finished (a script that trains in stages): the data
+        starts ``epoch`` afresh, its global batch from the new loader. Only the first fit is elastic: the AM link
+        closed at its end, so this one trains on the current members, without adjustments."""
+        self.data = DataPosition(epoch=epoch, global_batch=self._configured_global_batch)
+        log.warning("worker %s starts a training fit after its first: the job changes size only in its first fit, "
+                    "so this one trains on the job's %d current workers without adjustments (a member's death "
+                    "fails the job)", self.worker_id, self.world_size)
 
     def close(self) -> None:
         """The training loop is over: same-host joiners finish copying, the AM link closes (the group stays, and so
@@ -847,6 +876,9 @@ class ElasticWorker:
         if self.group is not None:
             uninstall_default_group(self.group)
         self.group, self.generation = None, None
+        global _PROCESS_ENGINE
+        if _PROCESS_ENGINE is self:
+            _PROCESS_ENGINE = None
 
     def _connect_store(self) -> dist.Store:
         """Client of the job's long-lived rendezvous store (a TCPStore, or etcd with standby AMs), or an in-process
@@ -874,7 +906,11 @@ class ElasticWorker:
         return self.group
 
     def _require_link(self) -> AMLink:
-        if self._link is None:
+        if self._link is not None:
+            return self._link
+        if self.environment.standalone:
             raise RuntimeError("this worker has no application master (standalone run)")
-        return self._link
+        raise RuntimeError(f"worker {self.worker_id} is past the job's elastic fit (its link to the application "
+                           "master closed when its first training fit ended): a later fit of the script cannot "
+                           "recover from a member's death or change size")
 

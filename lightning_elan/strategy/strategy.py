@@ -35,7 +35,7 @@ from lightning_elan.elastic.applied_steps import AppliedSteps
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.pre_loop import PreLoopCollectives
-from lightning_elan.elastic.worker import ElasticWorker, NotAMember
+from lightning_elan.elastic.worker import ElasticWorker, NotAMember, engine_of_process
 from lightning_elan.protocol.contract import DEFAULT_JOIN_TIMEOUT_S, WorkerEnvironment
 from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
 from lightning_elan.strategy.environment import ElanEnvironment, host_placement
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # a joiner warming up is no one's rank 0 (loggers and checkpoints stay quiet) until its generation forms
 _PROVISIONAL_RANK, _PROVISIONAL_WORLD = 1, 2
 _LEFT_RANK = -1
+_LEFT_RANK_ZERO_ONLY = 1  # a leaver's rank for Lightning's rank_zero_only: not 0, and above it
 
 
 class ElanStrategy(DDPStrategy):
@@ -84,14 +85,14 @@ class ElanStrategy(DDPStrategy):
         environment = WorkerEnvironment.from_env()
         kwargs.setdefault("timeout", timedelta(seconds=300))
         super().__init__(cluster_environment=ElanEnvironment(), **kwargs)
-        self.engine = ElasticWorker(
+        # a later Trainer of the process takes the engine of the job's first: it owns torch's default group
+        self.engine = engine_of_process() or ElasticWorker(
             environment, coordinate_every=coordinate_every, join_timeout_s=join_timeout_s, replication=replication,
             global_batch=global_batch_size, send_ahead=send_ahead,
         )
         self.engine.attach(self)
         self._collectives_local = False
         self._training_fit = False  # from setup to teardown of a fit that trains (not Tuner.lr_find's)
-        self._lr_finds = 0  # LR range tests this process ran or took from the members
         self._current_share: LocalShare | None = None
         self._applied_steps = AppliedSteps()  # manual optimization: the batch's steps, until it stands
         self._ddp: ElasticDistributedDataParallel | None = None
@@ -129,7 +130,11 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def set_world_ranks(self) -> None:
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        """Lightning's rank-zero gate follows the global rank; a worker that left (rank -1) is not rank 0 for it
+        either: ``rank_zero_experiment`` creates a logger's experiment unless the rank is above 0, and a leaver's CSV
+        writer would delete the job's ``metrics.csv``."""
+        rank = self.global_rank if self.global_rank >= 0 else _LEFT_RANK_ZERO_ONLY
+        rank_zero_only.rank = utils_rank_zero_only.rank = rank
 
     @property
     def coordinate_every(self) -> int:
@@ -171,12 +176,13 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        if self.engine.is_member:
-            return  # a second fit/validate in the same process keeps its generation
+        """Connect to the job; a later fit/validate of the process (this Trainer's or another's) keeps its
+        generation."""
         reset_seed()
         backend, timeout = compat.collective_settings(self)
-        self.engine.start(backend, self.root_device, timeout)
-        self._collectives_local = not self.engine.is_member  # a joiner warming up
+        if not self.engine.is_member:
+            self.engine.start(backend, self.root_device, timeout)
+            self._collectives_local = not self.engine.is_member  # a joiner warming up
         self._group_view = self.engine.generation_group if self.engine.is_member else None
         self._sync_environment()
 
@@ -202,7 +208,7 @@ class ElanStrategy(DDPStrategy):
         """A worker that left the job during ``fit`` evaluates nothing afterwards (see :meth:`_setup_as_leaver`); a
         joiner's ``validate``/``test``/``predict`` before its ``fit`` runs alone (see :meth:`_setup_alone`)."""
         if trainer.state.fn == TrainerFn.FITTING:
-            self._training_fit = not compat.tuning(trainer)
+            self._setup_fit(trainer)
             super().setup(trainer)
         elif self.engine.has_left:
             self._setup_as_leaver(trainer)
@@ -210,6 +216,17 @@ class ElanStrategy(DDPStrategy):
             self._setup_alone(trainer)
         else:
             super().setup(trainer)
+
+    def _setup_fit(self, trainer: pl.Trainer) -> None:
+        """A fit after this worker left the job is skipped (one info line); a member's training fit after its first
+        (a script that trains in stages) starts its data afresh (``ElasticWorker.start_later_fit``)."""
+        self._training_fit = not compat.tuning(trainer)
+        if self.engine.has_left:
+            log.info("worker %s left the job: this fit is skipped here (the job's workers train)",
+                     self.engine.worker_id)
+            raise compat.LeaveFit
+        if self._training_fit and self.engine.is_member and self.engine.training_fits:
+            self.engine.start_later_fit(trainer.fit_loop.epoch_progress.current.processed)
 
     def _setup_alone(self, trainer: pl.Trainer) -> None:
         """The model set up as DDP's ``setup`` does for an evaluation, without the state sync that needs the job.
@@ -377,8 +394,7 @@ class ElanStrategy(DDPStrategy):
         their training loop and rank 0 publishes what it found; a joiner, which cannot run it with them, takes that
         (its ``update_attr`` applied), so the script sees the members' result. Nothing else changes: no adjustment
         lands in a range test (Lightning runs it with its own callbacks only), and its data does not count."""
-        name = f"lr_find/{self._lr_finds}"
-        self._lr_finds += 1
+        name = self.engine.next_start_result_name("lr_find")
         if self.engine.environment.joiner:
             found = json.loads(self.engine.start_result(name))
             return compat.lr_finder_from_results(trainer, model, found, options)

@@ -39,6 +39,8 @@ KILL_STEP = 12
 ADJUSTMENTS = [("add", 3), ("remove", 2), ("migrate", 2), ("failure", 1)]
 """The AM's records of every elastic run: (action, world size after it), in order."""
 TOLERANCE = 1e-9
+FIT_OFFSET = 1000
+"""The observer's records of a process's n-th fit count steps and epochs from ``n * FIT_OFFSET`` (its FIT_OFFSET)."""
 RUN_TIMEOUT_S = 400.0
 STALL_S = 90.0
 """A job none of whose files changed for this long is hung: it is killed (the observer writes at every batch, and a
@@ -109,7 +111,9 @@ class Run:
 
     def final_state(self) -> dict[str, torch.Tensor]:
         finals = self.events("final")
-        assert len(finals) == 1, f"one final state (rank 0 at the end of fit), got {finals}"
+        last_fit = max((final.get("fit", 1) for final in finals), default=1)  # a script that trains in stages
+        finals = [final for final in finals if final.get("fit", 1) == last_fit]
+        assert len(finals) == 1, f"one final state (rank 0 at the end of its last fit), got {finals}"
         return torch.load(finals[0]["path"])
 
     def adjustments(self) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ import torch
 
 from tests.users.corpus import (
     ADJUSTMENTS,
+    FIT_OFFSET,
     KILL_STEP,
     SCHEDULE,
     TOLERANCE,
@@ -104,6 +105,9 @@ CORPUS: dict[str, Script] = {
     "evaluate_after_fit": Script(("{scripts}/evaluate_after_fit.py", "{out}"), True, epochs(2, 96),
                                  tuple(range(16))),
     "tune_then_fit": Script(("{scripts}/tune_then_fit.py", "{out}"), True, epochs(2, 96), tuple(range(16))),
+    "train_in_stages": Script(("{scripts}/train_in_stages.py", "{out}"), True,
+                              {**epochs(2, 96), FIT_OFFSET: 96, FIT_OFFSET + 1: 96},
+                              (*range(16), *range(FIT_OFFSET, FIT_OFFSET + 16))),
     "transformer_cli": Script(("{scripts}/transformer_cli.py", "fit", "--seed_everything=7",
                                "--trainer.strategy=elan", "--trainer.accelerator=cpu",
                                "--trainer.precision=bf16-mixed", "--trainer.max_epochs=2",
@@ -342,6 +346,24 @@ def check_tune_then_fit(run: Run, static: Run | None) -> None:
     assert abs(after - json.loads((static.out / "after_fit.json").read_text())["validate"][0]["val_loss"]) <= TOLERANCE
 
 
+def check_train_in_stages(run: Run, static: Run | None) -> None:
+    """Both stages trained all their steps, each logged once; the elastic run's stages end where the static run's do
+    (its first stage changed size, its second trains on the workers left)."""
+    stages = json.loads((run.out / "stages.json").read_text())
+    assert [stages[name]["step"] for name in ("head", "everything")] == [16, 16]
+    for name in ("head", "everything"):
+        _, rows = read_csv(run.out / "logs" / name / "version_0" / "metrics.csv")
+        assert sorted(logged(rows, "train_loss")) == list(range(16)), name
+        if static is not None:
+            _, static_rows = read_csv(static.out / "logs" / name / "version_0" / "metrics.csv")
+            assert_logged_alike(rows, static_rows, "train_loss", exact=True)
+    if static is not None:
+        reference = json.loads((static.out / "stages.json").read_text())
+        for name in ("head", "everything"):
+            value, expected = stages[name]["validate"][0]["val_loss"], reference[name]["validate"][0]["val_loss"]
+            assert abs(value - expected) <= TOLERANCE, name
+
+
 def predicted(run: Run) -> list[tuple[int, float]]:
     """(sample index, prediction) of every prediction any process wrote."""
     pairs = []
@@ -367,6 +389,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "compiled_regressor": check_compiled_regressor,
     "evaluate_after_fit": check_evaluate_after_fit,
     "tune_then_fit": check_tune_then_fit,
+    "train_in_stages": check_train_in_stages,
     "transformer_cli": check_transformer_cli,
 }
 

@@ -11,7 +11,10 @@ event, so a worker SIGKILLed later keeps what it wrote:
   the ``index`` of a dict batch, the first element of a tuple batch when it holds integers, else a digest of each
   row of the first tensor (a dataset that cannot return its index, like the demo transformer's) — minus the stand-in
   sample of a rank that had none (weight 0);
-* ``final``: at the end of ``fit`` on rank 0, ``final-<pid>.pt``: the parameters, buffers and optimizer states.
+* ``final``: at the end of ``fit`` on rank 0, ``final-<pid>-<fit>.pt``: the parameters, buffers and optimizer states.
+
+A script that trains in stages (several ``fit`` calls): the records of a process's n-th fit (from 0) count steps and
+epochs from ``n * FIT_OFFSET``.
 
 ``$USERS_HOLD=1``: rank 0 holds each batch until every scale request due at its step has its joiners ready, so a
 scheduled adjustment lands at its step whatever the joiners' start-up time (meanwhile it touches ``holding-<pid>``
@@ -152,6 +155,17 @@ def _kill_if_due(step: int, rank: int, phase: str) -> None:
 # ---------------------------------------------------------------------- the callback
 
 
+_FITS = 0
+"""Training fits this process started (``on_fit_start``): a script that trains in stages fits more than once."""
+FIT_OFFSET = 1000
+"""The records of the n-th fit (from 0) of a process count steps and epochs from ``n * FIT_OFFSET``, so that the
+stages of a script are told apart (a one-fit script's records are the trainer's own steps and epochs)."""
+
+
+def _recorded(value: int) -> int:
+    return value + FIT_OFFSET * max(_FITS - 1, 0)
+
+
 def _observer_class(callback_base: type) -> type:
     class CorpusObserver(callback_base):  # type: ignore[misc, valid-type]
         batch_step = -1  # the global step at which the current training batch started
@@ -159,20 +173,24 @@ def _observer_class(callback_base: type) -> type:
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             _kill_if_due(-1, trainer.global_rank, "setup")
 
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            global _FITS
+            _FITS += 1
+
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             step, rank = trainer.global_step, trainer.global_rank
             self.batch_step = step
             if rank == 0:
                 _hold_for_joiners(step + 1)
             _kill_if_due(step, rank, "start")
-            _write({"event": "start", "step": step, "world": trainer.world_size, "rank": rank,
+            _write({"event": "start", "step": _recorded(step), "world": trainer.world_size, "rank": rank,
                     "worker": os.environ.get("ELAN_WORKER_ID"), "digest": _digest(pl_module, trainer.optimizers)})
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             samples = _sample_ids(batch) if _sample_weight(trainer) > 0 else []
-            _write({"event": "trained", "epoch": trainer.current_epoch, "step": trainer.global_step,
-                    "batch_idx": batch_idx, "rank": trainer.global_rank, "world": trainer.world_size,
-                    "samples": samples})
+            _write({"event": "trained", "epoch": _recorded(trainer.current_epoch),
+                    "step": _recorded(trainer.global_step), "batch_idx": batch_idx, "rank": trainer.global_rank,
+                    "world": trainer.world_size, "samples": samples})
             _kill_if_due(self.batch_step, trainer.global_rank, "end")
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -183,10 +201,10 @@ def _observer_class(callback_base: type) -> type:
 
             if trainer.global_rank != 0:
                 return
-            path = os.path.join(_observe_dir() or ".", f"final-{os.getpid()}.pt")
+            path = os.path.join(_observe_dir() or ".", f"final-{os.getpid()}-{_FITS}.pt")
             torch.save({name: t.clone() for name, t in _tensors(pl_module, trainer.optimizers).items()}, path)
-            _write({"event": "final", "step": trainer.global_step, "epoch": trainer.current_epoch,
-                    "world": trainer.world_size, "path": path})
+            _write({"event": "final", "step": _recorded(trainer.global_step), "epoch": _recorded(trainer.current_epoch),
+                    "world": trainer.world_size, "path": path, "fit": _FITS})
 
     return CorpusObserver
 
