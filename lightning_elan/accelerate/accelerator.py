@@ -280,6 +280,7 @@ class ElasticAccelerator(Accelerator):
         if data.global_batch is None and self.engine.is_member:
             data.change_global_batch(data_loader.batch_size * self.launch_world_size)
         base = ElasticDataLoader(data_loader, data, self._world_view, self._epoch_order_seed())
+        self.engine.follow_epoch_order(base.sampler.order)
         placement = self.device_placement if device_placement is None else device_placement
         self._train_loader = ElasticTrainLoader(base, self, self.device if placement else None, self.non_blocking)
         compat.prepared_dataloaders(self).append(self._train_loader)

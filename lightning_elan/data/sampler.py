@@ -6,6 +6,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import RandomSampler, Sampler, SequentialSampler
@@ -102,6 +103,25 @@ class EpochOrder:
         generator.manual_seed(self.seed + epoch)
         return torch.randperm(self.num_samples, generator=generator).tolist()
 
+    def state_dict(self) -> dict[str, Any] | None:
+        """What another process needs to visit the epochs as this one does, or None (a seeded order, computed alike
+        everywhere): a user sampler's order of the current epoch, and its generator's state once it drew that order
+        (a ``WeightedRandomSampler(generator=…)`` draws the next epoch's order from there)."""
+        if self._user_sampler is None or self._cached is None:
+            return None
+        generator = getattr(self._user_sampler, "generator", None)
+        return {"epoch": self._cached[0], "indices": list(self._cached[1]),
+                "generator": generator.get_state() if isinstance(generator, torch.Generator) else None}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Take another process's :meth:`state_dict` (a joiner: its source's)."""
+        if state is None or self._user_sampler is None:
+            return
+        self._cached = (int(state["epoch"]), [int(index) for index in state["indices"]])
+        generator = getattr(self._user_sampler, "generator", None)
+        if state["generator"] is not None and isinstance(generator, torch.Generator):
+            generator.set_state(state["generator"])
+
     @classmethod
     def from_sampler(cls, sampler: Sampler, num_samples: int, seed: int) -> EpochOrder:
         if isinstance(sampler, RandomSampler):
@@ -109,7 +129,8 @@ class EpochOrder:
         if isinstance(sampler, SequentialSampler):
             return cls(num_samples, shuffle=False, seed=seed)
         log.warning(
-            "Using the order of the user sampler %s; it must give the same order on every worker for an epoch.",
+            "Using the order of the user sampler %s; it must give the same order on every worker for an epoch (a "
+            "joiner takes the current epoch's order and the sampler's generator state from its source).",
             type(sampler).__name__,
         )
         length = len(sampler) if isinstance(sampler, Sized) else num_samples

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_elan.data.positions import LocalShare
-from lightning_elan.data.sampler import DataPosition
+from lightning_elan.data.sampler import DataPosition, EpochOrder
 from lightning_elan.elastic.am_link import AMLink
 from lightning_elan.elastic.compute import ComputeMeter
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
@@ -177,6 +177,8 @@ class ElasticWorker:
         self.timeout = timedelta(minutes=5)
         self.join_timeout_s = join_timeout_s
         self.data = DataPosition(global_batch=global_batch)
+        self._epoch_order: EpochOrder | None = None  # the training loader's (see follow_epoch_order)
+        self._received_order: dict[str, Any] | None = None  # a joiner's source's, until its loader exists
         self._configured_global_batch = global_batch
         self.training_fits = 0  # training loops this process ran to their end as a member
         self._start_results = 0  # results of the script's start published or taken (see start_result)
@@ -543,6 +545,13 @@ class ElasticWorker:
                 notice = time.monotonic() + LOOP_WAIT_NOTICE_S
             time.sleep(0.1)
 
+    def follow_epoch_order(self, order: EpochOrder) -> None:
+        """The training loader's epoch order: a user sampler's order travels to joiners with the data position (a
+        joiner's loader made before its state arrived takes it now, a later one at once)."""
+        self._epoch_order = order
+        order.load_state_dict(self._received_order)
+        self._received_order = None  # once: a loader made again later (reloaded each epoch) keeps its own order
+
     def next_start_result_name(self, kind: str) -> str:
         """The name of this process's next start result of ``kind``: the n-th of the script in every process."""
         self._start_results += 1
@@ -768,7 +777,8 @@ class ElasticWorker:
 
     def _snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         skeleton, tensors = split_tensors(self.frontend.training_state())
-        engine = {"data": self.data.state_dict(), "rng": rng_state()}
+        order = None if self._epoch_order is None else self._epoch_order.state_dict()
+        engine = {"data": self.data.state_dict(), "rng": rng_state(), "order": order}
         return {"frontend": skeleton, "engine": engine}, tensors
 
     def _send(self, plan: AdjustmentPlan, snapshot: tuple[dict[str, Any], list[torch.Tensor]]) -> int:
@@ -788,6 +798,9 @@ class ElasticWorker:
                  got.in_place / 1e6, "prefaulted" if got.prefaulted else "new")
         self.data.load_state_dict(cpu_state["engine"]["data"])
         set_rng_state(cpu_state["engine"]["rng"])
+        self._received_order = cpu_state["engine"].get("order")
+        if self._epoch_order is not None:
+            self.follow_epoch_order(self._epoch_order)
         return join_tensors(cpu_state["frontend"], got.tensors), got, transport
 
     def _fault_in_spare(self) -> None:

@@ -379,7 +379,9 @@ class ElanStrategy(DDPStrategy):
         if self.data_position.global_batch is None:
             self.data_position.change_global_batch(dataloader.batch_size * self._launch_world_size())
         seed = int(os.getenv("PL_GLOBAL_SEED", 0))
-        return ElasticDataLoader(dataloader, self.data_position, self._world_view, seed)
+        loader = ElasticDataLoader(dataloader, self.data_position, self._world_view, seed)
+        self.engine.follow_epoch_order(loader.sampler.order)
+        return loader
 
     def _fit_loop_restored(self, epoch: int, with_loader_state: bool) -> None:
         """Lightning restored its fit loop from a state that holds no position of the training data (the LR finder's,

@@ -105,6 +105,8 @@ CORPUS: dict[str, Script] = {
     "evaluate_after_fit": Script(("{scripts}/evaluate_after_fit.py", "{out}"), True, epochs(2, 96),
                                  tuple(range(16))),
     "tune_then_fit": Script(("{scripts}/tune_then_fit.py", "{out}"), True, epochs(2, 96), tuple(range(16))),
+    "weighted_onecycle": Script(("{scripts}/weighted_onecycle.py", "{out}"), True, epochs(3, 96),
+                                tuple(range(24))),
     "train_in_stages": Script(("{scripts}/train_in_stages.py", "{out}"), True,
                               {**epochs(2, 96), FIT_OFFSET: 96, FIT_OFFSET + 1: 96},
                               (*range(16), *range(FIT_OFFSET, FIT_OFFSET + 16))),
@@ -346,6 +348,17 @@ def check_tune_then_fit(run: Run, static: Run | None) -> None:
     assert abs(after - json.loads((static.out / "after_fit.json").read_text())["validate"][0]["val_loss"]) <= TOLERANCE
 
 
+def check_weighted_onecycle(run: Run, static: Run | None) -> None:
+    """Every step's loss and learning rate logged once; the elastic run's are the static run's (a joiner visits the
+    epochs in the order the members' sampler draws)."""
+    _, rows = read_csv(run.out / "logs" / "weighted" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "lr-AdamW")) == list(range(24))
+    if static is not None:
+        _, static_rows = read_csv(static.out / "logs" / "weighted" / "version_0" / "metrics.csv")
+        for column in ("train_loss", "lr-AdamW"):
+            assert_logged_alike(rows, static_rows, column, exact=True)
+
+
 def check_train_in_stages(run: Run, static: Run | None) -> None:
     """Both stages trained all their steps, each logged once; the elastic run's stages end where the static run's do
     (its first stage changed size, its second trains on the workers left)."""
@@ -390,6 +403,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "evaluate_after_fit": check_evaluate_after_fit,
     "tune_then_fit": check_tune_then_fit,
     "train_in_stages": check_train_in_stages,
+    "weighted_onecycle": check_weighted_onecycle,
     "transformer_cli": check_transformer_cli,
 }
 
