@@ -122,7 +122,8 @@ def _rebuild_dict(original: dict, items: Iterable[tuple[Any, Any]]) -> dict:
     # keeps the type and instance attributes; then refill it in the original key order.
     new = copy.copy(original)
     new.clear()
-    new.update(items)
+    for key, item in items:  # not update(): a Counter's update counts the (key, value) pairs themselves
+        new[key] = item
     return new
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import pickle
 import threading
-from collections import OrderedDict, defaultdict, namedtuple
+from collections import Counter, OrderedDict, defaultdict, namedtuple
 from typing import Any
 
 import pytest
@@ -204,6 +204,17 @@ def test_split_keeps_container_types_and_metadata() -> None:
     # the input is not modified
     assert isinstance(state["state_dict"]["0.weight"], torch.Tensor)
     assert len(tensors) == len({id(t) for t in tensors})
+
+
+def test_a_counter_keeps_its_counts() -> None:
+    """``MultiStepLR`` keeps its milestones in a ``Counter``: a joiner's scheduler must decay at the same epochs."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.04)
+    state = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[1, 2, 2], gamma=0.5).state_dict()
+
+    skeleton, tensors = split_tensors(state)
+    joined = join_tensors(skeleton, tensors)
+
+    assert type(joined["milestones"]) is Counter and joined["milestones"] == Counter({1: 1, 2: 2})
 
 
 def test_split_dedupes_the_same_tensor_object() -> None:
