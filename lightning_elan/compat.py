@@ -497,6 +497,26 @@ def undo_toggled_optimizer(module: pl.LightningModule) -> None:
     module._param_requires_grad_state = {}
 
 
+def start_joined_epoch(trainer: pl.Trainer) -> None:
+    """A joiner's first batch, in an epoch the members started: what their ``on_train_epoch_start`` set up outside
+    any state Lightning saves, set up here too.
+
+    ``_FitLoop.on_advance_start`` skips the ``on_train_epoch_start`` hooks when it restarts mid-epoch (a joiner's
+    loop restarts from the source's state). ``StochasticWeightAveraging`` builds its ``SWALR`` scheduler there and
+    puts it in ``trainer.lr_scheduler_configs``; its ``state_dict`` holds the scheduler's state but not the
+    scheduler, so without it the joiner would keep the optimizer's LR while the members anneal theirs. Its hook is
+    idempotent for what the state holds (the scheduler state is loaded, the average updated once per epoch:
+    ``_latest_update_epoch``), so it runs here as on the members. Other callbacks' hooks are not replayed (a
+    ``BackboneFinetuning`` would add its parameter group twice).
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    for callback in trainer.callbacks:
+        if (isinstance(callback, StochasticWeightAveraging) and not callback._initialized
+                and callback.swa_start <= trainer.current_epoch <= callback.swa_end):
+            callback.on_train_epoch_start(trainer, trainer.lightning_module)
+
+
 def reset_evaluation_dataloaders(trainer: pl.Trainer) -> None:
     """Make the validation loop rebuild its loaders (and shards) at its next run: ``_EvaluationLoop.setup_data``
     returns early while ``_combined_loader`` is set."""

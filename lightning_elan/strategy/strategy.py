@@ -435,6 +435,7 @@ class ElanStrategy(DDPStrategy):
             # at the next validation, together with the stayers who reset theirs at the adjustment
             self._collectives_local = False
             compat.reset_evaluation_dataloaders(self.lightning_module.trainer)
+            compat.start_joined_epoch(self.lightning_module.trainer)
         loader = self._elastic_train_loader()
         if loader is not None:
             opens = compat.opens_optimizer_step(self.lightning_module.trainer, batch_idx)

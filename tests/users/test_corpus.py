@@ -107,6 +107,7 @@ CORPUS: dict[str, Script] = {
     "tune_then_fit": Script(("{scripts}/tune_then_fit.py", "{out}"), True, epochs(2, 96), tuple(range(16))),
     "weighted_onecycle": Script(("{scripts}/weighted_onecycle.py", "{out}"), True, epochs(3, 96),
                                 tuple(range(24))),
+    "swa_average": Script(("{scripts}/swa_average.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
     "train_in_stages": Script(("{scripts}/train_in_stages.py", "{out}"), True,
                               {**epochs(2, 96), FIT_OFFSET: 96, FIT_OFFSET + 1: 96},
                               (*range(16), *range(FIT_OFFSET, FIT_OFFSET + 16))),
@@ -359,6 +360,14 @@ def check_weighted_onecycle(run: Run, static: Run | None) -> None:
             assert_logged_alike(rows, static_rows, column, exact=True)
 
 
+def check_swa_average(run: Run, static: Run | None) -> None:
+    """The averaged model validates as the static run's (the final state is the average: checked with it)."""
+    validated = json.loads((run.out / "averaged.json").read_text())["validate"][0]["val_loss"]
+    if static is not None:
+        expected = json.loads((static.out / "averaged.json").read_text())["validate"][0]["val_loss"]
+        assert abs(validated - expected) <= TOLERANCE
+
+
 def check_train_in_stages(run: Run, static: Run | None) -> None:
     """Both stages trained all their steps, each logged once; the elastic run's stages end where the static run's do
     (its first stage changed size, its second trains on the workers left)."""
@@ -403,6 +412,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "evaluate_after_fit": check_evaluate_after_fit,
     "tune_then_fit": check_tune_then_fit,
     "train_in_stages": check_train_in_stages,
+    "swa_average": check_swa_average,
     "weighted_onecycle": check_weighted_onecycle,
     "transformer_cli": check_transformer_cli,
 }
