@@ -43,7 +43,8 @@ def _write(record: dict[str, Any]) -> None:
 
 
 def _digest(accelerator: Any) -> str:
-    """Parameters and buffers of every prepared model, then every prepared optimizer's per-parameter state."""
+    """Parameters and buffers of every prepared model, then every prepared optimizer's per-parameter state and its
+    hyperparameters."""
     import torch
 
     digest = hashlib.sha256()
@@ -58,6 +59,9 @@ def _digest(accelerator: Any) -> str:
         digest.update(name.encode())
         tensor = torch.as_tensor(value).detach().cpu().contiguous().reshape(-1)
         digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    for optimizer in accelerator._optimizers:  # the hyperparameters too: a scheduler a rank did not step
+        for group in optimizer.param_groups:
+            digest.update(repr(sorted((key, value) for key, value in group.items() if key != "params")).encode())
     return digest.hexdigest()
 
 
