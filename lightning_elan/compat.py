@@ -497,24 +497,58 @@ def undo_toggled_optimizer(module: pl.LightningModule) -> None:
     module._param_requires_grad_state = {}
 
 
-def start_joined_epoch(trainer: pl.Trainer) -> None:
-    """A joiner's first batch, in an epoch the members started: what their ``on_train_epoch_start`` set up outside
-    any state Lightning saves, set up here too.
+def run_the_joined_epoch_as_the_members(trainer: pl.Trainer) -> None:
+    """A joiner's fit loop restarts mid-epoch from the source's state (``_Loop.load_state_dict`` sets it
+    ``restarting``, until ``_FitLoop.on_iteration_done`` after that epoch). Where that makes the joined epoch start or
+    end otherwise than the members', do what they do, once: later epochs run Lightning's own hooks.
 
-    ``_FitLoop.on_advance_start`` skips the ``on_train_epoch_start`` hooks when it restarts mid-epoch (a joiner's
-    loop restarts from the source's state). ``StochasticWeightAveraging`` builds its ``SWALR`` scheduler there and
-    puts it in ``trainer.lr_scheduler_configs``; its ``state_dict`` holds the scheduler's state but not the
-    scheduler, so without it the joiner would keep the optimizer's LR while the members anneal theirs. Its hook is
-    idempotent for what the state holds (the scheduler state is loaded, the average updated once per epoch:
-    ``_latest_update_epoch``), so it runs here as on the members. Other callbacks' hooks are not replayed (a
-    ``BackboneFinetuning`` would add its parameter group twice).
+    * Start: ``_FitLoop.on_advance_start`` skips the ``on_train_epoch_start`` hooks when it restarts mid-epoch.
+      ``StochasticWeightAveraging`` builds its ``SWALR`` scheduler there and puts it in
+      ``trainer.lr_scheduler_configs``; its ``state_dict`` holds the scheduler's state but not the scheduler, so
+      without it the joiner would keep the optimizer's LR while the members anneal theirs. Its hook is idempotent
+      for what the state holds (the scheduler state is loaded, the average updated once per epoch:
+      ``_latest_update_epoch``), so it runs here, before the epoch's first batch, as on the members. Other callbacks'
+      hooks are not replayed (a ``BackboneFinetuning`` would add its parameter group twice).
+    * End: ``_FitLoop.on_advance_end`` steps the ``ReduceLROnPlateau`` schedulers only when the loop is not
+      ``restarting`` (Lightning's own resume skips them: a checkpoint holds no metric). The members' loop is not
+      restarting there, and the joiner monitors their metrics (``set_callback_metrics``), so at that epoch's end the
+      joiner's loop counts as not restarting either.
     """
+    fit_loop = trainer.fit_loop
+    loop_type = type(fit_loop)
+
+    def start_as_the_members() -> None:
+        del fit_loop.on_advance_start
+        loop_type.on_advance_start(fit_loop)
+        _start_swa_averaging(trainer)
+
+    def end_as_the_members() -> None:
+        del fit_loop.on_advance_end
+        fit_loop._restarting = False
+        loop_type.on_advance_end(fit_loop)
+
+    fit_loop.on_advance_start = start_as_the_members
+    fit_loop.on_advance_end = end_as_the_members
+
+
+def _start_swa_averaging(trainer: pl.Trainer) -> None:
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     for callback in trainer.callbacks:
         if (isinstance(callback, StochasticWeightAveraging) and not callback._initialized
                 and callback.swa_start <= trainer.current_epoch <= callback.swa_end):
             callback.on_train_epoch_start(trainer, trainer.lightning_module)
+
+
+def callback_metrics(trainer: pl.Trainer) -> dict[str, Any]:
+    """The values callbacks and plateau schedulers monitor (``trainer.callback_metrics``: the last ones logged)."""
+    return dict(trainer.callback_metrics)
+
+
+def set_callback_metrics(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
+    """A joiner monitors what the members monitor: a validation it did not run included. ``_LoggerConnector``'s
+    ``callback_metrics`` is its ``_callback_metrics`` dict, updated from the results of the hooks that log."""
+    trainer._logger_connector._callback_metrics.update(metrics)
 
 
 def reset_evaluation_dataloaders(trainer: pl.Trainer) -> None:

@@ -303,7 +303,8 @@ class ElanStrategy(DDPStrategy):
 
     def training_state(self) -> dict[str, Any]:
         trainer = self.lightning_module.trainer
-        return {"checkpoint": compat.dump_training_state(trainer), "logger_versions": compat.logger_versions(trainer)}
+        return {"checkpoint": compat.dump_training_state(trainer), "logger_versions": compat.logger_versions(trainer),
+                "callback_metrics": compat.callback_metrics(trainer)}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         self._pre_loop.joined()
@@ -313,6 +314,8 @@ class ElanStrategy(DDPStrategy):
         compat.set_logger_versions(trainer, state["logger_versions"])
         compat.align_checkpoint_dirs(trainer, checkpoint.get("callbacks", {}))
         compat.stage_training_state(trainer, checkpoint)
+        compat.set_callback_metrics(trainer, state["callback_metrics"])
+        compat.run_the_joined_epoch_as_the_members(trainer)
 
     def receive_destinations(self, state: dict[str, Any]) -> dict[int, Tensor]:
         """The module's own parameters and buffers (``keep_vars``: the tensors themselves) take the source's."""
@@ -435,7 +438,6 @@ class ElanStrategy(DDPStrategy):
             # at the next validation, together with the stayers who reset theirs at the adjustment
             self._collectives_local = False
             compat.reset_evaluation_dataloaders(self.lightning_module.trainer)
-            compat.start_joined_epoch(self.lightning_module.trainer)
         loader = self._elastic_train_loader()
         if loader is not None:
             opens = compat.opens_optimizer_step(self.lightning_module.trainer, batch_idx)

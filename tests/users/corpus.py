@@ -255,8 +255,14 @@ def assert_members_agree(run: Run) -> list[int]:
     states. Returns the steps seen."""
     by_step = run.digests_by_step()
     diverged = sorted(step for step, digests in by_step.items() if len(digests) > 1)
-    assert not diverged, f"members diverged at steps {diverged}"
+    assert not diverged, f"members diverged at steps {diverged}; at step {diverged[0]}:\n{_starts_at(run, diverged[0])}"
     return sorted(by_step)
+
+
+def _starts_at(run: Run, step: int) -> str:
+    """Each member's hyperparameters and schedulers' states at ``step``'s start (which one differs)."""
+    return "\n".join(f"  {record.get('worker')}: hyper {record.get('hyper')}, schedulers {record.get('schedulers')}"
+                     for record in run.events("start") if record["step"] == step)
 
 
 def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],

@@ -108,6 +108,8 @@ CORPUS: dict[str, Script] = {
     "weighted_onecycle": Script(("{scripts}/weighted_onecycle.py", "{out}"), True, epochs(3, 96),
                                 tuple(range(24))),
     "swa_average": Script(("{scripts}/swa_average.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
+    "plateau_early_stop": Script(("{scripts}/plateau_early_stop.py", "{out}"), True, epochs(5, 96),
+                                 tuple(range(40))),
     "train_in_stages": Script(("{scripts}/train_in_stages.py", "{out}"), True,
                               {**epochs(2, 96), FIT_OFFSET: 96, FIT_OFFSET + 1: 96},
                               (*range(16), *range(FIT_OFFSET, FIT_OFFSET + 16))),
@@ -368,6 +370,24 @@ def check_swa_average(run: Run, static: Run | None) -> None:
         assert abs(validated - expected) <= TOLERANCE
 
 
+def check_plateau_early_stop(run: Run, static: Run | None) -> None:
+    """EarlyStopping stopped after epoch 4 of 12; every epoch's learning rate (both schedulers') and validation loss
+    are the static run's (a joiner's schedulers step at the end of the epoch it joined in, as the members' do); the
+    two best checkpoints by ``val_loss`` are the static run's (a joiner monitors the validation it did not run)."""
+    stopped = json.loads((run.out / "stopped.json").read_text())
+    assert (stopped["stopped_epoch"], stopped["step"]) == (4, 40)
+    _, rows = read_csv(run.out / "logs" / "plateau" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(40))
+    assert sorted(logged(rows, "lr-SGD")) == [0, 8, 16, 24, 32]
+    if static is not None:
+        assert abs(stopped["lr"] - json.loads((static.out / "stopped.json").read_text())["lr"]) <= TOLERANCE
+        _, static_rows = read_csv(static.out / "logs" / "plateau" / "version_0" / "metrics.csv")
+        for column in ("lr-SGD", "lr-SGD-1", "val_loss"):
+            assert_logged_alike(rows, static_rows, column, exact=True)
+        saved = assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
+        assert len(saved) == 2, sorted(saved)
+
+
 def check_train_in_stages(run: Run, static: Run | None) -> None:
     """Both stages trained all their steps, each logged once; the elastic run's stages end where the static run's do
     (its first stage changed size, its second trains on the workers left)."""
@@ -413,6 +433,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "tune_then_fit": check_tune_then_fit,
     "train_in_stages": check_train_in_stages,
     "swa_average": check_swa_average,
+    "plateau_early_stop": check_plateau_early_stop,
     "weighted_onecycle": check_weighted_onecycle,
     "transformer_cli": check_transformer_cli,
 }

@@ -6,8 +6,9 @@ callback (the scripts are not changed), which appends to ``$USERS_OBSERVE/observ
 event, so a worker SIGKILLed later keeps what it wrote:
 
 * ``start``: at every training batch's start, the step, world size, rank and a bitwise digest of the parameters,
-  every optimizer's state and its hyperparameters (members must agree bit for bit at every step; ``hyper`` lists
-  the hyperparameters, to tell which one differs: a learning rate a scheduler did not decay);
+  every optimizer's state and its hyperparameters, and every LR scheduler's state (members must agree bit for bit at
+  every step; ``hyper`` lists the hyperparameters and ``schedulers`` the schedulers' states, to tell which one
+  differs: a learning rate a scheduler did not decay, a plateau scheduler that did not see an epoch);
 * ``trained``: at every trained batch's end (its step applied), the epoch and the samples this process trained —
   the ``index`` of a dict batch, the first element of a tuple batch when it holds integers, else a digest of each
   row of the first tensor (a dataset that cannot return its index, like the demo transformer's) — minus the stand-in
@@ -78,10 +79,10 @@ def _tensors(module: Any, optimizers: list[Any], buffers: bool = True) -> dict[s
     return tensors
 
 
-def _digest(module: Any, optimizers: list[Any]) -> str:
-    """Of the parameters, optimizer states and the optimizers' hyperparameters (a rank whose scheduler did not step
-    trains on with another LR): buffers (BatchNorm's running statistics) are each process's own between forwards
-    (DDP broadcasts rank 0's at the next forward)."""
+def _digest(module: Any, optimizers: list[Any], schedulers: list[str]) -> str:
+    """Of the parameters, optimizer states, the optimizers' hyperparameters (a rank whose scheduler did not step
+    trains on with another LR) and the schedulers' states: buffers (BatchNorm's running statistics) are each process's
+    own between forwards (DDP broadcasts rank 0's at the next forward)."""
     digest = hashlib.sha256()
     for name, tensor in _tensors(module, optimizers, buffers=False).items():
         digest.update(name.encode())
@@ -89,7 +90,15 @@ def _digest(module: Any, optimizers: list[Any]) -> str:
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             digest.update(repr(sorted((key, value) for key, value in group.items() if key != "params")).encode())
+    for state in schedulers:
+        digest.update(state.encode())
     return digest.hexdigest()
+
+
+def _scheduler_states(trainer: Any) -> list[str]:
+    """Each LR scheduler's ``state_dict`` (what a checkpoint keeps of it), less any function it holds."""
+    return [repr(sorted((key, value) for key, value in config.scheduler.state_dict().items() if not callable(value)))
+            for config in trainer.lr_scheduler_configs]
 
 
 def _raw_bytes(tensor: Any) -> bytes:
@@ -188,10 +197,12 @@ def _observer_class(callback_base: type) -> type:
             if rank == 0:
                 _hold_for_joiners(step + 1)
             _kill_if_due(step, rank, "start")
+            schedulers = _scheduler_states(trainer)
             _write({"event": "start", "step": _recorded(step), "world": trainer.world_size, "rank": rank,
-                    "worker": os.environ.get("ELAN_WORKER_ID"), "digest": _digest(pl_module, trainer.optimizers),
+                    "worker": os.environ.get("ELAN_WORKER_ID"),
+                    "digest": _digest(pl_module, trainer.optimizers, schedulers),
                     "hyper": [repr(sorted((k, v) for k, v in g.items() if k != "params")) for o in trainer.optimizers
-                              for g in o.param_groups]})
+                              for g in o.param_groups], "schedulers": schedulers})
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             samples = _sample_ids(batch) if _sample_weight(trainer) > 0 else []
