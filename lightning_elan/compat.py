@@ -497,18 +497,25 @@ def undo_toggled_optimizer(module: pl.LightningModule) -> None:
     module._param_requires_grad_state = {}
 
 
-def run_the_joined_epoch_as_the_members(trainer: pl.Trainer) -> None:
+def run_the_joined_epoch_as_the_members(trainer: pl.Trainer, accumulate_grad_batches: int) -> None:
     """A joiner's fit loop restarts mid-epoch from the source's state (``_Loop.load_state_dict`` sets it
     ``restarting``, until ``_FitLoop.on_iteration_done`` after that epoch). Where that makes the joined epoch start or
     end otherwise than the members', do what they do, once: later epochs run Lightning's own hooks.
 
-    * Start: ``_FitLoop.on_advance_start`` skips the ``on_train_epoch_start`` hooks when it restarts mid-epoch.
-      ``StochasticWeightAveraging`` builds its ``SWALR`` scheduler there and puts it in
-      ``trainer.lr_scheduler_configs``; its ``state_dict`` holds the scheduler's state but not the scheduler, so
-      without it the joiner would keep the optimizer's LR while the members anneal theirs. Its hook is idempotent
-      for what the state holds (the scheduler state is loaded, the average updated once per epoch:
-      ``_latest_update_epoch``), so it runs here, before the epoch's first batch, as on the members. Other callbacks'
-      hooks are not replayed (a ``BackboneFinetuning`` would add its parameter group twice).
+    * Start: ``_FitLoop.on_advance_start`` skips the ``on_train_epoch_start`` hooks when it restarts mid-epoch (or
+      at an epoch's end). What they set outside any saved state is set here then, before the epoch's first batch:
+
+      - ``trainer.accumulate_grad_batches``, the members' (``GradientAccumulationScheduler`` sets it there, as a
+        user's hook may): a joiner accumulating otherwise steps its optimizer at other batches, and the job hangs.
+        Not earlier: ``GradientAccumulationScheduler.on_train_start`` refuses a value other than 1.
+      - ``StochasticWeightAveraging`` builds its ``SWALR`` scheduler there and puts it in
+        ``trainer.lr_scheduler_configs``; its ``state_dict`` holds the scheduler's state but not the scheduler, so
+        without it the joiner would keep the optimizer's LR while the members anneal theirs. Its hook is idempotent
+        for what the state holds (the scheduler state is loaded, the average updated once per epoch:
+        ``_latest_update_epoch``), so it runs here as on the members.
+
+      Other hooks are not replayed (a ``BackboneFinetuning`` would add its parameter group twice; a user's hook
+      may log with ``sync_dist`` or run a collective the members do not run now).
     * End: ``_FitLoop.on_advance_end`` steps the ``ReduceLROnPlateau`` schedulers only when the loop is not
       ``restarting`` (Lightning's own resume skips them: a checkpoint holds no metric). The members' loop is not
       restarting there, and the joiner monitors their metrics (``set_callback_metrics``), so at that epoch's end the
@@ -519,8 +526,11 @@ def run_the_joined_epoch_as_the_members(trainer: pl.Trainer) -> None:
 
     def start_as_the_members() -> None:
         del fit_loop.on_advance_start
+        hooks_skipped = fit_loop.restarted_mid_epoch or fit_loop.restarted_on_epoch_end  # as on_advance_start tests
         loop_type.on_advance_start(fit_loop)
-        _start_swa_averaging(trainer)
+        if hooks_skipped:  # else the joiner joined before the loop, and the hooks ran as on the members
+            trainer.accumulate_grad_batches = accumulate_grad_batches
+            _start_swa_averaging(trainer)
 
     def end_as_the_members() -> None:
         del fit_loop.on_advance_end

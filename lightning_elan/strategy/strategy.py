@@ -304,7 +304,8 @@ class ElanStrategy(DDPStrategy):
     def training_state(self) -> dict[str, Any]:
         trainer = self.lightning_module.trainer
         return {"checkpoint": compat.dump_training_state(trainer), "logger_versions": compat.logger_versions(trainer),
-                "callback_metrics": compat.callback_metrics(trainer)}
+                "callback_metrics": compat.callback_metrics(trainer),
+                "accumulate_grad_batches": trainer.accumulate_grad_batches}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         self._pre_loop.joined()
@@ -315,7 +316,7 @@ class ElanStrategy(DDPStrategy):
         compat.align_checkpoint_dirs(trainer, checkpoint.get("callbacks", {}))
         compat.stage_training_state(trainer, checkpoint)
         compat.set_callback_metrics(trainer, state["callback_metrics"])
-        compat.run_the_joined_epoch_as_the_members(trainer)
+        compat.run_the_joined_epoch_as_the_members(trainer, state["accumulate_grad_batches"])
 
     def receive_destinations(self, state: dict[str, Any]) -> dict[int, Tensor]:
         """The module's own parameters and buffers (``keep_vars``: the tensors themselves) take the source's."""

@@ -108,6 +108,8 @@ CORPUS: dict[str, Script] = {
     "weighted_onecycle": Script(("{scripts}/weighted_onecycle.py", "{out}"), True, epochs(3, 96),
                                 tuple(range(24))),
     "swa_average": Script(("{scripts}/swa_average.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
+    "accumulate_by_epoch": Script(("{scripts}/accumulate_by_epoch.py", "{out}"), True, epochs(3, 96),
+                                  tuple(range(16))),
     "plateau_early_stop": Script(("{scripts}/plateau_early_stop.py", "{out}"), True, epochs(5, 96),
                                  tuple(range(40))),
     "train_in_stages": Script(("{scripts}/train_in_stages.py", "{out}"), True,
@@ -370,6 +372,16 @@ def check_swa_average(run: Run, static: Run | None) -> None:
         assert abs(validated - expected) <= TOLERANCE
 
 
+def check_accumulate_by_epoch(run: Run, static: Run | None) -> None:
+    """Every optimizer step's loss logged once (8 in the first epoch, 4 in each later one) with the static run's
+    values (a joiner in an accumulating epoch accumulates as the members do)."""
+    _, rows = read_csv(run.out / "logs" / "accumulate" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(16))
+    if static is not None:
+        _, static_rows = read_csv(static.out / "logs" / "accumulate" / "version_0" / "metrics.csv")
+        assert_logged_alike(rows, static_rows, "train_loss", exact=True)
+
+
 def check_plateau_early_stop(run: Run, static: Run | None) -> None:
     """EarlyStopping stopped after epoch 4 of 12; every epoch's learning rate (both schedulers') and validation loss
     are the static run's (a joiner's schedulers step at the end of the epoch it joined in, as the members' do); the
@@ -434,6 +446,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "train_in_stages": check_train_in_stages,
     "swa_average": check_swa_average,
     "plateau_early_stop": check_plateau_early_stop,
+    "accumulate_by_epoch": check_accumulate_by_epoch,
     "weighted_onecycle": check_weighted_onecycle,
     "transformer_cli": check_transformer_cli,
 }
