@@ -531,6 +531,7 @@ def run_the_joined_epoch_as_the_members(trainer: pl.Trainer, accumulate_grad_bat
         if hooks_skipped:  # else the joiner joined before the loop, and the hooks ran as on the members
             trainer.accumulate_grad_batches = accumulate_grad_batches
             _start_swa_averaging(trainer)
+            _warn_of_skipped_epoch_start_hooks(trainer)
 
     def end_as_the_members() -> None:
         del fit_loop.on_advance_end
@@ -539,6 +540,27 @@ def run_the_joined_epoch_as_the_members(trainer: pl.Trainer, accumulate_grad_bat
 
     fit_loop.on_advance_start = start_as_the_members
     fit_loop.on_advance_end = end_as_the_members
+
+
+def _warn_of_skipped_epoch_start_hooks(trainer: pl.Trainer) -> None:
+    """Say which of the user's ``on_train_epoch_start`` hooks did not run on this joiner, and what keeps their state."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    owners = [type(trainer.lightning_module).__name__] if is_overridden(
+        "on_train_epoch_start", trainer.lightning_module) else []
+    owners += [type(callback).__name__ for callback in trainer.callbacks
+               if is_overridden("on_train_epoch_start", callback, Callback)
+               and not type(callback).__module__.startswith(_LIGHTNING_PACKAGES)]
+    if owners:
+        log.warning(
+            "this worker joined in the middle of epoch %d: like a resume from a mid-epoch checkpoint, it did not run "
+            "the on_train_epoch_start of %s; what that hook sets must be kept in on_save_checkpoint/"
+            "on_load_checkpoint (or state_dict/load_state_dict of a callback), or be derived from current_epoch, "
+            "or this worker trains with other values than the members", trainer.current_epoch, ", ".join(owners))
+
+
+_LIGHTNING_PACKAGES = ("lightning.", "pytorch_lightning.", "lightning_elan.")
 
 
 def _start_swa_averaging(trainer: pl.Trainer) -> None:
