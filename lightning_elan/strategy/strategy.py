@@ -530,8 +530,19 @@ class ElanStrategy(DDPStrategy):
 
     def training_loop_started(self) -> None:
         """The fit loop's ``on_train_start``: from here a member's death redoes the interrupted batch."""
+        self._refuse_several_train_loaders()
         self._pre_loop.loop_started()
         self.engine.training_loop_started()
+
+    def _refuse_several_train_loaders(self) -> None:
+        """One data position serves one training loader: several (a dict or list, which Lightning combines) would
+        share it, and each epoch would end early with samples never trained."""
+        loaders = compat.train_dataloaders(self.lightning_module.trainer)
+        if len(loaders) > 1:
+            raise NotImplementedError(
+                f"ElanStrategy trains on one training DataLoader (exactly once per epoch is kept for one dataset); "
+                f"got {len(loaders)}, which Lightning combines: combine their datasets into one Dataset, or train "
+                f"them with strategy='ddp'")
 
     def _discard_interrupted_step(self) -> None:
         """Whatever phase the death cut short (forward, backward, all-reduce, vote), the redo starts clean: the elastic

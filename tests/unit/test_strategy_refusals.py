@@ -37,3 +37,28 @@ def test_an_iterable_dataset_training_loader_is_refused_at_start() -> None:
                          enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(NotImplementedError, match="IterableDataset"):
         trainer.fit(_Model(), DataLoader(_Stream(), batch_size=8))
+
+
+class _Points(torch.utils.data.Dataset):
+    def __init__(self, size: int) -> None:
+        self.x = torch.randn(size, 3)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.x[index]
+
+
+class _TwoSourceModel(_Model):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch["a"]).pow(2).mean() + self.net(batch["b"]).pow(2).mean()
+
+
+def test_several_training_loaders_are_refused_at_start() -> None:
+    """A dict of loaders (Lightning's CombinedLoader) would share one data position and end each epoch early."""
+    trainer = pl.Trainer(strategy="elan", accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    loaders = {"a": DataLoader(_Points(64), batch_size=8), "b": DataLoader(_Points(32), batch_size=4)}
+    with pytest.raises(NotImplementedError, match="one training DataLoader.*got 2"):
+        trainer.fit(_TwoSourceModel(), loaders)
