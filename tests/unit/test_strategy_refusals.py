@@ -60,5 +60,5 @@ def test_several_training_loaders_are_refused_at_start() -> None:
     trainer = pl.Trainer(strategy="elan", accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     loaders = {"a": DataLoader(_Points(64), batch_size=8), "b": DataLoader(_Points(32), batch_size=4)}
-    with pytest.raises(NotImplementedError, match="one training DataLoader.*got 2"):
+    with pytest.raises(NotImplementedError, match=r"one training DataLoader.*got 2"):
         trainer.fit(_TwoSourceModel(), loaders)
