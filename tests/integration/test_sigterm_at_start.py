@@ -89,8 +89,9 @@ def test_a_member_of_generation_0_sigtermed_while_it_starts_leaves(static_run, t
     its spawn, before or after its handler exists. It leaves at a batch boundary (its first one when it was still
     starting), exits 0, and w0 and w2 end exactly as the static run."""
     name = "early"
-    command = elan_command(tmp_path, name, 3, [*PROBE_ARGS, "--global-batch", "12"], coordinate_every=50,
-                           launcher_args=("--term-grace", "120"))
+    # 27 steps of at least 0.3 s: the job is still training at 5 s whatever the box's speed (no effect on the numbers)
+    command = elan_command(tmp_path, name, 3, [*PROBE_ARGS, "--global-batch", "12", "--step-sleep", "0.3"],
+                           coordinate_every=50, launcher_args=("--term-grace", "120"))
     job = SignalledJob(tmp_path, name, command)
     pid = job.sigterm("w1", after_s)
     run = job.finish()

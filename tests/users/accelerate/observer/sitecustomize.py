@@ -4,8 +4,8 @@ a worker, and the two things it does to one. Inactive unless ``$USERS_OBSERVE`` 
 When ``lightning_elan.accelerate.accelerator`` is imported, ``ElasticAccelerator.backward`` (which every script calls
 once per micro-batch) is wrapped. Before each backward it appends to ``$USERS_OBSERVE/observe-<pid>.jsonl`` (one
 flushed line: a worker SIGKILLed later keeps what it wrote) the optimizer step being trained, the world size, the rank
-and a bitwise digest of every prepared model's parameters and buffers and every prepared optimizer's state: members
-must agree bit for bit at every step. Before the backward of a step's last micro-batch:
+and a bitwise digest of every prepared model's parameters and buffers, every prepared optimizer's state and every
+prepared LR scheduler's state: members must agree bit for bit at every step. Before the backward of a step's last micro-batch:
 
 * ``$USERS_HOLD=1``: rank 0 holds until every scale request due at the next step has its joiners ready, so a scheduled
   adjustment lands at its step whatever the joiners' start-up time (a replacement for a dead worker is due at once);
@@ -44,7 +44,7 @@ def _write(record: dict[str, Any]) -> None:
 
 def _digest(accelerator: Any) -> str:
     """Parameters and buffers of every prepared model, then every prepared optimizer's per-parameter state and its
-    hyperparameters."""
+    hyperparameters, then every prepared LR scheduler's state."""
     import torch
 
     digest = hashlib.sha256()
@@ -62,6 +62,9 @@ def _digest(accelerator: Any) -> str:
     for optimizer in accelerator._optimizers:  # the hyperparameters too: a scheduler a rank did not step
         for group in optimizer.param_groups:
             digest.update(repr(sorted((key, value) for key, value in group.items() if key != "params")).encode())
+    for scheduler in accelerator._schedulers:  # and each scheduler's state, less the functions it holds
+        state = scheduler.state_dict()
+        digest.update(repr(sorted((key, value) for key, value in state.items() if not callable(value))).encode())
     return digest.hexdigest()
 
 
