@@ -5,7 +5,8 @@ When ``lightning_elan.accelerate.accelerator`` is imported, ``ElasticAccelerator
 once per micro-batch) is wrapped. Before each backward it appends to ``$USERS_OBSERVE/observe-<pid>.jsonl`` (one
 flushed line: a worker SIGKILLed later keeps what it wrote) the optimizer step being trained, the world size, the rank
 and a bitwise digest of every prepared model's parameters and buffers, every prepared optimizer's state and every
-prepared LR scheduler's state: members must agree bit for bit at every step. Before the backward of a step's last micro-batch:
+prepared LR scheduler's state: members must agree bit for bit at every step. Before the backward of a step's last
+micro-batch:
 
 * ``$USERS_HOLD=1``: rank 0 holds until every scale request due at the next step has its joiners ready, so a scheduled
   adjustment lands at its step whatever the joiners' start-up time (a replacement for a dead worker is due at once);
