@@ -36,7 +36,9 @@ from lightning_elan.protocol.contract import (
     WorkerExitReply,
     WorkerExitRequest,
     failure_key,
+    script_failed_key,
     split_host_port,
+    training_ended_key,
 )
 from lightning_elan.protocol.messages import new_message_id
 
@@ -45,6 +47,8 @@ log = logging.getLogger(__name__)
 ENROL_ATTEMPT_S = 1.0
 ANNOUNCE_TIMEOUT_S = 60.0
 """How long announcing a death may wait for the rendezvous store (e.g. an etcd outage)."""
+MARKS_TIMEOUT_S = 10.0
+"""How long reading the command's marks in the rendezvous store may take when its exit is reported."""
 EXIT_NOT_ENROLLED = 3
 """``elan worker``'s exit code when the AM refused it (job finished, full, not taking workers) or never answered."""
 
@@ -193,8 +197,12 @@ class EnrolledWorker:
     # ------------------------------------------------------------------ the exit
 
     def _report_exit(self, enrolment: EnrolReply, returncode: int) -> None:
-        """Tell the AM (resent until it answers); a death it recovers from is announced to the survivors."""
-        message = WorkerExitRequest(enrolment.worker_id, returncode)
+        """Tell the AM (resent until it answers), with what the rendezvous store says of the command (as ``elan run``
+        does: the AM decides from these whether the job is done); a death it recovers from is announced to the
+        survivors."""
+        training_ended, script_failed = self._store_marks(enrolment)
+        message = WorkerExitRequest(enrolment.worker_id, returncode, training_ended=training_ended,
+                                    script_failed=script_failed)
         try:
             body = self._client.request(message.TYPE, message.to_body(), timeout_s=1.0, retries=30)
         except (AMError, AMUnavailable) as error:
@@ -204,6 +212,19 @@ class EnrolledWorker:
         reply = WorkerExitReply.from_body(body)
         if reply.recovering:
             self._announce_failure(enrolment, list(reply.failed_generations or []))
+
+    def _store_marks(self, enrolment: EnrolReply) -> tuple[bool | None, bool | None]:
+        """Whether the command's training loop had ended and whether an uncaught exception ended its script (the
+        marks it left in the rendezvous store); unknown (None) when the store does not answer."""
+        from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
+
+        worker = enrolment.worker_id
+        try:
+            store = open_rendezvous_store(self.store_address(enrolment), timedelta(seconds=MARKS_TIMEOUT_S))
+            return bool(store.check([training_ended_key(worker)])), bool(store.check([script_failed_key(worker)]))
+        except Exception as error:  # the exit is still reported, without the marks
+            log.warning("could not read the marks of %s in the rendezvous store: %s", worker, error)
+            return None, None
 
     def _announce_failure(self, enrolment: EnrolReply, generations: list[int]) -> None:
         from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store

@@ -9,6 +9,7 @@ static run within 1e-9 with every sample used once per epoch. The training scrip
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,13 +19,19 @@ from pathlib import Path
 import pytest
 
 from tests.integration.elastic_runs import (
+    EPOCHS,
     PROBE,
     PROBE_ARGS,
+    STEPS_PER_EPOCH,
+    TOLERANCE,
     RunResult,
     assert_exact,
+    assert_ranks_agree,
+    assert_states_close,
     elan_env,
     free_port,
 )
+from tests.integration.worker_faults import FAULT_KILL_DIR, assert_completed_once
 
 pytestmark = pytest.mark.integration
 
@@ -40,10 +47,11 @@ class Cluster:
         self.am_address = f"127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
 
-    def start_am(self, max_workers: int = 3) -> subprocess.Popen:
+    def start_am(self, max_workers: int = 3, min_workers: int = 2) -> subprocess.Popen:
         self.am = self._start([
             "am", "--job", JOB, "--bind", f"tcp://{self.am_address}", "--state-dir", str(self.state_dir),
-            "--min-workers", "2", "--max-workers", str(max_workers), "--start-grace", "0.5", "--coordinate-every", "1",
+            "--min-workers", str(min_workers), "--max-workers", str(max_workers), "--start-grace", "0.5",
+            "--coordinate-every", "1",
         ], "am")
         return self.am
 
@@ -51,9 +59,14 @@ class Cluster:
     def state_dir(self) -> Path:
         return self.tmp / "state"
 
-    def worker(self, name: str) -> subprocess.Popen:
+    def worker(self, name: str, probe_args: list[str] = SLOW) -> subprocess.Popen:
         return self._start(["worker", "--am", self.am_address, "--job", JOB, "--", sys.executable, str(PROBE),
-                            "--out", str(self.tmp / "out"), *PROBE_ARGS, *SLOW], name)
+                            "--out", str(self.tmp / "out"), *PROBE_ARGS, *probe_args], name)
+
+    def kill_in_library(self, kill: str) -> None:
+        """The workers' commands SIGKILL themselves at ``kill`` (``tests/integration/fault_kill``)."""
+        self.env = {**self.env, "ELAN_TEST_KILL": kill,
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_KILL_DIR), self.env.get("PYTHONPATH")]))}
 
     def _start(self, args: list[str], name: str) -> subprocess.Popen:
         log = (self.tmp / f"{name}.log").open("w")
@@ -155,5 +168,31 @@ def test_a_worker_started_before_its_am_listens_is_enrolled_once(static_run, tmp
     finally:
         cluster.stop()
     run = RunResult(tmp_path / "out", cluster.state_dir, 0, cluster.logs())
-    assert_exact(run, static_run)
+    assert_completed_once(run.out)  # what each step completed (w1's own records died with it)
+    assert assert_ranks_agree(run.records()) == EPOCHS * STEPS_PER_EPOCH
+    assert_states_close(run.final_state(), static_run.final_state(), TOLERANCE)
     assert run.adjustments() == []
+
+
+def test_a_member_killed_after_the_last_step_fails_nothing(static_run, tmp_path):
+    """Three ``elan worker``s; w1's command is SIGKILLed once its training ended (every member trained the last
+    step), before the others exited (etcd storm seed 9012: the AM opened a recovery nobody checked in to and failed the
+    job, "no survivor checked in after f1"). The training is complete: the AM ends the job 0 and the survivors' run
+    equals the static run."""
+    cluster = Cluster(tmp_path)
+    cluster.kill_in_library("w1:trained")
+    cluster.start_am(max_workers=3, min_workers=3)
+    try:
+        workers = [cluster.worker(f"w-{name}", probe_args=["--global-batch", "12"]) for name in "abc"]
+        codes = [proc.wait(180) for proc in workers]
+        assert sorted(code == 0 for code in codes) == [False, True, True], (codes, cluster.logs())
+        assert cluster.am.wait(60) == 0, cluster.logs()
+    finally:
+        cluster.stop()
+
+    assert (tmp_path / "elan-home" / "fault-kills.log").read_text().startswith("w1 trained")
+    assert "fails" not in (tmp_path / "am.log").read_text(), cluster.logs()
+    run = RunResult(tmp_path / "out", cluster.state_dir, 0, cluster.logs())
+    assert_completed_once(run.out)  # what each step completed (w1's own records died with it)
+    assert assert_ranks_agree(run.records()) == EPOCHS * STEPS_PER_EPOCH
+    assert_states_close(run.final_state(), static_run.final_state(), TOLERANCE)

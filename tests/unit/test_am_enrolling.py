@@ -58,6 +58,37 @@ def test_the_job_finishes_once_every_member_trained_out() -> None:
     assert state.finished and state.finish_reason == FINISHED_BY_AM
 
 
+def test_a_member_killed_after_the_last_step_before_the_others_exited_fails_nothing() -> None:
+    """Etcd storm seed 9012: w1 was SIGKILLed once the job's last step was trained, before w0 and w2 exited 0; the
+    AM opened a recovery none of them checked in to (their ``fit`` had returned) and failed the job ("no survivor
+    checked in after f1"). The members' exits, with the marks their ``elan worker``s read, show the training
+    complete: the job is done, as a job of ``elan run`` is."""
+    state = enrolling_job(3, 3)
+    for host in ("a", "b", "c"):
+        enrolling.enrol(state, EnrolRequest(host, 1), now=0.0)
+
+    assert exited(state, "w1", -9).recovering
+    exited(state, "w0", 0, training_ended=True)
+    assert not state.finished
+    exited(state, "w2", 0, training_ended=True)
+
+    assert state.finished and state.finish_reason == FINISHED_BY_AM and state.failed_reason is None
+
+
+def test_a_member_killed_mid_training_still_fails_the_generation() -> None:
+    """The same exits without the marks of an ended training (a death mid-step; the survivors then exit 0 only if
+    something else ended their scripts): not a finish."""
+    state = enrolling_job(3, 3)
+    for host in ("a", "b", "c"):
+        enrolling.enrol(state, EnrolRequest(host, 1), now=0.0)
+
+    exited(state, "w1", -9)
+    exited(state, "w0", 0)
+    exited(state, "w2", 0)
+
+    assert not state.finished and state.recovery is not None
+
+
 def test_a_job_of_elan_run_takes_no_enrolment() -> None:
     with pytest.raises(StateError, match="does not take `elan worker`s"):
         enrolling.enrol(JobState(job="job"), EnrolRequest("a", 1))

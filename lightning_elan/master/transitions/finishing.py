@@ -2,7 +2,8 @@
 
 A job of ``elan run`` is done once its launcher has reported (``worker_exit``) every member of the current generation
 exited having finished training — with what the rendezvous store said of each (``WorkerExit``) — unless they left for
-the plan in flight; a job of ``elan worker``s once every member exited 0 outside any adjustment. The launcher only
+the plan in flight; a job of ``elan worker``s by the same rule (each ``elan worker`` reports its command's exit and
+marks), outside any adjustment. The launcher only
 obeys: it sees ``finished`` and the reason in the replies and in ``status``. Semantics: docs/architecture.md,
 *Worker failures*.
 """
@@ -35,8 +36,9 @@ def finish_if_done(state: JobState) -> bool:
 
 
 def _trained_out(state: JobState) -> bool:
-    """A job of ``elan worker``s: every member exited 0 outside any adjustment, and no plan is in flight."""
-    return state.in_flight is None and bool(state.members) and all(w in state.trained_out for w in state.member_ids)
+    """A job of ``elan worker``s: no plan is in flight and every member exited having finished training, by the
+    rule of ``elan run``'s (a member killed after the last step, before the others exited, fails nothing)."""
+    return state.in_flight is None and _members_finished(state)
 
 
 def _members_finished(state: JobState) -> bool:
