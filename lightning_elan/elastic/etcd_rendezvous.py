@@ -13,6 +13,7 @@ votes) in the same etcd cluster as the AM's state, so they outlive every AM proc
   (2 ms, growing to 50 ms) until the key exists or the store's timeout passes (``DistStoreError``, as TCPStore).
 * **Unavailability**: a request is retried (endpoint after endpoint, bounded back-off) for the store's timeout, so an
   etcd outage shorter than that only delays the workers; then ``DistStoreError``.
+* **Closing**: :meth:`EtcdRendezvousStore.close` makes every call raise (a clone closes alone: ``clone()``).
 * Values are bytes (base64 on the wire); counters are decimal ASCII, as ``TCPStore`` keeps them. One HTTP session per
   thread (the store is shared by the training thread and helper threads).
 """
@@ -72,6 +73,17 @@ class EtcdRendezvousStore(dist.Store):
         self.root = locator.key(job, RDZV_KEY) + "/"
         self.set_timeout(timeout)
         self._local = threading.local()
+        self._closed = threading.Event()
+
+    def clone(self) -> EtcdRendezvousStore:
+        """A store on the same keys that can be closed on its own (``TCPStore.clone``'s counterpart)."""
+        return EtcdRendezvousStore(self.locator, self.job, self.timeout)
+
+    def close(self) -> None:
+        """Every later call, and every poll under way, raises ``DistStoreError``: a backend's rendezvous abandoned
+        on this store ends before the interpreter finalizes (a thread that polls a Python store from C++ and takes
+        the GIL during finalization kills the process: ``process_group._end_abandoned_connects``)."""
+        self._closed.set()
 
     # ---- the c10d interface ----------------------------------------------------------------------------------------
 
@@ -165,6 +177,7 @@ class EtcdRendezvousStore(dist.Store):
         return connection
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self._raise_if_closed()
         try:
             return self._connection().call(path, body)
         except StoreError as error:
@@ -189,8 +202,13 @@ class EtcdRendezvousStore(dist.Store):
     def _pause(self, deadline: float, delay: float, keys: Sequence[str]) -> float:
         if time.monotonic() + delay > deadline:
             raise dist.DistStoreError(f"{self!r}: timed out waiting for key(s) {list(keys)}")
-        time.sleep(delay)
+        if self._closed.wait(delay):
+            self._raise_if_closed()
         return min(delay * POLL_GROWTH, POLL_MAX_S)
+
+    def _raise_if_closed(self) -> None:
+        if self._closed.is_set():
+            raise dist.DistStoreError(f"{self!r} is closed")
 
     def _b64key(self, key: str) -> str:
         return _b64((self.root + key).encode())

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_elan import torch_compat
+from lightning_elan.elastic.etcd_rendezvous import EtcdRendezvousStore
 
 log = logging.getLogger(__name__)
 
@@ -407,7 +408,7 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         self._forming = forming
         try:
             self.hosts = self._await_members(forming, dist.PrefixStore(prefix, self.store), rank, world_size)
-            self._current = self._create(forming, dist.PrefixStore(prefix, _own_client(self.store)), rank, world_size)
+            self._current = self._create(forming, prefix, _own_client(self.store), rank, world_size)
         finally:
             self._forming = None
         self._generation = _Generation(self._current, prefix, rank, world_size)
@@ -498,11 +499,12 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         key = generation.next_group_key(ranks)
         if generation.rank not in ranks:
             return None
-        store = dist.PrefixStore(key, _own_client(self.store))
+        client = _own_client(self.store)
+        store = dist.PrefixStore(key, client)
         group_timeout = timeout if timeout is not None else self.timeout
         backend = _connect_watching(
             lambda: self._backend_group(store, ranks.index(generation.rank), len(ranks), group_timeout, True),
-            generation.check_usable)
+            generation.check_usable, client)
         generation.user_backends.append(backend)
         log.debug("new_group %s over ranks %s of %s (%s)", group_name, ranks, generation.prefix, group_desc)
         return UserGroup(backend, generation, self, ranks)
@@ -514,11 +516,12 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
             raise RuntimeError("the elastic process group is not part of any generation (not configured)")
         return GenerationGroup(generation, self)
 
-    def _create(self, forming: _Forming, store: dist.Store, rank: int, world_size: int) -> ProcessGroup:
-        """The generation's backends, connected while watching for the generation's failure (see
-        :func:`_connect_watching`)."""
+    def _create(self, forming: _Forming, prefix: str, client: dist.Store, rank: int, world_size: int) -> ProcessGroup:
+        """The generation's backends, connected on ``client`` under ``prefix`` while watching for the generation's
+        failure (see :func:`_connect_watching`)."""
+        store = dist.PrefixStore(prefix, client)
         group = _connect_watching(lambda: self._backend_group(store, rank, world_size, self.timeout),
-                                  forming.raise_if_failed)
+                                  forming.raise_if_failed, client)
         default = ProcessGroup.BackendType.NCCL if self.backend == "nccl" else ProcessGroup.BackendType.GLOO
         torch_compat.set_default_backend(self, default)
         _register_backends_of(group, self)  # DDP's construction logging and object collectives look them up here
@@ -708,17 +711,18 @@ def _own_client(store: dist.Store) -> dist.Store:
     """A client of ``store`` with a connection of its own: a ``TCPStore`` client holds its one connection through a
     blocking wait (torch 2.13, ``TCPStore::activeOpLock_``), so a backend's rendezvous waiting on a dead peer would
     hold every other use of the job store — the next generation's arrival, the commit vote — for the whole timeout.
-    A Python store (etcd) takes no such lock."""
-    return store.clone() if isinstance(store, dist.TCPStore) else store
+    The etcd store takes no such lock; its clone can be closed alone (:func:`_end_abandoned_connects`)."""
+    return store.clone() if isinstance(store, dist.TCPStore | EtcdRendezvousStore) else store
 
 
 class _Connecting:
     """A backend's construction running in a thread of its own (its rendezvous releases the GIL)."""
 
-    def __init__(self, connect: Callable[[], ProcessGroup]) -> None:
+    def __init__(self, connect: Callable[[], ProcessGroup], client: dist.Store) -> None:
         self.done = threading.Event()
         self.group: ProcessGroup | None = None
         self.error: BaseException | None = None
+        self.client = client  # the store client its rendezvous uses
         self._connect = connect
         threading.Thread(target=self._run, name="elan-connect", daemon=True).start()
 
@@ -737,18 +741,20 @@ class _Connecting:
         return self.group
 
 
-def _connect_watching(connect: Callable[[], ProcessGroup], raise_if_failed: Callable[[], None]) -> ProcessGroup:
-    """``connect()`` — gloo's rendezvous, which waits for a missing peer for the whole collective timeout — in a
-    thread, while this one watches for the generation's failure and raises it: a member that dies after it arrived
-    but before it connected does not hold the others. An abandoned connect ends by its own timeout; what it made is
-    never freed (see :func:`_keep_forever`)."""
-    connecting = _Connecting(connect)
+def _connect_watching(connect: Callable[[], ProcessGroup], raise_if_failed: Callable[[], None],
+                      client: dist.Store) -> ProcessGroup:
+    """``connect()`` — gloo's rendezvous on ``client``, which waits for a missing peer for the whole collective
+    timeout — in a thread, while this one watches for the generation's failure and raises it: a member that dies
+    after it arrived but before it connected does not hold the others. An abandoned connect ends by its own timeout,
+    or at exit (:func:`_end_abandoned_connects`); what it made is never freed (see :func:`_keep_forever`)."""
+    connecting = _Connecting(connect, client)
     pause = ARRIVAL_POLL_MIN_S
     while not connecting.done.wait(pause):
         try:
             raise_if_failed()
         except BaseException:
             _abandoned_connects.append(connecting)
+            _destroy_at_exit()  # ends it before the interpreter finalizes
             raise
         pause = min(ARRIVAL_POLL_MAX_S, pause * 2)
     return connecting.result()
@@ -836,3 +842,19 @@ def _disarm_all() -> None:
     for generation in generations:
         generation.disarm(DISARM_WAIT_S)
     _await_released_callbacks(DISARM_WAIT_S)
+    _end_abandoned_connects(DISARM_WAIT_S)
+
+
+def _end_abandoned_connects(timeout_s: float) -> None:
+    """Before the interpreter finalizes: an abandoned connect still polling the etcd store calls into Python from
+    gloo's C++ rendezvous, and taking the GIL during finalization ends that thread with ``pthread_exit``, whose
+    unwinding through C++ kills the process (etcd storm seed 9010: two survivors that had finished training died
+    with SIGABRT, "terminate called without an active exception"). Closing its store client makes its rendezvous
+    raise; the thread then returns while the interpreter is whole. (A ``TCPStore`` client waits in C++ alone.)"""
+    pending = [connecting for connecting in _abandoned_connects
+               if isinstance(connecting.client, EtcdRendezvousStore) and not connecting.done.is_set()]
+    for connecting in pending:
+        connecting.client.close()
+    deadline = time.monotonic() + timeout_s
+    for connecting in pending:
+        connecting.done.wait(max(0.0, deadline - time.monotonic()))

@@ -114,3 +114,29 @@ def test_gloo_generations_over_etcd(etcd, tmp_path, world):
     assert results[0]["deleted"] > 0
     left = store_of(etcd, f"gloo{world}").list_keys()
     assert not [key for key in left if key.startswith("bench/")], left
+
+
+def test_a_closed_store_raises_at_once_and_its_clone_closes_alone(etcd):
+    store = store_of(etcd, "closing", timeout_s=30.0)
+    clone = store.clone()
+    clone.set("key", b"v")
+
+    clone.close()
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="is closed"):
+        clone.get("absent")
+    assert time.monotonic() - started < 1.0
+    assert store.get("key") == b"v"
+
+
+def test_a_survivor_that_abandoned_a_connect_on_etcd_exits_cleanly(etcd):
+    """Its backend's rendezvous still polls the etcd store for the dead peer when the process exits: the exit hook
+    closes that store client first, so the thread does not take the GIL during interpreter finalization (which killed
+    the process: SIGABRT or SIGSEGV; etcd storm seed 9010)."""
+    address = etcd.url("rdzv") + "?job=abandoned"
+    script = REPO / "tests" / "integration" / "abandoned_connect.py"
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script), address], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+        assert "abandoned the connect" in proc.stdout
