@@ -29,7 +29,8 @@ from lightning_elan.etcd import EtcdLocator
 from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.etcd_store import EtcdStore
 from lightning_elan.master.leadership import DEFAULT_LEASE_TTL_S, Leadership
-from lightning_elan.master.server import ApplicationMaster
+from lightning_elan.master.server import FINISH_LINGER_S, ApplicationMaster
+from lightning_elan.master.state import CANCELLED
 from lightning_elan.master.store import StoreConflict, StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -61,13 +62,15 @@ class ElectedAM:
         self._am: ApplicationMaster | None = None  # the AM of the current term, while leading
         self._finished = False
         self._next_finished_poll = 0.0
+        self._finished_read_at: float | None = None  # when the stored state first said finished (monotonic)
         self._reader: EtcdStore | None = None  # reads the stored state for job_over (the caller's thread)
 
     def job_over(self) -> bool:
-        """Whether the job has finished: the leading AM says so, or (standing by) the stored state does."""
+        """Whether the job is over: the leading AM says so (``ApplicationMaster.over``), or (standing by) the stored
+        state does."""
         if not self._finished:
             am = self._am
-            self._finished = am.finished if am is not None else self._stored_finished()
+            self._finished = am.over if am is not None else self._stored_finished()
         return self._finished
 
     def _stored_finished(self) -> bool:
@@ -82,7 +85,17 @@ class ElectedAM:
         except (StoreUnavailable, ValueError) as error:
             logger.debug("job %r: cannot read the stored state: %s", self.job, error)
             return False
-        return bool(document and document.get("state", {}).get("finished"))
+        state = (document or {}).get("state", {})
+        return bool(state.get("finished")) and self._told_or_lingered(state)
+
+    def _told_or_lingered(self, state: dict[str, Any]) -> bool:
+        """No cancelled joiner of the finished job is left to learn it (the leader serves them), or
+        ``FINISH_LINGER_S`` passed since this AM first read the job finished: a standby that stopped first would
+        leave no AM to serve them if the leader died meanwhile."""
+        if self._finished_read_at is None:
+            self._finished_read_at = time.monotonic()
+        cancelled = [w for w, pending in state.get("pending_workers", {}).items() if pending.get("status") == CANCELLED]
+        return not cancelled or time.monotonic() - self._finished_read_at >= FINISH_LINGER_S
 
     def run(self, stop: threading.Event) -> None:
         """Campaign, serve while leading, campaign again after a loss; return once ``stop`` is set."""
@@ -106,7 +119,7 @@ class ElectedAM:
             while not stop.is_set() and am.serving and not self.leadership.lost.is_set():
                 time.sleep(WATCH_INTERVAL_S)
         finally:
-            self._finished = self._finished or am.finished
+            self._finished = self._finished or am.over
             self._am = None
             am.stop()
         if stop.is_set():

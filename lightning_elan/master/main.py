@@ -85,7 +85,7 @@ def _serve_with_file_store(options: AMOptions, signals: StopSignals) -> int:
     log.info("AM of job %s (pid %d) at %s: state in %s; Ctrl-C stops it", options.job, os.getpid(), am.address,
              options.state_dir)
     enrolled = options.enrolment is not None
-    stopped = wait_for_stop(signals, options.parent_pid, done=lambda: am.finished if enrolled else False)
+    stopped = wait_for_stop(signals, options.parent_pid, done=lambda: am.over if enrolled else False)
     log_stop(stop_line(options.job, stopped, am.finished, am.finish_reason))
     am.stop()
     return 0

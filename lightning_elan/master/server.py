@@ -83,6 +83,8 @@ _T = TypeVar("_T")
 HOUSEKEEPING_INTERVAL_S = 0.25  # the AM's own clock for a job of enrolled workers (no launcher polls it)
 SIZING_INTERVAL_S = 0.25  # how often the AM looks at the job for its profile, autoscaler and stragglers
 MAX_MESSAGES_PER_TICK = 256
+FINISH_LINGER_S = 30.0
+"""How long an AM of ``elan worker``s serves on after the job finished for the joiners it cancelled to learn it."""
 MAX_WAIT_S = 3600.0
 HARD_MESSAGE_LIMIT = 64 * MAX_MESSAGE_BYTES  # larger frames make ZeroMQ drop the connection (no reply)
 ADJUSTMENTS_FILE = "adjustments.jsonl"
@@ -239,6 +241,7 @@ class ApplicationMaster:
         self.register = register
         self._warnings = _WarningBudget()
         self._started_at = time.time()
+        self._finished_seen_at: float | None = None  # when ``over`` first saw the job finished (monotonic)
         self._state, self._replies = self._load(store)
         self._address: str | None = None
         self._stopping = threading.Event()
@@ -294,6 +297,17 @@ class ApplicationMaster:
     @property
     def finished(self) -> bool:
         return self._state.finished
+
+    @property
+    def over(self) -> bool:
+        """Finished, and every joiner the finish cancelled has exited, or ``FINISH_LINGER_S`` passed since: an AM of
+        ``elan worker``s that stopped at once left such a joiner asking an AM that was gone (etcd storm seed 9003)."""
+        if not self._state.finished:
+            return False
+        if self._finished_seen_at is None:
+            self._finished_seen_at = time.monotonic()
+        lingered = time.monotonic() - self._finished_seen_at >= FINISH_LINGER_S
+        return lingered or not self._state.cancelled_workers()
 
     @property
     def finish_reason(self) -> str | None:

@@ -414,6 +414,11 @@ class JobState:
         """The workers that exited 0 outside any adjustment (``fit`` returned on them, if they were members)."""
         return [worker for worker, how in self.exits.items() if how.trained_out]
 
+    def cancelled_workers(self) -> list[str]:
+        """Joiners cancelled (a failed request, the job's shutdown) that the AM has not seen exit: each learns it
+        from its next ``wait_plan``, so an AM of ``elan worker``s serves on a while for them."""
+        return [worker for worker, pending in self.pending_workers.items() if pending.status == CANCELLED]
+
     def training_over(self) -> bool:
         """A member of the current generation exited 0 outside any adjustment: ``fit`` returned on it, and every
         member trains the same steps (the last one needed them all), so the job's training is complete."""

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
+from lightning_elan.master import server
 from lightning_elan.master.enrolment import Enrolment
+from lightning_elan.master.server import ApplicationMaster
 from lightning_elan.master.state import SPAWNED, JobState, StateError
+from lightning_elan.master.store import FileStore
 from lightning_elan.master.transitions import enrolling
-from lightning_elan.protocol.contract import FINISHED_BY_AM, EnrolRequest
+from lightning_elan.protocol import AMClient
+from lightning_elan.protocol.contract import FINISHED_BY_AM, EnrolReply, EnrolRequest, WorkerExitRequest
 from tests.unit.am_steps import exited
 
 
@@ -92,3 +99,47 @@ def test_a_member_killed_mid_training_still_fails_the_generation() -> None:
 def test_a_job_of_elan_run_takes_no_enrolment() -> None:
     with pytest.raises(StateError, match="does not take `elan worker`s"):
         enrolling.enrol(JobState(job="job"), EnrolRequest("a", 1))
+
+
+@pytest.fixture
+def enrolled_am(tmp_path: Path) -> Iterator[ApplicationMaster]:
+    master = ApplicationMaster("job", FileStore(tmp_path / "state.json"), state_dir=tmp_path, register=False)
+    master.accept_enrolments(Enrolment(1, 2, start_grace_s=0.0), coordinate_every=1)
+    master.start()
+    yield master
+    master.stop()
+
+
+def _enrol(client: AMClient, host: str) -> EnrolReply:
+    return EnrolReply.from_body(client.request(EnrolRequest.TYPE, EnrolRequest(host, 1).to_body()))
+
+
+def _exit(client: AMClient, worker: str, returncode: int, **marks: bool) -> None:
+    client.request(WorkerExitRequest.TYPE, WorkerExitRequest(worker, returncode, **marks).to_body())
+
+
+def test_the_am_of_a_finished_job_serves_on_until_its_cancelled_joiner_learned_it(enrolled_am) -> None:
+    """Etcd storm seed 9003: the job finished while a joiner warmed up; the AM stopped at once and the joiner asked an
+    AM that was gone until its scheduler killed it. Now the AM is over once that joiner was told and exited."""
+    with AMClient(enrolled_am.address, "job", timeout_s=2.0, retries=2) as client:
+        assert _enrol(client, "a").role == "member"
+        joiner = _enrol(client, "b")
+        assert joiner.role == "joiner"
+        _exit(client, "w0", 0, training_ended=True)
+
+        assert enrolled_am.finished and not enrolled_am.over
+        assert client.wait_plan(joiner.worker_id, 1.0).status == "cancelled"
+        assert not enrolled_am.over  # told, but its exit is not reported yet
+        _exit(client, joiner.worker_id, 0)
+        assert enrolled_am.over
+
+
+def test_the_am_of_a_finished_job_stops_after_the_linger_without_its_joiners_exit(enrolled_am, monkeypatch) -> None:
+    """A cancelled joiner whose exit is never reported (its `elan worker` was SIGKILLed) holds the AM only so long."""
+    with AMClient(enrolled_am.address, "job", timeout_s=2.0, retries=2) as client:
+        _enrol(client, "a")
+        _enrol(client, "b")
+        _exit(client, "w0", 0, training_ended=True)
+    assert not enrolled_am.over
+    monkeypatch.setattr(server, "FINISH_LINGER_S", 0.0)
+    assert enrolled_am.over
