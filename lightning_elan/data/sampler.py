@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from lightning_elan.data.positions import (
     LocalShare,
@@ -128,6 +128,8 @@ class EpochOrder:
             return cls(num_samples, shuffle=True, seed=seed)
         if isinstance(sampler, SequentialSampler):
             return cls(num_samples, shuffle=False, seed=seed)
+        if isinstance(sampler, DistributedSampler):
+            return cls._from_distributed_sampler(sampler)
         log.warning(
             "Using the order of the user sampler %s; it must give the same order on every worker for an epoch (a "
             "joiner takes the current epoch's order and the sampler's generator state from its source).",
@@ -135,6 +137,24 @@ class EpochOrder:
         )
         length = len(sampler) if isinstance(sampler, Sized) else num_samples
         return cls(length, shuffle=False, seed=seed, user_sampler=sampler)
+
+
+    @classmethod
+    def _from_distributed_sampler(cls, sampler: DistributedSampler) -> EpochOrder:
+        """A user's ``DistributedSampler`` yields one rank's share of a fixed world: the epoch visits its global order
+        instead (its seeded permutation, or the identity) and each global batch is shared among the current workers —
+        its ``num_replicas``, ``rank`` and padding do not apply. Its shares, taken as the order, trained each process on
+        a share of a share (a quarter of the data on 2 workers, exit 0)."""
+        if type(sampler).__iter__ is not DistributedSampler.__iter__:
+            raise ValueError(
+                f"{type(sampler).__name__} is a DistributedSampler with its own __iter__: it yields one process's "
+                "share of an order lightning_elan cannot see, for a fixed number of processes. Give the DataLoader a "
+                "sampler of the whole dataset (lightning_elan shares each global batch among the workers of the "
+                "moment)."
+            )
+        log.info("the DataLoader's DistributedSampler (shuffle=%s, seed=%d) gives the epoch order; lightning_elan "
+                 "shares each global batch among the current workers", sampler.shuffle, sampler.seed)
+        return cls(len(sampler.dataset), shuffle=sampler.shuffle, seed=sampler.seed)  # type: ignore[arg-type]
 
 
 class ElasticSampler(Sampler[int]):

@@ -108,6 +108,8 @@ CORPUS: dict[str, Script] = {
     "weighted_onecycle": Script(("{scripts}/weighted_onecycle.py", "{out}"), True, epochs(3, 96),
                                 tuple(range(24))),
     "swa_average": Script(("{scripts}/swa_average.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
+    "ported_ddp_sampler": Script(("{scripts}/ported_ddp_sampler.py", "{out}"), True, epochs(3, 96),
+                                 tuple(range(24))),
     "accumulate_by_epoch": Script(("{scripts}/accumulate_by_epoch.py", "{out}"), True, epochs(3, 96),
                                   tuple(range(16))),
     "plateau_early_stop": Script(("{scripts}/plateau_early_stop.py", "{out}"), True, epochs(5, 96),
@@ -364,6 +366,16 @@ def check_weighted_onecycle(run: Run, static: Run | None) -> None:
             assert_logged_alike(rows, static_rows, column, exact=True)
 
 
+def check_ported_ddp_sampler(run: Run, static: Run | None) -> None:
+    """Every step's loss logged once; the elastic run's are the static run's (the epochs visit the sampler's global
+    order, whatever the world)."""
+    _, rows = read_csv(run.out / "logs" / "ported" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(24))
+    if static is not None:
+        _, static_rows = read_csv(static.out / "logs" / "ported" / "version_0" / "metrics.csv")
+        assert_logged_alike(rows, static_rows, "train_loss", exact=True)
+
+
 def check_swa_average(run: Run, static: Run | None) -> None:
     """The averaged model validates as the static run's (the final state is the average: checked with it)."""
     validated = json.loads((run.out / "averaged.json").read_text())["validate"][0]["val_loss"]
@@ -448,6 +460,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "plateau_early_stop": check_plateau_early_stop,
     "accumulate_by_epoch": check_accumulate_by_epoch,
     "weighted_onecycle": check_weighted_onecycle,
+    "ported_ddp_sampler": check_ported_ddp_sampler,
     "transformer_cli": check_transformer_cli,
 }
 
