@@ -120,6 +120,9 @@ SCHEDULER_WORLD_ENV_VARS: tuple[str, ...] = (
 ``SLURM_NTASKS`` for one rank of a fixed-size step, ahead of the strategy's own environment, and refuses ``--ntasks``
 without ``--ntasks-per-node``; a script reading ``SLURM_PROCID`` for its rank would be wrong after the first resize."""
 
+OTHER_LAUNCHER_WORLD_ENV_VARS: tuple[str, ...] = ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+"""How another launcher tells a process it is one of several (a standalone process with a world above 1 is refused)."""
+
 STRIPPED_ENV_VARS = frozenset(WORKER_ENV_VARS + SCHEDULER_WORLD_ENV_VARS)
 """Not inherited by a worker from its launcher's environment."""
 
@@ -1237,6 +1240,7 @@ class WorkerEnvironment:
         env = os.environ if env is None else env
         coordinate_every = int(env.get(ENV_COORDINATE_EVERY, DEFAULT_COORDINATE_EVERY))
         if ENV_AM_ADDRESS not in env:
+            _refuse_other_launchers_world(env)
             return cls.standalone_process(coordinate_every)
         role = env.get(ENV_ROLE, ROLE_MEMBER)
         if role not in LAUNCHED_ROLES:
@@ -1304,6 +1308,20 @@ class WorkerEnvironment:
         if self.device_index is not None:
             env[ENV_DEVICE_INDEX] = str(self.device_index)
         return env
+
+
+def _refuse_other_launchers_world(env: Mapping[str, str]) -> None:
+    """A process another launcher started as one of several (torchrun and ``accelerate launch`` set ``WORLD_SIZE``,
+    ``srun -n N`` sets ``SLURM_STEP_NUM_TASKS``) and not ``elan run``: each would train alone on the whole dataset."""
+    for name in OTHER_LAUNCHER_WORLD_ENV_VARS:
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            raise RuntimeError(
+                f"this process is one of {value} started by another launcher ({name}={value}: torchrun, `accelerate "
+                f"launch`, srun), not by `elan run`: each would train alone on the whole dataset. Start the job with "
+                f"`elan run --nproc {value} -- python SCRIPT` (or `elan worker` under a scheduler: README, *Workers on "
+                "many hosts*)."
+            )
 
 
 def _am_address_from_env(text: str) -> str:

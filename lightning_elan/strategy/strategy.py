@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -172,7 +173,17 @@ class ElanStrategy(DDPStrategy):
             if not self.engine.environment.standalone:  # SIGTERM = leave the job (elastic/termination.py)
                 compat.keep_sigterm_handler(trainer, lambda: self.engine.sigterm_handler)
                 compat.drop_sigterm_broadcast(trainer)
+        self._warn_of_unlaunched_devices()
         super().setup_environment()
+
+    def _warn_of_unlaunched_devices(self) -> None:
+        """``Trainer(devices=N)`` outside ``elan run``: one process trains (``elan run --nproc N`` starts N; there is
+        no launcher of our own, see :meth:`_configure_launcher`)."""
+        processes = len(self.parallel_devices or []) * self.num_nodes
+        if self.engine.environment.standalone and processes > 1:
+            log.warning("strategy=\"elan\" with %d devices outside `elan run` trains in this one process: start the "
+                        "job with `elan run --nproc %d -- python %s` for %d workers", processes, processes,
+                        " ".join(sys.argv) or "SCRIPT", processes)
 
     @override
     def setup_distributed(self) -> None:

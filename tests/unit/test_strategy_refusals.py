@@ -62,3 +62,19 @@ def test_several_training_loaders_are_refused_at_start() -> None:
     loaders = {"a": DataLoader(_Points(64), batch_size=8), "b": DataLoader(_Points(32), batch_size=4)}
     with pytest.raises(NotImplementedError, match=r"one training DataLoader.*got 2"):
         trainer.fit(_TwoSourceModel(), loaders)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_devices_outside_elan_run_warn_that_one_process_trains(devices: int, caplog: pytest.LogCaptureFixture) -> None:
+    """``Trainer(strategy="elan", devices=2)`` run as ``python train.py`` trains one process (no launcher of its own):
+    it says so and how to start the workers, instead of training alone in silence."""
+    trainer = pl.Trainer(strategy="elan", accelerator="cpu", devices=devices, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with caplog.at_level("WARNING", logger="lightning_elan"):
+        trainer.fit(_Model(), DataLoader(_Points(16), batch_size=8))
+    warned = [record.getMessage() for record in caplog.records if "outside `elan run`" in record.getMessage()]
+    assert trainer.global_step == 2
+    if devices == 1:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and "elan run --nproc 2 -- python" in warned[0], warned
