@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.loops.fetchers import _DataFetcher
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from packaging.version import Version
 from torchmetrics import Metric
@@ -421,6 +422,88 @@ def _restore_metric_states(trainer: pl.Trainer, saved: dict[str, Any]) -> None:
         metric._forward_cache = state["forward_cache"]
         if state["has_reset"] is not None:
             metric.has_reset = state["has_reset"]
+
+
+def epoch_aggregates(trainer: pl.Trainer) -> dict[str, Any]:
+    """What this process accumulated in the training epoch for values reduced over the processes at its end (keys
+    alike on every process): ``self.log(..., on_epoch=True, sync_dist=True)`` values — the training epoch loop's
+    ``_ResultCollection`` maps a key to a ``_ResultMetric`` whose states are ``value`` (a sum, or the maximum/minimum)
+    and, for a mean, ``cumulated_batch_size``; ``compute`` syncs both — and the LightningModule's torchmetrics that
+    sync on ``compute``. A value logged without ``sync_dist`` is each process's own (rank 0's is logged): left out."""
+    found = {key: _states_of(metric) for key, metric in _aggregate_targets(trainer).items() if metric._update_count}
+    return found
+
+
+def absorb_epoch_aggregates(trainer: pl.Trainer, parts: list[dict[str, Any]]) -> None:
+    """Add other processes' :func:`epoch_aggregates` to this process's own: the epoch's reduction then covers them."""
+    targets = _aggregate_targets(trainer)
+    for part in parts:
+        for key, incoming in part.items():
+            metric = targets.get(key)
+            if metric is None:
+                log.warning("epoch aggregate %s of a departed member has no counterpart here: left out", key)
+            elif isinstance(metric, _ResultMetric):
+                _add_logged_value(metric, incoming)
+            else:
+                _add_metric_states(key, metric, incoming)
+
+
+def _aggregate_targets(trainer: pl.Trainer) -> dict[str, Metric]:
+    targets: dict[str, Metric] = {
+        f"logged/{key}": result for key, result in trainer.fit_loop.epoch_loop._results.items()
+        if result.is_tensor and result.meta.on_epoch and result.meta.sync.should and not result.meta.sync.rank_zero_only
+    }
+    for name, module in trainer.lightning_module.named_modules():
+        if isinstance(module, Metric) and module.sync_on_compute:
+            targets[f"metric/{name}"] = module
+    return targets
+
+
+def _states_of(metric: Metric) -> dict[str, Any]:
+    states = {name: _on_cpu(getattr(metric, name)) for name in metric._defaults}
+    return {"states": states, "update_count": int(metric._update_count)}
+
+
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    return [item.detach().cpu().clone() for item in value]
+
+
+def _add_logged_value(result: _ResultMetric, incoming: dict[str, Any]) -> None:
+    """``_ResultMetric.update``'s own accumulation, with another process's totals as the update."""
+    value = incoming["states"]["value"].to(result.value.device, result.value.dtype)
+    meta = result.meta
+    if meta.is_max_reduction or meta.is_min_reduction:
+        result.value = meta.reduce_fx(result.value, value)
+    else:
+        result.value = result.value + value
+    if meta.is_mean_reduction:
+        result.cumulated_batch_size = result.cumulated_batch_size + incoming["states"]["cumulated_batch_size"].to(
+            result.cumulated_batch_size.device)
+    _counted(result, incoming)
+
+
+def _add_metric_states(key: str, metric: Metric, incoming: dict[str, Any]) -> None:
+    """torchmetrics' ``Metric._reduce_states`` (what ``merge_state`` runs): each state reduced with the other's by its
+    ``dist_reduce_fx``. A state averaged over processes (``"mean"``) or gathered unreduced (None) cannot take another
+    process's part exactly: such a metric is left as it is, with a warning."""
+    from torchmetrics.utilities.data import dim_zero_mean
+
+    if any(metric._reductions[name] in (None, dim_zero_mean) for name in metric._defaults):
+        log.warning("epoch aggregate %s (%s) reduces a state by mean or not at all: a departed member's part is left "
+                    "out", key, type(metric).__name__)
+        return
+    device = metric.device
+    states = {name: (value.to(device) if isinstance(value, torch.Tensor) else [item.to(device) for item in value])
+              for name, value in incoming["states"].items()}
+    metric._reduce_states(states)
+    _counted(metric, incoming)
+
+
+def _counted(metric: Metric, incoming: dict[str, Any]) -> None:
+    metric._update_count += incoming["update_count"]
+    metric._computed = None
 
 
 def _abandon_validation(trainer: pl.Trainer) -> None:

@@ -555,6 +555,13 @@ class ElasticAccelerator(Accelerator):
         self.launch_world_size = int(loop["launch_world_size"])
         self.elastic_scaling.load_state_dict(loop["scaling"])
 
+    def epoch_aggregates(self) -> dict[str, Any] | None:
+        """None: an Accelerate loop has no epoch-end reduction of its own (what it gathers, it gathers per step)."""
+        return None
+
+    def absorb_epoch_aggregates(self, parts: list[dict[str, Any]]) -> None:
+        """Never called: :meth:`epoch_aggregates` records nothing."""
+
     def shared_state(self) -> dict[str, Any]:
         return {}
 

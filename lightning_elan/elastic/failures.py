@@ -153,6 +153,11 @@ class CommitVote:
         self._count = 0
         self.leave_signalled = False  # the last committed vote carried a member's queued leave
 
+    @property
+    def store(self) -> dist.Store:
+        """The store this generation votes in (its members' per-step records go there too)."""
+        return self._store
+
     def commit(self, leaving: bool = False) -> bool:
         """Vote for the step whose gradients this member has (``leaving``: its SIGTERM leave is queued); True if every
         member did before any failure. Raises :class:`UncertainCommit` when the store fails during the vote."""

@@ -49,6 +49,13 @@ class FrontEnd(Protocol):
         """Bytes of the whole training state's tensors (model and beyond), counted without dumping the state: no user
         hook runs. A source makes its send segment this large ahead of an adjustment."""
 
+    def epoch_aggregates(self) -> dict[str, Any] | None:
+        """What this worker accumulated so far in the epoch for values reduced over the members at its end (tensors,
+        lists of tensors), keyed alike on every worker; None or empty when there is nothing."""
+
+    def absorb_epoch_aggregates(self, parts: list[dict[str, Any]]) -> None:
+        """Add other workers' :meth:`epoch_aggregates` (members that left or died) to this worker's own."""
+
     def shared_state(self) -> dict[str, Any]:
         """Rank 0's small framework state every member adopts at an adjustment (e.g. logger versions)."""
 

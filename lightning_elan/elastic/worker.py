@@ -30,6 +30,7 @@ from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition, EpochOrder
 from lightning_elan.elastic.am_link import AMLink
 from lightning_elan.elastic.compute import ComputeMeter
+from lightning_elan.elastic.epoch_aggregates import AggregateRecord, heir_of, read_records, write_record
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, UncertainCommit
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
@@ -338,6 +339,8 @@ class ElasticWorker:
         self._in_training_loop = True  # admitted at the members' batch boundary
         self._spare = None  # taken, or of no use to the route the plan chose: unmapped now
         self.frontend.load_training_state(state)
+        if not plan.stayers:  # every old member left: their epoch aggregates come to the first joiner
+            self._take_aggregates(plan, plan.leavers, self._group().store, plan.step)
         phases.mark("restore")
         log.info("worker %s joined generation %d after %s", self.worker_id, plan.generation, phases)
         self._pending_report = AdjustmentReport(
@@ -432,6 +435,8 @@ class ElasticWorker:
         recover from it in turn."""
         plan = self._recovery_plan or self._recovery_plan_for(failed, committed_step)
         self._recovery_plan = None
+        dead = [worker for worker in plan.previous_members if worker not in plan.members]
+        self._take_aggregates(plan, dead, self._aggregate_store(), committed_step)  # before the failed vote goes
         while True:
             self.frontend.before_resize()
             try:
@@ -617,6 +622,7 @@ class ElasticWorker:
         """
         self._boundary_started = time.perf_counter()
         try:
+            self._record_aggregates(step)
             self._finish_outgoing()
             pause = self._timeline.step_ended()
             if pause is not None and self._pending_report is not None:
@@ -633,6 +639,31 @@ class ElasticWorker:
                 raise  # the front-end's way out of its loop for a leaver
             self._confirm_peer_failure(error)
             self.recover(step)
+
+    def _record_aggregates(self, step: int) -> None:
+        """Every member at a boundary where its step stands: its epoch aggregates so far, in the generation's vote
+        store, for the heir should it leave or die before the next boundary (``elastic/epoch_aggregates.py``)."""
+        if self._vote is None or not self.is_member:
+            return
+        aggregates = self.frontend.epoch_aggregates()
+        if aggregates:
+            record = AggregateRecord(self.worker_id, step, self.data.epoch, aggregates)
+            write_record(self._vote.store, self.generation or 0, record)
+
+    def _take_aggregates(self, plan: AdjustmentPlan, departed: list[str], store: dist.Store | None,
+                         step: int) -> None:
+        """The heir of ``plan``: add the departed members' epoch aggregates of the previous generation to its own."""
+        if not departed or store is None or heir_of(plan) != self.worker_id:
+            return
+        records = read_records(store, plan.previous_generation, departed, step, self.data.epoch)
+        if records:
+            self.frontend.absorb_epoch_aggregates([record.aggregates for record in records])
+            log.info("worker %s took the epoch aggregates of %s", self.worker_id,
+                     ", ".join(record.worker_id for record in records))
+
+    def _aggregate_store(self) -> dist.Store | None:
+        """Where the current generation's members record their epoch aggregates: its vote store."""
+        return self._vote.store if self._vote is not None else None
 
     def _publish_state_size(self) -> None:
         """Rank 0: what a joiner will receive beyond its model, in the job store as soon as the optimizer has state
@@ -675,7 +706,7 @@ class ElasticWorker:
         self._deferred = code == _DEFERRED
         self._delete_finished_keys()
         if decision is not None:
-            self._adjust(decision)
+            self._adjust(decision, step)
         elif code != _DEFERRED and self._may_send_ahead():
             self._send_ahead.at_coordination(code == _PREPARE, self.frontend.state_nbytes)
 
@@ -728,13 +759,14 @@ class ElasticWorker:
 
     # ------------------------------------------------------------------ the adjustment sequence (old members)
 
-    def _adjust(self, decision: _Adjust) -> None:
+    def _adjust(self, decision: _Adjust, step: int) -> None:
         """Stayers re-form and rewire, sources send the state, leavers leave."""
         plan, started = decision.plan, time.perf_counter()
         phases = PhaseClock(since=self._boundary_started)
         phases.mark("agree")  # since the batch boundary began: reports, the coordination, the plan's broadcast
         self._timeline.adjustment_started()
         self.frontend.adopt_shared_state(decision.shared)
+        self._take_aggregates(plan, plan.leavers, self._aggregate_store(), step)
         self._scaling.apply(self.data, decision.scaling)  # before the snapshot: joiners inherit batch and LR ramp
         snapshot = self._snapshot() if plan.joiners_served_by(self.worker_id) else None
         phases.mark("snapshot")

@@ -341,6 +341,12 @@ class ElanStrategy(DDPStrategy):
         module = self.lightning_module
         return tensor_nbytes([*module.parameters(), *module.buffers()]) + self.state_nbytes_beyond_model()
 
+    def epoch_aggregates(self) -> dict[str, Any] | None:
+        return compat.epoch_aggregates(self.lightning_module.trainer)
+
+    def absorb_epoch_aggregates(self, parts: list[dict[str, Any]]) -> None:
+        compat.absorb_epoch_aggregates(self.lightning_module.trainer, parts)
+
     def shared_state(self) -> dict[str, Any]:
         return {"logger_versions": compat.logger_versions(self.lightning_module.trainer)}
 

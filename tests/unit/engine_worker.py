@@ -72,6 +72,12 @@ class TorchLoop:
     def state_nbytes(self) -> int:
         return tensor_nbytes(self.model.state_dict()) + self.state_nbytes_beyond_model()
 
+    def epoch_aggregates(self) -> dict[str, Any] | None:
+        return None  # a plain loop: nothing reduced at an epoch's end
+
+    def absorb_epoch_aggregates(self, parts: list[dict[str, Any]]) -> None:
+        raise AssertionError("never called: no aggregates are recorded")
+
     def shared_state(self) -> dict[str, Any]:
         return {}
 

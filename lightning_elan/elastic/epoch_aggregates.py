@@ -1,0 +1,101 @@
+"""Epoch aggregates of members that leave or die, handed to one member that stays: the *heir*.
+
+What a front-end accumulates over an epoch and synchronises across the members only at the epoch's end (Lightning's
+``self.log(..., on_epoch=True, sync_dist=True)`` sums, torchmetrics states) lives in each process. The epoch's value
+is the reduction over the members of the moment, so a member that leaves mid-epoch would take its part away. Here each
+member records its aggregates in the generation's vote store at every batch boundary where its step is closed (a few
+hundred bytes for scalar metrics), and at an adjustment or a recovery the heir — the first stayer of the new
+generation, else its first member — adds the departed members' records to its own: the epoch's reduction then covers
+every sample trained in it, as in a static run. A joiner starts empty (the members hold the epoch so far).
+
+A record is a front-end's dict of tensors (and lists of tensors), serialised with ``torch.save`` and read back with
+``torch.load(weights_only=True)``: nothing that arrives through the store is unpickled as an arbitrary object.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from lightning_elan.protocol.contract import AdjustmentPlan
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AggregateRecord", "heir_of", "read_records", "record_key", "write_record"]
+
+
+def record_key(generation: int, worker_id: str) -> str:
+    """Where ``worker_id`` records its aggregates while a member of ``generation``."""
+    return f"elan/gen{generation}/aggregates/{worker_id}"
+
+
+@dataclass(frozen=True)
+class AggregateRecord:
+    """One member's epoch aggregates after ``step`` optimizer steps, in ``epoch``."""
+
+    worker_id: str
+    step: int
+    epoch: int | None
+    aggregates: dict[str, Any]
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save({"worker": self.worker_id, "step": self.step, "epoch": self.epoch, "aggregates": self.aggregates},
+                   buffer)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> AggregateRecord:
+        loaded = torch.load(io.BytesIO(data), weights_only=True)
+        return cls(str(loaded["worker"]), int(loaded["step"]), loaded["epoch"], dict(loaded["aggregates"]))
+
+
+def heir_of(plan: AdjustmentPlan) -> str | None:
+    """Who takes the departed members' aggregates: the first stayer of the new generation, else its first member."""
+    stayers = plan.stayers
+    if stayers:
+        return stayers[0]
+    return plan.members[0] if plan.members else None
+
+
+def write_record(store: dist.Store, generation: int, record: AggregateRecord) -> None:
+    store.set(record_key(generation, record.worker_id), record.to_bytes())
+
+
+def read_records(store: dist.Store, generation: int, departed: list[str], step: int,
+                 epoch: int | None) -> list[AggregateRecord]:
+    """The departed members' records of ``generation`` that belong to the heir's ``epoch`` at ``step``.
+
+    A record of an earlier step (a member that died after its last step stood, before its next boundary) is taken
+    with a warning: the epoch's value then lacks that member's part of the steps after it. A record of another epoch,
+    a later step, or none (a member that trained no step of this generation) is left out."""
+    records = []
+    for worker_id in departed:
+        record = _read(store, generation, worker_id)
+        if record is None or record.epoch != epoch or record.step > step:
+            log.debug("no epoch aggregates of %s for epoch %s, step %d", worker_id, epoch, step)
+            continue
+        if record.step < step:
+            log.warning("the epoch aggregates of %s are from step %d, not %d: this epoch's logged values lack its "
+                        "part of the steps between", worker_id, record.step, step)
+        records.append(record)
+    return records
+
+
+def _read(store: dist.Store, generation: int, worker_id: str) -> AggregateRecord | None:
+    key = record_key(generation, worker_id)
+    try:
+        if not store.check([key]):
+            return None
+        return AggregateRecord.from_bytes(store.get(key))
+    except (RuntimeError, OSError) as error:  # the store died with its host (an etcd job's rank 0 fast store)
+        log.warning("the epoch aggregates of %s could not be read: %s; this epoch's logged values lack its part",
+                    worker_id, error)
+        return None

@@ -1,0 +1,135 @@
+"""Epoch aggregates handed from departed members to the heir: the records' store rules (``elastic/epoch_aggregates``)
+and the merge into Lightning's own ``_ResultCollection`` and real torchmetrics (``compat.epoch_aggregates`` /
+``absorb_epoch_aggregates``): a process that took another's records computes what one process that trained every
+batch computes."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import lightning.pytorch  # noqa: F401  (first: importing Lightning registers the strategy, which imports compat)
+import pytest
+import torch
+import torch.distributed as dist
+import torchmetrics
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+from lightning_elan import compat
+from lightning_elan.elastic.epoch_aggregates import AggregateRecord, heir_of, read_records, write_record
+from lightning_elan.protocol.contract import AdjustmentPlan
+
+
+class _Module(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.train_mse = torchmetrics.MeanSquaredError()
+        self.train_auroc = torchmetrics.classification.BinaryAUROC()  # a "cat" state (predictions and targets)
+        self.local_max = torchmetrics.MaxMetric(sync_on_compute=False)  # each process's own: never merged
+
+
+def _process() -> SimpleNamespace:
+    """What the compat functions read of a trainer: the training epoch loop's results and the LightningModule."""
+    results = _ResultCollection(training=True)
+    epoch_loop = SimpleNamespace(_results=results)
+    return SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=epoch_loop), lightning_module=_Module())
+
+
+def _train(process: SimpleNamespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """A ``training_step``'s logging of each batch, as ``LightningModule.log`` hands it to the results."""
+    results, module = process.fit_loop.epoch_loop._results, process.lightning_module
+    for prediction, target in batches:
+        loss = torch.nn.functional.mse_loss(prediction, target)
+        results.log("training_step", "train_loss", loss, on_step=True, on_epoch=True, sync_dist=True,
+                    batch_size=len(target))
+        results.log("training_step", "train_peak", loss, on_epoch=True, reduce_fx="max", sync_dist=True,
+                    batch_size=len(target))
+        results.log("training_step", "rank_loss", loss, on_epoch=True, batch_size=len(target))  # no sync_dist
+        module.train_mse(prediction, target)
+        module.train_auroc(prediction.sigmoid(), torch.arange(len(target)) % 2)
+        module.local_max(loss)
+
+
+def _batches(seed: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    sizes = [3, 5, 4, 2, 6, 1][:count]
+    return [(torch.randn(size, dtype=torch.float64, generator=generator),
+             torch.randn(size, dtype=torch.float64, generator=generator)) for size in sizes]
+
+
+def _epoch_values(process: SimpleNamespace) -> dict[str, float]:
+    results, module = process.fit_loop.epoch_loop._results, process.lightning_module
+    return {"train_loss": float(results["training_step.train_loss"].compute()),
+            "train_peak": float(results["training_step.train_peak"].compute()),
+            "train_mse": float(module.train_mse.compute()), "train_auroc": float(module.train_auroc.compute())}
+
+
+def test_a_heir_that_took_a_departed_members_aggregates_computes_the_epoch_of_both() -> None:
+    heir, departed, both = _process(), _process(), _process()
+    mine, theirs = _batches(1, 4), _batches(2, 3)
+    _train(heir, mine)
+    _train(departed, theirs)
+    _train(both, mine + theirs)
+    record = AggregateRecord("w1", 7, 0, compat.epoch_aggregates(departed))
+    compat.absorb_epoch_aggregates(heir, [AggregateRecord.from_bytes(record.to_bytes()).aggregates])
+    assert _epoch_values(heir) == pytest.approx(_epoch_values(both), rel=1e-12, abs=1e-12)
+
+
+def test_values_logged_without_sync_dist_and_metrics_that_do_not_sync_stay_each_processs_own() -> None:
+    process = _process()
+    _train(process, _batches(3, 2))
+    keys = set(compat.epoch_aggregates(process))
+    assert keys == {"logged/training_step.train_loss", "logged/training_step.train_peak", "metric/train_mse",
+                    "metric/train_auroc"}
+
+
+def test_nothing_is_recorded_before_anything_was_logged() -> None:
+    assert compat.epoch_aggregates(_process()) == {}
+
+
+def test_a_metric_averaged_over_processes_is_left_as_it_is_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    heir, departed = _process(), _process()
+    heir.lightning_module.mean_metric = torchmetrics.MeanMetric()
+    departed.lightning_module.mean_metric = torchmetrics.MeanMetric()
+    heir.lightning_module.mean_metric.add_state("spread", torch.tensor(0.0), dist_reduce_fx="mean")
+    departed.lightning_module.mean_metric.add_state("spread", torch.tensor(0.0), dist_reduce_fx="mean")
+    heir.lightning_module.mean_metric.update(torch.tensor([1.0, 2.0]))
+    departed.lightning_module.mean_metric.update(torch.tensor([5.0]))
+    with caplog.at_level(logging.WARNING):
+        compat.absorb_epoch_aggregates(heir, [compat.epoch_aggregates(departed)])
+    assert float(heir.lightning_module.mean_metric.compute()) == 1.5
+    assert "reduces a state by mean" in caplog.text
+
+
+def _plan(members: list[str], joiners: list[str], previous: list[str], leavers: list[str]) -> AdjustmentPlan:
+    return AdjustmentPlan("r1", "remove", 3, 2, 10, members, previous, joiners, leavers, {}, {})
+
+
+def test_the_heir_is_the_first_stayer_else_the_first_joiner() -> None:
+    assert heir_of(_plan(["w2", "w0"], [], ["w0", "w1", "w2"], ["w1"])) == "w2"
+    assert heir_of(_plan(["w2", "w3"], ["w3"], ["w0", "w2"], ["w0"])) == "w2"
+    assert heir_of(_plan(["w3", "w4"], ["w3", "w4"], ["w0", "w1"], ["w0", "w1"])) == "w3"
+
+
+def test_records_of_another_epoch_a_later_step_or_none_are_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    store = dist.HashStore()
+    aggregates = {"logged/x": {"states": {"value": torch.tensor(1.0)}, "update_count": 1}}
+    write_record(store, 2, AggregateRecord("same", 10, 1, aggregates))
+    write_record(store, 2, AggregateRecord("earlier", 9, 1, aggregates))
+    write_record(store, 2, AggregateRecord("later", 11, 1, aggregates))
+    write_record(store, 2, AggregateRecord("last_epoch", 10, 0, aggregates))
+    write_record(store, 1, AggregateRecord("other_generation", 10, 1, aggregates))
+    with caplog.at_level(logging.WARNING):
+        records = read_records(store, 2, ["same", "earlier", "later", "last_epoch", "other_generation", "absent"],
+                               10, 1)
+    assert [record.worker_id for record in records] == ["same", "earlier"]
+    assert "from step 9, not 10" in caplog.text
+
+
+def test_a_record_is_read_back_as_tensors_only() -> None:
+    record = AggregateRecord("w0", 3, 2, {"metric/auroc": {"states": {"preds": [torch.ones(2), torch.zeros(1)]},
+                                                         "update_count": 2}})
+    back = AggregateRecord.from_bytes(record.to_bytes())
+    assert (back.worker_id, back.step, back.epoch) == ("w0", 3, 2)
+    assert [t.tolist() for t in back.aggregates["metric/auroc"]["states"]["preds"]] == [[1.0, 1.0], [0.0]]
