@@ -382,9 +382,22 @@ def arena_layout(layout: PackedLayout, align: int = ARENA_ALIGN) -> ArenaLayout:
 
 
 def arena_views(arena: torch.Tensor, places: ArenaLayout) -> dict[str, torch.Tensor]:
-    """Typed 1-D views of ``arena`` (uint8), one per buffer key of ``places``."""
+    """Typed 1-D views of ``arena`` (uint8), one per buffer key of ``places``, each over a storage of its own."""
     views = {}
     for key, offset in places.offsets.items():
         _, dtype = _key_parts(key)
-        views[key] = arena[offset : offset + places.sizes[key]].view(dtype)
+        views[key] = with_own_storage(arena[offset : offset + places.sizes[key]]).view(dtype)
     return views
+
+
+def with_own_storage(data: torch.Tensor) -> torch.Tensor:
+    """``data`` (a CPU uint8 slice of a larger allocation) over a storage of its own that starts at its first byte;
+    the memory is shared, not copied, and kept alive by the new storage.
+
+    ``torch.save`` refuses tensors of different dtypes over one storage ("Cannot save multiple tensors or storages
+    that view the same data as different types", ``torch/serialization.py`` keys storages by their ``data_ptr``): a
+    joiner's optimizer state received into one allocation (Adam's float32 ``step`` beside float64 moments) failed the
+    first checkpoint it saved. ``torch.from_numpy`` wraps the slice's own address in a new storage."""
+    if data.device.type != "cpu" or data.numel() == 0:
+        return data
+    return torch.from_numpy(data.numpy())

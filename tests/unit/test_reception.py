@@ -4,6 +4,7 @@ real reader process's own tensors and pre-faulted memory as the source writes, b
 from __future__ import annotations
 
 import datetime
+import io
 import itertools
 import multiprocessing as mp
 import pickle
@@ -124,11 +125,14 @@ def _receive_into_own(port: int, prefix: str, out: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
     own = own_tensors()
     spare = PrefaultedMemory.fault_in(sum(t.numel() * t.element_size() for t in state()))
+    spare.wait()
+    start = spare._memory.data_ptr()  # where the memory faulted in ahead lies
     into = ReceiveInto(lambda cpu_state: own if cpu_state["offer"] else {}, spare)
     got = ShmTransport(Channel(store, prefix, TIMEOUT)).receive(0, lambda _: CPU, into)
     same_objects = sorted(i for i, t in enumerate(got.tensors) if i in own and t is own[i])
-    local_storage = {got.tensors[i].untyped_storage().nbytes() for i in (2, 3, 4, 5, 7)}
-    Path(out).write_bytes(pickle.dumps((got.tensors, same_objects, local_storage, spare.nbytes, got.nbytes)))
+    in_spare = [start <= got.tensors[i].data_ptr() < start + spare.nbytes for i in (2, 3, 4, 5, 7)]
+    torch.save(got.tensors, io.BytesIO())  # float32, float64 and int64 tensors from one allocation: a checkpoint
+    Path(out).write_bytes(pickle.dumps((got.tensors, same_objects, in_spare, got.nbytes)))
 
 
 def test_a_reader_receives_into_its_own_tensors_and_its_prefaulted_memory(store, tmp_path, monkeypatch) -> None:
@@ -145,9 +149,9 @@ def test_a_reader_receives_into_its_own_tensors_and_its_prefaulted_memory(store,
     source.disallow()
     reader.join(120)
     assert reader.exitcode == 0
-    got, same_objects, local_storage, spare_nbytes, received = pickle.loads((tmp_path / "got.pkl").read_bytes())
+    got, same_objects, in_spare, received = pickle.loads((tmp_path / "got.pkl").read_bytes())
     assert same_objects == [0, 1, 8]
-    assert local_storage == {spare_nbytes}  # every other tensor is a view of the pre-faulted memory
+    assert in_spare == [True] * 5  # every other tensor lies in the pre-faulted memory (and torch.save takes them)
     assert received == sent
     for g, w in zip(got, tensors, strict=True):
         assert (g.dtype, g.shape) == (w.dtype, w.shape) and torch.equal(g, w)

@@ -42,6 +42,7 @@ from lightning_elan.replication.packing import (
     dtype_from_str,
     make_layout,
     unpack,
+    with_own_storage,
 )
 from lightning_elan.replication.reception import (
     PrefaultedMemory,
@@ -400,7 +401,7 @@ def _local_tensors(layout: PackedLayout, pieces: list[ReceivePiece], local: torc
 
 
 def _typed_view(data: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    return as_received(data.view(dtype_from_str(spec.dtype)).view(spec.shape), spec)
+    return as_received(with_own_storage(data).view(dtype_from_str(spec.dtype)).view(spec.shape), spec)
 
 
 def _place(views: dict[str, torch.Tensor], device_for: DeviceFor) -> dict[str, torch.Tensor]:
