@@ -430,22 +430,47 @@ def epoch_aggregates(trainer: pl.Trainer) -> dict[str, Any]:
     ``_ResultCollection`` maps a key to a ``_ResultMetric`` whose states are ``value`` (a sum, or the maximum/minimum)
     and, for a mean, ``cumulated_batch_size``; ``compute`` syncs both — and the LightningModule's torchmetrics that
     sync on ``compute``. A value logged without ``sync_dist`` is each process's own (rank 0's is logged): left out."""
-    found = {key: _states_of(metric) for key, metric in _aggregate_targets(trainer).items() if metric._update_count}
-    return found
+    _absorb_pending(trainer)
+    return {key: _states_of(metric) for key, metric in _aggregate_targets(trainer).items() if metric._update_count}
 
 
 def absorb_epoch_aggregates(trainer: pl.Trainer, parts: list[dict[str, Any]]) -> None:
-    """Add other processes' :func:`epoch_aggregates` to this process's own: the epoch's reduction then covers them."""
-    targets = _aggregate_targets(trainer)
+    """Add other processes' :func:`epoch_aggregates` to this process's own: the epoch's reduction then covers them.
+
+    A value this process has not logged yet in the epoch (a joiner that took the aggregates of a whole migration, a
+    value logged on some batches only) has no ``_ResultMetric`` to add to: ``_ResultCollection.log`` makes it, with its
+    metadata, at the first ``self.log`` of that key. Such a part waits until then (:func:`epoch_aggregates`, at each
+    batch boundary, adds it), within the same epoch."""
+    pending = _pending_aggregates(trainer)
     for part in parts:
-        for key, incoming in part.items():
-            metric = targets.get(key)
-            if metric is None:
-                log.warning("epoch aggregate %s of a departed member has no counterpart here: left out", key)
-            elif isinstance(metric, _ResultMetric):
-                _add_logged_value(metric, incoming)
-            else:
-                _add_metric_states(key, metric, incoming)
+        pending.extend((trainer.current_epoch, key, incoming) for key, incoming in part.items())
+    _absorb_pending(trainer)
+
+
+def _pending_aggregates(trainer: pl.Trainer) -> list[tuple[int, str, dict[str, Any]]]:
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not hasattr(epoch_loop, "_elan_pending_aggregates"):
+        epoch_loop._elan_pending_aggregates = []
+    return epoch_loop._elan_pending_aggregates
+
+
+def _absorb_pending(trainer: pl.Trainer) -> None:
+    pending = _pending_aggregates(trainer)
+    if not pending:
+        return
+    targets, waiting = _aggregate_targets(trainer), []
+    for epoch, key, incoming in pending:
+        metric = targets.get(key)
+        if epoch != trainer.current_epoch:
+            log.warning("epoch aggregate %s of a departed member was never logged here in epoch %d: left out", key,
+                        epoch)
+        elif metric is None:
+            waiting.append((epoch, key, incoming))
+        elif isinstance(metric, _ResultMetric):
+            _add_logged_value(metric, incoming)
+        else:
+            _add_metric_states(key, metric, incoming)
+    pending[:] = waiting
 
 
 def _aggregate_targets(trainer: pl.Trainer) -> dict[str, Metric]:

@@ -33,7 +33,7 @@ def _process() -> SimpleNamespace:
     """What the compat functions read of a trainer: the training epoch loop's results and the LightningModule."""
     results = _ResultCollection(training=True)
     epoch_loop = SimpleNamespace(_results=results)
-    return SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=epoch_loop), lightning_module=_Module())
+    return SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=epoch_loop), lightning_module=_Module(), current_epoch=0)
 
 
 def _train(process: SimpleNamespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -74,6 +74,32 @@ def test_a_heir_that_took_a_departed_members_aggregates_computes_the_epoch_of_bo
     record = AggregateRecord("w1", 7, 0, compat.epoch_aggregates(departed))
     compat.absorb_epoch_aggregates(heir, [AggregateRecord.from_bytes(record.to_bytes()).aggregates])
     assert _epoch_values(heir) == pytest.approx(_epoch_values(both), rel=1e-12, abs=1e-12)
+
+
+def test_a_joiner_that_took_the_aggregates_before_logging_adds_them_at_its_first_boundary() -> None:
+    """A whole migration: the joiner has logged nothing yet when it takes the leaver's aggregates (no
+    ``_ResultMetric`` exists for the key); its first batch boundary adds them. A new epoch drops what never found
+    one."""
+    joiner, departed, both = _process(), _process(), _process()
+    before, after = _batches(4, 3), _batches(5, 4)
+    _train(departed, before)
+    _train(both, before + after)
+    compat.absorb_epoch_aggregates(joiner, [compat.epoch_aggregates(departed)])
+    _train(joiner, after)
+    compat.epoch_aggregates(joiner)  # the joiner's first batch boundary
+    assert _epoch_values(joiner) == pytest.approx(_epoch_values(both), rel=1e-12, abs=1e-12)
+    late = _process()
+    compat.absorb_epoch_aggregates(late, [compat.epoch_aggregates(departed)])
+    late.current_epoch = 1
+    _train(late, after)
+    compat.epoch_aggregates(late)
+    assert float(late.fit_loop.epoch_loop._results["training_step.train_loss"].compute()) == pytest.approx(
+        float(_epoch_loss(after)), rel=1e-12)
+
+
+def _epoch_loss(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    total = sum(float(torch.nn.functional.mse_loss(p, t)) * len(t) for p, t in batches)
+    return total / sum(len(t) for _, t in batches)
 
 
 def test_values_logged_without_sync_dist_and_metrics_that_do_not_sync_stay_each_processs_own() -> None:

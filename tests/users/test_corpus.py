@@ -198,6 +198,25 @@ def test_epoch_aggregates_match_the_static_run(runs: Callable[[str, bool], Run])
         assert_logged_alike(rows, static_rows, column, exact=True)
 
 
+def test_a_whole_migration_hands_the_epoch_aggregates_to_the_joiner(tmp_path: Path) -> None:
+    """One worker migrates (no old member stays: the joiner takes the leaver's part of the epoch), a second joins,
+    then rank 0 leaves: every epoch's ``train_loss_epoch`` and ``train_mse`` are those of a one-process run."""
+    command = CORPUS["datamodule_callbacks"].command
+    static = run_job(tmp_path / "static", Job("dm_alone", command, nproc=1))
+    run = run_job(tmp_path / "moved", Job("dm_moved", command, nproc=1,
+                                          schedule="3:migrate=1,6:add=1,9:remove=rank:0"))
+    assert_ok(static)
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("migrate", 1), ("add", 2),
+                                                                                 ("remove", 1)]
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    _, rows = read_csv(run.out / "logs" / "regression" / "version_0" / "metrics.csv")
+    _, static_rows = read_csv(static.out / "logs" / "regression" / "version_0" / "metrics.csv")
+    for column in ("train_loss_epoch", "train_mse", "train_loss_step"):
+        assert_logged_alike(rows, static_rows, column, exact=True)
+
+
 @pytest.mark.parametrize("phase", ["start", "optimizer"])
 def test_manual_optimization_redoes_a_step_cut_by_a_death(runs: Callable[[str, bool], Run], tmp_path: Path,
                                                           phase: str) -> None:
