@@ -8,13 +8,14 @@ hundred bytes for scalar metrics), and at an adjustment or a recovery the heir �
 generation, else its first member — adds the departed members' records to its own: the epoch's reduction then covers
 every sample trained in it, as in a static run. A joiner starts empty (the members hold the epoch so far).
 
-A record is a front-end's dict of tensors (and lists of tensors), serialised with ``torch.save`` and read back with
-``torch.load(weights_only=True)``: nothing that arrives through the store is unpickled as an arbitrary object.
+A record is a front-end's dict of tensors (and lists of tensors) in a plain form — a JSON header that describes each
+tensor (dtype, shape, where its bytes lie) and the tensors' raw bytes — written at every step, so it is made in tens of
+microseconds (``torch.save`` took ~0.3–0.9 ms), and nothing that arrives through the store is unpickled.
 """
 
 from __future__ import annotations
 
-import io
+import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,15 +47,59 @@ class AggregateRecord:
     aggregates: dict[str, Any]
 
     def to_bytes(self) -> bytes:
-        buffer = io.BytesIO()
-        torch.save({"worker": self.worker_id, "step": self.step, "epoch": self.epoch, "aggregates": self.aggregates},
-                   buffer)
-        return buffer.getvalue()
+        blobs: list[bytes] = []
+        tree = _described(self.aggregates, blobs)
+        header = json.dumps({"worker": self.worker_id, "step": self.step, "epoch": self.epoch, "aggregates": tree})
+        encoded = header.encode()
+        return len(encoded).to_bytes(8, "little") + encoded + b"".join(blobs)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> AggregateRecord:
-        loaded = torch.load(io.BytesIO(data), weights_only=True)
-        return cls(str(loaded["worker"]), int(loaded["step"]), loaded["epoch"], dict(loaded["aggregates"]))
+        size = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + size])
+        blob = memoryview(data)[8 + size :]
+        aggregates = _rebuilt(header["aggregates"], blob)
+        return cls(str(header["worker"]), int(header["step"]), header["epoch"], dict(aggregates))
+
+
+_TENSOR = "__tensor__"
+
+
+def _described(value: Any, blobs: list[bytes]) -> Any:
+    """``value`` with each tensor replaced by ``{_TENSOR: [dtype, shape, offset, nbytes]}`` and its bytes appended."""
+    if isinstance(value, torch.Tensor):
+        data = _raw_bytes(value)
+        offset = sum(len(blob) for blob in blobs)
+        blobs.append(data)
+        return {_TENSOR: [str(value.dtype).removeprefix("torch."), list(value.shape), offset, len(data)]}
+    if isinstance(value, dict):
+        return {str(key): _described(item, blobs) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_described(item, blobs) for item in value]
+    return value
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):  # no numpy dtype: as bytes
+        return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return tensor.numpy().tobytes()  # C order, whatever the strides
+
+
+def _rebuilt(value: Any, blob: memoryview) -> Any:
+    if isinstance(value, dict) and _TENSOR in value:
+        dtype_name, shape, offset, nbytes = value[_TENSOR]
+        dtype = getattr(torch, str(dtype_name), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"not a torch dtype in an aggregate record: {dtype_name!r}")
+        raw = torch.frombuffer(bytearray(blob[offset : offset + nbytes]), dtype=torch.uint8) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+        return raw.view(dtype).reshape(shape)
+    if isinstance(value, dict):
+        return {key: _rebuilt(item, blob) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rebuilt(item, blob) for item in value]
+    return value
 
 
 def heir_of(plan: AdjustmentPlan) -> str | None:
@@ -97,5 +142,9 @@ def _read(store: dist.Store, generation: int, worker_id: str) -> AggregateRecord
         return AggregateRecord.from_bytes(store.get(key))
     except (RuntimeError, OSError) as error:  # the store died with its host (an etcd job's rank 0 fast store)
         log.warning("the epoch aggregates of %s could not be read: %s; this epoch's logged values lack its part",
+                    worker_id, error)
+        return None
+    except (ValueError, KeyError, TypeError, IndexError) as error:  # not a record (torn, or written by another tool)
+        log.warning("the epoch aggregates of %s are not a record (%s); this epoch's logged values lack its part",
                     worker_id, error)
         return None

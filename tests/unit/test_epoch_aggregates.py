@@ -153,9 +153,26 @@ def test_records_of_another_epoch_a_later_step_or_none_are_left_out(caplog: pyte
     assert "from step 9, not 10" in caplog.text
 
 
-def test_a_record_is_read_back_as_tensors_only() -> None:
-    record = AggregateRecord("w0", 3, 2, {"metric/auroc": {"states": {"preds": [torch.ones(2), torch.zeros(1)]},
-                                                         "update_count": 2}})
+def test_a_record_is_read_back_as_the_same_tensors() -> None:
+    states = {"preds": [torch.ones(2), torch.zeros(1)], "half": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+              "strided": torch.arange(6.0, dtype=torch.float64).reshape(2, 3).t(), "count": torch.tensor(3),
+              "empty": torch.empty(0, 4)}
+    record = AggregateRecord("w0", 3, 2, {"metric/m": {"states": states, "update_count": 2}})
     back = AggregateRecord.from_bytes(record.to_bytes())
     assert (back.worker_id, back.step, back.epoch) == ("w0", 3, 2)
-    assert [t.tolist() for t in back.aggregates["metric/auroc"]["states"]["preds"]] == [[1.0, 1.0], [0.0]]
+    got = back.aggregates["metric/m"]["states"]
+    assert [t.tolist() for t in got["preds"]] == [[1.0, 1.0], [0.0]]
+    for name in ("half", "strided", "count", "empty"):
+        assert got[name].dtype == states[name].dtype and torch.equal(got[name], states[name]), name
+    assert back.aggregates["metric/m"]["update_count"] == 2
+
+
+def test_garbage_under_a_record_key_is_left_out_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    store = dist.HashStore()
+    store.set("elan/gen4/aggregates/w1", b"\x07garbage")
+    store.set("elan/gen4/aggregates/w2", (5).to_bytes(8, "little") + b'{"a":')
+    bad_dtype = AggregateRecord("w3", 1, 0, {"k": {"states": {"v": torch.ones(1)}, "update_count": 1}}).to_bytes()
+    store.set("elan/gen4/aggregates/w3", bad_dtype.replace(b'"float32"', b'"Tensor" '))
+    with caplog.at_level(logging.WARNING):
+        assert read_records(store, 4, ["w1", "w2", "w3"], 1, 0) == []
+    assert caplog.text.count("are not a record") == 3
