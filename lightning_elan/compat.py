@@ -424,6 +424,21 @@ def _restore_metric_states(trainer: pl.Trainer, saved: dict[str, Any]) -> None:
             metric.has_reset = state["has_reset"]
 
 
+def around_dataloader_requests(trainer: pl.Trainer, around: Callable[[str, Callable[[], Any]], Any]) -> None:
+    """Run each request of the training and validation loaders of ``fit`` as ``around(hook_name, request)``.
+
+    ``_FitLoop.setup_data`` and ``_EvaluationLoop.setup_data`` call ``_request_dataloader(self._data_source)``, which
+    calls the ``_DataLoaderSource``'s ``dataloader()`` (the LightningModule's or DataModule's ``*_dataloader`` hook,
+    or the loader given to ``fit``); the sources live as long as the loops, so an instance attribute replaces the method
+    for this trainer only (``trainer.estimated_stepping_batches`` requests the training loader the same way)."""
+    for source in (trainer.fit_loop._data_source, trainer.fit_loop.epoch_loop.val_loop._data_source):
+        if getattr(source, "_elan_around", None) is around:
+            continue
+        request = type(source).dataloader.__get__(source)
+        source.dataloader = lambda request=request, name=source.name: around(name, request)
+        source._elan_around = around
+
+
 def epoch_aggregates(trainer: pl.Trainer) -> dict[str, Any]:
     """What this process accumulated in the training epoch for values reduced over the processes at its end (keys
     alike on every process): ``self.log(..., on_epoch=True, sync_dist=True)`` values — the training epoch loop's
@@ -689,6 +704,11 @@ def set_callback_metrics(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
     """A joiner monitors what the members monitor: a validation it did not run included. ``_LoggerConnector``'s
     ``callback_metrics`` is its ``_callback_metrics`` dict, updated from the results of the hooks that log."""
     trainer._logger_connector._callback_metrics.update(metrics)
+
+
+VALIDATION_LOADER_HOOK = "val_dataloader"
+"""The name the validation loop of ``fit`` gives its ``_DataLoaderSource`` (``_EvaluationLoop.__init__``:
+``f"{stage.dataloader_prefix}_dataloader"``)."""
 
 
 def reset_evaluation_dataloaders(trainer: pl.Trainer) -> None:

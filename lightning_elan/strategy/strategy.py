@@ -36,6 +36,7 @@ from lightning_elan.elastic.applied_steps import AppliedSteps
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.pre_loop import PreLoopCollectives
+from lightning_elan.elastic.rng import LoaderRNG
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember, engine_of_process
 from lightning_elan.protocol.contract import DEFAULT_JOIN_TIMEOUT_S, WorkerEnvironment
 from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
@@ -96,6 +97,7 @@ class ElanStrategy(DDPStrategy):
         self._training_fit = False  # from setup to teardown of a fit that trains (not Tuner.lr_find's)
         self._current_share: LocalShare | None = None
         self._applied_steps = AppliedSteps()  # manual optimization: the batch's steps, until it stands
+        self._loader_rng = LoaderRNG()  # the random state the data-loader hooks were called with
         self._ddp: ElasticDistributedDataParallel | None = None
         self._group_view: torch.distributed.ProcessGroup | None = None
         self._pre_loop = PreLoopCollectives(self._recover_before_the_loop, self.engine.earliest_position)
@@ -232,6 +234,7 @@ class ElanStrategy(DDPStrategy):
         """A fit after this worker left the job is skipped (one info line); a member's training fit after its first
         (a script that trains in stages) starts its data afresh (``ElasticWorker.start_later_fit``)."""
         self._training_fit = not compat.tuning(trainer)
+        compat.around_dataloader_requests(trainer, self._loader_rng.call)
         if self.engine.has_left:
             log.info("worker %s left the job: this fit is skipped here (the job's workers train)",
                      self.engine.worker_id)
@@ -316,7 +319,7 @@ class ElanStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         return {"checkpoint": compat.dump_training_state(trainer), "logger_versions": compat.logger_versions(trainer),
                 "callback_metrics": compat.callback_metrics(trainer),
-                "accumulate_grad_batches": trainer.accumulate_grad_batches}
+                "accumulate_grad_batches": trainer.accumulate_grad_batches, "loader_rng": self._loader_rng.recorded}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         self._pre_loop.joined()
@@ -328,6 +331,7 @@ class ElanStrategy(DDPStrategy):
         compat.stage_training_state(trainer, checkpoint)
         compat.set_callback_metrics(trainer, state["callback_metrics"])
         compat.run_the_joined_epoch_as_the_members(trainer, state["accumulate_grad_batches"])
+        self._loader_rng.inherit(state["loader_rng"])
 
     def receive_destinations(self, state: dict[str, Any]) -> dict[int, Tensor]:
         """The module's own parameters and buffers (``keep_vars``: the tensors themselves) take the source's."""
@@ -378,7 +382,7 @@ class ElanStrategy(DDPStrategy):
         compat.refetch_prefetched_batch(trainer)
         if loader is not None:
             compat.refresh_epoch_length(trainer)  # the global batch may have changed: the epoch has a new length
-        compat.reset_evaluation_dataloaders(trainer)
+        self._reshard_evaluation(trainer)
         compat.move_progress_bar(trainer, loop_started=not self._pre_loop.recording)
 
     def leave(self) -> NoReturn:
@@ -434,6 +438,12 @@ class ElanStrategy(DDPStrategy):
     def _world_view(self) -> tuple[int, int]:
         return self.global_rank, self.world_size
 
+    def _reshard_evaluation(self, trainer: pl.Trainer) -> None:
+        """The validation loaders are requested again at the next validation, for the new shards: with the random
+        state of their last request (a static run would not have called the hook again)."""
+        compat.reset_evaluation_dataloaders(trainer)
+        self._loader_rng.replay(compat.VALIDATION_LOADER_HOOK)
+
     def _shard_for_evaluation(self, trainer: pl.Trainer, dataloader: object) -> object:
         if (
             not compat.user_wants_distributed_sampler(trainer)
@@ -455,7 +465,7 @@ class ElanStrategy(DDPStrategy):
             # a joiner's start-up is over; its validation loaders were set up without the group: set them up again
             # at the next validation, together with the stayers who reset theirs at the adjustment
             self._collectives_local = False
-            compat.reset_evaluation_dataloaders(self.lightning_module.trainer)
+            self._reshard_evaluation(self.lightning_module.trainer)
         loader = self._elastic_train_loader()
         if loader is not None:
             opens = compat.opens_optimizer_step(self.lightning_module.trainer, batch_idx)

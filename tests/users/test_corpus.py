@@ -108,6 +108,7 @@ CORPUS: dict[str, Script] = {
     "train_in_stages": Script(("{scripts}/train_in_stages.py", "{out}"), True,
                               {**epochs(2, 96), FIT_OFFSET: 96, FIT_OFFSET + 1: 96},
                               (*range(16), *range(FIT_OFFSET, FIT_OFFSET + 16))),
+    "boring_demo": Script(("{scripts}/boring_demo.py", "{out}"), True, epochs(2, 64), tuple(range(64))),
     "transformer_cli": Script(("{scripts}/transformer_cli.py", "fit", "--seed_everything=7",
                                "--trainer.strategy=elan", "--trainer.accelerator=cpu",
                                "--trainer.precision=bf16-mixed", "--trainer.max_epochs=2",
@@ -454,6 +455,16 @@ def check_transformer_cli(run: Run, static: Run | None) -> None:
         assert_checkpoints_alike(directory, static.out / "lightning_logs" / "version_0" / "checkpoints", False)
 
 
+def check_boring_demo(run: Run, static: Run | None) -> None:
+    """Validation twice an epoch (after 16 and 32 of the 32 batches), on the data ``val_dataloader`` made: a joiner
+    builds the members' validation data too."""
+    _, rows = read_csv(run.out / "logs" / "boring" / "version_0" / "metrics.csv")
+    assert len(logged(rows, "val_loss")) == 4, "validation after 16 and 32 batches of each epoch"
+    if static is not None:
+        _, static_rows = read_csv(static.out / "logs" / "boring" / "version_0" / "metrics.csv")
+        assert_logged_alike(rows, static_rows, "val_loss", exact=True)
+
+
 OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "datamodule_callbacks": check_datamodule_callbacks,
     "cli_classifier": check_cli_classifier,
@@ -469,6 +480,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "weighted_onecycle": check_weighted_onecycle,
     "ported_ddp_sampler": check_ported_ddp_sampler,
     "transformer_cli": check_transformer_cli,
+    "boring_demo": check_boring_demo,
 }
 
 
