@@ -116,7 +116,8 @@ class PendingWorker:
 
 @dataclass
 class ScaleRequest:
-    """A queued scale request, resolved at request time into workers to add and a removal rule."""
+    """A queued scale request, resolved at request time into workers to add and a removal rule (a ``to`` or a
+    ``migrate`` is resolved again against the members when it is decided: ``transitions/resolving.py``)."""
 
     request_id: str
     action: str
@@ -131,6 +132,7 @@ class ScaleRequest:
     all_reported_at: float | None = None  # when the last new worker registered
     workers: list[str] | None = None  # remove exactly these workers (a ``leave`` request)
     cause: dict[str, Any] | None = None  # the AM's own decision behind it (autoscaler, profile, straggler), if any
+    replaces: str | None = None  # the dead member an ``add 1`` of ``--replace-failed`` replaces
 
     @property
     def size_change(self) -> int:
@@ -386,8 +388,12 @@ class JobState:
         return len(self.members)
 
     def projected_size(self) -> int:
-        """World size once every pending request has applied."""
-        return self.world_size + sum(request.size_change for request in self.pending)
+        """World size once every pending request has applied: a ``to N`` leaves N whatever the size before it (it is
+        resolved again against the members when it is decided), the others change the size by their count."""
+        size = self.world_size
+        for request in self.pending:
+            size = request.size if request.action == "to" and request.size else size + request.size_change
+        return size
 
     def member(self, worker_id: str) -> Member | None:
         return next((member for member in self.members if member.worker_id == worker_id), None)

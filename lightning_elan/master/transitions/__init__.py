@@ -5,6 +5,7 @@ Bottom first (a module imports only those above it in this list, and ``master/st
 * ``pool``: the standby pool (``pending_workers`` of no request, ``standby``)
 * ``requests``: scale requests and the queue (``pending``, the joiners' readiness, failed requests, ``shutdown``)
 * ``leaving``: a worker asks to leave (``leave`` requests at the head of the queue)
+* ``resolving``: the head request resolved again against the members when it is decided (``to N`` leaves N)
 * ``adjustments``: every change of ``members`` and ``generation``: generation 0, plan, commit, report
 * ``finishing``: whether the job is done (the one rule: the members' exits), and finishing it
 * ``recovering``: worker exits and the recovery from a dead member (``exits``, ``recovery``, ``failed_reason``)

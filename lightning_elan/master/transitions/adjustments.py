@@ -23,7 +23,7 @@ from lightning_elan.master.state import (
     now_or_clock,
     require_non_negative,
 )
-from lightning_elan.master.transitions import requests
+from lightning_elan.master.transitions import requests, resolving
 from lightning_elan.protocol.contract import (
     REPORT_ROLES,
     AdjustmentPlan,
@@ -165,14 +165,17 @@ def _note_progress(state: JobState, request: CoordinateRequest, now: float) -> N
 
 
 def _decide_head(state: JobState, step: int, now: float | None) -> AdjustmentPlan | None:
-    """Decide the head request if its step has come and its new workers are ready."""
+    """Decide the head request if its step has come and, resolved against the members now (``resolving.py``), its
+    new workers are ready."""
     while state.pending:
         head = state.pending[0]
         if head.at_step is not None and step < head.at_step:
             return None
-        if any(state.pending_workers[worker].status != READY for worker in head.new_workers):
-            return None
         try:
+            if not resolving.resolve(state, head, now_or_clock(now)):
+                continue  # nothing to do: it left the queue
+            if any(state.pending_workers[worker].status != READY for worker in head.new_workers):
+                return None
             plan = _make_plan(state, head, step)
         except StateError as error:
             requests.fail_request(state, head, str(error))

@@ -130,7 +130,7 @@ def form_plan_if_ready(state: JobState, now: float) -> None:
     replacements = _replacements_for(state, recovery, now)
     if replacements is None or recovery.missing():
         return
-    state.pending = [r for r in state.pending if not set(r.new_workers) & set(replacements)]
+    _take_replacements(state, replacements)
     workers = [*recovery.checked_in, *replacements]
     try:
         plan = recovery_plan(recovery, state.generation, replacements, {w: state.host_of(w) for w in workers},
@@ -182,7 +182,7 @@ def _member_failed(state: JobState, worker_id: str, returncode: int, now: float)
     state.record_failure({"kind": "worker", "outcome": "died", "worker_id": worker_id, "returncode": returncode,
                           "generation": state.generation, "failure_id": recovery.failure_id}, now)
     if state.replace_failed:
-        _queue_replacement(state, now)
+        _queue_replacement(state, worker_id, now)
     if not recovery.survivors:
         fail_job(state, f"every worker of generation {state.generation} died", now)
         return WorkerExitReply(expected=False, recovering=False)
@@ -212,10 +212,10 @@ def _begin_recovery(state: JobState, now: float) -> Recovery:
     return state.recovery
 
 
-def _queue_replacement(state: JobState, now: float) -> None:
+def _queue_replacement(state: JobState, dead: str, now: float) -> None:
     if state.finished:
         return
-    reply = requests.queue_add(state, now)
+    reply = requests.queue_add(state, now, replaces=dead)
     logger.info("replacement %s requested (%s)", ", ".join(reply.new_workers), reply.request_id)
 
 
@@ -246,6 +246,18 @@ def _replacements_for(state: JobState, recovery: Recovery, now: float) -> list[s
         logger.warning("job %s: %s left, below --min-workers %d: waiting up to %.0f s for joiners",
                        state.job, plural(len(recovery.survivors), "worker"), state.min_workers, state.join_timeout_s)
     return None
+
+
+def _take_replacements(state: JobState, replacements: list[str]) -> None:
+    """The requests whose joiners replace the dead leave the queue — but a ``to N`` stays without them: it is
+    resolved again against the members when it is decided (``resolving.py``), and starts what it then lacks."""
+    kept = []
+    for request in state.pending:
+        if request.action == "to":
+            request.new_workers = [worker for worker in request.new_workers if worker not in replacements]
+        if request.action == "to" or not set(request.new_workers) & set(replacements):
+            kept.append(request)
+    state.pending = kept
 
 
 def _serves_a_joiner(state: JobState, worker_id: str) -> bool:

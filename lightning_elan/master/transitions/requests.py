@@ -1,6 +1,7 @@
 """Scale requests and the queue: every transition that changes ``pending`` (apart from the ``leave`` requests of
-``leaving.py`` and the decision of ``adjustments.py``), the joiners' progress from requested to ready, the requests
-that fail or are cancelled, and ``shutdown``, which cancels what is queued."""
+``leaving.py``, the head resolved again by ``resolving.py`` and the decision of ``adjustments.py``), the joiners'
+progress from requested to ready, the requests that fail or are cancelled, and ``shutdown``, which cancels what is
+queued."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from lightning_elan.replication.topology import WorkerTopology
 logger = logging.getLogger(__name__)
 
 __all__ = ["ACTIONS", "cancel_workers", "cannot_remove_all", "fail_request", "fail_unreported", "pending_worker_exited",
-           "queue", "queue_add", "register", "request_failure", "scale", "shutdown", "spawn_requested"]
+           "queue", "queue_add", "register", "request_failure", "scale", "shutdown", "spawn_requested", "start_workers"]
 
 ACTIONS = ("add", "remove", "migrate", "to")
 
@@ -69,9 +70,9 @@ def scale(
     return queue(state, request, now)
 
 
-def queue_add(state: JobState, now: float | None) -> ScaleReply:
-    """Queue an ``add 1`` of the AM's own (a joiner that enrolled, a replacement for a dead member)."""
-    request = ScaleRequest(request_id="", action="add", count=1, size=None, at_step=None)
+def queue_add(state: JobState, now: float | None, replaces: str | None = None) -> ScaleReply:
+    """Queue an ``add 1`` of the AM's own (a joiner that enrolled, a replacement for the dead member ``replaces``)."""
+    request = ScaleRequest(request_id="", action="add", count=1, size=None, at_step=None, replaces=replaces)
     request.add_count = 1
     return queue(state, request, now)
 
@@ -80,16 +81,24 @@ def queue(state: JobState, request: ScaleRequest, now: float | None) -> ScaleRep
     """Give a resolved request its id and new workers (standbys first) and append it to the queue."""
     request.request_id = state.new_request_id()
     request.requested_at = now_or_clock(now)
-    taken = pool.take(state, request.add_count, request.request_id)
-    fresh = state.new_worker_ids(request.add_count - len(taken))
+    request.new_workers = []
+    start_workers(state, request, request.add_count, request.requested_at)
+    state.pending.append(request)
+    return ScaleReply(request.request_id, list(request.new_workers))
+
+
+def start_workers(state: JobState, request: ScaleRequest, count: int, now: float) -> list[str]:
+    """Give ``request`` ``count`` more new workers, standbys first (the launcher starts the others at its next poll);
+    returns them. ``all_reported_at`` is ``now`` when every new worker of the request is already ready."""
+    taken = pool.take(state, count, request.request_id)
+    fresh = state.new_worker_ids(count - len(taken))
     for worker in fresh:
         state.pending_workers[worker] = PendingWorker(worker, request.request_id)
-    request.new_workers = taken + fresh
-    if all(state.pending_workers[worker].status == READY for worker in request.new_workers):
-        request.all_reported_at = request.requested_at  # nothing to start: standbys, or no new worker at all
-    state.pending.append(request)
+    request.new_workers = [*request.new_workers, *taken, *fresh]
+    ready = all(state.pending_workers[worker].status == READY for worker in request.new_workers)
+    request.all_reported_at = now if ready else None  # nothing to start: standbys, or no new worker at all
     pool.refill(state)
-    return ScaleReply(request.request_id, list(request.new_workers))
+    return taken + fresh
 
 
 def register(state: JobState, request: RegisterRequest, now: float | None = None) -> RegisterReply:
