@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DDPCommunicationHookType
+from accelerate.utils import DDPCommunicationHookType, recursively_apply
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -49,6 +49,7 @@ from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
+from lightning_elan.elastic.gather import even_rows
 from lightning_elan.elastic.pre_loop import PreLoopCollectives
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember, generation_prefix
 from lightning_elan.protocol.contract import WorkerEnvironment
@@ -624,10 +625,11 @@ class ElasticAccelerator(Accelerator):
 
     @override
     def gather(self, tensor: Any) -> Any:
-        """Accelerate's ``gather``; when a member just died in the loop, this worker's own values (the step is
+        """Accelerate's ``gather`` of tensors padded to equal first dimensions (an uneven share of a global batch:
+        ``elastic/gather.py``); when a member just died in the loop, this worker's own values (the step is
         discarded)."""
         gather = super().gather
-        return self._collective(lambda: gather(tensor), tensor)
+        return self._collective(lambda: gather(recursively_apply(even_rows, tensor)), tensor)
 
     @override
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:

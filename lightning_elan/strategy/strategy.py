@@ -35,6 +35,7 @@ from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic.applied_steps import AppliedSteps
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
 from lightning_elan.elastic.frontend import ScalingParticipant
+from lightning_elan.elastic.gather import even_rows
 from lightning_elan.elastic.pre_loop import PreLoopCollectives
 from lightning_elan.elastic.rng import LoaderRNG
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember, engine_of_process
@@ -614,10 +615,12 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Lightning's stack of one tensor per process; tensors whose first dimension differs (an uneven share of a
+        global batch, a joiner's fewer outputs of its first epoch) are padded to equal first (``elastic/gather.py``)."""
         if self._alone():
             return tensor.unsqueeze(0)
         all_gather = super().all_gather
-        return self._pre_loop.run(lambda: all_gather(tensor, group, sync_grads))
+        return self._pre_loop.run(lambda: all_gather(even_rows(tensor, group), group, sync_grads))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

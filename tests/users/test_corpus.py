@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ CORPUS: dict[str, Script] = {
     "train_in_stages": Script(("{scripts}/train_in_stages.py", "{out}"), True,
                               {**epochs(2, 96), FIT_OFFSET: 96, FIT_OFFSET + 1: 96},
                               (*range(16), *range(FIT_OFFSET, FIT_OFFSET + 16))),
+    "gather_outputs": Script(("{scripts}/gather_outputs.py", "{out}"), True, epochs(2, 96), tuple(range(24))),
     "boring_demo": Script(("{scripts}/boring_demo.py", "{out}"), True, epochs(2, 64), tuple(range(64))),
     "transformer_cli": Script(("{scripts}/transformer_cli.py", "fit", "--seed_everything=7",
                                "--trainer.strategy=elan", "--trainer.accelerator=cpu",
@@ -455,6 +457,18 @@ def check_transformer_cli(run: Run, static: Run | None) -> None:
         assert_checkpoints_alike(directory, static.out / "lightning_logs" / "version_0" / "checkpoints", False)
 
 
+def check_gather_outputs(run: Run, static: Run | None) -> None:
+    """Every epoch's gathered losses reached rank 0, one row per process of the moment, finite (the elastic run's
+    processes hold different numbers of losses after a join, and uneven shares of a global batch at 3 workers)."""
+    lines = (run.out / "gathered.jsonl").read_text().splitlines()
+    gathered = [json.loads(line) for line in lines]
+    assert [entry["epoch"] for entry in gathered] == [0, 1], gathered
+    for entry in gathered:
+        assert math.isfinite(entry["mean"]) and entry["shape"][1] >= 12, entry
+    if static is None:
+        assert [entry["shape"] for entry in gathered] == [[2, 12], [2, 12]]
+
+
 def check_boring_demo(run: Run, static: Run | None) -> None:
     """Validation twice an epoch (after 16 and 32 of the 32 batches), on the data ``val_dataloader`` made: a joiner
     builds the members' validation data too."""
@@ -481,6 +495,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "ported_ddp_sampler": check_ported_ddp_sampler,
     "transformer_cli": check_transformer_cli,
     "boring_demo": check_boring_demo,
+    "gather_outputs": check_gather_outputs,
 }
 
 
