@@ -507,7 +507,7 @@ def _states_of(metric: Metric) -> dict[str, Any]:
 def _on_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone()
-    return [item.detach().cpu().clone() for item in value]
+    return [_on_cpu(item) if isinstance(item, torch.Tensor) else item for item in value]
 
 
 def _add_logged_value(result: _ResultMetric, incoming: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
+from typing import Any
 
 import lightning.pytorch  # noqa: F401  (first: importing Lightning registers the strategy, which imports compat)
 import pytest
@@ -17,7 +18,9 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import _Result
 
 from lightning_elan import compat
 from lightning_elan.elastic.epoch_aggregates import AggregateRecord, heir_of, read_records, write_record
-from lightning_elan.protocol.contract import AdjustmentPlan
+from lightning_elan.elastic.failures import CommitVote
+from lightning_elan.elastic.worker import ElasticWorker
+from lightning_elan.protocol.contract import AdjustmentPlan, WorkerEnvironment
 
 
 class _Module(torch.nn.Module):
@@ -176,3 +179,36 @@ def test_garbage_under_a_record_key_is_left_out_with_a_warning(caplog: pytest.Lo
     with caplog.at_level(logging.WARNING):
         assert read_records(store, 4, ["w1", "w2", "w3"], 1, 0) == []
     assert caplog.text.count("are not a record") == 3
+
+
+class _Aggregates:
+    """The part of a front-end the recording asks: what ``epoch_aggregates`` returns (a user's metric states)."""
+
+    def __init__(self, states: dict[str, Any]) -> None:
+        self.states = states
+
+    def epoch_aggregates(self) -> dict[str, Any]:
+        return {"metric/custom": {"states": self.states, "update_count": 1}}
+
+
+def _recording_member(states: dict[str, Any]) -> tuple[ElasticWorker, dist.Store]:
+    """A member of generation 0 of one, voting in an in-memory store (no process group is needed to record)."""
+    engine = ElasticWorker(WorkerEnvironment.standalone_process())
+    engine.attach(_Aggregates(states))  # type: ignore[arg-type]
+    store = dist.HashStore()
+    engine.generation, engine._vote = 0, CommitVote(store, 0, 0, 1, lambda: False)
+    return engine, store
+
+
+def test_a_metric_state_of_plain_values_is_recorded_and_one_that_cannot_be_stops_the_recording(
+        caplog: pytest.LogCaptureFixture) -> None:
+    engine, store = _recording_member({"values": [0.5, 1.5], "total": torch.tensor(2.0)})
+    engine._record_aggregates(4)
+    [record] = read_records(store, 0, ["w0"], 4, engine.data.epoch)
+    assert record.aggregates["metric/custom"]["states"]["values"] == [0.5, 1.5]
+    engine, store = _recording_member({"seen": [{"a", "set"}]})  # not a tensor, not a JSON value
+    with caplog.at_level(logging.WARNING):
+        engine._record_aggregates(4)
+        engine._record_aggregates(5)
+    assert read_records(store, 0, ["w0"], 5, engine.data.epoch) == []
+    assert caplog.text.count("stops recording its epoch aggregates") == 1
