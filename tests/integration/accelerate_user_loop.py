@@ -6,6 +6,8 @@ list, launched by ``test_accelerate_user_loops.py`` through `elan run`):
 * ``skip``: ``skip_first_batches(train, 2)`` in the first epoch (the resume idiom of ``run_clm_no_trainer.py``);
 * ``range``: ``for epoch in range(3)`` instead of ``accelerator.epochs(3)``;
 * ``counter``: ``run_*_no_trainer.py``'s local step counter, both loops left at ``MAX_STEPS`` with ``break``;
+* ``gather``: ``accelerator.gather`` of each batch's sample indices (a statistic over the global batch), whose
+  shares are uneven at 3 workers (8 samples: 3, 3, 2);
 * ``plain``: none of these.
 
 After its loop each worker waits for the others (``wait_for_everyone``). Under `elan run`, rank 0 holds before each
@@ -92,6 +94,7 @@ def main(ways: set[str], out: Path) -> None:
         accelerator.register_for_checkpointing(counter)
     worker = os.environ.get("ELAN_WORKER_ID", "alone")
     trained: dict[int, list[int]] = {}
+    gathered: dict[int, list[list[int]]] = {}
     completed_steps = 0
     for epoch in range(EPOCHS) if "range" in ways else accelerator.epochs(EPOCHS):
         loader = accelerator.skip_first_batches(data, 2) if "skip" in ways and epoch == 0 else data
@@ -99,6 +102,8 @@ def main(ways: set[str], out: Path) -> None:
             hold_for_joiners(accelerator)
             if accelerator.sample_weight > 0:
                 trained.setdefault(epoch, []).extend(index.tolist())
+            if "gather" in ways:
+                gathered.setdefault(epoch, []).append(sorted(set(accelerator.gather(index).tolist())))
             accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
@@ -113,7 +118,7 @@ def main(ways: set[str], out: Path) -> None:
             accelerator.save_state()
     record = {"worker": worker, "counter": counter.n, "optimizer_steps": accelerator.optimizer_steps,
               "left": accelerator.has_left, "main": accelerator.is_main_process,
-              "local_main": accelerator.is_local_main_process, "trained": trained}
+              "local_main": accelerator.is_local_main_process, "trained": trained, "gathered": gathered}
     (out / f"record-{worker}.json").write_text(json.dumps(record))
     accelerator.wait_for_everyone()
     accelerator.end_training()

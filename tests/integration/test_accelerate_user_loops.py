@@ -21,6 +21,7 @@ pytestmark = pytest.mark.integration
 
 LOOP = Path(__file__).with_name("accelerate_user_loop.py")
 SAMPLES, EPOCHS, STEPS = 64, 3, 24
+GLOBAL_BATCH = 8  # accelerate_user_loop.py: 4 samples per process at 2 workers
 FAIL_FAST_S = 240  # a hang would wait out the 300 s collective timeout first
 
 
@@ -108,3 +109,19 @@ def test_a_joiner_whose_local_step_counter_trains_on_stops_with_the_reason(tmp_p
     assert "accelerator.optimizer_steps" in run.output
     members = [record for record in run.records() if record["counter"] == 20]
     assert len(members) == 2, run.records()
+
+
+def test_gathering_a_global_batch_whose_shares_are_uneven(tmp_path):
+    """``accelerator.gather`` of each batch's indices at 2 and 3 workers (3, 3 and 2 of 8): every worker gathers the
+    whole global batch at every step (the shorter share padded, as ``DistributedSampler`` pads), nobody aborts."""
+    run = user_loop_run(tmp_path, "gather", "gather", "2:add=1,10:remove=1")
+    assert run.returncode == 0, run.excerpt()
+    assert [len(adjustment["members"]) for adjustment in run.adjustments()] == [3, 2]
+    assert "padded to 3 rows by repeating their last row" in run.output
+    for record in records(run).values():
+        if record["left"] and not record["gathered"]:
+            continue
+        for epoch, batches in record["gathered"].items():
+            trained = {index for worker in records(run).values() for index in worker["trained"].get(epoch, [])}
+            assert all(len(batch) == GLOBAL_BATCH for batch in batches), (record["worker"], epoch, batches)
+            assert set().union(*map(set, batches)) <= trained
