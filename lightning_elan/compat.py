@@ -445,7 +445,7 @@ def epoch_aggregates(trainer: pl.Trainer) -> dict[str, Any]:
     ``_ResultCollection`` maps a key to a ``_ResultMetric`` whose states are ``value`` (a sum, or the maximum/minimum)
     and, for a mean, ``cumulated_batch_size``; ``compute`` syncs both — and the LightningModule's torchmetrics that
     sync on ``compute``. A value logged without ``sync_dist`` is each process's own (rank 0's is logged): left out."""
-    _absorb_pending(trainer)
+    _absorb_pending(trainer, at_boundary=True)
     return {key: _states_of(metric) for key, metric in _aggregate_targets(trainer).items() if metric._update_count}
 
 
@@ -455,28 +455,33 @@ def absorb_epoch_aggregates(trainer: pl.Trainer, parts: list[dict[str, Any]]) ->
     A value this process has not logged yet in the epoch (a joiner that took the aggregates of a whole migration, a
     value logged on some batches only) has no ``_ResultMetric`` to add to: ``_ResultCollection.log`` makes it, with its
     metadata, at the first ``self.log`` of that key. Such a part waits until then (:func:`epoch_aggregates`, at each
-    batch boundary, adds it), within the same epoch."""
+    batch boundary, adds it), within the epoch of the first boundary after it was taken — not ``current_epoch`` now: a
+    joiner takes it in ``strategy.setup``, before Lightning restores its loops (``current_epoch`` is still 0 there)."""
     pending = _pending_aggregates(trainer)
     for part in parts:
-        pending.extend((trainer.current_epoch, key, incoming) for key, incoming in part.items())
-    _absorb_pending(trainer)
+        pending.extend((None, key, incoming) for key, incoming in part.items())
+    _absorb_pending(trainer, at_boundary=False)
 
 
-def _pending_aggregates(trainer: pl.Trainer) -> list[tuple[int, str, dict[str, Any]]]:
+def _pending_aggregates(trainer: pl.Trainer) -> list[tuple[int | None, str, dict[str, Any]]]:
     epoch_loop = trainer.fit_loop.epoch_loop
     if not hasattr(epoch_loop, "_elan_pending_aggregates"):
         epoch_loop._elan_pending_aggregates = []
     return epoch_loop._elan_pending_aggregates
 
 
-def _absorb_pending(trainer: pl.Trainer) -> None:
+def _absorb_pending(trainer: pl.Trainer, at_boundary: bool) -> None:
+    """Add the pending parts that have a counterpart now; at a batch boundary, bind the others to its epoch (they
+    wait for a ``self.log`` of their key until that epoch ends)."""
     pending = _pending_aggregates(trainer)
     if not pending:
         return
     targets, waiting = _aggregate_targets(trainer), []
     for epoch, key, incoming in pending:
         metric = targets.get(key)
-        if epoch != trainer.current_epoch:
+        if epoch is None and at_boundary:
+            epoch = trainer.current_epoch
+        if epoch is not None and epoch != trainer.current_epoch:
             log.warning("epoch aggregate %s of a departed member was never logged here in epoch %d: left out", key,
                         epoch)
         elif metric is None:

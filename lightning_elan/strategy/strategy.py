@@ -328,6 +328,8 @@ class ElanStrategy(DDPStrategy):
         compat.call_on_load_checkpoint(trainer, checkpoint)
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=self.lightning_module.strict_loading)
         compat.set_logger_versions(trainer, state["logger_versions"])
+        if self.global_rank == 0:  # every old member left (a whole migration): this joiner writes the logs on
+            compat.adopt_loggers(trainer)
         compat.align_checkpoint_dirs(trainer, checkpoint.get("callbacks", {}))
         compat.stage_training_state(trainer, checkpoint)
         compat.set_callback_metrics(trainer, state["callback_metrics"])
@@ -366,9 +368,11 @@ class ElanStrategy(DDPStrategy):
         self.model = self.lightning_module
 
     def membership_changed(self, previous_rank: int | None) -> None:
+        """A member that became rank 0 continues the old rank 0's loggers; a joiner does so once it has their versions
+        (:meth:`load_training_state`): built before, its logger would open a version of its own."""
         self._group_view = self.engine.generation_group if self.engine.is_member else None
         self._sync_environment()
-        if self.global_rank == 0 and previous_rank != 0:
+        if self.global_rank == 0 and previous_rank is not None and previous_rank != 0:
             compat.adopt_loggers(self.lightning_module.trainer)
 
     def after_resize(self) -> None:

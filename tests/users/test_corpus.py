@@ -203,15 +203,17 @@ def test_epoch_aggregates_match_the_static_run(runs: Callable[[str, bool], Run])
 
 def test_a_whole_migration_hands_the_epoch_aggregates_to_the_joiner(tmp_path: Path) -> None:
     """One worker migrates (no old member stays: the joiner takes the leaver's part of the epoch), a second joins,
-    then rank 0 leaves: every epoch's ``train_loss_epoch`` and ``train_mse`` are those of a one-process run."""
+    rank 0 leaves, and the one left migrates in the second epoch (the joiner takes the part in ``strategy.setup``,
+    before Lightning restores its loops): every epoch's ``train_loss_epoch`` and ``train_mse`` are those of a
+    one-process run."""
     command = CORPUS["datamodule_callbacks"].command
     static = run_job(tmp_path / "static", Job("dm_alone", command, nproc=1))
     run = run_job(tmp_path / "moved", Job("dm_moved", command, nproc=1,
-                                          schedule="3:migrate=1,6:add=1,9:remove=rank:0"))
+                                          schedule="3:migrate=1,6:add=1,9:remove=rank:0,20:migrate=1"))
     assert_ok(static)
     assert_ok(run)
     assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("migrate", 1), ("add", 2),
-                                                                                 ("remove", 1)]
+                                                                                 ("remove", 1), ("migrate", 1)]
     assert_same_samples(run, static)
     assert_states_close(run.final_state(), static.final_state())
     _, rows = read_csv(run.out / "logs" / "regression" / "version_0" / "metrics.csv")
