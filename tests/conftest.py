@@ -10,17 +10,30 @@ named, killed, and the session fails.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests import processes
+from tests.cores import cores
 
 STRAY_GRACE_S = 3.0
 """A process the last teardown is still stopping gets this long before it counts as a stray."""
 
 HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch._inductor.compile_worker")
 """Helpers that live as long as the pytest process that started them, by design."""
+
+
+@pytest.fixture(autouse=True)
+def _cores(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under ``pytest -n`` (pytest-xdist) a test marked ``solo`` runs with no other test beside it (``cores.py``)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    run_dir = tmp_path_factory.getbasetemp().parent  # one per run, shared by its xdist workers
+    with cores(run_dir, alone=request.node.get_closest_marker("solo") is not None):
+        yield
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

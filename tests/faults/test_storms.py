@@ -11,7 +11,7 @@ import pytest
 from tests.faults.storm import check, run_static, run_storm
 from tests.integration.etcd_server import etcd_binary
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.solo]  # kills at a pace: alone under `pytest -n`
 
 
 @pytest.fixture(scope="module")

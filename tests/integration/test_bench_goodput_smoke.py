@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("torchft")
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.solo]  # kills at a pace: alone under `pytest -n`
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -27,7 +27,7 @@ from tests.integration.elastic_runs import (
     elan_env,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.solo]  # measures throughput: alone under `pytest -n`
 GLOBAL = ["--global-batch", "12"]  # the static run's 2 × 6, split over however many workers there are
 
 
