@@ -248,14 +248,7 @@ def call_after_each_trained_batch(trainer: pl.Trainer, hook: Callable[[], None])
         if getattr(epoch_loop, "_elan_discarded", False):  # see redo_interrupted_batches
             epoch_loop._elan_discarded = False
             return
-        try:
-            run_batch_end(epoch_loop, data_fetcher)
-        except Exception as error:  # the batch's step stands; a member died during its validation
-            recover = getattr(epoch_loop, "_elan_recover", None)
-            if recover is None:
-                raise
-            _abandon_validation(trainer)
-            recover(error, None)
+        run_batch_end(epoch_loop, data_fetcher)  # a death in its validation: see redo_validation_cut_by_a_death
         hook()
 
     epoch_loop.on_advance_end = on_advance_end
@@ -288,7 +281,8 @@ def redo_interrupted_batches(
 
     def advance(data_fetcher: Any) -> None:
         if not window or epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
-            window.update(_progress_state(epoch_loop, data_fetcher), metrics=_metric_states(trainer))
+            window.update(_progress_state(epoch_loop, data_fetcher),
+                          metrics=_metric_states(trainer, epoch_loop._results))
         saved = dict(window)
         epoch_loop._elan_discarded = False
         logs.holding = True
@@ -347,10 +341,94 @@ def _retry_after_recovery(owner: Any, name: str, recover: Callable[[BaseExceptio
     setattr(owner, name, run_again_after_recovery)
 
 
+def redo_validation_cut_by_a_death(
+    trainer: pl.Trainer, recover: Callable[[BaseException, Callable[[], None] | None], bool]
+) -> None:
+    """A member's death during a validation run of the training loop: the survivors abandon that run, recover, and
+    run it again from its start in the new generation (its loaders resharded over them: ``after_resize``), so it
+    validates the whole set once, as a static run of their size would.
+
+    ``_TrainingEpochLoop.on_advance_end`` sets ``trainer.validating``, calls ``val_loop.run()`` and then goes on with
+    the batch's end (plateau schedulers, ``_batches_that_stepped``, logger saving): with the run redone in place, that
+    rest runs once, as Lightning's. ``_EvaluationLoop.run`` is looked up on the loop at call time, so an instance
+    attribute replaces it for this trainer only. The sanity check runs the same loop before the training loop, where a
+    death is recovered inside each collective (``elastic/pre_loop.py``): an error escaping it is raised as before.
+    What is logged during the run (``log_eval_end_metrics``, step metrics) is held until it returns: a death after
+    that (in ``on_validation_end``: ``ModelCheckpoint``'s save) logs the validation once too.
+    """
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    if getattr(val_loop, "_elan_recover", None) == recover:  # a bound method: equal, not the same object
+        return
+    run = type(val_loop).run  # wrapped in Lightning's ``_no_grad_context``
+    logs = _WindowLogs(trainer)
+
+    def run_again_after_recovery() -> Any:
+        while True:
+            start = _validation_start(trainer)
+            logs.holding = not trainer.sanity_checking
+            try:
+                outputs = run(val_loop)
+            except Exception as error:
+                logs.window_done(discarded=True, closed=True)
+                if trainer.sanity_checking:
+                    raise
+                _abandon_validation(trainer, start)
+                recover(error, None)
+                trainer.validating = True  # as ``on_advance_end`` set it before the run
+                log.warning("a member died during validation: it runs again from its first batch in the new "
+                            "generation (its hooks run again; state a validation_step keeps outside self.log and "
+                            "torchmetrics, such as a list of outputs, is best cleared in on_validation_epoch_start)")
+                continue
+            logs.window_done(discarded=False, closed=True)
+            return outputs
+
+    val_loop.run = run_again_after_recovery
+    val_loop._elan_recover = recover
+
+
+def _validation_start(trainer: pl.Trainer) -> dict[str, Any]:
+    """What a validation run changes and an abandoned run must give back: the loop's ``batch_progress`` (``reset``
+    keeps its totals), the logged results (``val_loop._results``: a ``_ResultMetric`` per key, wrapping the
+    torchmetrics ``Metric`` logged as such) and the LightningModule's torchmetrics (updated by ``validation_step``),
+    each submodule's ``training`` flag (``on_run_start``'s ``_on_evaluation_model_eval``), the logger connector's
+    ``_first_loop_iter`` (which ``on_advance_end`` saves around the run) and the metrics it hands on."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    connector = trainer._logger_connector
+    return {
+        "progress": val_loop.batch_progress.state_dict(),
+        "metrics": _metric_states(trainer, val_loop._results),
+        "modes": {module: module.training for module in trainer.lightning_module.modules()},
+        "first_loop_iter": connector._first_loop_iter,
+        "connector": {name: dict(getattr(connector, name))
+                      for name in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics")},
+    }
+
+
+def _abandon_validation(trainer: pl.Trainer, start: dict[str, Any]) -> None:
+    """Give back what the interrupted validation run changed (:func:`_validation_start`), stop its loader's iterator
+    (``_DataFetcher.teardown`` resets the ``CombinedLoader``, shutting its workers down) and make its loaders be
+    requested again at the next run (:func:`reset_evaluation_dataloaders`). ``trainer.training`` is set as between
+    two batches while the job recovers (``on_advance_end`` resets it only after ``val_loop.run()`` returns)."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    connector = trainer._logger_connector
+    if val_loop._data_fetcher is not None:
+        val_loop._data_fetcher.teardown()
+        val_loop._data_fetcher = None
+    reset_evaluation_dataloaders(trainer)
+    val_loop.batch_progress.load_state_dict(start["progress"])
+    _restore_metric_states(val_loop._results, start["metrics"])
+    for module, training in start["modes"].items():
+        module.training = training
+    connector._first_loop_iter, connector._current_fx = start["first_loop_iter"], None
+    for name, metrics in start["connector"].items():
+        setattr(connector, name, metrics)
+    trainer.training = True
+
+
 def _rewind_window(trainer: pl.Trainer, data_fetcher: Any, saved: dict[str, Any]) -> None:
     """Back to where the interrupted step's first batch began: progress counters, fetcher, metric states."""
     _restore_progress(trainer.fit_loop.epoch_loop, data_fetcher, saved)
-    _restore_metric_states(trainer, saved["metrics"])
+    _restore_metric_states(trainer.fit_loop.epoch_loop._results, saved["metrics"])
 
 
 class _WindowLogs:
@@ -388,10 +466,9 @@ class _WindowLogs:
                 send(*args, **kwargs)
 
 
-def _metric_states(trainer: pl.Trainer) -> dict[str, Any]:
-    """What a training step accumulates for the epoch: the logged values of ``self.log(on_epoch=True)`` (the
-    training epoch loop's ``_ResultCollection``: key -> ``_ResultMetric``) and the LightningModule's torchmetrics."""
-    results = trainer.fit_loop.epoch_loop._results
+def _metric_states(trainer: pl.Trainer, results: Any) -> dict[str, Any]:
+    """What a training step (or a validation run) accumulates: the logged values of ``self.log(on_epoch=True)`` (its
+    loop's ``_ResultCollection``: key -> ``_ResultMetric``) and the LightningModule's torchmetrics."""
     metrics = [m for m in trainer.lightning_module.modules() if isinstance(m, Metric)] + list(results.values())
     return {"keys": set(results), "states": [(metric, _metric_state(metric)) for metric in metrics]}
 
@@ -411,8 +488,7 @@ def _copied(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value
 
 
-def _restore_metric_states(trainer: pl.Trainer, saved: dict[str, Any]) -> None:
-    results = trainer.fit_loop.epoch_loop._results
+def _restore_metric_states(results: Any, saved: dict[str, Any]) -> None:
     for key in set(results) - saved["keys"]:  # first logged by the discarded attempt
         del results[key]
     for metric, state in saved["states"]:
@@ -549,20 +625,6 @@ def _add_metric_states(key: str, metric: Metric, incoming: dict[str, Any]) -> No
 def _counted(metric: Metric, incoming: dict[str, Any]) -> None:
     metric._update_count += incoming["update_count"]
     metric._computed = None
-
-
-def _abandon_validation(trainer: pl.Trainer) -> None:
-    """Undo what an interrupted validation run left: ``_TrainingEpochLoop.on_advance_end`` sets
-    ``trainer.validating`` and resets ``trainer.training`` only after ``val_loop.run()`` returns; the run's
-    ``on_run_start`` put the module in eval mode (``_on_evaluation_model_eval``, undone by
-    ``_on_evaluation_model_train``) and counted its batches in ``batch_progress``."""
-    if not trainer.validating:
-        return
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
-    val_loop._on_evaluation_model_train()
-    val_loop.batch_progress.reset_on_run()
-    val_loop._combined_loader = None
-    trainer.training = True
 
 
 def _progress_state(epoch_loop: Any, data_fetcher: Any) -> dict[str, Any]:

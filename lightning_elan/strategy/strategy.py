@@ -666,6 +666,7 @@ class _ElanCoordinator(Callback):
         compat.call_after_each_trained_batch(trainer, self._batch_over)
         compat.redo_interrupted_batches(trainer, self._strategy.recover_from)
         compat.redo_end_hooks_cut_by_a_death(trainer, self._strategy.recover_from)
+        compat.redo_validation_cut_by_a_death(trainer, self._strategy.recover_from)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
