@@ -436,11 +436,16 @@ class _WindowLogs:
     ``LearningRateMonitor`` logs in ``on_train_batch_start``, the logger connector the step's metrics at the end of
     ``_TrainingEpochLoop.advance``) until the step stands: a step discarded by a member's death and redone logs once.
     What is logged between batches (validation, the epoch's end) goes straight through. Each logger's ``log_metrics``
-    is replaced by an instance attribute, for this trainer's loggers only."""
+    is replaced by an instance attribute, for this trainer's loggers only.
+
+    ``_LoggerConnector.log_metrics`` calls each logger's ``save`` right after its ``log_metrics`` (``CSVLogger``
+    writes its buffered rows to ``metrics.csv`` there): that save came while the rows were held, so the loggers that
+    get held rows save once they have them. Else those rows would stay in rank 0's memory until its next log, and
+    rank 0's death before that (the next window's first micro-batch logs nothing) would lose them."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self.holding = False
-        self._held: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+        self._held: list[tuple[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
         for logger in trainer.loggers:
             self._hold(logger)
 
@@ -450,20 +455,22 @@ class _WindowLogs:
         def log_metrics(*args: Any, **kwargs: Any) -> None:
             if not self.holding:
                 return send(*args, **kwargs)
-            self._held.append((send, args, kwargs))
+            self._held.append((logger, send, args, kwargs))
             return None
 
         logger.log_metrics = log_metrics
 
     def window_done(self, discarded: bool, closed: bool) -> None:
-        """After a batch: a discarded step's logs are dropped, a closed step's sent."""
+        """After a batch: a discarded step's logs are dropped, a closed step's sent (and saved)."""
         self.holding = False
         if discarded:
             self._held.clear()
         elif closed:
             held, self._held = self._held, []
-            for send, args, kwargs in held:
+            for _, send, args, kwargs in held:
                 send(*args, **kwargs)
+            for logger in {id(logger): logger for logger, *_ in held}.values():
+                logger.save()
 
 
 def _metric_states(trainer: pl.Trainer, results: Any) -> dict[str, Any]:

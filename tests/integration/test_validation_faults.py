@@ -112,3 +112,11 @@ def test_a_death_during_validation_runs_that_validation_again(tmp_path: Path, st
 
     assert_ends_as_static(run, static_runs(1))
 
+
+def test_rank0_dying_while_accumulating_keeps_the_rows_it_logged(tmp_path: Path, static_runs) -> None:
+    """``accumulate_grad_batches=2``: rank 0 dies at the first micro-batch of a window (epoch 1, batch 2), after it
+    logged the previous step's ``train_loss``; that row is in ``metrics.csv``, and the survivor (the new rank 0)
+    logs the rest once."""
+    run = run_job(tmp_path, job("accdeath", "--accumulate", "2", "--die-training", "1:2:0"))
+
+    assert_ends_as_static(run, static_runs(2))
