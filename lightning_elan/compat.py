@@ -271,6 +271,9 @@ def redo_interrupted_batches(
     With ``accumulate_grad_batches`` > 1 the batch rolled back to is the first of the interrupted step's accumulation
     window: ``_AutomaticOptimization`` opens a window (zeroes the gradients) at a ``batch_idx`` divisible by it, and the
     upcoming batch's ``batch_idx`` is ``batch_progress.current.ready`` (``advance`` computes ``self.batch_idx + 1``).
+    The window's micro-batches that completed before the death are trained again, so their hooks (a callback's
+    ``on_train_batch_end``) run again: their logged values, torchmetrics and logger rows are rewound, state a hook
+    keeps by itself is not (docs/architecture.md, *Worker failures*).
     """
     epoch_loop = trainer.fit_loop.epoch_loop
     if getattr(epoch_loop, "_elan_recover", None) is recover:
