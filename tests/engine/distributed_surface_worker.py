@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _InfiniteBarrier
 
 from lightning_elan.elastic.process_group import ElasticProcessGroup, install_default_group
-from tests.unit.process_group_worker import GENERATIONS
+from tests.engine.process_group_worker import GENERATIONS
 
 
 def summed(group: Any = None, value: float = 1.0) -> float:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_elastic_engine import (
+from tests.engine.test_elastic_engine import (
     _assert_bit_identical_at_every_step,
     _assert_exactly_once_per_epoch,
     _environment,

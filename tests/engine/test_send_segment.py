@@ -14,7 +14,7 @@ from lightning_elan.elastic.send_ahead import SendAhead
 from lightning_elan.replication.send_segment import SendSegment
 from lightning_elan.replication.transports import ShmTransport, transport_for
 from lightning_elan.replication.transports.base import Channel
-from tests.unit.test_shm_transport import CTX, TIMEOUT, _receive, assert_bit_equal, make_state, run, segments
+from tests.engine.test_shm_transport import CTX, TIMEOUT, _receive, assert_bit_equal, make_state, run, segments
 
 
 def test_prepared_segment_is_allocated_taken_kept_and_removed(tmp_path: Path) -> None:
