@@ -14,8 +14,14 @@ What a resize refreshes (and why):
 * Nothing in the model: it is wrapped once in an :class:`~lightning_elan.elastic.ddp.ElasticDistributedDataParallel`
   whose gradient all-reduce follows the current generation, so the object ``prepare()`` returned keeps working.
 * The training loader's iterator: rebuilt from the job's serial position (batches prefetched for the old world are
-  dropped); evaluation loaders are re-sharded when next iterated.
+  dropped); evaluation loaders are cut for the new world when next iterated.
 * Trackers: started on the new main process when rank 0 left.
+
+A member's death during a pass over an evaluation loader is recovered from at once, in the collective that met it
+(``gather_for_metrics``, ``gather``, ``reduce``, ``wait_for_everyone``): the survivors form the new generation, agree on
+where the pass is, run the collective again among themselves and evaluate what the dead member had not given
+(:mod:`~lightning_elan.accelerate.evaluation`), so the pass still gathers every sample once — also on a survivor that
+became the main process within it.
 """
 
 from __future__ import annotations
@@ -33,13 +39,21 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DDPCommunicationHookType, recursively_apply
+from accelerate.utils import DDPCommunicationHookType, gather_object, recursively_apply
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_elan import torch_compat
 from lightning_elan.accelerate import compat
-from lightning_elan.accelerate.data import ElasticTrainLoader, EvaluationLoader, LeftTheJob, refuse_unsupported
+from lightning_elan.accelerate.data import (
+    ElasticEvaluationLoader,
+    ElasticTrainLoader,
+    EvaluationLoader,
+    LeftTheJob,
+    evaluation_unsupported,
+    refuse_unsupported,
+)
+from lightning_elan.accelerate.evaluation import EvaluationPass, Progress, same_place
 from lightning_elan.accelerate.loop_end import LoopEndWatch, announce_loop_end
 from lightning_elan.accelerate.objects import CHECKPOINTED, ReplicatedObjects
 from lightning_elan.accelerate.plugin import ElasticPlugin
@@ -123,6 +137,9 @@ class ElasticAccelerator(Accelerator):
         self.recoveries = 0  # member deaths this worker recovered from
         self._pre_loop = PreLoopCollectives(self._recover_before_the_loop, self.engine.earliest_position)
         self._group_view: torch.distributed.ProcessGroup | None = None
+        self._evaluating = False  # a pass over an evaluation loader is in progress
+        self._evaluation: EvaluationPass | None = None  # that pass, when the elastic evaluation loader makes it
+        self._unsupported_evaluation: str | None = None  # why the loader of that pass cannot be re-cut
         with compat.single_process_initialisation():
             super().__init__(*args, **kwargs)
         device = self._elastic_device(environment, bool(kwargs.get("cpu", False)))
@@ -270,10 +287,20 @@ class ElasticAccelerator(Accelerator):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         if self._train_loader is None:
             return self._prepare_train_loader(data_loader, device_placement)
-        evaluation = EvaluationLoader(data_loader, lambda loader: compat.shard_for_evaluation(self, loader),
-                                      lambda: (self.process_index, self.num_processes))
+        evaluation = self._evaluation_loader(data_loader, device_placement)
         compat.prepared_dataloaders(self).append(evaluation)
         return evaluation
+
+    def _evaluation_loader(self, data_loader: DataLoader, device_placement: bool | None
+                           ) -> ElasticEvaluationLoader | EvaluationLoader:
+        unsupported = evaluation_unsupported(data_loader, self.even_batches, self.split_batches)
+        if unsupported is None:
+            placement = self.device_placement if device_placement is None else device_placement
+            return ElasticEvaluationLoader(data_loader, self, self.device if placement else None, self.non_blocking)
+        log.info("evaluation DataLoader sharded by Accelerate (%s): a member's death during a pass loses its samples "
+                 "of that pass", unsupported)
+        return EvaluationLoader(data_loader, lambda loader: compat.shard_for_evaluation(self, loader), self,
+                                unsupported)
 
     def _prepare_train_loader(self, data_loader: DataLoader, device_placement: bool | None) -> ElasticTrainLoader:
         refuse_unsupported(data_loader, self.dispatch_batches)
@@ -639,6 +666,18 @@ class ElasticAccelerator(Accelerator):
         return self._collective(lambda: reduce(tensor, reduction, scale), tensor)
 
     @override
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Accelerate's; in a pass over an elastic evaluation loader, the rows dropped are the padding of the pass's
+        current batch (the end of its last one, or, in the batch a member died in, the survivors' padding)."""
+        evaluation = self._evaluation
+        if evaluation is None:
+            return super().gather_for_metrics(input_data, use_gather_object)
+        if use_gather_object or not _all_tensors(input_data):
+            own = input_data if isinstance(input_data, list) else [input_data]
+            return _without_padding(self._collective(lambda: gather_object(input_data), own), evaluation)
+        return recursively_apply(lambda tensor: _without_padding(tensor, evaluation), self.gather(input_data))
+
+    @override
     def wait_for_everyone(self) -> None:
         """Accelerate's barrier; when a member just died in the loop, it returns (the survivors recover at the next
         batch); before the loop, the survivors recover and meet in it again."""
@@ -663,12 +702,105 @@ class ElasticAccelerator(Accelerator):
         if self._catching_up:
             return own
         if self._pre_loop.recording and self.engine.is_member:
-            return self._pre_loop.run(collective)
+            return self._pre_loop_collective(collective)
         try:
-            return collective()
+            result = collective()
         except Exception as error:
-            self._absorb_failure(error)
-            return own
+            if not self._recovers_in_evaluation():
+                self._absorb_failure(error)
+                return own
+            self._recover_in_evaluation(error)
+            return self._collective(collective, own)  # again, among the survivors
+        self._evaluation_collective_done()
+        return result
+
+    def _pre_loop_collective(self, collective: Callable[[], Any]) -> Any:
+        """A collective before the training loop (run again after a recovery, see ``elastic/pre_loop.py``); in a pass
+        over an evaluation loader, a recovery meanwhile gives the survivors what the dead had not evaluated."""
+        generation = self.engine.generation
+        result = self._pre_loop.run(collective)
+        if self._evaluating and self.engine.generation != generation:
+            self._evaluation_recovered(lambda: self._pre_loop.run(self._agree_on_evaluation))
+        self._evaluation_collective_done()
+        return result
+
+    # ------------------------------------------------------------------ evaluation passes (EvaluationHost)
+
+    def evaluation_world(self) -> tuple[int, int]:
+        return self.process_index, self.num_processes
+
+    def evaluation_started(self, evaluation: EvaluationPass | None, unsupported: str | None = None) -> None:
+        self._evaluating, self._evaluation, self._unsupported_evaluation = True, evaluation, unsupported
+
+    def evaluation_ended(self, evaluation: EvaluationPass | None) -> None:
+        if self._evaluating and self._evaluation is evaluation:
+            self._evaluating, self._evaluation, self._unsupported_evaluation = False, None, None
+
+    def _evaluation_collective_done(self) -> None:
+        if self._evaluation is not None:
+            self._evaluation.collective_done()
+
+    def _recovers_in_evaluation(self) -> bool:
+        """Whether a failed collective is one of an evaluation pass the survivors go on with at once: in the loop over
+        the epochs, no training step open (its batch would be redone), this process a member."""
+        return (self._evaluating and self._loop_epoch is not None and not self._step_open
+                and self.engine.is_member and not self._aborted)
+
+    def _recover_in_evaluation(self, error: BaseException) -> None:
+        """A member died during an evaluation pass: recover now (a training step this batch committed stands), then
+        the survivors agree on where the pass is and go on with what the dead had not evaluated."""
+        self._raise_if_loop_ended(error)
+        self.engine.confirm_peer_failure(error)
+        log.warning("worker %s: a member of generation %s died during an evaluation pass; the survivors go on with "
+                    "its samples", self.engine.worker_id, self.engine.generation)
+        self._recovery_due = False
+        self.recoveries += 1
+        self.engine.recover(self.optimizer_steps + int(self._committed))
+        self._pre_loop.catch_up()
+        self._evaluation_recovered(self._agreed_in_evaluation)
+
+    def _agreed_in_evaluation(self) -> list[Progress]:
+        """Every survivor's place in the pass; a death meanwhile is recovered from and they agree again."""
+        while True:
+            try:
+                return self._agree_on_evaluation()
+            except Exception as error:
+                self.engine.confirm_peer_failure(error)
+                log.warning("worker %s: a member died while the survivors of an evaluation pass agreed",
+                            self.engine.worker_id)
+                self.recoveries += 1
+                self.engine.recover(self.optimizer_steps + int(self._committed))
+                self._pre_loop.catch_up()
+
+    def _agree_on_evaluation(self) -> list[Progress]:
+        """Every member's place in the current evaluation pass, by rank (one all-gather of four integers)."""
+        assert self._evaluation is not None
+        mine = torch.tensor(self._evaluation.progress().to_list(), dtype=torch.int64, device=self.device)
+        places = [torch.empty_like(mine) for _ in range(self.num_processes)]
+        torch.distributed.all_gather(places, mine)
+        return [Progress.from_list(place.tolist()) for place in places]
+
+    def _evaluation_recovered(self, agree: Callable[[], list[Progress]]) -> None:
+        """The pass goes on among the survivors (see :mod:`~lightning_elan.accelerate.evaluation`); what cannot be
+        made whole is named in a warning."""
+        evaluation = self._evaluation
+        if evaluation is None:
+            log.warning("worker %s: a member died during a pass over an evaluation DataLoader that cannot be cut again "
+                        "(%s): its samples of the batch in flight and of the batches after it are not evaluated in "
+                        "this pass (gather_for_metrics returns the survivors' only)", self.engine.worker_id,
+                        self._unsupported_evaluation)
+            return
+        survivors = agree()
+        if not same_place(survivors):
+            raise RuntimeError(f"worker {self.engine.worker_id}: a member died inside a collective of an evaluation "
+                               f"pass that some survivors completed and others did not (plan, batch, collectives by "
+                               f"rank: {[survivor.position() for survivor in survivors]}); the pass cannot go on")
+        twice = evaluation.recovered(survivors, self.process_index, self.num_processes)
+        if twice:
+            log.warning("worker %s: a member died between two collectives of evaluation batch %d: its samples %s of "
+                        "that batch are evaluated again by the survivors, and the first %d collective(s) of that "
+                        "batch had gathered them already (they hold them twice)", self.engine.worker_id,
+                        evaluation.batch, twice, evaluation.collectives)
 
     # ------------------------------------------------------------------ trackers
 
@@ -800,6 +932,32 @@ def _refuse_sharded_training(kwargs: dict[str, Any]) -> None:
         raise NotImplementedError(f"ElasticAccelerator supports data-parallel training (DDP) only, not "
                                   f"{', '.join(given)} (FSDP, DeepSpeed, Megatron-LM and tensor parallelism are not "
                                   "elastic yet)")
+
+
+def _all_tensors(data: Any) -> bool:
+    """Whether ``data`` holds tensors only (Accelerate's test in ``gather_for_metrics``)."""
+    try:
+        recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
+    except TypeError:
+        return False
+    return True
+
+
+def _without_padding(gathered: Any, evaluation: EvaluationPass) -> Any:
+    """The rows of a gathered tensor (or list of objects) of the pass's current batch that are samples. A gather of
+    something else than one row per sample is cut as Accelerate cuts it (its first rows) when the samples come first,
+    else left as it is."""
+    kept = evaluation.kept_rows()
+    if kept is None or (isinstance(gathered, torch.Tensor) and gathered.dim() == 0):
+        return gathered
+    rows, samples = kept
+    if samples == list(range(len(samples))):
+        return gathered[: len(samples)]
+    if len(gathered) != rows:
+        return gathered
+    if isinstance(gathered, torch.Tensor):
+        return gathered[torch.tensor(samples, dtype=torch.long, device=gathered.device)]
+    return [gathered[row] for row in samples]
 
 
 def _close_at_exit(reference: weakref.ref[ElasticAccelerator]) -> None:

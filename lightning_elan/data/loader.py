@@ -28,6 +28,14 @@ _CARRIED_ARGS = (
 )
 
 
+def carried_arguments(user_loader: DataLoader) -> dict[str, Any]:
+    """The user's DataLoader arguments a loader that forms its own batches keeps (workers, collation, pinning)."""
+    kwargs = {name: getattr(user_loader, name) for name in _CARRIED_ARGS if hasattr(user_loader, name)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+    return kwargs
+
+
 class ElasticDataLoader:
     """Wraps the user's training DataLoader: same dataset and workers, batches cut from the serial position."""
 
@@ -39,10 +47,7 @@ class ElasticDataLoader:
         order = EpochOrder.from_sampler(user_loader.sampler, len(self.dataset), seed)
         self.sampler = ElasticSampler(order, data, drop_last=user_loader.drop_last)
         self.batch_sampler = ElasticBatchSampler(self.sampler, world)
-        kwargs = {name: getattr(user_loader, name) for name in _CARRIED_ARGS if hasattr(user_loader, name)}
-        if kwargs.get("num_workers", 0) == 0:
-            kwargs.pop("prefetch_factor", None)
-        self._loader = DataLoader(self.dataset, batch_sampler=self.batch_sampler, **kwargs)
+        self._loader = DataLoader(self.dataset, batch_sampler=self.batch_sampler, **carried_arguments(user_loader))
         self._active: _ElasticIterator | None = None
 
     def __iter__(self) -> Iterator[Any]:
