@@ -25,11 +25,12 @@ import torch
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from lightning_elan.elastic.frontend import FrontEnd
     from lightning_elan.protocol.contract import AdjustmentPlan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AggregateRecord", "heir_of", "read_records", "record_key", "write_record"]
+__all__ = ["AggregateHandover", "AggregateRecord", "heir_of", "read_records", "record_key", "write_record"]
 
 
 def record_key(generation: int, worker_id: str) -> str:
@@ -148,3 +149,54 @@ def _read(store: dist.Store, generation: int, worker_id: str) -> AggregateRecord
         log.warning("the epoch aggregates of %s are not a record (%s); this epoch's logged values lack its part",
                     worker_id, error)
         return None
+
+
+class AggregateHandover:
+    """One worker's side of the handover: its record at every boundary where its step stands, and, when it is the
+    heir of an adjustment or a recovery, the departed members' records added to its own aggregates.
+
+    A user's metric state never breaks training: a state the record cannot hold stops the recording (one warning), and
+    an error while the heir adds a departed member's part is a warning.
+    """
+
+    def __init__(self, worker_id: str, frontend: FrontEnd) -> None:
+        self._worker_id = worker_id
+        self._frontend = frontend
+        self._recording = True
+
+    def record(self, store: dist.Store, generation: int, step: int, epoch: int | None) -> None:
+        """Write this member's aggregates so far as its record of ``generation`` (nothing when it has none)."""
+        if not self._recording:
+            return
+        data = self._record(step, epoch)
+        if data is not None:
+            store.set(record_key(generation, self._worker_id), data)
+
+    def take(self, plan: AdjustmentPlan, departed: list[str], store: dist.Store | None, step: int,
+             epoch: int | None) -> None:
+        """As the heir of ``plan``: add the departed members' records of the previous generation to its own."""
+        if not departed or store is None or heir_of(plan) != self._worker_id:
+            return
+        records = read_records(store, plan.previous_generation, departed, step, epoch)
+        if records:
+            self._absorb(records)
+
+    def _record(self, step: int, epoch: int | None) -> bytes | None:
+        try:
+            aggregates = self._frontend.epoch_aggregates()
+            return AggregateRecord(self._worker_id, step, epoch, aggregates).to_bytes() if aggregates else None
+        except Exception as error:  # a user's metric state: whatever it raises, training goes on
+            self._recording = False
+            log.warning("worker %s stops recording its epoch aggregates (%s: %s): if it leaves or dies, this epoch's "
+                        "logged values lack its part", self._worker_id, type(error).__name__, error)
+            return None
+
+    def _absorb(self, records: list[AggregateRecord]) -> None:
+        names = ", ".join(record.worker_id for record in records)
+        try:
+            self._frontend.absorb_epoch_aggregates([record.aggregates for record in records])
+        except Exception as error:  # a user's metric state: the adjustment goes on
+            log.warning("worker %s could not add the epoch aggregates of %s (%s: %s): this epoch's logged values lack "
+                        "their part", self._worker_id, names, type(error).__name__, error)
+            return
+        log.info("worker %s took the epoch aggregates of %s", self._worker_id, names)

@@ -30,7 +30,7 @@ from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition, EpochOrder
 from lightning_elan.elastic.am_link import AMLink
 from lightning_elan.elastic.compute import ComputeMeter
-from lightning_elan.elastic.epoch_aggregates import AggregateRecord, heir_of, read_records, record_key
+from lightning_elan.elastic.epoch_aggregates import AggregateHandover
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, UncertainCommit
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
@@ -209,12 +209,13 @@ class ElasticWorker:
         self._termination: TerminationWatch | None = None
         self._leave_in_vote: bool | None = None  # this batch's commit vote said whether a leave is queued
         self._boundary_started: float | None = None  # when the last batch boundary began (the adjustment's log line)
-        self._recording_aggregates = True  # until a state the record cannot hold (see _aggregate_record)
+        self._aggregates: AggregateHandover | None = None  # the front-end's epoch aggregates, once attached
 
     # ------------------------------------------------------------------ wiring
 
     def attach(self, frontend: FrontEnd) -> None:
         self._frontend = frontend
+        self._aggregates = AggregateHandover(self.worker_id, frontend)
 
     def register_scaling(self, participant: ScalingParticipant) -> None:
         """Hand every resize's global-batch decision to ``participant`` (default: strong scaling, no decision)."""
@@ -643,41 +644,15 @@ class ElasticWorker:
 
     def _record_aggregates(self, step: int) -> None:
         """Every member at a boundary where its step stands: its epoch aggregates so far, in the generation's vote
-        store, for the heir should it leave or die before the next boundary (``elastic/epoch_aggregates.py``)."""
-        if self._vote is None or not self.is_member or not self._recording_aggregates:
-            return
-        data = self._aggregate_record(step)
-        if data is not None:
-            self._vote.store.set(record_key(self.generation or 0, self.worker_id), data)
-
-    def _aggregate_record(self, step: int) -> bytes | None:
-        """This member's record, or None: nothing to record, or a state the record cannot hold (a metric's list of
-        objects that are neither tensors nor JSON values): then recording stops with a warning, and training goes on."""
-        try:
-            aggregates = self.frontend.epoch_aggregates()
-            return AggregateRecord(self.worker_id, step, self.data.epoch, aggregates).to_bytes() if aggregates else None
-        except Exception as error:  # a user's metric state: whatever it raises, training goes on
-            self._recording_aggregates = False
-            log.warning("worker %s stops recording its epoch aggregates (%s: %s): if it leaves or dies, this epoch's "
-                        "logged values lack its part", self.worker_id, type(error).__name__, error)
-            return None
+        store, for the heir should it leave or die before the next boundary."""
+        if self._aggregates is not None and self._vote is not None and self.is_member:
+            self._aggregates.record(self._vote.store, self.generation or 0, step, self.data.epoch)
 
     def _take_aggregates(self, plan: AdjustmentPlan, departed: list[str], store: dist.Store | None,
                          step: int) -> None:
         """The heir of ``plan``: add the departed members' epoch aggregates of the previous generation to its own."""
-        if not departed or store is None or heir_of(plan) != self.worker_id:
-            return
-        records = read_records(store, plan.previous_generation, departed, step, self.data.epoch)
-        if not records:
-            return
-        names = ", ".join(record.worker_id for record in records)
-        try:
-            self.frontend.absorb_epoch_aggregates([record.aggregates for record in records])
-        except Exception as error:  # a user's metric state: the adjustment goes on
-            log.warning("worker %s could not add the epoch aggregates of %s (%s: %s): this epoch's logged values lack "
-                        "their part", self.worker_id, names, type(error).__name__, error)
-            return
-        log.info("worker %s took the epoch aggregates of %s", self.worker_id, names)
+        if self._aggregates is not None:
+            self._aggregates.take(plan, departed, store, step, self.data.epoch)
 
     def _aggregate_store(self) -> dist.Store | None:
         """Where the current generation's members record their epoch aggregates: its vote store."""

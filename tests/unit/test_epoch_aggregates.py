@@ -17,7 +17,13 @@ import torchmetrics
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
 from lightning_elan import compat
-from lightning_elan.elastic.epoch_aggregates import AggregateRecord, heir_of, read_records, write_record
+from lightning_elan.elastic.epoch_aggregates import (
+    AggregateHandover,
+    AggregateRecord,
+    heir_of,
+    read_records,
+    write_record,
+)
 from lightning_elan.elastic.failures import CommitVote
 from lightning_elan.elastic.worker import ElasticWorker
 from lightning_elan.protocol.contract import AdjustmentPlan, WorkerEnvironment
@@ -212,3 +218,32 @@ def test_a_metric_state_of_plain_values_is_recorded_and_one_that_cannot_be_stops
         engine._record_aggregates(5)
     assert read_records(store, 0, ["w0"], 5, engine.data.epoch) == []
     assert caplog.text.count("stops recording its epoch aggregates") == 1
+
+
+class _Heir(_Aggregates):
+    """A front-end that keeps what it is handed, or refuses it as a broken user metric would."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        super().__init__({"total": torch.tensor(1.0)})
+        self.absorbed: list[list[dict[str, Any]]] = []
+        self.refuse = refuse
+
+    def absorb_epoch_aggregates(self, parts: list[dict[str, Any]]) -> None:
+        if self.refuse:
+            raise TypeError("a metric state of another shape")
+        self.absorbed.append(parts)
+
+
+def test_only_the_heir_takes_the_departed_members_records_and_a_refusal_is_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    store = dist.HashStore()
+    AggregateHandover("w2", _Heir()).record(store, 2, 10, 0)  # w2's record in the plan's previous generation
+    plan = _plan(["w0", "w1"], [], ["w0", "w1", "w2"], ["w2"])
+    heir, other = _Heir(), _Heir()
+    AggregateHandover("w1", other).take(plan, ["w2"], store, 10, 0)
+    AggregateHandover("w0", heir).take(plan, ["w2"], store, 10, 0)
+    assert other.absorbed == [] and len(heir.absorbed) == 1
+    assert torch.equal(heir.absorbed[0][0]["metric/custom"]["states"]["total"], torch.tensor(1.0))
+    with caplog.at_level(logging.WARNING):
+        AggregateHandover("w0", _Heir(refuse=True)).take(plan, ["w2"], store, 10, 0)
+    assert "could not add the epoch aggregates of w2" in caplog.text
