@@ -140,6 +140,7 @@ class ElasticAccelerator(Accelerator):
         self._evaluating = False  # a pass over an evaluation loader is in progress
         self._evaluation: EvaluationPass | None = None  # that pass, when the elastic evaluation loader makes it
         self._unsupported_evaluation: str | None = None  # why the loader of that pass cannot be re-cut
+        self._evaluation_loss_warned = False  # the pass lost samples and said so
         with compat.single_process_initialisation():
             super().__init__(*args, **kwargs)
         device = self._elastic_device(environment, bool(kwargs.get("cpu", False)))
@@ -708,6 +709,7 @@ class ElasticAccelerator(Accelerator):
         except Exception as error:
             if not self._recovers_in_evaluation():
                 self._absorb_failure(error)
+                self._warn_evaluation_lost()
                 return own
             self._recover_in_evaluation(error)
             return self._collective(collective, own)  # again, among the survivors
@@ -731,6 +733,7 @@ class ElasticAccelerator(Accelerator):
 
     def evaluation_started(self, evaluation: EvaluationPass | None, unsupported: str | None = None) -> None:
         self._evaluating, self._evaluation, self._unsupported_evaluation = True, evaluation, unsupported
+        self._evaluation_loss_warned = False
 
     def evaluation_ended(self, evaluation: EvaluationPass | None) -> None:
         if self._evaluating and self._evaluation is evaluation:
@@ -745,6 +748,17 @@ class ElasticAccelerator(Accelerator):
         the epochs, no training step open (its batch would be redone), this process a member."""
         return (self._evaluating and self._loop_epoch is not None and not self._step_open
                 and self.engine.is_member and not self._aborted)
+
+    def _warn_evaluation_lost(self) -> None:
+        """A member died during an evaluation pass the survivors cannot go on with now (a training step is open, or
+        the loop over the epochs is not running): its collectives return this process's own values until the pass
+        ends, once said."""
+        if self._evaluating and not self._evaluation_loss_warned:
+            self._evaluation_loss_warned = True
+            log.warning("worker %s: a member died during an evaluation pass made %s: the rest of the pass gathers this "
+                        "process's values only (the dead member's and the other survivors' samples of it are missing)",
+                        self.engine.worker_id, "while a training step is open" if self._step_open
+                        else "outside the loop over the epochs")
 
     def _recover_in_evaluation(self, error: BaseException) -> None:
         """A member died during an evaluation pass: recover now (a training step this batch committed stands), then
