@@ -69,9 +69,14 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ElasticWorker", "NotAMember", "PeerFailure", "engine_of_process", "generation_prefix"]
 
-FAILURE_NOTICE_S = 10.0
+FAILURE_NOTICE_S = 60.0
 """How long a worker whose collective raised waits for the AM to declare a member dead before it treats the error as
-its own (a bug, not a peer's death) and re-raises it."""
+its own (a bug, not a peer's death) and re-raises it. The notice travels from the dead worker's launcher or ``elan
+worker`` through the AM and its store (etcd: a write) to each member's watch: on a host whose cores are oversubscribed
+that took more than 10 s (a storm of jobs on 2 cores, load 16), and a survivor that gave up then failed the job."""
+
+FAILURE_NOTICE_WARNING_S = 10.0
+"""After this long without the AM's notice, the waiting worker says what it waits for."""
 
 LEAVER_NICENESS = 19
 """A worker that left the job runs at this niceness (the lowest priority) until it exits."""
@@ -484,10 +489,16 @@ class ElasticWorker:
             return  # raised because the watch saw a generation fail (one being formed, too)
         if self._watch is None:
             raise error
-        deadline = time.monotonic() + FAILURE_NOTICE_S
+        started, warned = time.monotonic(), False
         while not self.peer_failed:
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - started
+            if waited > FAILURE_NOTICE_S:
                 raise error
+            if waited > FAILURE_NOTICE_WARNING_S and not warned:
+                warned = True
+                log.warning("worker %s: a collective failed (%s: %s) and the AM has not said that a member died; "
+                            "waiting up to %.0f s for it before taking the error as this process's own",
+                            self.worker_id, type(error).__name__, str(error)[:200], FAILURE_NOTICE_S)
             time.sleep(0.02)
 
     def _on_generation_failed(self, generation: int) -> None:

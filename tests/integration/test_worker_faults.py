@@ -3,7 +3,12 @@ the static run (see ``worker_faults.py`` for the harness and what each check mea
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +18,7 @@ from tests.integration.worker_faults import (
     assert_completed_once,
     check_fault_run,
     failure_records,
+    fault_command,
     fault_run,
     unblock_seconds,
 )
@@ -165,3 +171,72 @@ def test_below_min_workers_without_a_joiner_the_job_stops_and_says_why(tmp_path:
     assert run.returncode == 1, run.excerpt()
     assert "1 worker left after f1, fewer than --min-workers 2, and no joiner came within 3 s" in run.output
     assert "waiting up to 3 s for joiners" in run.output  # the log line while it waited
+
+
+AM_PAUSE_S = 20.0
+"""Longer than the 10 s a survivor used to wait for the AM's notice of a death before it failed."""
+
+
+def test_a_death_the_am_hears_of_late_is_still_recovered(tmp_path: Path, static_run: RunResult) -> None:
+    """The AM is paused (SIGSTOP, as an oversubscribed or swapping host pauses it) while w1 SIGKILLs itself in its
+    backward: w0's all-reduce fails at once, but the notice that w1 died comes only when the AM runs again, 20 s later.
+    w0 waits for it and the job ends as the static run (it gave up after 10 s and failed the job)."""
+    command, env = fault_command(tmp_path, "late", 2, ["--kill-at", "w1:12:backward", "--progress",
+                                                       "--step-sleep", "0.1"], coordinate_every=100)
+    with open(tmp_path / "late.log", "w") as output:
+        job = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+    am = None
+    try:
+        progress = tmp_path / "late"
+        _wait_for(lambda: _progress(progress, "w0").get("step", 0) >= 2, "w0 completed step 2")
+        am = next(pid for pid in _children(job.pid) if b"am" in _argv(pid)[3:4])
+        os.kill(am, signal.SIGSTOP)
+        victim = _progress(progress, "w1")["pid"]
+        _wait_for(lambda: not Path(f"/proc/{victim}").exists() or _zombie(victim), "w1 killed itself")
+        time.sleep(AM_PAUSE_S)
+        os.kill(am, signal.SIGCONT)
+        job.wait(300)
+    finally:
+        if am is not None:
+            _signal(am, signal.SIGCONT)
+        job.kill()
+        job.wait()
+    run = RunResult(tmp_path / "late", tmp_path / "late-state", job.returncode, (tmp_path / "late.log").read_text())
+    check_fault_run(run, static_run, dead=["w1"])
+
+
+def _wait_for(condition, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.01)
+
+
+def _progress(out: Path, worker: str) -> dict:
+    try:
+        return json.loads((out / f"progress-{worker}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def _argv(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

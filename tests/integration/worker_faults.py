@@ -36,11 +36,13 @@ FAULT_KILL_DIR = Path(__file__).with_name("fault_kill")
 UNBLOCK_LIMIT_S = 10.0  # the issue's bound on the time from a death to the survivors' recovery plan
 
 
-def fault_run(tmp: Path, name: str, nproc: int, probe_args: list[str], *, schedule: str | None = None,
-              launcher_args: tuple[str, ...] = (), library_kill: str | None = None, timeout: float = 300) -> RunResult:
-    """``elan run`` of the probe (global batch 12 whatever ``nproc``, as the static run) with a fault."""
+def fault_command(tmp: Path, name: str, nproc: int, probe_args: list[str], *, schedule: str | None = None,
+                  launcher_args: tuple[str, ...] = (), library_kill: str | None = None,
+                  coordinate_every: int = 1) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of ``elan run`` of the probe (global batch 12 whatever ``nproc``, as the static
+    run) with a fault."""
     command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
-               "--coordinate-every", "1", "--state-dir", str(tmp / f"{name}-state"), *launcher_args]
+               "--coordinate-every", str(coordinate_every), "--state-dir", str(tmp / f"{name}-state"), *launcher_args]
     if schedule:
         command += ["--schedule", schedule]
     command += ["--", sys.executable, str(PROBE), "--out", str(tmp / name), *PROBE_ARGS, "--global-batch", "12",
@@ -49,6 +51,14 @@ def fault_run(tmp: Path, name: str, nproc: int, probe_args: list[str], *, schedu
     if library_kill:
         env = {**env, "ELAN_TEST_KILL": library_kill,
                "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_KILL_DIR), env.get("PYTHONPATH")]))}
+    return command, env
+
+
+def fault_run(tmp: Path, name: str, nproc: int, probe_args: list[str], *, schedule: str | None = None,
+              launcher_args: tuple[str, ...] = (), library_kill: str | None = None, timeout: float = 300) -> RunResult:
+    """``elan run`` of the probe with a fault (:func:`fault_command`), to its end."""
+    command, env = fault_command(tmp, name, nproc, probe_args, schedule=schedule, launcher_args=launcher_args,
+                                 library_kill=library_kill)
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     output = proc.stdout + proc.stderr
     (tmp / f"{name}.log").write_text(output)
