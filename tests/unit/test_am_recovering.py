@@ -7,7 +7,7 @@ import pytest
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.transitions import adjustments, recovering
 from lightning_elan.protocol.contract import ACTION_FAILURE, RecoverRequest, WaitPlanReply, WorkerExitReply
-from tests.unit.am_steps import exited, started
+from tests.unit.am_steps import exited, ready, started
 
 
 def check_in(state: JobState, worker: str, step: int = 7, now: float | None = None) -> dict:
@@ -41,12 +41,41 @@ def test_when_every_member_dies_the_job_fails() -> None:
 
 def test_a_survivor_that_never_checks_in_is_declared_dead() -> None:
     state = started(3)
+    ready(state, "w0", "w1", "w2")
     exited(state, "w2", 1)
     check_in(state, "w0")
     deadline = state.recovery.deadline
 
     assert recovering.declare_silent_survivors_dead(state, deadline - 1) == []
     assert recovering.declare_silent_survivors_dead(state, deadline) == ["w1"]
+    assert state.recovery is None and state.in_flight.plan.members == ["w0"]
+
+
+def test_a_survivor_still_starting_has_the_start_up_allowance_not_the_recoverys_deadline() -> None:
+    """w2 dies while w1 still imports its framework (it never registered): at the recovery's deadline w1 is not
+    hung but starting; it is declared dead only after ``join_timeout_s``, and checks in before that as it starts."""
+    state = started(3)
+    ready(state, "w0")
+    exited(state, "w2", -9)
+    check_in(state, "w0")
+    recovery = state.recovery
+    starting_until = recovery.detected_at + state.join_timeout_s
+    assert recovery.deadline < starting_until
+
+    assert recovering.declare_silent_survivors_dead(state, recovery.deadline) == []
+    assert recovering.declare_silent_survivors_dead(state, starting_until - 1) == []
+    check_in(state, "w1")
+    assert state.recovery is None and state.in_flight.plan.members == ["w0", "w1"]
+
+
+def test_a_survivor_that_never_starts_is_declared_dead_after_the_start_up_allowance() -> None:
+    state = started(3)
+    ready(state, "w0")
+    exited(state, "w2", -9)
+    check_in(state, "w0")
+    starting_until = state.recovery.detected_at + state.join_timeout_s
+
+    assert recovering.declare_silent_survivors_dead(state, starting_until) == ["w1"]
     assert state.recovery is None and state.in_flight.plan.members == ["w0"]
 
 

@@ -145,6 +145,7 @@ def test_a_joiner_of_the_interrupted_plan_survives_without_state_and_is_served()
 
 def test_a_survivor_that_never_checks_in_is_declared_dead() -> None:
     state = started(3)
+    ready(state, "w0", "w1", "w2")  # started: a silent one is hung (one still starting: test_am_recovering.py)
     exited(state, "w1", -9)
     check_in(state, "w0")
     deadline = state.recovery.deadline

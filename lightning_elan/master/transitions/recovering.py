@@ -106,11 +106,15 @@ def recover(state: JobState, request: RecoverRequest, now: float | None = None) 
 
 
 def declare_silent_survivors_dead(state: JobState, now: float) -> list[str]:
-    """Survivors that did not check in by the deadline are hung: dead to the job (the launcher stops them)."""
+    """Survivors that did not check in by the deadline are hung: dead to the job (the launcher stops them). A member
+    that has not registered yet is still starting (importing its framework, maybe from a slow shared filesystem, on
+    busy cores): it checks in once it has started, and is declared dead only after the job's start-up allowance
+    (``join_timeout_s``, as a joiner that never reports ready)."""
     recovery = state.recovery
     if recovery is None or now < recovery.deadline:
         return []
-    silent = recovery.missing()
+    starting_until = recovery.detected_at + state.join_timeout_s
+    silent = [worker for worker in recovery.missing() if _has_started(state, worker) or now >= starting_until]
     for worker in silent:
         logger.warning("worker %s did not check in after the failure %s: declared dead", worker,
                        recovery.failure_id)
@@ -120,6 +124,12 @@ def declare_silent_survivors_dead(state: JobState, now: float) -> list[str]:
     elif silent:
         form_plan_if_ready(state, now)
     return silent
+
+
+def _has_started(state: JobState, worker_id: str) -> bool:
+    """A member registered (its engine formed its first generation), or a joiner of the interrupted plan."""
+    member = state.member(worker_id)
+    return member is None or member.pid is not None
 
 
 def form_plan_if_ready(state: JobState, now: float) -> None:
