@@ -16,7 +16,7 @@ import pytest
 from tests.integration.elastic_runs import PROBE, PROBE_ARGS, RunResult, assert_exact, elan_env, free_port
 from tests.integration.slurm_cluster import SlurmCluster, require_slurm
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.solo]  # its joiner must join within 120 s: alone under -n
 
 RECIPES = Path(__file__).resolve().parents[2] / "deploy" / "slurm"
 JOB = "slurmjob"

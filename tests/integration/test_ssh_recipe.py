@@ -22,7 +22,7 @@ from tests.integration.elastic_runs import (
     free_port,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.solo]  # its joiner must join within 120 s: alone under -n
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "ssh" / "elan-ssh.sh"
 
