@@ -43,6 +43,7 @@ __all__ = [
     "set_default_backend",
     "settle_bucket_layout",
     "start_sequence_numbers",
+    "undo_fully_shard",
 ]
 
 SUPPORTED_TORCH = ">=2.3,<2.14"
@@ -194,3 +195,67 @@ def forget_scaler_step(scaler: Any) -> None:
     states = getattr(scaler, "_per_optimizer_states", None)
     if states:
         states.clear()
+
+
+# ---- FSDP2 (torch/distributed/fsdp/_fully_shard/, torch/distributed/_composable/contract.py) -------------------------
+
+FULLY_SHARD_UNDONE_ON = ">=2.13,<2.14"
+"""The torch versions whose FSDP2 internals :func:`undo_fully_shard` was read from and tested on."""
+
+
+def undo_fully_shard(model: torch.nn.Module) -> None:
+    """Take FSDP2 off every module of ``model``, so that ``fully_shard`` can be applied again on another mesh; each
+    sharded parameter becomes a meta tensor of its full shape (the caller loads the new local shards with
+    ``load_state_dict(..., assign=True)``, FSDP2's own way to fill a module built on meta).
+
+    What ``fully_shard`` left, and where: the forward pre- and post-hooks of ``FSDPState.init``
+    (``_pre_forward_hook_handle``/``_post_forward_hook_handle``, on the state's first module); each
+    ``FSDPParamGroup``'s state-dict hooks (``_register_state_dict_hooks``:
+    ``_module_to_pre_save_state_dict_hook_handle``, ``_module_to_pre_load_state_dict_hook_handle``); each
+    ``FSDPParam``'s ``_post_load_hook_handle`` (left behind, an old parameter re-pads a new shard to the old layout at
+    ``load_state_dict``); the state ``contract`` keeps in the module's ``__dict__`` (``__composable_api_state_key_*``,
+    ``__composable_api_registry_key_*``) and in ``_composable_state._module_state_mapping``; the ``FSDP<Class>``
+    class ``_apply_to_module`` swapped in (bases ``(FSDPModule, Class)``); and the ``_is_fsdp_managed_module`` and
+    ``_fsdp_use_orig_params`` flags."""
+    if not SpecifierSet(FULLY_SHARD_UNDONE_ON).contains(Version(str(torch.__version__)), prereleases=True):
+        raise NotImplementedError(f"resharding an FSDP2 module needs torch{FULLY_SHARD_UNDONE_ON}")
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    for module in model.modules():
+        state = _get_module_fsdp_state(module)
+        if state is None:
+            continue
+        if state._modules[0] is module:
+            _remove_fsdp_hooks(state)
+        _module_state_mapping.pop(module, None)
+        for key in [key for key in module.__dict__ if key.startswith("__composable_api_")]:
+            del module.__dict__[key]
+        if isinstance(module, FSDPModule):
+            module.__class__ = module.__class__.__bases__[1]
+        for flag in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+            module.__dict__.pop(flag, None)
+    _parameters_to_meta(model)
+
+
+def _remove_fsdp_hooks(state: Any) -> None:
+    state._pre_forward_hook_handle.remove()
+    state._post_forward_hook_handle.remove()
+    for group in state._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            fsdp_param._post_load_hook_handle.remove()
+        for handles in (group._module_to_pre_save_state_dict_hook_handle,
+                        group._module_to_pre_load_state_dict_hook_handle):
+            for handle in handles.values():
+                handle.remove()
+
+
+def _parameters_to_meta(model: torch.nn.Module) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if isinstance(parameter, DTensor):
+                meta = torch.empty(parameter.shape, dtype=parameter.dtype, device="meta")
+                setattr(module, name, torch.nn.Parameter(meta, requires_grad=parameter.requires_grad))

@@ -41,7 +41,8 @@ FRAMEWORK_UNITS = frozenset({"strategy", "accelerate", "callbacks", "compat", "p
 # the pure logic and everything it imports of the package: scaling math, the simulator, the planner, the data position
 # and the sampler's arithmetic, the wire contract, the AM's state machine (JobState and its transitions)
 PURE = (
-    "scaling", "sizing", "sim", "data.positions", "data.sampler", "replication.planner", "replication.sources",
+    "scaling", "sizing", "sim", "data.positions", "data.sampler", "replication.planner", "replication.shard_layout",
+    "replication.sources",
     "replication.topology", "protocol.contract", "protocol.messages", "master.state", "master.sizing",
     "master.sizing_state", "master.measure", "master.enrolment", "master.standby", "master.recovery",
     "master.narration", "master.transitions",
