@@ -1,9 +1,8 @@
 """One rank of ``test_fsdp2_remesh.py``: a float64 MLP trained with FSDP2 (``fully_shard``) on the ranks ``OLD``,
-then sharded again, in place, on the ranks ``NEW`` and trained on: ``torch_compat.undo_fully_shard`` takes FSDP2 off,
-``replication.reshard.move_rows`` gives each rank of ``NEW`` only the rows of its new shard (parameters and Adam's
-moments) from the ranks that held them, point to point over gloo, and ``fully_shard`` is applied again on the new mesh
-with the shards loaded by ``load_state_dict(assign=True)``; a rank that joins builds the module on the meta device
-(no full copy). What ``elan_fsdp`` (issue 24) will stand on; the optimizer's remapping is this script's own.
+then sharded again, in place, on the ranks ``NEW`` and trained on (``replication.fsdp_reshard.reshard_fsdp``): each
+rank of ``NEW`` receives only the rows of its new shard (parameters and Adam's moments) from the ranks that held them,
+point to point over gloo; a rank that joins builds the module and its optimizer on the meta device (no full copy) and
+the optimizer object it made trains on. What ``elan_fsdp`` (issue 24) will stand on.
 
     python fsdp2_remesh_worker.py RANK PORT OLD NEW OUT     (OLD, NEW: comma-separated ranks of a world of 3)
 """
@@ -19,13 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
 
-from lightning_elan.replication.reshard import move_rows
-from lightning_elan.torch_compat import undo_fully_shard
+from lightning_elan.replication.fsdp_reshard import reshard_fsdp
 
 WORLD, GLOBAL_BATCH, STEPS_BEFORE, STEPS_AFTER, LR = 3, 12, 2, 2, 0.01
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def new_model() -> nn.Sequential:
@@ -72,40 +68,26 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
     old_group, new_group = dist.new_group(old), dist.new_group(new)
-    model, shapes = new_model(), {name: p.shape for name, p in new_model().named_parameters()}
-    held: dict[str, dict[str, torch.Tensor]] = {}
     if rank in old:
+        model = new_model()
         shard(model, DeviceMesh.from_group(old_group, "cpu"))
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         train(model, optimizer, old, STEPS_BEFORE)
-        held = {name: {"param": p._local_tensor.detach(), **{k: optimizer.state[p][k]._local_tensor for k in MOMENTS}}
-                for name, p in model.named_parameters()}
-        undo_fully_shard(model)
     else:
         with torch.device("meta"):
-            model = new_model()
-    like = {name: torch.empty(shape, dtype=torch.float64, device="meta") for name, shape in shapes.items()}
-    moved = {name: {kind: move_rows(held.get(name, {}).get(kind), shape[0], old, new, like=like[name])
-                    for kind in ("param", *MOMENTS)} for name, shape in shapes.items()}
-    if rank in new:
-        mesh = DeviceMesh.from_group(new_group, "cpu")
-        shard(model, mesh)
-
-        def sharded(name: str, kind: str) -> DTensor:
-            return DTensor.from_local(moved[name][kind], mesh, [Shard(0)], shape=shapes[name],
-                                      stride=torch.empty(shapes[name], device="meta").stride(), run_check=False)
-
-        model.load_state_dict({name: nn.Parameter(sharded(name, "param")) for name in shapes}, assign=True)
+            model = new_model()  # a joiner: no full copy, only the rows of its shard arrive
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-        for name, p in model.named_parameters():
-            optimizer.state[p] = {"step": torch.tensor(float(STEPS_BEFORE)), **{k: sharded(name, k) for k in MOMENTS}}
+    mesh = DeviceMesh.from_group(new_group, "cpu") if rank in new else None
+    reshard_fsdp(model, [optimizer], shard, old, new, mesh)
+    if rank in new:
         train(model, optimizer, new, STEPS_AFTER)
         full = {name: p.full_tensor() for name, p in model.named_parameters()}
         expected = reference()
-        error = max((full[name] - expected[name]).abs().max().item() for name in shapes)
-        local_rows = {name: list(moved[name]["param"].shape) for name in shapes}
+        error = max((full[name] - expected[name]).abs().max().item() for name in full)
+        local_rows = {name: list(p.to_local().shape) for name, p in model.named_parameters()}
+        steps = sorted({float(state["step"]) for state in optimizer.state.values()})
         with open(out, "w") as f:
-            json.dump({"error": error, "rows": local_rows}, f)
+            json.dump({"error": error, "rows": local_rows, "steps": steps}, f)
     dist.barrier()
     dist.destroy_process_group()
 

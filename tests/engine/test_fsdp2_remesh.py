@@ -37,6 +37,7 @@ def test_an_fsdp2_module_is_sharded_again_on_other_ranks_and_trains_on_exactly(t
     results = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in new_ranks}
     for rank, result in results.items():
         assert result["error"] < TOLERANCE, (rank, result)
+        assert result["steps"] == [4.0], (rank, result)  # Adam's step count came with the state
     first_layer_rows = [results[rank]["rows"]["0.weight"][0] for rank in new_ranks]
     assert sum(first_layer_rows) == 13 and max(first_layer_rows) == -(-13 // len(new_ranks)), first_layer_rows
     assert not any((tmp_path / f"rank{rank}.json").exists() for rank in range(3) if rank not in new_ranks)

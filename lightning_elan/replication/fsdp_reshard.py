@@ -1,0 +1,123 @@
+"""An FSDP2 module and its optimizers sharded again, in place, over the members of a new generation (issue 24).
+
+Every member of the default group takes part: the ``holders`` (the old mesh's ranks, in order) send the rows of their
+shards that now belong elsewhere, the ``receivers`` (the new mesh's ranks, in order) receive the rows of their new
+shards (``reshard.move_rows``: parameters and every optimizer state sharded like them), a joiner — a receiver that
+holds nothing — having built the module on the meta device. FSDP2 is taken off the module (``torch_compat.
+undo_fully_shard``) and applied again by the caller's ``shard_modules(model, mesh)`` (the same units, the same
+options), the new shards are loaded with ``load_state_dict(assign=True)``, and each optimizer keeps its object (a
+scheduler's reference stays good): its groups point at the new parameters, its sharded states are the moved rows, its
+other states (Adam's ``step``) and its groups' hyperparameters are the first holder's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_elan.replication.reshard import move_rows
+from lightning_elan.torch_compat import undo_fully_shard
+
+__all__ = ["ShardModules", "reshard_fsdp"]
+
+ShardModules = Callable[[nn.Module, DeviceMesh], None]
+"""Applies ``fully_shard`` to the module's units and the module itself on the given mesh (the user's wrapping)."""
+
+PARAM = "param"
+
+
+def reshard_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], shard_modules: ShardModules,
+                 holders: Sequence[int], receivers: Sequence[int], mesh: DeviceMesh | None) -> None:
+    """Shard ``model`` and ``optimizers`` from the ``holders``' mesh onto ``mesh`` (None on a member that leaves)."""
+    me = dist.get_rank()
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    like = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in model.named_parameters()}
+    skeleton = _skeleton(optimizers, names, holders[0])
+    held = _held_shards(model, optimizers, names) if me in holders else {}
+    if me in holders:
+        undo_fully_shard(model)
+    moved = {name: {kind: move_rows(held.get(name, {}).get(kind), shape.shape[0], holders, receivers, like=shape)
+                    for kind in _sharded_kinds(skeleton, name)} for name, shape in like.items()}
+    if me not in receivers:
+        return
+    if mesh is None:
+        raise ValueError("a receiver of the reshard needs the new mesh")
+    shard_modules(model, mesh)
+    shards = _NewShards(mesh, moved, like)
+    model.load_state_dict({name: nn.Parameter(shards.of(name, PARAM)) for name in like}, assign=True, strict=False)
+    parameters = dict(model.named_parameters())
+    for index, (optimizer, described) in enumerate(zip(optimizers, skeleton, strict=True)):
+        _rebind(optimizer, described, {old: parameters[name] for old, name in names.items()},
+                lambda name, key, index=index: shards.of(name, f"o{index}/{key}"), parameters)
+
+
+@dataclass
+class _NewShards:
+    """The rows this receiver got, by parameter name and kind, as shards of ``mesh``."""
+
+    mesh: DeviceMesh
+    rows: dict[str, dict[str, torch.Tensor]]
+    like: dict[str, torch.Tensor]
+
+    def of(self, name: str, kind: str) -> DTensor:
+        like = self.like[name]
+        return DTensor.from_local(self.rows[name][kind], self.mesh, [Shard(0)], shape=like.shape,
+                                  stride=like.stride(), run_check=False)
+
+
+def _held_shards(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                 names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:
+    """This holder's local rows: each parameter's, and each optimizer state sharded like it (``o<i>/<key>``)."""
+    held = {name: {PARAM: parameter.to_local().detach()} for name, parameter in model.named_parameters()}
+    for index, optimizer in enumerate(optimizers):
+        for parameter, state in optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, DTensor):
+                    held[names[id(parameter)]][f"o{index}/{key}"] = value.to_local()
+    return held
+
+
+def _skeleton(optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str], source: int) -> list[dict[str, Any]]:
+    """The first holder's description of each optimizer (the same on every member): each group's hyperparameters,
+    and per parameter its sharded state keys and its other state values."""
+    described: list[Any] = [None]
+    if dist.get_rank() == source:
+        described[0] = [_describe(optimizer, names) for optimizer in optimizers]
+    dist.broadcast_object_list(described, src=source)
+    return described[0]
+
+
+def _describe(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    states = {}
+    for parameter, state in optimizer.state.items():
+        sharded = [key for key, value in state.items() if isinstance(value, DTensor)]
+        values = {key: value for key, value in state.items() if not isinstance(value, DTensor)}
+        states[names[id(parameter)]] = {"sharded": sharded, "values": values}
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    return {"groups": groups, "states": states}
+
+
+def _sharded_kinds(skeleton: list[dict[str, Any]], name: str) -> list[str]:
+    kinds = [PARAM]
+    for index, described in enumerate(skeleton):
+        kinds += [f"o{index}/{key}" for key in described["states"].get(name, {}).get("sharded", [])]
+    return kinds
+
+
+def _rebind(optimizer: torch.optim.Optimizer, described: dict[str, Any], replacing: dict[int, nn.Parameter],
+            sharded: Callable[[str, str], DTensor], parameters: dict[str, nn.Parameter]) -> None:
+    """Point ``optimizer`` at the new parameters (``replacing``: by the old one's id), with the moved states and the
+    first holder's hyperparameters and other states."""
+    for group, hyper in zip(optimizer.param_groups, described["groups"], strict=True):
+        group.update(hyper)
+        group["params"] = [replacing[id(parameter)] for parameter in group["params"]]
+    optimizer.state.clear()
+    for name, state in described["states"].items():
+        optimizer.state[parameters[name]] = {**state["values"], **{key: sharded(name, key) for key in state["sharded"]}}
