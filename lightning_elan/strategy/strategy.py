@@ -320,6 +320,7 @@ class ElanStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         return {"checkpoint": compat.dump_training_state(trainer), "logger_versions": compat.logger_versions(trainer),
                 "callback_metrics": compat.callback_metrics(trainer),
+                "checkpoint_saves": compat.checkpoint_saves(trainer),
                 "accumulate_grad_batches": trainer.accumulate_grad_batches, "loader_rng": self._loader_rng.recorded}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -332,6 +333,7 @@ class ElanStrategy(DDPStrategy):
             compat.adopt_loggers(trainer)
         compat.align_checkpoint_dirs(trainer, checkpoint.get("callbacks", {}))
         compat.stage_training_state(trainer, checkpoint)
+        compat.set_checkpoint_saves(trainer, state.get("checkpoint_saves", {}))
         compat.set_callback_metrics(trainer, state["callback_metrics"])
         compat.run_the_joined_epoch_as_the_members(trainer, state["accumulate_grad_batches"])
         self._loader_rng.inherit(state["loader_rng"])
