@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from packaging.version import Version
 from torchmetrics import Metric
@@ -99,14 +100,19 @@ def collective_settings(strategy: Any) -> tuple[str, Any]:
 
 
 def disable_distributed_sampler(trainer: pl.Trainer) -> bool:
-    """Stop Lightning from injecting a ``DistributedSampler``; return the user's setting.
+    """Stop Lightning from injecting a ``DistributedSampler`` into the loaders of ``fit``, ``validate`` and ``test``
+    (the strategy shards them itself, over the members of the moment); return the user's setting.
 
-    ``_DataConnector._requires_distributed_sampler`` reads ``_accelerator_connector.use_distributed_sampler``.
+    ``_DataConnector._requires_distributed_sampler`` reads ``_accelerator_connector.use_distributed_sampler``. For
+    ``trainer.predict`` (``trainer.state.fn`` is set before the strategy's ``setup_environment``) the user's setting
+    stands: Lightning's own injection wraps the sampler in an ``UnrepeatedDistributedSamplerWrapper``
+    (``_get_distributed_sampler``), so each sample is predicted once over the processes, as under DDP (the world does
+    not change during a prediction).
     """
     connector = trainer._accelerator_connector
     user_setting = bool(getattr(connector, "_elan_user_distributed_sampler", connector.use_distributed_sampler))
     connector._elan_user_distributed_sampler = user_setting
-    connector.use_distributed_sampler = False
+    connector.use_distributed_sampler = user_setting and trainer.state.fn == TrainerFn.PREDICTING
     return user_setting
 
 
@@ -843,32 +849,6 @@ def align_checkpoint_dirs(trainer: pl.Trainer, callback_states: dict[str, Any]) 
         state = callback_states.get(callback.state_key) if isinstance(callback, ModelCheckpoint) else None
         if state and state.get("dirpath"):
             callback.dirpath = state["dirpath"]
-
-
-_CHECKPOINT_SAVE_RECORD = ("_last_global_step_saved", "_last_checkpoint_saved", "_defer_save_until_validation")
-"""What ``ModelCheckpoint`` keeps of its own saves outside its ``state_dict`` (a restored one starts from 0): the step
-it last saved at (``_save_checkpoint`` sets it; ``on_train_batch_end``, ``on_train_epoch_end`` and
-``on_validation_end`` skip a save at that step through ``_should_skip_saving_checkpoint``), that file (``save_last=
-"link"`` links to it) and whether a save waits for validation's metrics. ``_last_time_checked`` is not: it is this
-process's ``time.monotonic()``, and ``train_time_interval``'s decision is rank 0's, broadcast."""
-
-
-def checkpoint_saves(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
-    """Each ``ModelCheckpoint``'s record of its saves (:data:`_CHECKPOINT_SAVE_RECORD`), by ``state_key``."""
-    return {callback.state_key: {name: getattr(callback, name) for name in _CHECKPOINT_SAVE_RECORD
-                                 if hasattr(callback, name)}
-            for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)}
-
-
-def set_checkpoint_saves(trainer: pl.Trainer, saves: dict[str, dict[str, Any]]) -> None:
-    """A joiner's ``ModelCheckpoint``s take the members' record of their saves: with accumulated gradients the global
-    step stays at the last save's for a window's micro-batches, and a joiner that did not know it saved there would
-    save again alone, its save's barrier waiting while the members all-reduce."""
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            for name, value in saves.get(callback.state_key, {}).items():
-                if hasattr(callback, name):
-                    setattr(callback, name, value)
 
 
 def move_progress_bar(trainer: pl.Trainer, loop_started: bool = True) -> None:

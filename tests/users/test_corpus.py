@@ -335,8 +335,8 @@ def check_compiled_regressor(run: Run, static: Run | None) -> None:
 
 def check_evaluate_after_fit(run: Run, static: Run | None) -> None:
     results = json.loads((run.out / "after_fit.json").read_text())
-    predictions = {i: value for i, value in predicted(run)}
-    assert sorted(predictions) == list(range(36)), "every test sample predicted"
+    indices = sorted(i for i, _ in predicted(run))
+    assert indices == list(range(36)), f"every sample predicted once over the processes (as DDP shards it): {indices}"
     if static is None:
         return
     reference = json.loads((static.out / "after_fit.json").read_text())
