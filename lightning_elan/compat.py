@@ -851,6 +851,32 @@ def align_checkpoint_dirs(trainer: pl.Trainer, callback_states: dict[str, Any]) 
             callback.dirpath = state["dirpath"]
 
 
+_CHECKPOINT_SAVE_RECORD = ("_last_global_step_saved", "_last_checkpoint_saved", "_defer_save_until_validation")
+"""What ``ModelCheckpoint`` keeps of its own saves outside its ``state_dict`` (a restored one starts from 0): the step
+it last saved at (``_save_checkpoint`` sets it; ``on_train_batch_end``, ``on_train_epoch_end`` and
+``on_validation_end`` skip a save at that step through ``_should_skip_saving_checkpoint``), that file (``save_last=
+"link"`` links to it) and whether a save waits for validation's metrics. ``_last_time_checked`` is not: it is this
+process's ``time.monotonic()``, and ``train_time_interval``'s decision is rank 0's, broadcast."""
+
+
+def checkpoint_saves(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
+    """Each ``ModelCheckpoint``'s record of its saves (:data:`_CHECKPOINT_SAVE_RECORD`), by ``state_key``."""
+    return {callback.state_key: {name: getattr(callback, name) for name in _CHECKPOINT_SAVE_RECORD
+                                 if hasattr(callback, name)}
+            for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)}
+
+
+def set_checkpoint_saves(trainer: pl.Trainer, saves: dict[str, dict[str, Any]]) -> None:
+    """A joiner's ``ModelCheckpoint``s take the members' record of their saves: with accumulated gradients the global
+    step stays at the last save's for a window's micro-batches, and a joiner that did not know it saved there would
+    save again alone, its save's barrier waiting while the members all-reduce."""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            for name, value in saves.get(callback.state_key, {}).items():
+                if hasattr(callback, name):
+                    setattr(callback, name, value)
+
+
 def move_progress_bar(trainer: pl.Trainer, loop_started: bool = True) -> None:
     """Show the progress bar on the (possibly new) global rank 0 only; ``ProgressBar.setup`` disabled it elsewhere.
     Before the training loop only the switch moves: ``TQDMProgressBar.on_train_start`` builds the bar."""
