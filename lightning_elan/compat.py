@@ -639,8 +639,17 @@ def _add_metric_states(key: str, metric: Metric, incoming: dict[str, Any]) -> No
 
 
 def _counted(metric: Metric, incoming: dict[str, Any]) -> None:
+    """The heir's count grows by the departed member's updates; a value it already computed is kept.
+
+    ``Metric.compute`` (and ``_ResultMetric.compute``, the ``self.log`` value) caches its synced result in
+    ``_computed`` until ``reset``, and Lightning's ``_ResultCollection._get_cache`` calls ``compute`` (a collective)
+    only where that cache is empty. A value computed before the death was reduced over every member of the old
+    generation, the departed one included: its part is in it already. Emptying the heir's cache alone made the heir
+    alone reduce again when a hook cut by the death ran again (``ModelCheckpoint.on_train_epoch_end`` reads
+    ``callback_metrics``), while the other survivors, their caches kept, went on to the save's barrier: each waited
+    in a different collective forever. With the cache kept, every survivor makes the same collectives, and a value
+    not computed yet is reduced once, over the survivors, the departed part in the heir's states."""
     metric._update_count += incoming["update_count"]
-    metric._computed = None
 
 
 def _progress_state(epoch_loop: Any, data_fetcher: Any) -> dict[str, Any]:
