@@ -2,7 +2,10 @@
 a float64 regression model, a CSV logger, ``ModelCheckpoint(every_n_train_steps=...)`` keeping every checkpoint. It
 knows nothing of lightning_elan's internals; only ``strategy="elan"``.
 
-python checkpoint_every_steps.py OUT [--accumulate N] [--every N] [--epochs N]
+python checkpoint_every_steps.py OUT [--accumulate N] [--every N] [--epochs N] [--accumulate-from-epoch E]
+
+``--accumulate-from-epoch E``: accumulate ``--accumulate`` batches from epoch E on (``GradientAccumulationScheduler``),
+one before it.
 
 At the end rank 0 writes ``OUT/final.pt`` (the parameters) and ``OUT/final.json`` (the step counters).
 """
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -50,15 +53,19 @@ if __name__ == "__main__":
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--accumulate-from-epoch", type=int, default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(1)
     model = Regressor()
+    callbacks = [ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=args.every, save_top_k=-1,
+                                 filename="{epoch}-{step}")]
+    if args.accumulate_from_epoch is not None:
+        callbacks.append(GradientAccumulationScheduler({args.accumulate_from_epoch: args.accumulate}))
     trainer = pl.Trainer(
         strategy="elan", accelerator="cpu", max_epochs=args.epochs, log_every_n_steps=1,
-        accumulate_grad_batches=args.accumulate, logger=CSVLogger(args.out, name="logs", version=""),
-        callbacks=[ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=args.every, save_top_k=-1,
-                                   filename="{epoch}-{step}")],
+        accumulate_grad_batches=1 if args.accumulate_from_epoch is not None else args.accumulate,
+        logger=CSVLogger(args.out, name="logs", version=""), callbacks=callbacks,
         limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(dataset(96, 0), batch_size=6, shuffle=True))
