@@ -107,9 +107,13 @@ class KillJob:
         just before the last scheduled steps can let training end first. The requests applied must then be a prefix
         of the schedule (FIFO), the others cancelled at shutdown; every other invariant is checked in full."""
         assert self.run is not None and self.error is None, f"{self.error}\n{self.run.excerpt() if self.run else ''}"
-        applied = len(self.run.adjustments())
+        adjustments = self.run.adjustments()
+        applied = len(adjustments)
         items = self.schedule.split(",")
-        assert 0 < applied <= len(items), f"{applied} adjustments for {len(items)} requests"
+        assert 0 < applied <= len(items), (
+            f"{applied} adjustments for {len(items)} requests: "
+            f"{[(a.get('request_id'), a.get('action'), a.get('step'), a.get('members')) for a in adjustments]}\n"
+            + "\n".join(line for line in self.run.output.splitlines() if line.startswith("elan:")))
         if applied == len(items):
             check_elastic_run(self.run, static, self.schedule, self.sizes)
         else:
