@@ -77,7 +77,8 @@ def test_a_joiner_in_an_epoch_the_accumulation_scheduler_changed_saves_with_the_
         tmp_path: Path, static_scheduled_run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same with the accumulation set by ``GradientAccumulationScheduler`` in ``on_train_epoch_start`` (which a
     joiner's mid-epoch start skips): the worker joins at step 9, the first window of epoch 1, right after the members
-    saved it; it accumulates 2 batches as they do and saves with them at step 12."""
+    saved it; it accumulates 2 batches as they do and saves with them at step 12. (On the code before 6b60610 this
+    run hung: killed by the harness after 120 s.)"""
     run = run_bounded(tmp_path, scheduled_job("ckptschedjoin", schedule="9:add=1"), monkeypatch)
 
     assert_ok(run)
