@@ -16,6 +16,13 @@ all-reduce raised, or its bucket's hook found the generation failed and never la
 holds that iteration, and the next forward would fail DDP's check that the previous reduction finished.
 :meth:`ElasticDistributedDataParallel.discard_iteration` puts the wrapper back where a fresh DDP starts.
 
+DDP builds its reducer once, over the parameters that require a gradient then: a parameter unfrozen later (Lightning's
+``BackboneFinetuning`` at its epoch) trains on each process's own gradient, and the ranks drift apart (Lightning issue
+20340). This wrapper follows the user: before a forward where the set of trainable parameters changed, it builds its
+reducer again over the parameters that require a gradient now. The reducer runs no collective, so each process does it
+on its own; the processes of a job agree because they froze and unfroze the same parameters at the same step (a joiner
+takes its source's ``requires_grad`` with the state).
+
 What a one-process reducer cannot do: ``find_unused_parameters`` detects parameters unused *on this process* only
 (their gradients are then zeros in the all-reduce, which is the same sum), and a user's own communication hook would
 replace the one that reaches the job, so :func:`ElasticDistributedDataParallel.register_comm_hook` refuses a second.
@@ -38,7 +45,7 @@ from lightning_elan import torch_compat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticDistributedDataParallel", "GroupSource"]
+__all__ = ["ElasticDistributedDataParallel", "GroupSource", "trainable_mask"]
 
 GroupSource = Callable[[], "dist.ProcessGroup | None"]
 """Returns the group gradients are all-reduced on now (None: this process trains alone)."""
@@ -74,10 +81,32 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
             super().__init__(module, process_group=_private_group(), broadcast_buffers=False, **kwargs)
         self._current_group = current_group
         self._buffers_generation: object = None  # the generation the buffers were last broadcast in
+        self._trainable = trainable_mask(module)
         self._fix_bucket_layout()
         super().register_comm_hook(self, _allreduce_on_current_group)
+        self.register_forward_pre_hook(_follow_trainable_parameters)
         if self._broadcast_live_buffers and any(True for _ in module.buffers()):
             self.register_forward_pre_hook(_broadcast_buffers_from_rank0)
+
+    def follow_trainable_parameters(self) -> bool:
+        """Build the reducer again if the parameters that require a gradient are not those it was built over
+        (returns whether it did). Gradients already held (an accumulation window) stay: with
+        ``gradient_as_bucket_view`` the new buckets take them in (``Reducer::initialize_bucket_views``)."""
+        trainable = trainable_mask(self.module)
+        if trainable == self._trainable:
+            return False
+        if self.static_graph:
+            log.warning("elastic DDP: parameters were frozen or unfrozen under static_graph=True; their gradients "
+                        "are not all-reduced as they are now (the reducer of a static graph is not built again)")
+            self._trainable = trainable
+            return False
+        torch_compat.rebuild_reducer(self)
+        self._trainable = trainable
+        self._fix_bucket_layout()
+        torch_compat.register_reducer_comm_hook(self.reducer, self, _allreduce_on_current_group)
+        log.info("elastic DDP: %d of %d parameter tensors require a gradient now; gradients are all-reduced for "
+                 "those", sum(trainable), len(trainable))
+        return True
 
     def _fix_bucket_layout(self) -> None:
         """Buckets in parameter registration order, from now on: every process of the job flattens gradients
@@ -136,6 +165,15 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         raise RuntimeError("an elastic DDP all-reduces on the current generation with its own communication hook; "
                            "another hook would bypass it")
+
+
+def trainable_mask(module: torch.nn.Module) -> tuple[bool, ...]:
+    """Which of ``module``'s parameters (in registration order) require a gradient."""
+    return tuple(parameter.requires_grad for parameter in module.parameters())
+
+
+def _follow_trainable_parameters(model: ElasticDistributedDataParallel, inputs: Any) -> None:
+    model.follow_trainable_parameters()
 
 
 def _has_hooks(parameter: torch.Tensor) -> bool:
