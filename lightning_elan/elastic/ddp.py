@@ -45,7 +45,7 @@ from lightning_elan import torch_compat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticDistributedDataParallel", "GroupSource", "trainable_mask"]
+__all__ = ["ElasticDistributedDataParallel", "GroupSource", "freeze_as", "frozen_parameters", "trainable_mask"]
 
 GroupSource = Callable[[], "dist.ProcessGroup | None"]
 """Returns the group gradients are all-reduced on now (None: this process trains alone)."""
@@ -170,6 +170,18 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
 def trainable_mask(module: torch.nn.Module) -> tuple[bool, ...]:
     """Which of ``module``'s parameters (in registration order) require a gradient."""
     return tuple(parameter.requires_grad for parameter in module.parameters())
+
+
+def frozen_parameters(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s parameters that require no gradient (a joiner takes them with the state)."""
+    return [name for name, parameter in module.named_parameters() if not parameter.requires_grad]
+
+
+def freeze_as(module: torch.nn.Module, frozen: list[str]) -> None:
+    """Freeze the parameters named in ``frozen`` and unfreeze the others, as on the process the list came from."""
+    names = set(frozen)
+    for name, parameter in module.named_parameters():
+        parameter.requires_grad_(name not in names)
 
 
 def _follow_trainable_parameters(model: ElasticDistributedDataParallel, inputs: Any) -> None:

@@ -33,7 +33,7 @@ from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic.applied_steps import AppliedSteps
-from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
+from lightning_elan.elastic.ddp import ElasticDistributedDataParallel, freeze_as, frozen_parameters
 from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.gather import even_rows
 from lightning_elan.elastic.pre_loop import PreLoopCollectives
@@ -321,13 +321,15 @@ class ElanStrategy(DDPStrategy):
         return {"checkpoint": compat.dump_training_state(trainer), "logger_versions": compat.logger_versions(trainer),
                 "callback_metrics": compat.callback_metrics(trainer),
                 "checkpoint_saves": compat.checkpoint_saves(trainer),
-                "accumulate_grad_batches": trainer.accumulate_grad_batches, "loader_rng": self._loader_rng.recorded}
+                "accumulate_grad_batches": trainer.accumulate_grad_batches, "loader_rng": self._loader_rng.recorded,
+                "frozen": frozen_parameters(self.lightning_module)}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         self._pre_loop.joined()
         trainer, checkpoint = self.lightning_module.trainer, state["checkpoint"]
         compat.call_on_load_checkpoint(trainer, checkpoint)
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=self.lightning_module.strict_loading)
+        freeze_as(self.lightning_module, state["frozen"])  # what a callback unfroze since (BackboneFinetuning)
         compat.set_logger_versions(trainer, state["logger_versions"])
         if self.global_rank == 0:  # every old member left (a whole migration): this joiner writes the logs on
             compat.adopt_loggers(trainer)

@@ -111,6 +111,7 @@ CORPUS: dict[str, Script] = {
                               (*range(16), *range(FIT_OFFSET, FIT_OFFSET + 16))),
     "gather_outputs": Script(("{scripts}/gather_outputs.py", "{out}"), True, epochs(2, 96), tuple(range(24))),
     "boring_demo": Script(("{scripts}/boring_demo.py", "{out}"), True, epochs(2, 64), tuple(range(64))),
+    "finetune_backbone": Script(("{scripts}/finetune_backbone.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
     "transformer_cli": Script(("{scripts}/transformer_cli.py", "fit", "--seed_everything=7",
                                "--trainer.strategy=elan", "--trainer.accelerator=cpu",
                                "--trainer.precision=bf16-mixed", "--trainer.max_epochs=2",
@@ -481,6 +482,22 @@ def check_boring_demo(run: Run, static: Run | None) -> None:
         assert_logged_alike(rows, static_rows, "val_loss", exact=True)
 
 
+def check_finetune_backbone(run: Run, static: Run | None) -> None:
+    """The backbone joins the optimizer at epoch 1 as a second group (its learning rate raised 1.5× each epoch
+    after): both groups' learning rates logged at every step from then on, the static run's; the parameters (checked
+    with the others) show the backbone trained on the all-reduced gradient: the migration's joiner (step 9) took
+    the members' unfrozen backbone, and every rank stayed equal."""
+    groups = json.loads((run.out / "groups.json").read_text())
+    assert [group["size"] for group in groups] == [2, 4], groups
+    _, rows = read_csv(run.out / "logs" / "version_0" / "metrics.csv")
+    assert len(logged(rows, "lr-Adam/pg2")) == 16, "the backbone's group from epoch 1 on: 16 steps"
+    if static is not None:
+        assert groups == json.loads((static.out / "groups.json").read_text())
+        _, static_rows = read_csv(static.out / "logs" / "version_0" / "metrics.csv")
+        for column in ("train_loss", "lr-Adam/pg1", "lr-Adam/pg2"):
+            assert_logged_alike(rows, static_rows, column, exact=True)
+
+
 OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "datamodule_callbacks": check_datamodule_callbacks,
     "cli_classifier": check_cli_classifier,
@@ -498,6 +515,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "transformer_cli": check_transformer_cli,
     "boring_demo": check_boring_demo,
     "gather_outputs": check_gather_outputs,
+    "finetune_backbone": check_finetune_backbone,
 }
 
 
