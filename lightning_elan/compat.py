@@ -286,7 +286,8 @@ def redo_interrupted_batches(
         return
     run_batch = type(epoch_loop).advance
     window: dict[str, Any] = {}
-    logs = _WindowLogs(trainer)
+    logs = _WindowLogs(trainer, lambda: epoch_loop.batch_progress.total.ready)
+    epoch_loop._elan_window_logs = logs
 
     def advance(data_fetcher: Any) -> None:
         if not window or epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
@@ -440,6 +441,10 @@ def _rewind_window(trainer: pl.Trainer, data_fetcher: Any, saved: dict[str, Any]
     _restore_metric_states(trainer.fit_loop.epoch_loop._results, saved["metrics"])
 
 
+_Row = tuple[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+"""A row held for the loggers: the logger, its own ``log_metrics``, the call's arguments."""
+
+
 class _WindowLogs:
     """Holds what the training batches of an open step send to the loggers (``Logger.log_metrics``:
     ``LearningRateMonitor`` logs in ``on_train_batch_start``, the logger connector the step's metrics at the end of
@@ -450,11 +455,18 @@ class _WindowLogs:
     ``_LoggerConnector.log_metrics`` calls each logger's ``save`` right after its ``log_metrics`` (``CSVLogger``
     writes its buffered rows to ``metrics.csv`` there): that save came while the rows were held, so the loggers that
     get held rows save once they have them. Else those rows would stay in rank 0's memory until its next log, and
-    rank 0's death before that (the next window's first micro-batch logs nothing) would lose them."""
+    rank 0's death before that (the next window's first micro-batch logs nothing) would lose them.
 
-    def __init__(self, trainer: pl.Trainer) -> None:
+    Every process keeps the rows of its last closed window (numbered by ``window()``, the same on every member) and
+    tells ``closed`` once it sent and saved them; only rank 0's loggers write (``rank_zero_only``), so a new rank 0
+    whose predecessor died before it wrote them :meth:`resend` s them (``elastic/logged_rows.py``)."""
+
+    def __init__(self, trainer: pl.Trainer, window: Callable[[], int] | None = None) -> None:
         self.holding = False
-        self._held: list[tuple[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+        self.closed: Callable[[int], None] | None = None
+        self._window = window
+        self._held: list[_Row] = []
+        self._last: tuple[int, list[_Row]] | None = None  # the last closed window with rows
         for logger in trainer.loggers:
             self._hold(logger)
 
@@ -476,10 +488,34 @@ class _WindowLogs:
             self._held.clear()
         elif closed:
             held, self._held = self._held, []
-            for _, send, args, kwargs in held:
-                send(*args, **kwargs)
-            for logger in {id(logger): logger for logger, *_ in held}.values():
-                logger.save()
+            self._send(held)
+            if held and self._window is not None:
+                self._last = (self._window(), held)
+                if self.closed is not None:
+                    self.closed(self._last[0])
+
+    def resend(self, window: int) -> bool:
+        """Send (and save) the rows of closed ``window`` again; False when they are not the last this process kept."""
+        if self._last is None or self._last[0] != window:
+            log.debug("no logger rows of window %d kept here", window)
+            return False
+        self._send(self._last[1])
+        return True
+
+    @staticmethod
+    def _send(held: list[_Row]) -> None:
+        for _, send, args, kwargs in held:
+            send(*args, **kwargs)
+        for logger in {id(logger): logger for logger, *_ in held}.values():
+            logger.save()
+
+
+def keep_logged_rows(trainer: pl.Trainer, closed: Callable[[int], None]) -> Callable[[int], bool]:
+    """Call ``closed(window)`` after every closed training step whose rows went to the loggers (see
+    :func:`redo_interrupted_batches`); returns what sends a closed window's rows again."""
+    logs: _WindowLogs = trainer.fit_loop.epoch_loop._elan_window_logs
+    logs.closed = closed
+    return logs.resend
 
 
 def _metric_states(trainer: pl.Trainer, results: Any) -> dict[str, Any]:

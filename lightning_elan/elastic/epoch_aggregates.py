@@ -120,11 +120,18 @@ def read_records(store: dist.Store, generation: int, departed: list[str], step: 
     """The departed members' records of ``generation`` that belong to the heir's ``epoch`` at ``step``.
 
     A record of an earlier step (a member that died after its last step stood, before its next boundary) is taken
-    with a warning: the epoch's value then lacks that member's part of the steps after it. A record of another epoch,
-    a later step, or none (a member that trained no step of this generation) is left out."""
+    with a warning: the epoch's value then lacks that member's part of the steps after it. A record of the previous
+    epoch's last step (it died so in the epoch's first batch) holds nothing of this epoch: it is left out with that
+    warning. A record of another epoch, a later step, or none (a member that trained no step of this generation) is
+    left out."""
     records = []
     for worker_id in departed:
         record = _read(store, generation, worker_id)
+        if record is not None and _before_epoch(record, epoch) and record.step < step:
+            log.warning("the epoch aggregates of %s are from step %d of epoch %d, not step %d of epoch %d: this "
+                        "epoch's logged values lack its part of the steps between", worker_id, record.step,
+                        record.epoch, step, epoch)
+            continue
         if record is None or record.epoch != epoch or record.step > step:
             log.debug("no epoch aggregates of %s for epoch %s, step %d", worker_id, epoch, step)
             continue
@@ -133,6 +140,11 @@ def read_records(store: dist.Store, generation: int, departed: list[str], step: 
                         "part of the steps between", worker_id, record.step, step)
         records.append(record)
     return records
+
+
+def _before_epoch(record: AggregateRecord, epoch: int | None) -> bool:
+    """Whether ``record`` is of an epoch before ``epoch``."""
+    return record.epoch is not None and epoch is not None and record.epoch < epoch
 
 
 def _read(store: dist.Store, generation: int, worker_id: str) -> AggregateRecord | None:

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -34,6 +35,7 @@ from lightning_elan.elastic.epoch_aggregates import AggregateHandover
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, UncertainCommit
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
+from lightning_elan.elastic.logged_rows import LoggedRows
 from lightning_elan.elastic.process_group import (
     ElasticProcessGroup,
     blocked_seconds,
@@ -215,12 +217,23 @@ class ElasticWorker:
         self._leave_in_vote: bool | None = None  # this batch's commit vote said whether a leave is queued
         self._boundary_started: float | None = None  # when the last batch boundary began (the adjustment's log line)
         self._aggregates: AggregateHandover | None = None  # the front-end's epoch aggregates, once attached
+        self._rows = LoggedRows()  # the logger rows of the last step that stood (elastic/logged_rows.py)
 
     # ------------------------------------------------------------------ wiring
 
     def attach(self, frontend: FrontEnd) -> None:
         self._frontend = frontend
         self._aggregates = AggregateHandover(self.worker_id, frontend)
+
+    def follow_logged_rows(self, resend: Callable[[int], bool]) -> None:
+        """``resend(window)`` writes a closed window's logger rows again: a new rank 0 calls it when its dead
+        predecessor had not written them (see :meth:`rows_closed`)."""
+        self._rows.follow(resend)
+
+    def rows_closed(self, window: int) -> None:
+        """The front-end sent (and saved) the logger rows of closed ``window``; rank 0's loggers wrote them."""
+        if self._vote is not None and self.is_member:
+            self._rows.closed(self._vote.store, self.generation or 0, self.rank, window)
 
     def register_scaling(self, participant: ScalingParticipant) -> None:
         """Hand every resize's global-batch decision to ``participant`` (default: strong scaling, no decision)."""
@@ -432,6 +445,7 @@ class ElasticWorker:
         if launch and not plan.joiners:  # no state was replicated into it: it starts as the launch generation did
             self._launch_generation = plan.generation
         self.frontend.after_resize()
+        self._rows.resend_if_due(self._aggregate_store(), plan.generation, self.rank)
         log.info("worker %s recovered into generation %d (%s) in %.2f s", self.worker_id, plan.generation,
                  ", ".join(plan.members), time.perf_counter() - started)
         self._pending_report = AdjustmentReport(self.worker_id, plan.generation, "stayer", bytes_sent=sent)
@@ -444,6 +458,7 @@ class ElasticWorker:
         self._recovery_plan = None
         dead = [worker for worker in plan.previous_members if worker not in plan.members]
         self._take_aggregates(plan, dead, self._aggregate_store(), committed_step)  # before the failed vote goes
+        self._rows.check(self._aggregate_store(), failed)
         while True:
             self.frontend.before_resize()
             try:

@@ -669,6 +669,8 @@ class _ElanCoordinator(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compat.call_after_each_trained_batch(trainer, self._batch_over)
         compat.redo_interrupted_batches(trainer, self._strategy.recover_from)
+        engine = self._strategy.engine
+        engine.follow_logged_rows(compat.keep_logged_rows(trainer, engine.rows_closed))
         compat.redo_end_hooks_cut_by_a_death(trainer, self._strategy.recover_from)
         compat.redo_validation_cut_by_a_death(trainer, self._strategy.recover_from)
 

@@ -162,6 +162,21 @@ def test_records_of_another_epoch_a_later_step_or_none_are_left_out(caplog: pyte
     assert "from step 9, not 10" in caplog.text
 
 
+def test_a_record_of_the_previous_epochs_last_step_is_left_out_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A member that died in the first batch of epoch 1 after its step stood recorded last at epoch 0's end: its part
+    of epoch 1 is lost, and the heir says so (it did not before); one that died before its step stood lost nothing."""
+    store = dist.HashStore()
+    aggregates = {"logged/x": {"states": {"value": torch.tensor(1.0)}, "update_count": 1}}
+    write_record(store, 2, AggregateRecord("died_after_the_step", 9, 0, aggregates))
+    with caplog.at_level(logging.WARNING):
+        assert read_records(store, 2, ["died_after_the_step"], 10, 1) == []
+        assert "from step 9 of epoch 0, not step 10 of epoch 1" in caplog.text
+        caplog.clear()
+        assert read_records(store, 2, ["died_after_the_step"], 9, 1) == []
+    assert caplog.text == ""
+
+
 def test_a_record_is_read_back_as_the_same_tensors() -> None:
     states = {"preds": [torch.ones(2), torch.zeros(1)], "half": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
               "strided": torch.arange(6.0, dtype=torch.float64).reshape(2, 3).t(), "count": torch.tensor(3),
