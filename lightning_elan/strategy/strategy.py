@@ -37,6 +37,7 @@ from lightning_elan.elastic.ddp import ElasticDistributedDataParallel, freeze_as
 from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.gather import even_rows
 from lightning_elan.elastic.pre_loop import PreLoopCollectives
+from lightning_elan.elastic.pruning import prune_as, pruned_tensors, without_pruned
 from lightning_elan.elastic.rng import LoaderRNG
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember, engine_of_process
 from lightning_elan.protocol.contract import DEFAULT_JOIN_TIMEOUT_S, WorkerEnvironment
@@ -322,13 +323,15 @@ class ElanStrategy(DDPStrategy):
                 "callback_metrics": compat.callback_metrics(trainer),
                 "checkpoint_saves": compat.checkpoint_saves(trainer),
                 "accumulate_grad_batches": trainer.accumulate_grad_batches, "loader_rng": self._loader_rng.recorded,
-                "frozen": frozen_parameters(self.lightning_module)}
+                "frozen": frozen_parameters(self.lightning_module), "pruned": pruned_tensors(self.lightning_module)}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         self._pre_loop.joined()
         trainer, checkpoint = self.lightning_module.trainer, state["checkpoint"]
         compat.call_on_load_checkpoint(trainer, checkpoint)
-        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=self.lightning_module.strict_loading)
+        module_state = without_pruned(checkpoint["state_dict"], state["pruned"]) if state["pruned"] else \
+            checkpoint["state_dict"]
+        self.lightning_module.load_state_dict(module_state, strict=self.lightning_module.strict_loading)
         freeze_as(self.lightning_module, state["frozen"])  # what a callback unfroze since (BackboneFinetuning)
         compat.set_logger_versions(trainer, state["logger_versions"])
         if self.global_rank == 0:  # every old member left (a whole migration): this joiner writes the logs on
@@ -341,9 +344,12 @@ class ElanStrategy(DDPStrategy):
         self._loader_rng.inherit(state["loader_rng"])
 
     def receive_destinations(self, state: dict[str, Any]) -> dict[int, Tensor]:
-        """The module's own parameters and buffers (``keep_vars``: the tensors themselves) take the source's."""
+        """The module's own parameters and buffers (``keep_vars``: the tensors themselves) take the source's, pruned
+        as the source's are."""
+        prune_as(self.lightning_module, state["pruned"])
         own = self.lightning_module.state_dict(keep_vars=True)
-        return destinations_by_name(state["checkpoint"].get("state_dict"), own)
+        return {**destinations_by_name(state["checkpoint"].get("state_dict"), own),
+                **destinations_by_name(state["pruned"], own)}
 
     def state_nbytes_beyond_model(self) -> int:
         return tensor_nbytes([optimizer.state for optimizer in self.optimizers])

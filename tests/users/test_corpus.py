@@ -112,6 +112,7 @@ CORPUS: dict[str, Script] = {
     "gather_outputs": Script(("{scripts}/gather_outputs.py", "{out}"), True, epochs(2, 96), tuple(range(24))),
     "boring_demo": Script(("{scripts}/boring_demo.py", "{out}"), True, epochs(2, 64), tuple(range(64))),
     "finetune_backbone": Script(("{scripts}/finetune_backbone.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
+    "prune_weights": Script(("{scripts}/prune_weights.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
     "transformer_cli": Script(("{scripts}/transformer_cli.py", "fit", "--seed_everything=7",
                                "--trainer.strategy=elan", "--trainer.accelerator=cpu",
                                "--trainer.precision=bf16-mixed", "--trainer.max_epochs=2",
@@ -498,6 +499,20 @@ def check_finetune_backbone(run: Run, static: Run | None) -> None:
             assert_logged_alike(rows, static_rows, column, exact=True)
 
 
+def check_prune_weights(run: Run, static: Run | None) -> None:
+    """A fifth of the remaining weights pruned at each epoch's end (the migration's joiner at step 9 came after the
+    first pruning and kept its masks): the static run's sparsity, its losses and its checkpoints."""
+    sparsity = json.loads((run.out / "sparsity.json").read_text())
+    assert sorted(sparsity) == ["0", "2"] and all(zeros > 0 for zeros in sparsity.values()), sparsity
+    _, rows = read_csv(run.out / "logs" / "version_0" / "metrics.csv")
+    logged(rows, "train_loss")
+    if static is not None:
+        assert sparsity == json.loads((static.out / "sparsity.json").read_text())
+        _, static_rows = read_csv(static.out / "logs" / "version_0" / "metrics.csv")
+        assert_logged_alike(rows, static_rows, "train_loss", exact=True)
+        assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
+
+
 OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "datamodule_callbacks": check_datamodule_callbacks,
     "cli_classifier": check_cli_classifier,
@@ -516,6 +531,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "boring_demo": check_boring_demo,
     "gather_outputs": check_gather_outputs,
     "finetune_backbone": check_finetune_backbone,
+    "prune_weights": check_prune_weights,
 }
 
 

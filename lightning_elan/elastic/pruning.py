@@ -1,0 +1,65 @@
+"""Pruned tensors (``torch.nn.utils.prune``, Lightning's ``ModelPruning``) follow a joiner.
+
+Pruning reparametrises a module's tensor ``w``: the parameter becomes ``w_orig``, a buffer ``w_mask`` holds the mask,
+and a forward pre-hook computes ``w = w_orig * w_mask``. A joiner builds its module fresh, unpruned, and a Lightning
+checkpoint holds the pruned tensors made permanent (``ModelPruning.on_save_checkpoint``): from that alone a joiner
+would train the unmasked network (the pruned weights grow back) and the ranks would drift apart. So the source also
+sends each pruned tensor's ``_orig`` and ``_mask`` (:func:`pruned_tensors`), and the joiner reparametrises the same
+tensors before it receives them (:func:`prune_as`): its parameter object stays the one its optimizer holds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.nn.utils import prune
+
+log = logging.getLogger(__name__)
+
+__all__ = ["prune_as", "pruned_tensors", "without_pruned"]
+
+ORIG, MASK = "_orig", "_mask"
+
+
+def pruned_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Each pruned tensor's ``<name>_orig`` parameter and ``<name>_mask`` buffer, by their names in ``module``."""
+    found: dict[str, torch.Tensor] = {}
+    for prefix, submodule in module.named_modules():
+        for name in _pruned_names(submodule):
+            found[_join(prefix, name + ORIG)] = getattr(submodule, name + ORIG)
+            found[_join(prefix, name + MASK)] = getattr(submodule, name + MASK)
+    return found
+
+
+def prune_as(module: nn.Module, source: dict[str, object]) -> None:
+    """Reparametrise the tensors the source had pruned (named by :func:`pruned_tensors`' keys) and this ``module``
+    has not: an identity pruning (a mask of ones, which the source's mask then overwrites)."""
+    modules = dict(module.named_modules())
+    for key in source:
+        if not key.endswith(MASK):
+            continue
+        prefix, _, name = key[: -len(MASK)].rpartition(".")
+        submodule = modules.get(prefix)
+        if submodule is not None and name not in _pruned_names(submodule):
+            prune.identity(submodule, name)
+            log.debug("pruning: %s reparametrised as its source's", key[: -len(MASK)])
+
+
+def without_pruned(state_dict: dict[str, object], pruned: dict[str, object]) -> dict[str, object]:
+    """A checkpoint's ``state_dict`` with each pruned tensor as its ``_orig`` and ``_mask`` (what the pruned module
+    loads) in place of the permanent value ``ModelPruning`` saved."""
+    bases = {key[: -len(MASK)] for key in pruned if key.endswith(MASK)}
+    return {**{key: value for key, value in state_dict.items() if key not in bases}, **pruned}
+
+
+def _pruned_names(module: nn.Module) -> list[str]:
+    """The names of ``module``'s own pruned tensors: a ``<name>_mask`` buffer beside a ``<name>_orig`` parameter."""
+    parameters = {name for name, _ in module.named_parameters(recurse=False)}
+    return [name[: -len(MASK)] for name, _ in module.named_buffers(recurse=False)
+            if name.endswith(MASK) and name[: -len(MASK)] + ORIG in parameters]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
