@@ -20,8 +20,8 @@ What a resize refreshes (and why):
 A member's death during a pass over an evaluation loader is recovered from at once, in the collective that met it
 (``gather_for_metrics``, ``gather``, ``reduce``, ``wait_for_everyone``): the survivors form the new generation, agree on
 where the pass is, run the collective again among themselves and evaluate what the dead member had not given
-(:mod:`~lightning_elan.accelerate.evaluation`), so the pass still gathers every sample once — also on a survivor that
-became the main process within it.
+(:mod:`~lightning_elan.accelerate.evaluation_recovery`), so the pass still gathers every sample once — also on a
+survivor that became the main process within it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from lightning_elan.accelerate.data import (
     evaluation_unsupported,
     refuse_unsupported,
 )
-from lightning_elan.accelerate.evaluation import EvaluationPass, Progress, same_place
+from lightning_elan.accelerate.evaluation_recovery import EvaluationRecovery, all_tensors, without_padding
 from lightning_elan.accelerate.loop_end import LoopEndWatch, announce_loop_end
 from lightning_elan.accelerate.objects import CHECKPOINTED, ReplicatedObjects
 from lightning_elan.accelerate.plugin import ElasticPlugin
@@ -137,10 +137,7 @@ class ElasticAccelerator(Accelerator):
         self.recoveries = 0  # member deaths this worker recovered from
         self._pre_loop = PreLoopCollectives(self._recover_before_the_loop, self.engine.earliest_position)
         self._group_view: torch.distributed.ProcessGroup | None = None
-        self._evaluating = False  # a pass over an evaluation loader is in progress
-        self._evaluation: EvaluationPass | None = None  # that pass, when the elastic evaluation loader makes it
-        self._unsupported_evaluation: str | None = None  # why the loader of that pass cannot be re-cut
-        self._evaluation_loss_warned = False  # the pass lost samples and said so
+        self._evaluations = EvaluationRecovery(self.engine, self, self._recover_mid_evaluation)
         with compat.single_process_initialisation():
             super().__init__(*args, **kwargs)
         device = self._elastic_device(environment, bool(kwargs.get("cpu", False)))
@@ -297,11 +294,12 @@ class ElasticAccelerator(Accelerator):
         unsupported = evaluation_unsupported(data_loader, self.even_batches, self.split_batches)
         if unsupported is None:
             placement = self.device_placement if device_placement is None else device_placement
-            return ElasticEvaluationLoader(data_loader, self, self.device if placement else None, self.non_blocking)
+            return ElasticEvaluationLoader(data_loader, self._evaluations, self.device if placement else None,
+                                           self.non_blocking)
         log.info("evaluation DataLoader sharded by Accelerate (%s): a member's death during a pass loses its samples "
                  "of that pass", unsupported)
-        return EvaluationLoader(data_loader, lambda loader: compat.shard_for_evaluation(self, loader), self,
-                                unsupported)
+        return EvaluationLoader(data_loader, lambda loader: compat.shard_for_evaluation(self, loader),
+                                self._evaluations, unsupported)
 
     def _prepare_train_loader(self, data_loader: DataLoader, device_placement: bool | None) -> ElasticTrainLoader:
         refuse_unsupported(data_loader, self.dispatch_batches)
@@ -670,13 +668,13 @@ class ElasticAccelerator(Accelerator):
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Accelerate's; in a pass over an elastic evaluation loader, the rows dropped are the padding of the pass's
         current batch (the end of its last one, or, in the batch a member died in, the survivors' padding)."""
-        evaluation = self._evaluation
+        evaluation = self._evaluations.evaluation
         if evaluation is None:
             return super().gather_for_metrics(input_data, use_gather_object)
-        if use_gather_object or not _all_tensors(input_data):
+        if use_gather_object or not all_tensors(input_data):
             own = input_data if isinstance(input_data, list) else [input_data]
-            return _without_padding(self._collective(lambda: gather_object(input_data), own), evaluation)
-        return recursively_apply(lambda tensor: _without_padding(tensor, evaluation), self.gather(input_data))
+            return without_padding(self._collective(lambda: gather_object(input_data), own), evaluation)
+        return recursively_apply(lambda tensor: without_padding(tensor, evaluation), self.gather(input_data))
 
     @override
     def wait_for_everyone(self) -> None:
@@ -709,11 +707,12 @@ class ElasticAccelerator(Accelerator):
         except Exception as error:
             if not self._recovers_in_evaluation():
                 self._absorb_failure(error)
-                self._warn_evaluation_lost()
+                self._evaluations.warn_lost(self._step_open)
                 return own
-            self._recover_in_evaluation(error)
+            self._raise_if_loop_ended(error)
+            self._evaluations.recover(error)
             return self._collective(collective, own)  # again, among the survivors
-        self._evaluation_collective_done()
+        self._evaluations.collective_done()
         return result
 
     def _pre_loop_collective(self, collective: Callable[[], Any]) -> Any:
@@ -721,100 +720,26 @@ class ElasticAccelerator(Accelerator):
         over an evaluation loader, a recovery meanwhile gives the survivors what the dead had not evaluated."""
         generation = self.engine.generation
         result = self._pre_loop.run(collective)
-        if self._evaluating and self.engine.generation != generation:
-            self._evaluation_recovered(lambda: self._pre_loop.run(self._agree_on_evaluation))
-        self._evaluation_collective_done()
+        if self.engine.generation != generation:
+            self._evaluations.recovered_before_the_loop(self._pre_loop.run)
+        self._evaluations.collective_done()
         return result
 
-    # ------------------------------------------------------------------ evaluation passes (EvaluationHost)
-
-    def evaluation_world(self) -> tuple[int, int]:
-        return self.process_index, self.num_processes
-
-    def evaluation_started(self, evaluation: EvaluationPass | None, unsupported: str | None = None) -> None:
-        self._evaluating, self._evaluation, self._unsupported_evaluation = True, evaluation, unsupported
-        self._evaluation_loss_warned = False
-
-    def evaluation_ended(self, evaluation: EvaluationPass | None) -> None:
-        if self._evaluating and self._evaluation is evaluation:
-            self._evaluating, self._evaluation, self._unsupported_evaluation = False, None, None
-
-    def _evaluation_collective_done(self) -> None:
-        if self._evaluation is not None:
-            self._evaluation.collective_done()
+    # ------------------------------------------------------------------ evaluation passes (evaluation_recovery.py)
 
     def _recovers_in_evaluation(self) -> bool:
         """Whether a failed collective is one of an evaluation pass the survivors go on with at once: in the loop over
         the epochs, no training step open (its batch would be redone), this process a member."""
-        return (self._evaluating and self._loop_epoch is not None and not self._step_open
+        return (self._evaluations.evaluating and self._loop_epoch is not None and not self._step_open
                 and self.engine.is_member and not self._aborted)
 
-    def _warn_evaluation_lost(self) -> None:
-        """A member died during an evaluation pass the survivors cannot go on with now (a training step is open, or
-        the loop over the epochs is not running): its collectives return this process's own values until the pass
-        ends, once said."""
-        if self._evaluating and not self._evaluation_loss_warned:
-            self._evaluation_loss_warned = True
-            log.warning("worker %s: a member died during an evaluation pass made %s: the rest of the pass gathers this "
-                        "process's values only (the dead member's and the other survivors' samples of it are missing)",
-                        self.engine.worker_id, "while a training step is open" if self._step_open
-                        else "outside the loop over the epochs")
-
-    def _recover_in_evaluation(self, error: BaseException) -> None:
-        """A member died during an evaluation pass: recover now (a training step this batch committed stands), then
-        the survivors agree on where the pass is and go on with what the dead had not evaluated."""
-        self._raise_if_loop_ended(error)
-        self.engine.confirm_peer_failure(error)
-        log.warning("worker %s: a member of generation %s died during an evaluation pass; the survivors go on with "
-                    "its samples", self.engine.worker_id, self.engine.generation)
+    def _recover_mid_evaluation(self) -> None:
+        """Survivors of a death inside an evaluation pass recover at once: a training step this batch committed
+        stands (the pass then goes on among them: :class:`EvaluationRecovery`)."""
         self._recovery_due = False
         self.recoveries += 1
         self.engine.recover(self.optimizer_steps + int(self._committed))
         self._pre_loop.catch_up()
-        self._evaluation_recovered(self._agreed_in_evaluation)
-
-    def _agreed_in_evaluation(self) -> list[Progress]:
-        """Every survivor's place in the pass; a death meanwhile is recovered from and they agree again."""
-        while True:
-            try:
-                return self._agree_on_evaluation()
-            except Exception as error:
-                self.engine.confirm_peer_failure(error)
-                log.warning("worker %s: a member died while the survivors of an evaluation pass agreed",
-                            self.engine.worker_id)
-                self.recoveries += 1
-                self.engine.recover(self.optimizer_steps + int(self._committed))
-                self._pre_loop.catch_up()
-
-    def _agree_on_evaluation(self) -> list[Progress]:
-        """Every member's place in the current evaluation pass, by rank (one all-gather of four integers)."""
-        assert self._evaluation is not None
-        mine = torch.tensor(self._evaluation.progress().to_list(), dtype=torch.int64, device=self.device)
-        places = [torch.empty_like(mine) for _ in range(self.num_processes)]
-        torch.distributed.all_gather(places, mine)
-        return [Progress.from_list(place.tolist()) for place in places]
-
-    def _evaluation_recovered(self, agree: Callable[[], list[Progress]]) -> None:
-        """The pass goes on among the survivors (see :mod:`~lightning_elan.accelerate.evaluation`); what cannot be
-        made whole is named in a warning."""
-        evaluation = self._evaluation
-        if evaluation is None:
-            log.warning("worker %s: a member died during a pass over an evaluation DataLoader that cannot be cut again "
-                        "(%s): its samples of the batch in flight and of the batches after it are not evaluated in "
-                        "this pass (gather_for_metrics returns the survivors' only)", self.engine.worker_id,
-                        self._unsupported_evaluation)
-            return
-        survivors = agree()
-        if not same_place(survivors):
-            raise RuntimeError(f"worker {self.engine.worker_id}: a member died inside a collective of an evaluation "
-                               f"pass that some survivors completed and others did not (plan, batch, collectives by "
-                               f"rank: {[survivor.position() for survivor in survivors]}); the pass cannot go on")
-        twice = evaluation.recovered(survivors, self.process_index, self.num_processes)
-        if twice:
-            log.warning("worker %s: a member died between two collectives of evaluation batch %d: its samples %s of "
-                        "that batch are evaluated again by the survivors, and the first %d collective(s) of that "
-                        "batch had gathered them already (they hold them twice)", self.engine.worker_id,
-                        evaluation.batch, twice, evaluation.collectives)
 
     # ------------------------------------------------------------------ trackers
 
@@ -946,32 +871,6 @@ def _refuse_sharded_training(kwargs: dict[str, Any]) -> None:
         raise NotImplementedError(f"ElasticAccelerator supports data-parallel training (DDP) only, not "
                                   f"{', '.join(given)} (FSDP, DeepSpeed, Megatron-LM and tensor parallelism are not "
                                   "elastic yet)")
-
-
-def _all_tensors(data: Any) -> bool:
-    """Whether ``data`` holds tensors only (Accelerate's test in ``gather_for_metrics``)."""
-    try:
-        recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
-    except TypeError:
-        return False
-    return True
-
-
-def _without_padding(gathered: Any, evaluation: EvaluationPass) -> Any:
-    """The rows of a gathered tensor (or list of objects) of the pass's current batch that are samples. A gather of
-    something else than one row per sample is cut as Accelerate cuts it (its first rows) when the samples come first,
-    else left as it is."""
-    kept = evaluation.kept_rows()
-    if kept is None or (isinstance(gathered, torch.Tensor) and gathered.dim() == 0):
-        return gathered
-    rows, samples = kept
-    if samples == list(range(len(samples))):
-        return gathered[: len(samples)]
-    if len(gathered) != rows:
-        return gathered
-    if isinstance(gathered, torch.Tensor):
-        return gathered[torch.tensor(samples, dtype=torch.long, device=gathered.device)]
-    return [gathered[row] for row in samples]
 
 
 def _close_at_exit(reference: weakref.ref[ElasticAccelerator]) -> None:

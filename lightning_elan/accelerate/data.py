@@ -2,8 +2,9 @@
 evaluation loader cuts each pass into batches for the world of the moment and, when a member dies during the pass,
 gives the survivors what the dead had not evaluated (:mod:`~lightning_elan.accelerate.evaluation`); one it cannot cut
 itself is sharded by Accelerate for the world of the moment it is iterated. The training loader drives its loop's batch
-boundaries through :class:`BatchBoundaries`, the evaluation loader tells its passes through :class:`EvaluationHost`;
-the accelerator implements both."""
+boundaries through :class:`BatchBoundaries` (the accelerator implements it), the evaluation loader tells its passes
+through :class:`EvaluationHost` (the accelerator's
+:class:`~lightning_elan.accelerate.evaluation_recovery.EvaluationRecovery`)."""
 
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ class EvaluationLoader:
 
 
 class EvaluationHost(Protocol):
-    """What an evaluation loader tells the accelerator (``ElasticAccelerator`` implements it)."""
+    """What an evaluation loader tells the accelerator (its ``EvaluationRecovery`` implements it)."""
 
     def evaluation_world(self) -> tuple[int, int]:
         """This process's rank and the world size a new pass is cut for."""
