@@ -4,7 +4,8 @@ gives the survivors what the dead had not evaluated (:mod:`~lightning_elan.accel
 itself is sharded by Accelerate for the world of the moment it is iterated. The training loader drives its loop's batch
 boundaries through :class:`BatchBoundaries` (the accelerator implements it), the evaluation loader tells its passes
 through :class:`EvaluationHost` (the accelerator's
-:class:`~lightning_elan.accelerate.evaluation_recovery.EvaluationRecovery`)."""
+:class:`~lightning_elan.accelerate.evaluation_recovery.EvaluationRecovery`). Each stands in front of the user's loader
+(:class:`UserLoaderFront`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, SequentialSampler
+from typing_extensions import override
 
 from lightning_elan.accelerate import compat
 from lightning_elan.accelerate.evaluation import EvaluationPass
@@ -24,7 +26,7 @@ from lightning_elan.data.loader import ElasticDataLoader, carried_arguments
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchBoundaries", "ElasticEvaluationLoader", "ElasticTrainLoader", "EvaluationHost", "EvaluationLoader",
-           "LeftTheJob", "evaluation_unsupported", "refuse_unsupported"]
+           "ForwardingLoaderFront", "LeftTheJob", "UserLoaderFront", "evaluation_unsupported", "refuse_unsupported"]
 
 
 class LeftTheJob(Exception):
@@ -47,6 +49,39 @@ class BatchBoundaries(Protocol):
         """This worker takes its share of the next global batch (the job's position moves on)."""
 
 
+class UserLoaderFront:
+    """A prepared loader in front of the user's (``base``): its ``dataset``, ``batch_size`` and ``sampler`` are
+    ``base``'s."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+
+    @property
+    def dataset(self) -> Any:
+        return self.base.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.base.batch_size
+
+    @property
+    def sampler(self) -> Any:
+        return self.base.sampler
+
+
+class ForwardingLoaderFront(UserLoaderFront):
+    """A :class:`UserLoaderFront` that reads any other public attribute from :meth:`_forwarded_to` (``base``)."""
+
+    def _forwarded_to(self) -> Any:
+        """The loader whose attributes this one does not define are read."""
+        return self.base
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "base":
+            raise AttributeError(name)
+        return getattr(self._forwarded_to(), name)
+
+
 def refuse_unsupported(loader: DataLoader, dispatch_batches: bool | None) -> None:
     """What the elastic training loader cannot do yet, refused with the reason."""
     if dispatch_batches:
@@ -60,7 +95,7 @@ def refuse_unsupported(loader: DataLoader, dispatch_batches: bool | None) -> Non
                          "(no custom `batch_sampler`)")
 
 
-class ElasticTrainLoader:
+class ElasticTrainLoader(UserLoaderFront):
     """The prepared training DataLoader: each batch is this worker's share of the next global batch.
 
     ``len()`` is the number of global batches in an epoch (independent of the world); iterating starts the next epoch
@@ -70,24 +105,12 @@ class ElasticTrainLoader:
 
     def __init__(self, loader: ElasticDataLoader, accelerator: BatchBoundaries, device: torch.device | None,
                  non_blocking: bool) -> None:
-        self.base = loader
+        super().__init__(loader)
         self._accelerator = accelerator
         self.device = device
         self.non_blocking = non_blocking
         self.end_of_dataloader = False
         self.remainder = -1  # what Accelerate's GradientState reads: no sample is padded here
-
-    @property
-    def dataset(self) -> Any:
-        return self.base.dataset
-
-    @property
-    def batch_size(self) -> int:
-        return self.base.batch_size
-
-    @property
-    def sampler(self) -> Any:
-        return self.base.sampler
 
     def __len__(self) -> int:
         return len(self.base)
@@ -127,7 +150,7 @@ class ElasticTrainLoader:
         self.base.rebuild()
 
 
-class EvaluationLoader:
+class EvaluationLoader(ForwardingLoaderFront):
     """An evaluation DataLoader the elastic loader cannot cut itself (:func:`evaluation_unsupported`), sharded by
     Accelerate for the world of the moment it is iterated (re-sharded after a resize; ``gather_for_metrics`` then drops
     the padding of the new shards as usual). A member's death during a pass loses the dead member's samples of it:
@@ -135,21 +158,20 @@ class EvaluationLoader:
 
     def __init__(self, loader: DataLoader, shard: Callable[[DataLoader], Any], host: EvaluationHost,
                  unsupported: str) -> None:
-        self.base = loader
+        super().__init__(loader)
         self._shard = shard
         self._host = host
         self._unsupported = unsupported
         self._sharded: tuple[tuple[int, int], Any] | None = None
 
     @property
-    def dataset(self) -> Any:
-        return self.base.dataset
-
-    @property
-    def batch_size(self) -> int | None:
-        return self.base.batch_size
+    @override
+    def sampler(self) -> Any:
+        """The sampler of the loader Accelerate sharded for the world of the moment."""
+        return self.current().sampler
 
     def current(self) -> Any:
+        """The user's loader sharded by Accelerate for the world of the moment (sharded again after a resize)."""
         world = self._host.evaluation_world()
         if self._sharded is None or self._sharded[0] != world:
             self._sharded = (world, self._shard(self.base))
@@ -166,10 +188,9 @@ class EvaluationLoader:
     def __len__(self) -> int:
         return len(self.current())
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name == "base":
-            raise AttributeError(name)
-        return getattr(self.current(), name)
+    @override
+    def _forwarded_to(self) -> Any:
+        return self.current()
 
 
 class EvaluationHost(Protocol):
@@ -201,7 +222,7 @@ def evaluation_unsupported(loader: DataLoader, even_batches: bool, split_batches
     return None
 
 
-class ElasticEvaluationLoader:
+class ElasticEvaluationLoader(ForwardingLoaderFront):
     """The prepared evaluation DataLoader: each pass evaluates every sample once, on the world of the moment, also
     when a member dies during the pass (see :mod:`~lightning_elan.accelerate.evaluation`). Batches are the user's
     loader's (dataset, collation, workers), padded at the end of a pass as Accelerate pads them; use
@@ -209,24 +230,12 @@ class ElasticEvaluationLoader:
 
     def __init__(self, loader: DataLoader, host: EvaluationHost, device: torch.device | None,
                  non_blocking: bool) -> None:
-        self.base = loader
+        super().__init__(loader)
         self._host = host
         self.device = device
         self.non_blocking = non_blocking
         self.end_of_dataloader = False
         self.remainder = -1  # what Accelerate's GradientState reads: the accelerator drops the padding itself
-
-    @property
-    def dataset(self) -> Any:
-        return self.base.dataset
-
-    @property
-    def batch_size(self) -> int:
-        return self.base.batch_size
-
-    @property
-    def sampler(self) -> Any:
-        return self.base.sampler
 
     @property
     def total_batch_size(self) -> int:
@@ -269,8 +278,3 @@ class ElasticEvaluationLoader:
         plan = evaluation.plan
         batches = [plan.indices(batch, evaluation.rank) for batch in range(len(plan))]
         return DataLoader(self.base.dataset, batch_sampler=batches, **carried_arguments(self.base))
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)

@@ -1,4 +1,5 @@
-"""The pure parts of the Accelerate integration: options, refusals, the scaling participant and its LR ramp."""
+"""The pure parts of the Accelerate integration: options, refusals, the scaling participant and its LR ramp, what the
+prepared loaders read of the user's loader."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from lightning_elan.accelerate.data import refuse_unsupported
+from lightning_elan.accelerate.data import (
+    ElasticEvaluationLoader,
+    ElasticTrainLoader,
+    EvaluationLoader,
+    refuse_unsupported,
+)
 from lightning_elan.accelerate.plugin import ElasticPlugin
 from lightning_elan.accelerate.scaling import AccelerateScaling
 
@@ -65,3 +71,30 @@ def test_sharded_training_is_refused_before_anything_starts(plugin):
 
     with pytest.raises(NotImplementedError, match="data-parallel training"):
         ElasticAccelerator(**{plugin: object()})
+
+
+class _World:
+    """An evaluation host of a fixed world (rank 0 of 2)."""
+
+    def evaluation_world(self) -> tuple[int, int]:
+        return 0, 2
+
+
+def test_prepared_loaders_read_the_users_loader():
+    """Each reads ``dataset``, ``batch_size`` and ``sampler`` of the user's loader; an evaluation loader forwards any
+    other public attribute (``EvaluationLoader``: of the loader Accelerate sharded, its sampler too), a training loader
+    none."""
+    user = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=3, num_workers=0)
+    sharded = DataLoader(TensorDataset(torch.arange(5.0)), batch_size=3, shuffle=True)
+    elastic = ElasticEvaluationLoader(user, _World(), None, False)
+    accelerate = EvaluationLoader(user, lambda loader: sharded, _World(), "a reason")
+    train = ElasticTrainLoader(user, None, None, False)  # the user's loader stands in for the ElasticDataLoader
+    for loader in (elastic, accelerate, train):
+        assert loader.dataset is user.dataset and loader.batch_size == 3
+    assert elastic.sampler is user.sampler and train.sampler is user.sampler and accelerate.sampler is sharded.sampler
+    assert elastic.num_workers == 0 and accelerate.batch_sampler is sharded.batch_sampler
+    assert len(elastic) == 2 and len(accelerate) == 2
+    with pytest.raises(AttributeError):
+        train.num_workers  # noqa: B018
+    with pytest.raises(AttributeError):
+        elastic._private  # noqa: B018
