@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ElasticDistributedDataParallel", "GroupSource", "freeze_as", "frozen_parameters", "trainable_mask"]
 
+FREQUENT_REBUILDS = 10
+"""After this many rebuilds of the reducer (the trainable parameters changed), a warning says what each costs."""
+
 GroupSource = Callable[[], "dist.ProcessGroup | None"]
 """Returns the group gradients are all-reduced on now (None: this process trains alone)."""
 
@@ -82,6 +85,7 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
         self._current_group = current_group
         self._buffers_generation: object = None  # the generation the buffers were last broadcast in
         self._trainable = trainable_mask(module)
+        self._rebuilds = 0
         self._fix_bucket_layout()
         super().register_comm_hook(self, _allreduce_on_current_group)
         self.register_forward_pre_hook(_follow_trainable_parameters)
@@ -104,8 +108,14 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
         self._trainable = trainable
         self._fix_bucket_layout()
         torch_compat.register_reducer_comm_hook(self.reducer, self, _allreduce_on_current_group)
-        log.info("elastic DDP: %d of %d parameter tensors require a gradient now; gradients are all-reduced for "
-                 "those", sum(trainable), len(trainable))
+        self._rebuilds += 1
+        log.log(logging.INFO if self._rebuilds == 1 else logging.DEBUG, "elastic DDP: %d of %d parameter tensors "
+                "require a gradient now; gradients are all-reduced for those", sum(trainable), len(trainable))
+        if self._rebuilds == FREQUENT_REBUILDS:
+            log.warning("elastic DDP: the parameters that require a gradient changed before %d forwards; each change "
+                        "lays the gradient buckets out anew (an allocation of their size). A network frozen for part "
+                        "of every step (a GAN's discriminator) is cheaper run outside its DDP wrapper then "
+                        "(``model.module``) or kept trainable with its gradients unused", FREQUENT_REBUILDS)
         return True
 
     def _fix_bucket_layout(self) -> None:
