@@ -172,15 +172,14 @@ def backward_alone(reducer: Any, parameters: list[torch.Tensor]) -> None:
     torch.autograd.backward(parameters, grad_tensors=[torch.zeros_like(parameter) for parameter in parameters])
 
 
-def rebuild_reducer(ddp: Any) -> None:
-    """A new reducer for ``ddp`` over the parameters that require a gradient now.
+def rebuild_reducer(ddp: Any, parameters: list[torch.nn.Parameter], expect_sparse_gradient: list[bool]) -> None:
+    """A new reducer for ``ddp`` over ``parameters`` (those that require a gradient now, in the caller's order).
 
-    ``DistributedDataParallel._build_params_for_reducer``, ``_build_debug_param_to_name_mapping`` and
-    ``_ddp_init_helper`` (torch/nn/parallel/distributed.py): what DDP's constructor runs to make its reducer (the
-    trainable parameters in registration order, their buckets, the autograd hooks, the DDP logger); the old reducer,
-    dropped, removes its autograd hooks (``Reducer::~Reducer`` → ``remove_autograd_hooks``). ``_comm_hooks`` lists
-    the hooks of the reducer; the new one has none yet."""
-    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    ``DistributedDataParallel._build_debug_param_to_name_mapping`` and ``_ddp_init_helper``
+    (torch/nn/parallel/distributed.py): what DDP's constructor runs to make its reducer from the list
+    ``_build_params_for_reducer`` gives (the buckets, the autograd hooks, the DDP logger); the old reducer, dropped,
+    removes its autograd hooks (``Reducer::~Reducer`` → ``remove_autograd_hooks``). ``_comm_hooks`` lists the hooks of
+    the reducer; the new one has none yet."""
     names = ddp._build_debug_param_to_name_mapping(parameters)
     ddp._ddp_init_helper(parameters, expect_sparse_gradient, names, ddp.static_graph)
     ddp._comm_hooks = []

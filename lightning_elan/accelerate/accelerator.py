@@ -61,10 +61,11 @@ from lightning_elan.accelerate.scaling import AccelerateScaling
 from lightning_elan.accelerate.wrappers import ElasticOptimizer, ElasticScheduler
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
-from lightning_elan.elastic.ddp import ElasticDistributedDataParallel
+from lightning_elan.elastic.ddp import ElasticDistributedDataParallel, freeze_as, frozen_parameters
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.gather import even_rows
 from lightning_elan.elastic.pre_loop import PreLoopCollectives
+from lightning_elan.elastic.pruning import prune_as
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember, generation_prefix
 from lightning_elan.protocol.contract import WorkerEnvironment
 from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
@@ -531,6 +532,7 @@ class ElasticAccelerator(Accelerator):
     def training_state(self) -> dict[str, Any]:
         return {
             "models": [self.unwrap_model(model).state_dict() for model in compat.prepared_models(self)],
+            "frozen": [frozen_parameters(self.unwrap_model(model)) for model in compat.prepared_models(self)],
             "optimizers": [optimizer.state_dict() for optimizer in compat.prepared_optimizers(self)],
             "schedulers": [scheduler.state_dict() for scheduler in compat.prepared_schedulers(self)],
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
@@ -540,8 +542,10 @@ class ElasticAccelerator(Accelerator):
         }
 
     def load_training_state(self, state: dict[str, Any]) -> None:
-        for model, model_state in zip(compat.prepared_models(self), state["models"], strict=True):
+        for model, model_state, frozen in zip(compat.prepared_models(self), state["models"], state["frozen"],
+                                              strict=True):
             self.unwrap_model(model).load_state_dict(model_state)
+            freeze_as(self.unwrap_model(model), frozen)  # what the loop froze or unfroze since
         for optimizer, optimizer_state in zip(compat.prepared_optimizers(self), state["optimizers"], strict=True):
             optimizer.load_state_dict(optimizer_state)
         for scheduler, scheduler_state in zip(compat.prepared_schedulers(self), state["schedulers"], strict=True):
@@ -557,9 +561,10 @@ class ElasticAccelerator(Accelerator):
             self._start_trackers_here()
 
     def receive_destinations(self, state: dict[str, Any]) -> dict[int, torch.Tensor]:
-        """Each prepared model's own parameters and buffers take the source's."""
+        """Each prepared model's own parameters and buffers take the source's, pruned as the source's are."""
         destinations: dict[int, torch.Tensor] = {}
         for model, skeleton in zip(compat.prepared_models(self), state["models"], strict=True):
+            prune_as(self.unwrap_model(model), skeleton)
             destinations.update(destinations_by_name(skeleton, self.unwrap_model(model).state_dict(keep_vars=True)))
         return destinations
 

@@ -45,7 +45,7 @@ from lightning_elan import torch_compat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticDistributedDataParallel", "GroupSource", "freeze_as", "frozen_parameters", "trainable_mask"]
+__all__ = ["ElasticDistributedDataParallel", "GroupSource", "freeze_as", "frozen_parameters"]
 
 FREQUENT_REBUILDS = 10
 """After this many rebuilds of the reducer (the trainable parameters changed), a warning says what each costs."""
@@ -84,7 +84,8 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
             super().__init__(module, process_group=_private_group(), broadcast_buffers=False, **kwargs)
         self._current_group = current_group
         self._buffers_generation: object = None  # the generation the buffers were last broadcast in
-        self._trainable = trainable_mask(module)
+        self._trainable = _trainable(module)
+        self._built_order = {id(parameter): index for index, parameter in enumerate(module.parameters())}
         self._rebuilds = 0
         self._fix_bucket_layout()
         super().register_comm_hook(self, _allreduce_on_current_group)
@@ -96,7 +97,7 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
         """Build the reducer again if the parameters that require a gradient are not those it was built over
         (returns whether it did). Gradients already held (an accumulation window) stay: with
         ``gradient_as_bucket_view`` the new buckets take them in (``Reducer::initialize_bucket_views``)."""
-        trainable = trainable_mask(self.module)
+        trainable = _trainable(self.module)
         if trainable == self._trainable:
             return False
         if self.static_graph:
@@ -104,7 +105,7 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
                         "are not all-reduced as they are now (the reducer of a static graph is not built again)")
             self._trainable = trainable
             return False
-        torch_compat.rebuild_reducer(self)
+        torch_compat.rebuild_reducer(self, *self._reducer_parameters())
         self._trainable = trainable
         self._fix_bucket_layout()
         torch_compat.register_reducer_comm_hook(self.reducer, self, _allreduce_on_current_group)
@@ -160,6 +161,22 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
         log.debug("elastic DDP: warmed up %d parameters' gradient buckets", len(parameters))
         return True
 
+    def _reducer_parameters(self) -> tuple[list[torch.nn.Parameter], list[bool]]:
+        """The parameters that require a gradient, in the order this wrapper was built with (the same on every
+        process, whatever was re-registered since: pruning makes a parameter ``<name>_orig``, last of its module),
+        each with whether it has a sparse gradient (as ``DistributedDataParallel._build_params_for_reducer``)."""
+        found: dict[int, tuple[tuple[int, str], torch.nn.Parameter, bool]] = {}
+        for module_name, module in self.module.named_modules():
+            sparse = isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse
+            for name, parameter in module.named_parameters(recurse=False):
+                full_name = f"{module_name}.{name}"
+                ignored = full_name in self.parameters_to_ignore
+                if parameter.requires_grad and not ignored and id(parameter) not in found:
+                    order = (self._built_order.get(id(parameter), len(self._built_order)), full_name)
+                    found[id(parameter)] = (order, parameter, sparse)
+        ordered = sorted(found.values(), key=lambda entry: entry[0])
+        return [parameter for _, parameter, _ in ordered], [sparse for _, _, sparse in ordered]
+
     def broadcast_module_state(self) -> None:
         """Rank 0's parameters and buffers on every process of the current generation (what DDP's constructor does
         with ``init_sync``; a generation formed by a replication needs none)."""
@@ -177,9 +194,10 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
                            "another hook would bypass it")
 
 
-def trainable_mask(module: torch.nn.Module) -> tuple[bool, ...]:
-    """Which of ``module``'s parameters (in registration order) require a gradient."""
-    return tuple(parameter.requires_grad for parameter in module.parameters())
+def _trainable(module: torch.nn.Module) -> frozenset[int]:
+    """Which of ``module``'s parameters require a gradient (their ids: a parameter re-registered under another name,
+    as pruning does, is the same parameter)."""
+    return frozenset(id(parameter) for parameter in module.parameters() if parameter.requires_grad)
 
 
 def frozen_parameters(module: torch.nn.Module) -> list[str]:

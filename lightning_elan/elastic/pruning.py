@@ -11,6 +11,7 @@ tensors before it receives them (:func:`prune_as`): its parameter object stays t
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -37,21 +38,25 @@ def prune_as(module: nn.Module, source: dict[str, object]) -> None:
     """Reparametrise the tensors the source had pruned (named by :func:`pruned_tensors`' keys) and this ``module``
     has not: an identity pruning (a mask of ones, which the source's mask then overwrites)."""
     modules = dict(module.named_modules())
-    for key in source:
-        if not key.endswith(MASK):
-            continue
-        prefix, _, name = key[: -len(MASK)].rpartition(".")
+    for base in _pruned_bases(source):
+        prefix, _, name = base.rpartition(".")
         submodule = modules.get(prefix)
-        if submodule is not None and name not in _pruned_names(submodule):
+        if submodule is not None and name in dict(submodule.named_parameters(recurse=False)):
             prune.identity(submodule, name)
-            log.debug("pruning: %s reparametrised as its source's", key[: -len(MASK)])
+            log.debug("pruning: %s reparametrised as its source's", base)
 
 
 def without_pruned(state_dict: dict[str, object], pruned: dict[str, object]) -> dict[str, object]:
     """A checkpoint's ``state_dict`` with each pruned tensor as its ``_orig`` and ``_mask`` (what the pruned module
     loads) in place of the permanent value ``ModelPruning`` saved."""
-    bases = {key[: -len(MASK)] for key in pruned if key.endswith(MASK)}
+    bases = set(_pruned_bases(pruned))
     return {**{key: value for key, value in state_dict.items() if key not in bases}, **pruned}
+
+
+def _pruned_bases(names: Iterable[str]) -> list[str]:
+    """The full names of the pruned tensors among state names: a ``<base>_mask`` with a ``<base>_orig`` beside it."""
+    names = set(names)
+    return [key[: -len(MASK)] for key in sorted(names) if key.endswith(MASK) and key[: -len(MASK)] + ORIG in names]
 
 
 def _pruned_names(module: nn.Module) -> list[str]:

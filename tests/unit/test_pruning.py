@@ -49,3 +49,10 @@ def test_the_permanent_values_a_checkpoint_holds_give_way_to_orig_and_mask() -> 
     module = make()
     prune_as(module, {})
     assert not prune.is_pruned(module)
+
+
+def test_a_buffer_whose_name_ends_in_mask_is_not_taken_for_pruning() -> None:
+    module = make()
+    module[0].register_buffer("attention_mask", torch.ones(3))
+    prune_as(module, {"0.attention_mask": None, "0.weight_mask": None})  # no "_orig" beside either
+    assert not prune.is_pruned(module)
