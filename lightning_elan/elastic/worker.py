@@ -172,6 +172,7 @@ class ElasticWorker:
         send_ahead: str | None = None,
     ) -> None:
         self.environment = environment
+        self.launch_world_size = environment.world_size or None  # a joiner's comes with its state
         self.coordinate_every = coordinate_every or environment.coordinate_every
         if self.coordinate_every < 1:
             raise ValueError(f"coordinate_every must be >= 1, got {self.coordinate_every}")
@@ -829,7 +830,8 @@ class ElasticWorker:
     def _snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         skeleton, tensors = split_tensors(self.frontend.training_state())
         order = None if self._epoch_order is None else self._epoch_order.state_dict()
-        engine = {"data": self.data.state_dict(), "rng": rng_state(), "order": order}
+        engine = {"data": self.data.state_dict(), "rng": rng_state(), "order": order,
+                  "launch_world_size": self.launch_world_size}
         return {"frontend": skeleton, "engine": engine}, tensors
 
     def _send(self, plan: AdjustmentPlan, snapshot: tuple[dict[str, Any], list[torch.Tensor]]) -> int:
@@ -850,6 +852,7 @@ class ElasticWorker:
         self.data.load_state_dict(cpu_state["engine"]["data"])
         set_rng_state(cpu_state["engine"]["rng"])
         self._received_order = cpu_state["engine"].get("order")
+        self.launch_world_size = cpu_state["engine"].get("launch_world_size") or self.launch_world_size
         if self._epoch_order is not None:
             self.follow_epoch_order(self._epoch_order)
         return join_tensors(cpu_state["frontend"], got.tensors), got, transport

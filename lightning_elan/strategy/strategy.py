@@ -447,8 +447,9 @@ class ElanStrategy(DDPStrategy):
 
     def _launch_world_size(self) -> int:
         """The job's world when it started (``elan run --nproc``): the global batch a user's per-process
-        ``batch_size`` means, also when a member died before the loop and the world is smaller already."""
-        return self.engine.environment.world_size or self.world_size
+        ``batch_size`` means, also when a member died before the loop and the world is smaller already, and for a
+        joiner (started with no world of its own), in a later fit too: its source's."""
+        return self.engine.launch_world_size or self.world_size
 
     def _world_view(self) -> tuple[int, int]:
         return self.global_rank, self.world_size

@@ -444,6 +444,23 @@ def check_train_in_stages(run: Run, static: Run | None) -> None:
             assert abs(value - expected) <= TOLERANCE, name
 
 
+def test_a_joiner_of_the_first_stage_trains_the_second_with_the_members(runs: Callable[[str, bool], Run],
+                                                                          tmp_path: Path) -> None:
+    """``train_in_stages`` with a worker joining in the first stage (step 3) and staying: the second stage (a new
+    ``Trainer``, not elastic) trains on the 3 workers with the global batch its loader means at the job's launch
+    world (6 per process × 2), each sample once per epoch, ranks bit-identical, as the static run. (The joiner used
+    its own world for that: 6 × 3, trained samples the members trained too, and the job hung.)"""
+    static = runs("train_in_stages", False)
+    assert_ok(static)
+    run = run_job(tmp_path, Job("stagesjoin", CORPUS["train_in_stages"].command, schedule="3:add=1"))
+    assert_ok(run)
+    assert [(a["action"], a["step"], len(a["members"])) for a in run.adjustments()] == [("add", 3, 3)]
+    assert_same_samples(run, static)
+    assert assert_members_agree(run) == sorted(static.digests_by_step())
+    assert_states_close(run.final_state(), static.final_state())
+    check_train_in_stages(run, static)
+
+
 def predicted(run: Run) -> list[tuple[int, float]]:
     """(sample index, prediction) of every prediction any process wrote."""
     pairs = []
