@@ -416,6 +416,11 @@ class ElanStrategy(DDPStrategy):
         if not isinstance(dataloader, DataLoader):
             log.warning("%s is not a map-style DataLoader: it is not made elastic", type(dataloader).__name__)
             return dataloader
+        if dataloader.batch_size is None:
+            raise NotImplementedError(
+                f"ElanStrategy's training DataLoader needs a batch_size: it cuts each global batch from the epoch's "
+                f"order of samples, and a batch_sampler ({type(dataloader.batch_sampler).__name__}) makes the batches "
+                "itself; build the loader with sampler=... and batch_size=... instead")
         if self.data_position.global_batch is None:
             self.data_position.change_global_batch(dataloader.batch_size * self._launch_world_size())
         seed = int(os.getenv("PL_GLOBAL_SEED", 0))

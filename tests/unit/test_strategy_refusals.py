@@ -39,6 +39,17 @@ def test_an_iterable_dataset_training_loader_is_refused_at_start() -> None:
         trainer.fit(_Model(), DataLoader(_Stream(), batch_size=8))
 
 
+def test_a_training_loader_with_a_batch_sampler_is_refused_with_what_to_do() -> None:
+    """``DataLoader(batch_sampler=...)`` has no ``batch_size``: a sentence naming the sampler and the way that works,
+    not a ``TypeError`` from inside the strategy (probe round 4)."""
+    trainer = pl.Trainer(strategy="elan", accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    batches = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(64)), batch_size=8,
+                                            drop_last=False)
+    with pytest.raises(NotImplementedError, match=r"batch_sampler \(BatchSampler\).*sampler=\.\.\. and batch_size="):
+        trainer.fit(_Model(), DataLoader(_Points(64), batch_sampler=batches))
+
+
 class _Points(torch.utils.data.Dataset):
     def __init__(self, size: int) -> None:
         self.x = torch.randn(size, 3)
