@@ -383,6 +383,7 @@ class ElasticWorker:
         (the step is then redone). ``closes_batch=False``: more steps of this batch may follow (manual optimization),
         so a failure before :meth:`batch_trained` still redoes the whole batch."""
         if self._vote is not None:
+            self._record_aggregates(committed_step + 1, before_vote=True)
             try:
                 committed = self._vote.commit(self._leave_queued_here())
                 self._leave_in_vote = self._vote.leave_signalled
@@ -393,9 +394,11 @@ class ElasticWorker:
         if closes_batch:
             self._uncommitted = None
 
-    def batch_trained(self) -> None:
-        """The batch's last optimizer step is applied: a failure from now on leaves it standing."""
+    def batch_trained(self, step: int) -> None:
+        """The batch's last optimizer step is applied (``step`` steps in all): a failure from now on leaves it
+        standing, and its epoch aggregates are recorded as such (with what was logged after its optimizer steps)."""
         self._uncommitted = None
+        self._record_aggregates(step)
 
     def _resolve_uncertain_commit(self, committed_step: int, uncertain: UncertainCommit) -> bool:
         """The vote's store died with the decision (its host, rank 0, died): check in with the AM as uncertain; the
@@ -669,11 +672,13 @@ class ElasticWorker:
             self._confirm_peer_failure(error)
             self.recover(step)
 
-    def _record_aggregates(self, step: int) -> None:
-        """Every member at a boundary where its step stands: its epoch aggregates so far, in the generation's vote
-        store, for the heir should it leave or die before the next boundary."""
-        if self._aggregates is not None and self._vote is not None and self.is_member:
-            self._aggregates.record(self._vote.store, self.generation or 0, step, self.data.epoch)
+    def _record_aggregates(self, step: int, before_vote: bool = False) -> None:
+        """Every member where its ``step`` stands (entering a generation, at a batch boundary) and before the vote on
+        it: its epoch aggregates so far, in the generation's vote store, for the heir should it leave or die."""
+        if self._aggregates is None or self._vote is None or not self.is_member:
+            return
+        record = self._aggregates.record_before_vote if before_vote else self._aggregates.record
+        record(self._vote.store, self.generation or 0, step, self.data.epoch)
 
     def _take_aggregates(self, plan: AdjustmentPlan, departed: list[str], store: dist.Store | None,
                          step: int) -> None:
@@ -814,6 +819,8 @@ class ElasticWorker:
         self.generation = plan.generation
         self._keys_to_delete = generation_prefix(plan.previous_generation)
         self._generation_formed()
+        if previous is not None and self._in_training_loop:  # a joiner starts empty: nothing to record yet
+            self._record_aggregates(plan.step)
         self.frontend.membership_changed(previous)
 
     def _leave(self, plan: AdjustmentPlan, sent: int, elapsed: float) -> None:

@@ -551,7 +551,7 @@ class ElanStrategy(DDPStrategy):
         output = super().training_step(*args, **kwargs)
         if not self.lightning_module.automatic_optimization:
             self._applied_steps.batch_stands()
-            self.engine.batch_trained()
+            self.engine.batch_trained(self.lightning_module.trainer.global_step)
         return output
 
     def recover_from(self, error: BaseException, rollback: Callable[[], None] | None) -> bool:

@@ -22,6 +22,7 @@ from lightning_elan.elastic.epoch_aggregates import (
     AggregateRecord,
     heir_of,
     read_records,
+    record_key,
     write_record,
 )
 from lightning_elan.elastic.failures import CommitVote
@@ -164,8 +165,9 @@ def test_records_of_another_epoch_a_later_step_or_none_are_left_out(caplog: pyte
 
 def test_a_record_of_the_previous_epochs_last_step_is_left_out_with_a_warning(
         caplog: pytest.LogCaptureFixture) -> None:
-    """A member that died in the first batch of epoch 1 after its step stood recorded last at epoch 0's end: its part
-    of epoch 1 is lost, and the heir says so (it did not before); one that died before its step stood lost nothing."""
+    """A member whose newest record is of epoch 0's end while the heir stands at epoch 1's first step (it died so
+    without a record of that step): its part of epoch 1 is lost, and the heir says so; one that died before its step
+    stood (the heir at the same step) lost nothing."""
     store = dist.HashStore()
     aggregates = {"logged/x": {"states": {"value": torch.tensor(1.0)}, "update_count": 1}}
     write_record(store, 2, AggregateRecord("died_after_the_step", 9, 0, aggregates))
@@ -193,10 +195,10 @@ def test_a_record_is_read_back_as_the_same_tensors() -> None:
 
 def test_garbage_under_a_record_key_is_left_out_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     store = dist.HashStore()
-    store.set("elan/gen4/aggregates/w1", b"\x07garbage")
-    store.set("elan/gen4/aggregates/w2", (5).to_bytes(8, "little") + b'{"a":')
+    store.set(record_key(4, "w1"), b"\x07garbage")
+    store.set(record_key(4, "w2"), (5).to_bytes(8, "little") + b'{"a":')
     bad_dtype = AggregateRecord("w3", 1, 0, {"k": {"states": {"v": torch.ones(1)}, "update_count": 1}}).to_bytes()
-    store.set("elan/gen4/aggregates/w3", bad_dtype.replace(b'"float32"', b'"Tensor" '))
+    store.set(record_key(4, "w3", 1), bad_dtype.replace(b'"float32"', b'"Tensor" '))
     with caplog.at_level(logging.WARNING):
         assert read_records(store, 4, ["w1", "w2", "w3"], 1, 0) == []
     assert caplog.text.count("are not a record") == 3
@@ -262,3 +264,105 @@ def test_only_the_heir_takes_the_departed_members_records_and_a_refusal_is_a_war
     with caplog.at_level(logging.WARNING):
         AggregateHandover("w0", _Heir(refuse=True)).take(plan, ["w2"], store, 10, 0)
     assert "could not add the epoch aggregates of w2" in caplog.text
+
+
+class _Counting:
+    """A store that counts its writes (a record equal to the one in its slot is not written again)."""
+
+    def __init__(self) -> None:
+        self.store, self.sets = dist.HashStore(), 0
+
+    def set(self, key: str, value: bytes) -> None:
+        self.sets += 1
+        self.store.set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check(keys)
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+
+def _totals(records: list[AggregateRecord]) -> list[float]:
+    return [float(record.aggregates["metric/custom"]["states"]["total"]) for record in records]
+
+
+def test_a_member_dying_after_its_step_stood_or_before_it_leaves_the_record_of_the_step_that_stands(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Before its vote on step 11 a member records its aggregates with that step's beside its record of step 10: the
+    heir takes the record of step 11 when the step stood (the member died in ``on_train_batch_end``, before its
+    boundary) and that of step 10 when it was discarded, without a warning. At the boundary the record of step 11 is
+    not written again, and the next vote keeps it."""
+    store, front = _Counting(), _Aggregates({"total": torch.tensor(1.0)})
+    member = AggregateHandover("w1", front)  # type: ignore[arg-type]
+    member.record(store, 3, 10, 0)  # store: a dist.Store's set/check/get
+    front.states = {"total": torch.tensor(3.0)}
+    member.record_before_vote(store, 3, 11, 0)
+    with caplog.at_level(logging.WARNING):
+        assert _totals(read_records(store, 3, ["w1"], 11, 0)) == [3.0]
+        assert _totals(read_records(store, 3, ["w1"], 10, 0)) == [1.0]
+    assert caplog.text == "" and store.sets == 2
+    member.record(store, 3, 11, 0)
+    assert store.sets == 2
+    front.states = {"total": torch.tensor(6.0)}
+    member.record_before_vote(store, 3, 12, 0)
+    assert _totals(read_records(store, 3, ["w1"], 11, 0)) == [3.0]
+    assert _totals(read_records(store, 3, ["w1"], 12, 0)) == [6.0]
+
+
+def test_a_member_that_logs_after_its_vote_marks_its_records_before_a_vote_partial(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Its aggregates grew between a vote and the step's boundary (a value logged in ``on_train_batch_end``): a later
+    record written before a vote may lack such values, and the heir taking it says so; a boundary's record is whole."""
+    front = _Aggregates({"total": torch.tensor(1.0)})
+    member, store = AggregateHandover("w1", front), dist.HashStore()  # type: ignore[arg-type]
+    member.record(store, 0, 4, 0)
+    member.record_before_vote(store, 0, 5, 0)
+    front.states = {"total": torch.tensor(2.0)}  # logged after the vote
+    member.record(store, 0, 5, 0)
+    member.record_before_vote(store, 0, 6, 0)
+    with caplog.at_level(logging.WARNING):
+        [whole] = read_records(store, 0, ["w1"], 5, 0)
+        assert not whole.partial and _totals([whole]) == [2.0]
+        assert caplog.text == ""
+        [partial] = read_records(store, 0, ["w1"], 6, 0)
+    assert partial.partial
+    assert "from before its step 6 stood" in caplog.text
+
+
+def test_a_record_before_a_vote_of_an_epochs_first_step_is_taken_in_that_epoch() -> None:
+    """A member that died in epoch 1's first batch after its step stood: its record of that step is epoch 1's; had
+    the step been discarded, its record of epoch 0's last step gives nothing to epoch 1, silently."""
+    front = _Aggregates({"total": torch.tensor(5.0)})
+    member, store = AggregateHandover("w1", front), dist.HashStore()  # type: ignore[arg-type]
+    member.record(store, 1, 6, 0)
+    front.states = {"total": torch.tensor(0.5)}  # the epoch's results were reset; its first step logged
+    member.record_before_vote(store, 1, 7, 1)
+    assert _totals(read_records(store, 1, ["w1"], 7, 1)) == [0.5]
+    assert read_records(store, 1, ["w1"], 6, 1) == []
+
+
+def test_a_store_that_fails_before_the_vote_is_left_to_the_vote() -> None:
+    class _Dead:
+        def set(self, key: str, value: bytes) -> None:
+            raise RuntimeError("Connection reset by peer")
+
+    member = AggregateHandover("w1", _Aggregates({"total": torch.tensor(1.0)}))  # type: ignore[arg-type]
+    member.record_before_vote(_Dead(), 2, 1, 0)  # type: ignore[arg-type]
+
+
+def test_a_member_records_its_step_on_entering_a_generation_and_before_each_vote() -> None:
+    """The engine: a member that entered generation 1 at step 3 has a record there before it trains (it may die in
+    the generation's first step), and one of step 4 before its vote on it."""
+    engine, store = _recording_member({"total": torch.tensor(1.0)})
+    engine._in_training_loop = True
+    plan = AdjustmentPlan("r1", "add", 1, 2, 3, ["w0", "w1"], ["w0"], ["w1"], [], {}, {})
+    engine._group = lambda: SimpleNamespace(configure=lambda *args: None, rank=lambda: 0, size=lambda: 1,  # type: ignore[method-assign]
+                                            store=store)
+    engine._generation_formed = lambda: setattr(engine, "generation", 1)  # type: ignore[method-assign]
+    engine.frontend.membership_changed = lambda previous: None  # type: ignore[attr-defined]
+    engine._enter(plan)
+    assert [record.step for record in read_records(store, 1, ["w0"], 3, engine.data.epoch)] == [3]
+    engine._vote = CommitVote(store, 1, 0, 1, lambda: False)
+    engine.commit_step(3)
+    assert [record.step for record in read_records(store, 1, ["w0"], 4, engine.data.epoch)] == [4]
