@@ -185,6 +185,20 @@ def rebuild_reducer(ddp: Any, parameters: list[torch.nn.Parameter], expect_spars
     ddp._comm_hooks = []
 
 
+def move_parameter(module: torch.nn.Module, name: str, position: int) -> None:
+    """Put ``module``'s own parameter ``name`` at ``position`` among its own parameters (registration order).
+
+    ``nn.Module._parameters`` (the dict ``register_parameter`` fills, in order; ``parameters()`` follows it): torch's
+    pruning registers ``<name>_orig`` last, and an optimizer built afterwards would list the parameters in another order
+    than one built before the pruning (its state is matched by position)."""
+    parameters = module._parameters
+    moved = parameters.pop(name)
+    items = list(parameters.items())
+    items.insert(position, (name, moved))
+    parameters.clear()
+    parameters.update(items)
+
+
 def register_reducer_comm_hook(reducer: Any, state: object, hook: Any) -> None:
     """``hook`` on ``reducer`` (``torch.distributed._register_comm_hook``, what ``DistributedDataParallel.
     register_comm_hook`` calls after its checks)."""

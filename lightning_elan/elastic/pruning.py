@@ -5,7 +5,9 @@ and a forward pre-hook computes ``w = w_orig * w_mask``. A joiner builds its mod
 checkpoint holds the pruned tensors made permanent (``ModelPruning.on_save_checkpoint``): from that alone a joiner
 would train the unmasked network (the pruned weights grow back) and the ranks would drift apart. So the source also
 sends each pruned tensor's ``_orig`` and ``_mask`` (:func:`pruned_tensors`), and the joiner reparametrises the same
-tensors before it receives them (:func:`prune_as`): its parameter object stays the one its optimizer holds.
+tensors before it receives them (:func:`prune_as`): its parameter object stays the one an optimizer built before holds,
+and ``_orig`` keeps the parameter's place in its module, so an optimizer built after (Lightning builds a joiner's after
+it joined) lists the parameters in the order the members' optimizers, built before the pruning, do.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.nn.utils import prune
+
+from lightning_elan.torch_compat import move_parameter
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +45,10 @@ def prune_as(module: nn.Module, source: dict[str, object]) -> None:
     for base in _pruned_bases(source):
         prefix, _, name = base.rpartition(".")
         submodule = modules.get(prefix)
-        if submodule is not None and name in dict(submodule.named_parameters(recurse=False)):
+        own = [own_name for own_name, _ in submodule.named_parameters(recurse=False)] if submodule else []
+        if name in own:
             prune.identity(submodule, name)
+            move_parameter(submodule, name + ORIG, own.index(name))  # where the source's optimizer saw it
             log.debug("pruning: %s reparametrised as its source's", base)
 
 
