@@ -152,6 +152,8 @@ def describe_failure(failure: Mapping[str, Any]) -> str:
         what = f"worker {failure.get('worker_id')} (generation {failure.get('generation')}, exit code " \
                f"{failure.get('returncode')})"
         failure = {**failure, "reason": failure.get("reason") or f"recovered by {failure.get('failure_id')}"}
+    elif failure.get("kind") == "replacement":
+        what = f"--replace-failed (after {failure.get('worker_id')})"
     elif failure.get("kind") == "job":
         what = "job"
     elif failure.get("kind") == "adjustment":

@@ -293,6 +293,7 @@ class JobState:
     am_restarts: int = 0  # how many times an AM process resumed this state from its store
     recovery: Recovery | None = None  # a member died: the survivors are checking in
     replace_failed: bool = False  # queue one joiner for each member that dies
+    unjoined_replacements: dict[str, int] = field(default_factory=dict)  # replacement → its place in a failing chain
     min_workers: int = 1  # below this many survivors the recovery waits for joiners
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S  # how long it waits for them before the job fails
     failed_reason: str | None = None  # why the job stopped unfinished (no survivor, too few workers)
@@ -329,6 +330,7 @@ class JobState:
             "am_restarts": self.am_restarts,
             "recovery": self.recovery.to_dict() if self.recovery else None,
             "replace_failed": self.replace_failed,
+            "unjoined_replacements": dict(self.unjoined_replacements),
             "min_workers": self.min_workers,
             "join_timeout_s": self.join_timeout_s,
             "failed_reason": self.failed_reason,
@@ -365,6 +367,7 @@ class JobState:
             am_restarts=data.get("am_restarts", 0),
             recovery=Recovery.from_dict(data["recovery"]) if data.get("recovery") else None,
             replace_failed=data.get("replace_failed", False),
+            unjoined_replacements=dict(data.get("unjoined_replacements", {})),
             min_workers=data.get("min_workers", 1),
             join_timeout_s=data.get("join_timeout_s", DEFAULT_JOIN_TIMEOUT_S),
             failed_reason=data.get("failed_reason"),

@@ -279,3 +279,50 @@ def test_a_death_while_the_recovery_plan_is_in_flight_waits_only_for_the_living(
     assert plan is not None and plan.members == ["w0"] and plan.generation == 2
     record = adjustments.report(state, AdjustmentReport("w0", 2, "stayer", pause_s=0.1, step=8))
     assert record is not None and record["failure"]["dead"] == ["w1", "w2"]  # the plan recovers from both deaths
+
+
+def _replacement_dies_in_its_join(state: JobState, replacement: str, step: int) -> None:
+    """``replacement`` registers, the recovery (or the add) takes it in, and it dies before its generation trained."""
+    ready(state, replacement)
+    if state.recovery is not None:
+        for survivor in state.recovery.survivors:
+            check_in(state, survivor, state.generation, step)
+    else:
+        decide(state, step)
+    exited(state, replacement, 1)
+
+
+def test_replace_failed_stops_after_three_replacements_in_a_row_die_in_their_join() -> None:
+    """A joiner that cannot join (its script fails loading the job's state) would be replaced for ever, each time at
+    the price of a recovery: after 3 replacements in a row died before they trained, no fourth is queued and an error
+    record says so; the job trains on with its members."""
+    state = started(3, replace_failed=True)
+    exited(state, "w2", -9)
+    for step, replacement in zip((7, 8, 9), ("w3", "w4", "w5"), strict=True):
+        check_in(state, "w0", state.generation, step)
+        check_in(state, "w1", state.generation, step)
+        commit(state, adjustments.wait_plan(state, "w0").plan, step + 1)
+        launching.launcher_poll(state)
+        _replacement_dies_in_its_join(state, replacement, step + 1)
+
+    assert [request["action"] for request in status_view.status(state).pending] == []
+    assert status_view.status(state).failures[-1]["kind"] == "replacement"
+    assert not state.finished and state.recovery is not None and state.recovery.survivors == ["w0", "w1"]
+
+
+def test_a_replacement_that_trained_starts_the_count_again() -> None:
+    state = started(2, replace_failed=True)
+    exited(state, "w1", -9)
+    check_in(state, "w0", 0, 5)
+    commit(state, adjustments.wait_plan(state, "w0").plan, 6)
+    launching.launcher_poll(state)
+    ready(state, "w2")
+    commit(state, decide(state, 7), 8)  # w2 joined and trained
+    assert state.unjoined_replacements == {}
+
+    exited(state, "w2", -9)
+
+    assert [request["new_workers"] for request in status_view.status(state).pending] == [["w3"]]
+    assert state.unjoined_replacements == {"w3": 1}
+    restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert restored.unjoined_replacements == {"w3": 1}

@@ -394,6 +394,16 @@ def test_format_status_shows_a_recovery_and_a_dead_worker() -> None:
     assert "job j: generation 0, failed: no survivor" in format_status(failed)
 
 
+def test_format_status_says_replace_failed_stopped() -> None:
+    status = {"job": "j", "generation": 5, "members": [], "finished": False, "failed_reason": None,
+              "failures": [{"kind": "replacement", "outcome": "stopped", "worker_id": "w5",
+                            "reason": "3 replacements in a row died before they trained"}]}
+
+    text = format_status(StatusReply.from_body(status))
+
+    assert "--replace-failed (after w5): stopped: 3 replacements in a row died before they trained" in text
+
+
 def test_format_status_shows_who_waits_for_the_start_of_a_job_of_elan_workers() -> None:
     status = {"job": "j", "generation": 0, "members": [], "finished": False,
               "enrolment": {"min_workers": 2, "max_workers": 4, "started": False,

@@ -251,6 +251,8 @@ def _commit(state: JobState, adjustment: Adjustment, now: float | None) -> None:
     old_members = {member.worker_id: member for member in state.members}
     state.members = [old_members.get(worker) or _promote(state, worker, plan.generation) for worker in plan.members]
     state.left_workers.extend(plan.leavers)
+    for joiner in plan.joiners:  # it trains: a replacement's chain of failed joins is over
+        state.unjoined_replacements.pop(joiner, None)
     state.generation = plan.generation
     adjustment.committed_at = now_or_clock(now)
     state.in_flight = None

@@ -33,6 +33,9 @@ from lightning_elan.protocol.contract import (
 
 logger = logging.getLogger(__name__)
 
+FAILED_REPLACEMENTS_LIMIT = 3
+"""``--replace-failed`` replaces no more than this many replacements in a row that died before they trained."""
+
 __all__ = ["declare_silent_survivors_dead", "fail_job", "form_plan_if_ready", "recover", "set_failure_policy",
            "worker_exit"]
 
@@ -223,9 +226,21 @@ def _begin_recovery(state: JobState, now: float) -> Recovery:
 
 
 def _queue_replacement(state: JobState, dead: str, now: float) -> None:
+    """One joiner for the dead member, unless the dead was the last of ``FAILED_REPLACEMENTS_LIMIT`` replacements in a
+    row that died before they trained (each in its own join: a joiner that cannot load the job's state, say)."""
     if state.finished:
         return
+    chain = state.unjoined_replacements.pop(dead, 0) + 1
+    if chain > FAILED_REPLACEMENTS_LIMIT:
+        logger.error("job %s: %d replacements in a row died before they trained (the last: %s); --replace-failed "
+                     "replaces no more of them, the job trains on with its members (see the workers' logs for why "
+                     "they died)", state.job, FAILED_REPLACEMENTS_LIMIT, dead)
+        state.record_failure({"kind": "replacement", "outcome": "stopped", "worker_id": dead,
+                              "reason": f"{FAILED_REPLACEMENTS_LIMIT} replacements in a row died before they "
+                                        "trained"}, now)
+        return
     reply = requests.queue_add(state, now, replaces=dead)
+    state.unjoined_replacements.update(dict.fromkeys(reply.new_workers, chain))
     logger.info("replacement %s requested (%s)", ", ".join(reply.new_workers), reply.request_id)
 
 
