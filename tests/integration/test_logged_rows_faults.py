@@ -13,7 +13,17 @@ import pytest
 import torch
 
 from tests.integration.test_validation_faults import assert_same_rows
-from tests.users.corpus import Job, Run, assert_ok, assert_same_samples, assert_states_close, logged, read_csv, run_job
+from tests.users.corpus import (
+    Job,
+    Run,
+    assert_ok,
+    assert_same_samples,
+    assert_states_close,
+    logged,
+    read_csv,
+    run_job,
+    static_runs_by_world,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -28,16 +38,7 @@ def job(name: str, nproc: int, *args: str) -> Job:
 @pytest.fixture(scope="module")
 def static_runs(tmp_path_factory: pytest.TempPathFactory):
     """The static run of the script with ``nproc`` processes (run when first needed)."""
-    runs: dict[int, Run] = {}
-
-    def static(nproc: int) -> Run:
-        if nproc not in runs:
-            run = run_job(tmp_path_factory.mktemp(f"static{nproc}"), job(f"static{nproc}", nproc))
-            assert_ok(run)
-            runs[nproc] = run
-        return runs[nproc]
-
-    return static
+    return static_runs_by_world(tmp_path_factory, job)
 
 
 def assert_ends_as_static(run: Run, static: Run) -> None:

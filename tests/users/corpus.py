@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -373,3 +374,18 @@ def flat_optimizer_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
         for key, value in values.items():
             flat[f"{slot}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
     return flat
+
+
+def static_runs_by_world(tmp_path_factory: Any, job_of: Callable[[str, int], Job]) -> Callable[[int], Run]:
+    """``static(nproc)``: the static run of ``job_of(name, nproc)`` with ``nproc`` processes, run when first needed
+    (for a module-scoped fixture), checked to exit 0."""
+    runs: dict[int, Run] = {}
+
+    def static(nproc: int) -> Run:
+        if nproc not in runs:
+            run = run_job(tmp_path_factory.mktemp(f"static{nproc}"), job_of(f"static{nproc}", nproc))
+            assert_ok(run)
+            runs[nproc] = run
+        return runs[nproc]
+
+    return static
