@@ -306,13 +306,20 @@ class ElasticAccelerator(Accelerator):
         refuse_unsupported(data_loader, self.dispatch_batches)
         data = self.engine.data
         if data.global_batch is None and self.engine.is_member:
-            data.change_global_batch(data_loader.batch_size * self.launch_world_size)
+            data.change_global_batch(self._launch_global_batch(data_loader))
         base = ElasticDataLoader(data_loader, data, self._world_view, self._epoch_order_seed())
         self.engine.follow_epoch_order(base.sampler.order)
         placement = self.device_placement if device_placement is None else device_placement
         self._train_loader = ElasticTrainLoader(base, self, self.device if placement else None, self.non_blocking)
         compat.prepared_dataloaders(self).append(self._train_loader)
         return self._train_loader
+
+    def _launch_global_batch(self, data_loader: DataLoader) -> int:
+        """The global batch the job starts with: the loader's ``batch_size`` per process, or with
+        ``split_batches=True`` the loader's ``batch_size`` itself (Accelerate splits it over the processes)."""
+        if self.split_batches:
+            return data_loader.batch_size
+        return data_loader.batch_size * self.launch_world_size
 
     def _epoch_order_seed(self) -> int:
         """Seed of a shuffled epoch order (the same on every worker): ``DataLoaderConfiguration(data_seed=…)`` —
@@ -658,8 +665,10 @@ class ElasticAccelerator(Accelerator):
     def gather(self, tensor: Any) -> Any:
         """Accelerate's ``gather`` of tensors padded to equal first dimensions (an uneven share of a global batch:
         ``elastic/gather.py``); when a member just died in the loop, this worker's own values (the step is
-        discarded)."""
+        discarded). On a worker outside the job (it left, or it joined no generation), Accelerate's local one."""
         gather = super().gather
+        if not self.engine.is_member:
+            return gather(tensor)  # a single process for Accelerate (see _refresh_membership): nothing to even out
         return self._collective(lambda: gather(recursively_apply(even_rows, tensor)), tensor)
 
     @override
