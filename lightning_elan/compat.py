@@ -567,6 +567,27 @@ def around_dataloader_requests(trainer: pl.Trainer, around: Callable[[str, Calla
         source._elan_around = around
 
 
+def no_checkpoint_selected_after_leaving(trainer: pl.Trainer, left: Callable[[], bool]) -> None:
+    """A ``trainer.validate/test/predict/fit(ckpt_path=...)`` on a worker that ``left()`` the job selects no checkpoint.
+
+    Lightning's ``_validate_impl``/``_test_impl``/``_predict_impl``/``_fit_impl`` call
+    ``trainer._checkpoint_connector._select_ckpt_path`` before ``_run`` (so before the strategy's ``setup``, which
+    skips the stage on a leaver): ``ckpt_path="best"`` raises ``ValueError`` where the leaver's ``ModelCheckpoint``
+    has no best model yet (it left before the first one was saved), and a path is loaded for nothing. The connector
+    lives as long as the trainer, so an instance attribute replaces the method for this trainer only."""
+    connector = trainer._checkpoint_connector
+    wrapped = hasattr(connector, "_elan_left")
+    connector._elan_left = left  # the latest fit's
+    if wrapped:
+        return
+    select = type(connector)._select_ckpt_path.__get__(connector)
+
+    def select_unless_left(*args: Any, **kwargs: Any) -> Any:
+        return None if connector._elan_left() else select(*args, **kwargs)
+
+    connector._select_ckpt_path = select_unless_left
+
+
 def epoch_aggregates(trainer: pl.Trainer) -> dict[str, Any]:
     """What this process accumulated in the training epoch for values reduced over the processes at its end (keys
     alike on every process): ``self.log(..., on_epoch=True, sync_dist=True)`` values — the training epoch loop's

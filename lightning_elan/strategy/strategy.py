@@ -237,6 +237,7 @@ class ElanStrategy(DDPStrategy):
         (a script that trains in stages) starts its data afresh (``ElasticWorker.start_later_fit``)."""
         self._training_fit = not compat.tuning(trainer)
         compat.around_dataloader_requests(trainer, self._loader_rng.call)
+        compat.no_checkpoint_selected_after_leaving(trainer, lambda: self.engine.has_left)
         if self.engine.has_left:
             log.info("worker %s left the job: this fit is skipped here (the job's workers train)",
                      self.engine.worker_id)
