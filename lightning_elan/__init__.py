@@ -17,7 +17,7 @@ from typing import Any
 from lightning_elan._lazy import lazy_exports
 
 __version__ = "0.1.0"
-__all__ = ["ElanEnvironment", "ElanStrategy", "__version__"]
+__all__ = ["ElanEnvironment", "ElanFSDPStrategy", "ElanStrategy", "__version__"]
 
 # each Lightning package "elan" is registered with, and the module whose import registers it there (the end of
 # strategy/strategy.py; the classic tree's copy is made by lightning_elan._classic)
@@ -28,11 +28,13 @@ _TREES = {
 
 
 def _register_strategy(strategy_module: str) -> None:
-    """Importing the strategy module registers it (see the end of ``strategy/strategy.py``)."""
+    """Importing the strategy module registers it (see the end of ``strategy/strategy.py``); ``"elan_fsdp"`` is
+    registered from its own module beside it (``strategy/fsdp.py``)."""
     module = sys.modules.get(strategy_module)
     if module is not None and not hasattr(module, "register_elan_strategy"):
         return  # that module is importing Lightning right now and registers itself when it finishes
     importlib.import_module(strategy_module).register_elan_strategy()
+    importlib.import_module(strategy_module.rpartition(".")[0] + ".fsdp").register_elan_fsdp_strategy()
 
 
 class _RegisterAfterLightningImport(importlib.abc.MetaPathFinder):
@@ -75,4 +77,5 @@ def _register_everywhere() -> None:
 _register_everywhere()
 
 
-__getattr__, __dir__ = lazy_exports(__name__, {"ElanStrategy": "strategy", "ElanEnvironment": "strategy"})
+__getattr__, __dir__ = lazy_exports(__name__, {"ElanStrategy": "strategy", "ElanFSDPStrategy": "strategy",
+                                               "ElanEnvironment": "strategy"})

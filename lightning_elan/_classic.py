@@ -38,6 +38,7 @@ MIRRORED = frozenset({
     "lightning_elan.compat",
     "lightning_elan.strategy",
     "lightning_elan.strategy.environment",
+    "lightning_elan.strategy.fsdp",
     "lightning_elan.strategy.strategy",
     "lightning_elan.callbacks",
     "lightning_elan.callbacks.hybrid",

@@ -33,8 +33,10 @@ __all__ = [
     "backend_of",
     "backward_alone",
     "check_torch_version",
+    "forget_mesh_group",
     "forget_scaler_step",
     "keep_alive_forever",
+    "mesh_of_group",
     "nccl_backend",
     "publish_default_group",
     "register_backend",
@@ -292,3 +294,33 @@ def _parameters_to_meta(model: torch.nn.Module) -> None:
             if isinstance(parameter, DTensor):
                 meta = torch.empty(parameter.shape, dtype=parameter.dtype, device="meta")
                 setattr(module, name, torch.nn.Parameter(meta, requires_grad=parameter.requires_grad))
+
+
+# ---- DeviceMesh over a group torch did not record (torch/distributed/device_mesh.py) --------------------------------
+
+
+def mesh_of_group(group: dist.ProcessGroup, device_type: str, name: str) -> Any:
+    """A 1-D ``DeviceMesh`` of ranks ``0..size-1`` whose collectives run on ``group``, registered as ``name``.
+
+    ``DeviceMesh.from_group`` reads the group's ranks from ``distributed_c10d._world.pg_group_ranks`` and its name from
+    ``ProcessGroup.group_name``: only groups torch's ``new_group``/``init_process_group`` made are recorded there, and
+    an elastic generation's view is neither. This builds what ``from_group`` builds for a 1-D group
+    (``DeviceMesh(..., _init_backend=False)``, ``_dim_group_names``, ``_pg_registry``), and registers the group by name
+    in the C++ registry (``_register_process_group``) that DTensor's functional collectives resolve names through."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group._set_group_name(name)
+    torch._C._distributed_c10d._register_process_group(name, group)
+    # the group's rank: a joiner builds its mesh before torch has a default group; the dimension named after the group:
+    # meshes of equal layout are equal (DeviceMesh.__eq__), and DTensor's sharding propagation cache would hand an op
+    # on a later generation's mesh the output spec, with the group, of an earlier one
+    mesh = DeviceMesh(device_type, torch.arange(group.size(), dtype=torch.int), mesh_dim_names=(name,),
+                      _init_backend=False, _rank=group.rank())
+    mesh._dim_group_names = [name]
+    mesh._pg_registry[name] = group
+    return mesh
+
+
+def forget_mesh_group(name: str) -> None:
+    """Drop a name :func:`mesh_of_group` registered (``_unregister_process_group``), once its generation is over."""
+    torch._C._distributed_c10d._unregister_process_group(name)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from lightning_elan._lazy import lazy_exports
 
-__all__ = ["ElanEnvironment", "ElanStrategy"]
+__all__ = ["ElanEnvironment", "ElanFSDPStrategy", "ElanStrategy"]
 
 
-__getattr__, __dir__ = lazy_exports(__name__, {"ElanStrategy": "strategy", "ElanEnvironment": "environment"})
+__getattr__, __dir__ = lazy_exports(__name__, {"ElanStrategy": "strategy", "ElanFSDPStrategy": "fsdp",
+                                               "ElanEnvironment": "environment"})

@@ -1,0 +1,213 @@
+"""ElanFSDPStrategy: the elastic strategy with the model sharded by FSDP2 over the current generation (issue 24).
+
+Everything but the model wrapper is :class:`~lightning_elan.strategy.strategy.ElanStrategy`'s (the engine, the
+elastic data loader, strong scaling's loss weights, the step vote). Instead of the elastic DDP, ``fully_shard`` is
+applied to the units named by ``shard_modules`` and then to the LightningModule, over a 1-D ``DeviceMesh`` of the
+generation's group; Lightning builds the optimizers after the wrap (as for its ``ModelParallelStrategy``), so they
+hold the sharded parameters. FSDP2 averages the gradients over the mesh as DDP does, so the loss weights stay right.
+A checkpoint is a full state dict gathered by every member and written by rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from lightning_elan import torch_compat
+from lightning_elan.strategy.strategy import ElanStrategy
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies import _StrategyRegistry
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ElanFSDPStrategy", "register_elan_fsdp_strategy"]
+
+NOT_YET = "strategy='elan_fsdp' does not support {what} yet (issue 24); {instead}"
+
+
+class ElanFSDPStrategy(ElanStrategy):
+    """Elastic FSDP2: every parameter and optimizer state sharded over the current workers.
+
+    Args:
+        shard_modules: module classes whose instances each become a ``fully_shard`` unit (then the whole model is one);
+            default: the whole model is one unit.
+        reshard_after_forward: FSDP2's option of the same name (free the gathered parameters after the forward).
+        mp_policy: an FSDP2 ``MixedPrecisionPolicy``, passed to every ``fully_shard``.
+        hsdp_group_size: HSDP (shard within groups of this size): not supported yet, refused at the start of fit.
+        **kwargs: passed to :class:`~lightning_elan.strategy.strategy.ElanStrategy`.
+    """
+
+    strategy_name = "elan_fsdp"
+
+    def __init__(self, shard_modules: Iterable[type[nn.Module]] | None = None, reshard_after_forward: bool = True,
+                 mp_policy: Any | None = None, hsdp_group_size: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.shard_modules = frozenset(shard_modules or ())
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.hsdp_group_size = hsdp_group_size
+        self._device_mesh: DeviceMesh | None = None
+        self._mesh_name: str | None = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register("elan_fsdp", cls, description="Elastic FSDP2: the model sharded over the workers")
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The current generation's 1-D mesh (what ``LightningModule.device_mesh`` reads in ``configure_model``)."""
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh of strategy='elan_fsdp' exists once the worker is in the job")
+        return self._device_mesh
+
+    # ------------------------------------------------------------------ environment and mesh
+
+    @override
+    def setup_environment(self) -> None:
+        """Refuse what is not supported yet, connect to the job, then build the generation's mesh."""
+        self._refuse_unsupported()
+        super().setup_environment()
+        if not self.engine.is_member:
+            raise NotImplementedError(NOT_YET.format(
+                what="a worker joining a running job", instead="start the job at its size (elan run --nproc N)"))
+        self._build_mesh()
+
+    def _refuse_unsupported(self) -> None:
+        if self.hsdp_group_size is not None:
+            raise NotImplementedError(NOT_YET.format(what="hsdp_group_size (HSDP)", instead="leave it unset (FSDP)"))
+        for unsupported in ("process_group", "static_graph", "find_unused_parameters"):
+            if self._ddp_kwargs.get(unsupported):
+                raise NotImplementedError(NOT_YET.format(what=f"DDP's {unsupported!r}", instead="leave it unset"))
+
+    def _build_mesh(self) -> None:
+        """A mesh over the generation's group (the elastic view: fixed size, abortable collectives)."""
+        self._forget_mesh()
+        self._mesh_name = f"elan_fsdp_gen{self.engine.generation}"
+        self._device_mesh = torch_compat.mesh_of_group(self.engine.generation_group, self.root_device.type,
+                                                       self._mesh_name)
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._device_mesh
+
+    def _forget_mesh(self) -> None:
+        if self._mesh_name is not None:
+            torch_compat.forget_mesh_group(self._mesh_name)
+            self._mesh_name = None
+
+    # ------------------------------------------------------------------ FSDP2 instead of the elastic DDP
+
+    @override
+    def configure_ddp(self) -> None:
+        """The model sharded over the mesh (Lightning builds the optimizers after this, over the sharded parameters)."""
+        assert self.model is not None
+        self.model = self._setup_model(self.model)
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        if not _is_sharded(model):
+            shard_model(model, self.device_mesh, self.shard_modules, self._fully_shard_options())
+        return model
+
+    def _fully_shard_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
+        if self.mp_policy is not None:
+            options["mp_policy"] = self.mp_policy
+        return options
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        """No DDP communication hooks: FSDP2 does its own reduce-scatter."""
+
+    @override
+    def before_resize(self) -> None:
+        """A resize of a sharded job is not supported yet: every old member stops with this message."""
+        raise NotImplementedError(NOT_YET.format(what="a resize (workers joining, leaving or migrating)",
+                                                 instead="run the job at a fixed size"))
+
+    # ------------------------------------------------------------------ checkpoints: a full state dict on rank 0
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model state, gathered by every member (a collective) onto the CPU."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.lightning_module, options=_full_state_options())
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's full state keyed by parameter name (``get_optimizer_state_dict``; a collective)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.lightning_module, _torch_optimizer(optimizer),
+                                        options=_full_state_options())
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """A full state loaded before the model is sharded (Lightning restores the model before ``setup``) or into
+        the shards (``set_model_state_dict``)."""
+        if not _is_sharded(self.lightning_module):
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.lightning_module, checkpoint["state_dict"],
+                             options=StateDictOptions(full_state_dict=True, strict=strict))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each optimizer's full state (as :meth:`optimizer_state` wrote it) into its shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            set_optimizer_state_dict(self.lightning_module, _torch_optimizer(optimizer), state,
+                                     options=StateDictOptions(full_state_dict=True))
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self.engine.has_left or not self.engine.is_member:
+            self._forget_mesh()
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, unit_classes: frozenset[type[nn.Module]],
+                options: dict[str, Any]) -> None:
+    """``fully_shard`` on every instance of ``unit_classes`` (innermost first), then on ``model``."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = [module for module in model.modules() if module is not model and isinstance(module, tuple(unit_classes))]
+    for unit in reversed(units):  # children before their parents
+        fully_shard(unit, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    log.debug("FSDP2 over %d ranks: %d units and the root", mesh.size(), len(units))
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _full_state_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (``_optimizer``), or itself."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def register_elan_fsdp_strategy() -> None:
+    """Make ``Trainer(strategy="elan_fsdp")`` resolve."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if "elan_fsdp" not in StrategyRegistry:
+        ElanFSDPStrategy.register_strategies(StrategyRegistry)

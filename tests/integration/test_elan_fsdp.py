@@ -1,0 +1,142 @@
+"""``strategy="elan_fsdp"`` (issue 24) as a user runs it: ``user_scripts/fsdp_mlp.py`` (a float64 MLP of Linear
+blocks, Adam, a dataset returning indices, ``ModelCheckpoint`` every 3 steps) through the real ``elan run``.
+
+The static 2-worker ``elan_fsdp`` run, with the whole model one FSDP2 unit and with each block a unit, equals the static
+``elan`` (DDP) run within 1e-9: the final parameters and Adam's states, and every checkpoint's (a full state written by
+rank 0), with each sample trained once per epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.elastic_runs import elan_env
+from tests.users.corpus import end_every_process_of, shm_dir
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).parent / "user_scripts" / "fsdp_mlp.py"
+SAMPLES, EPOCHS = 96, 2
+TOLERANCE = 1e-9
+RUN_TIMEOUT_S = 240.0
+"""A run takes about 50 s on 2 busy cores; one still going after this long is hung (killed, and it fails)."""
+
+
+@dataclass
+class FsdpRun:
+    home: Path
+    returncode: int
+    output: str
+
+    @property
+    def out(self) -> Path:
+        return self.home / "out"
+
+    def excerpt(self) -> str:
+        start = self.output.find("Traceback")
+        return f"{self.output[start : start + 5000] if start >= 0 else ''}\n...\n{self.output[-3000:]}"
+
+    def final_state(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.out / "final.pt")
+
+    def checkpoints(self) -> dict[str, dict]:
+        return {path.name: torch.load(path, weights_only=False) for path in (self.out / "checkpoints").glob("*.ckpt")}
+
+    def samples_per_epoch(self) -> dict[int, Counter]:
+        epochs: dict[int, Counter] = {}
+        for path in self.out.glob("trained-*.jsonl"):
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                epochs.setdefault(record["epoch"], Counter()).update(record["samples"])
+        return epochs
+
+    def adjustments(self) -> list[dict]:
+        path = self.home / "state" / "adjustments.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_fsdp_job(home: Path, name: str, *script_args: str, nproc: int = 2, schedule: str | None = None) -> FsdpRun:
+    """``elan run`` of the script to its end (killed with everything it started after ``RUN_TIMEOUT_S``)."""
+    home.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
+               "--coordinate-every", "1", "--state-dir", str(home / "state")]
+    if schedule:
+        command += ["--schedule", schedule]
+    command += ["--", sys.executable, str(SCRIPT), str(home / "out"), *script_args]
+    shm = shm_dir(home)
+    env = {**elan_env(home), "ELAN_SHM_DIR": str(shm)}
+    proc = subprocess.Popen(command, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output += f"\n[test] still running after {RUN_TIMEOUT_S:.0f} s: killed\n"
+    finally:
+        end_every_process_of(home)
+        shutil.rmtree(shm, ignore_errors=True)
+    (home / "output.log").write_text(output)
+    return FsdpRun(home, proc.returncode, output)
+
+
+def assert_ok(run: FsdpRun) -> None:
+    assert run.returncode == 0, f"exit {run.returncode}:\n{run.excerpt()}"
+
+
+def assert_each_sample_once(run: FsdpRun) -> None:
+    seen = run.samples_per_epoch()
+    assert sorted(seen) == list(range(EPOCHS)), f"epochs trained: {sorted(seen)}"
+    for epoch, counts in seen.items():
+        assert counts == Counter(range(SAMPLES)), f"epoch {epoch}: {sorted((s, c) for s, c in counts.items() if c > 1)}"
+
+
+def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys(), sorted(actual.keys() ^ expected.keys())
+    for key, value in expected.items():
+        difference = (torch.as_tensor(actual[key]).double() - torch.as_tensor(value).double()).abs().max().item()
+        assert difference <= TOLERANCE, f"{key}: max difference {difference:.3e}"
+
+
+def assert_checkpoints_alike(run: FsdpRun, static: FsdpRun) -> None:
+    """The same files, each a full model state equal to the static run's (within 1e-9), and its step."""
+    mine, theirs = run.checkpoints(), static.checkpoints()
+    assert sorted(mine) == sorted(theirs) == ["step=12.ckpt", "step=15.ckpt", "step=3.ckpt", "step=6.ckpt",
+                                              "step=9.ckpt"]
+    for name, checkpoint in mine.items():
+        assert checkpoint["global_step"] == theirs[name]["global_step"]
+        assert all(isinstance(value, torch.Tensor) and type(value) is torch.Tensor
+                   for value in checkpoint["state_dict"].values()), f"{name}: not a plain full state"
+        assert_states_close(checkpoint["state_dict"], theirs[name]["state_dict"])
+
+
+@pytest.fixture(scope="module")
+def static_ddp(tmp_path_factory: pytest.TempPathFactory) -> FsdpRun:
+    run = run_fsdp_job(tmp_path_factory.mktemp("static-elan"), "fsdpddp", "--strategy", "elan")
+    assert_ok(run)
+    assert_each_sample_once(run)
+    return run
+
+
+@pytest.mark.parametrize("units", ["whole", "blocks"])
+def test_static_elan_fsdp_equals_static_elan(tmp_path: Path, static_ddp: FsdpRun, units: str) -> None:
+    """2 workers, no resize: FSDP2 (one unit, or each block a unit) computes what the elastic DDP computes."""
+    run = run_fsdp_job(tmp_path, f"fsdp{units}", *(["--shard-blocks"] if units == "blocks" else []))
+
+    assert_ok(run)
+    assert not run.adjustments()
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_ddp.final_state())
+    assert_checkpoints_alike(run, static_ddp)
+

@@ -1,0 +1,132 @@
+"""A float64 MLP of a few Linear blocks trained with Adam, under ``strategy="elan"`` or ``"elan_fsdp"`` (issue 24).
+
+python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N] [--kill-step S]
+
+Every process appends the samples it trained to ``OUT/trained-<pid>.jsonl`` (one line per batch: epoch, step, the
+dataset indices, without a rank's weight-0 stand-in sample). ``ModelCheckpoint`` saves every 3 steps into
+``OUT/checkpoints``. At the end every member gathers the full state (parameters and Adam's states, by parameter name)
+and rank 0 writes ``OUT/final.pt``. ``--kill-step S``: rank 1 SIGKILLs itself as the batch of step S starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_elan  # noqa: F401
+from lightning_elan.strategy.fsdp import ElanFSDPStrategy
+
+SAMPLES, FEATURES, WIDTH = 96, 6, 16
+
+
+class Indexed(Dataset):
+    """Sample ``i``: its index, a fixed random input and a target."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(SAMPLES, FEATURES, generator=generator, dtype=torch.float64)
+        self.y = torch.sin(self.x.sum(dim=1, keepdim=True))
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int):
+        return index, self.x[index], self.y[index]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class MLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, WIDTH), Block(), Block(), Block(), nn.Linear(WIDTH, 1)).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        _, x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class RecordTrained(Callback):
+    """One line per trained batch: the samples this process trained (a stand-in sample of weight 0 left out)."""
+
+    def __init__(self, out: Path, kill_step: int | None) -> None:
+        self.path = out / f"trained-{os.getpid()}.jsonl"
+        self.kill_step = kill_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.kill_step and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        samples = [] if trainer.strategy.sample_weight == 0 else batch[0].tolist()
+        with self.path.open("a") as file:
+            file.write(json.dumps({"epoch": trainer.current_epoch, "step": trainer.global_step,
+                                   "samples": samples}) + "\n")
+
+
+def full_state(trainer: pl.Trainer, model: MLP) -> dict[str, torch.Tensor]:
+    """Parameters and Adam's states by parameter name, whole (a collective under elan_fsdp)."""
+    optimizer = trainer.optimizers[0]
+    if isinstance(trainer.strategy, ElanFSDPStrategy):
+        parameters = trainer.strategy.lightning_module_state_dict()
+        optimizer_state = trainer.strategy.optimizer_state(optimizer).get("state", {})  # rank 0 holds it
+    else:
+        parameters = model.state_dict()
+        optimizer_state = {name: optimizer.state[p] for name, p in model.named_parameters()}
+    state = {name: value.detach().clone() for name, value in parameters.items()}
+    for name, values in optimizer_state.items():
+        state.update({f"adam/{name}/{key}": torch.as_tensor(value).clone() for key, value in values.items()})
+    return state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--strategy", default="elan_fsdp")
+    parser.add_argument("--shard-blocks", action="store_true")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--kill-step", type=int, default=None)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(1)
+    strategy = ElanFSDPStrategy(shard_modules={Block}) if args.shard_blocks else args.strategy
+    model = MLP()
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", max_epochs=args.epochs, logger=False, limit_val_batches=0,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[RecordTrained(args.out, args.kill_step),
+                   ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=3, save_top_k=-1,
+                                   filename="{step}")],
+    )
+    trainer.fit(model, DataLoader(Indexed(), batch_size=6, shuffle=True))
+    if trainer.strategy.has_left:
+        return
+    state = full_state(trainer, model)
+    if trainer.is_global_zero:
+        torch.save(state, args.out / "final.pt")
+
+
+if __name__ == "__main__":
+    main()
