@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
-from collections.abc import Iterator
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -29,11 +34,56 @@ _CARRIED_ARGS = (
 
 
 def carried_arguments(user_loader: DataLoader) -> dict[str, Any]:
-    """The user's DataLoader arguments a loader that forms its own batches keeps (workers, collation, pinning)."""
+    """The user's DataLoader arguments a loader that forms its own batches keeps (workers, collation, pinning); loader
+    worker processes end with the worker that started them (:class:`EndWithParent`)."""
     kwargs = {name: getattr(user_loader, name) for name in _CARRIED_ARGS if hasattr(user_loader, name)}
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)
+    elif _forks(kwargs.get("multiprocessing_context")):
+        kwargs["worker_init_fn"] = EndWithParent(kwargs.get("worker_init_fn"))
     return kwargs
+
+
+def _forks(context: Any) -> bool:
+    """Whether loader workers are forked from the training process itself (torch's default on Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    if context is None:
+        import multiprocessing
+
+        return multiprocessing.get_start_method(allow_none=True) in (None, "fork")
+    name = context if isinstance(context, str) else getattr(context, "_name", None)
+    return name == "fork"
+
+
+class EndWithParent:
+    """A loader worker's ``worker_init_fn`` (then the user's): the worker is SIGKILLed when the process that forked it
+    dies. torch's loader worker ends when its parent is gone only if the parent was alive when the worker's watchdog
+    started (after ``worker_init_fn``): a training worker SIGKILLed while it forked its loader workers (a fault, a
+    rebuilt iterator) left them running for ever, holding the job's output open (`elan run | tee` never ended)."""
+
+    def __init__(self, user_init: Callable[[int], None] | None) -> None:
+        self.user_init = user_init
+        self.parent_pid = os.getpid()
+        self.main_thread_forks = True  # set where the iterator is made: a fork from another thread is left alone
+
+    def __call__(self, worker_id: int) -> None:
+        if self.main_thread_forks and _die_with_parent():
+            if os.getppid() != self.parent_pid:  # it died before the line above: nothing would signal this process
+                os._exit(0)
+        if self.user_init is not None:
+            self.user_init(worker_id)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> bool:
+    """``prctl(PR_SET_PDEATHSIG, SIGKILL)``: whether it took."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 class ElasticDataLoader:
@@ -81,6 +131,9 @@ class _ElasticIterator:
 
     def __next__(self) -> Any:
         if self._inner is None:
+            init = self._loader.worker_init_fn
+            if isinstance(init, EndWithParent):  # PR_SET_PDEATHSIG follows the forking thread: the main one only
+                init.main_thread_forks = threading.current_thread() is threading.main_thread()
             self._inner = iter(self._loader)
         return next(self._inner)
 
