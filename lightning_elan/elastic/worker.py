@@ -35,6 +35,7 @@ from lightning_elan.elastic.epoch_aggregates import AggregateHandover
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, UncertainCommit
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
+from lightning_elan.elastic.live_reshard import reshard_live
 from lightning_elan.elastic.logged_rows import LoggedRows
 from lightning_elan.elastic.process_group import (
     ElasticProcessGroup,
@@ -360,6 +361,7 @@ class ElasticWorker:
         self._in_training_loop = True  # admitted at the members' batch boundary
         self._spare = None  # taken, or of no use to the route the plan chose: unmapped now
         self.frontend.load_training_state(state)
+        self._reshard_live(plan)
         if not plan.stayers:  # every old member left: their epoch aggregates come to the first joiner
             self._take_aggregates(plan, plan.leavers, self._group().store, plan.step)
         phases.mark("restore")
@@ -804,6 +806,7 @@ class ElasticWorker:
         phases.mark("group")
         sent = self._send(plan, snapshot) if snapshot is not None else 0
         phases.mark("send")
+        self._reshard_live(plan)
         if not staying:
             self._leave(plan, sent, time.perf_counter() - started)
         self.frontend.after_resize()
@@ -833,6 +836,10 @@ class ElasticWorker:
         self.frontend.leave()
 
     # ------------------------------------------------------------------ state replication
+
+    def _reshard_live(self, plan: AdjustmentPlan) -> None:
+        """A sharded front-end (``LiveResharding``: elan_fsdp) moves its shards, old members and joiners together."""
+        reshard_live(self.frontend, plan, self.worker_id, self._group().store, self.backend, self.timeout)
 
     def _snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         skeleton, tensors = split_tensors(self.frontend.training_state())

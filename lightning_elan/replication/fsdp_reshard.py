@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_elan.replication.reshard import move_rows
 from lightning_elan.torch_compat import undo_fully_shard
 
-__all__ = ["ShardModules", "reshard_fsdp"]
+__all__ = ["ShardModules", "describe_optimizers", "reshard_fsdp"]
 
 ShardModules = Callable[[nn.Module, DeviceMesh], None]
 """Applies ``fully_shard`` to the module's units and the module itself on the given mesh (the user's wrapping)."""
@@ -34,16 +34,23 @@ PARAM = "param"
 
 
 def reshard_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], shard_modules: ShardModules,
-                 holders: Sequence[int], receivers: Sequence[int], mesh: DeviceMesh | None) -> None:
-    """Shard ``model`` and ``optimizers`` from the ``holders``' mesh onto ``mesh`` (None on a member that leaves)."""
-    me = dist.get_rank()
+                 holders: Sequence[int], receivers: Sequence[int], mesh: DeviceMesh | None, group: Any | None = None,
+                 skeleton: list[dict[str, Any]] | None = None) -> None:
+    """Shard ``model`` and ``optimizers`` from the ``holders``' mesh onto ``mesh`` (None on a member that leaves).
+
+    ``holders``/``receivers`` are ranks of ``group`` (default: the default group; else a process group or a c10d
+    backend, see ``move_rows``). ``skeleton``: the optimizers as :func:`describe_optimizers` describes them on a holder
+    (default: the first holder's, broadcast on the default group)."""
+    me = group.rank() if group is not None else dist.get_rank()
     names = {id(parameter): name for name, parameter in model.named_parameters()}
     like = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in model.named_parameters()}
-    skeleton = _skeleton(optimizers, names, holders[0])
+    skeleton = skeleton if skeleton is not None else _skeleton(optimizers, names, holders[0])
     held = _held_shards(model, optimizers, names) if me in holders else {}
     if me in holders:
         undo_fully_shard(model)
-    moved = {name: {kind: move_rows(held.get(name, {}).get(kind), shape.shape[0], holders, receivers, like=shape)
+    tags = iter(range(1 << 30))  # one per tensor, the same on every member (the same names and kinds, in order)
+    moved = {name: {kind: move_rows(held.get(name, {}).get(kind), shape.shape[0], holders, receivers, like=shape,
+                                    group=group, tag=next(tags))
                     for kind in _sharded_kinds(skeleton, name)} for name, shape in like.items()}
     if me not in receivers:
         return
@@ -92,6 +99,12 @@ def _skeleton(optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str]
         described[0] = [_describe(optimizer, names) for optimizer in optimizers]
     dist.broadcast_object_list(described, src=source)
     return described[0]
+
+
+def describe_optimizers(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+    """This holder's description of ``optimizers`` for :func:`reshard_fsdp`'s ``skeleton`` (picklable, small)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    return [_describe(optimizer, names) for optimizer in optimizers]
 
 
 def _describe(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ grows by its new shard only, never by a copy of the whole tensor. The moves are 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,14 +17,17 @@ __all__ = ["move_rows"]
 
 
 def move_rows(held: torch.Tensor | None, length: int, holders: Sequence[int], receivers: Sequence[int],
-              like: torch.Tensor | None = None) -> torch.Tensor | None:
+              like: torch.Tensor | None = None, group: Any | None = None, tag: int = 0) -> torch.Tensor | None:
     """This member's new shard of a tensor of ``length`` rows (None when it receives none).
 
     ``held`` is its old shard (None when it holds none: a joiner); ``like`` gives a joiner the rows' shape beyond the
     first dimension and the dtype (a meta tensor of the whole shape will do). Every holder and receiver calls it with
-    the same arguments but ``held``; ``holders`` and ``receivers`` are ranks of the default group, in shard order.
+    the same arguments but ``held``; ``holders`` and ``receivers`` are ranks of ``group`` (default: the default group;
+    else a process group or a c10d backend, used through its own ``send``/``recv``), in shard order. ``tag`` tells
+    this tensor's messages from another's between the same two members.
     """
-    me = dist.get_rank()
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    me = group.rank()
     template = held if held is not None else like
     if template is None:
         raise ValueError("move_rows needs the held shard or a tensor like it")
@@ -31,16 +35,17 @@ def move_rows(held: torch.Tensor | None, length: int, holders: Sequence[int], re
     moves = row_moves(length, holders, receivers)
     held_start = shard_rows(length, len(holders), list(holders).index(me))[0] if me in holders else 0
     new_start = shard_rows(length, len(receivers), list(receivers).index(me))[0] if me in receivers else 0
-    operations = []
+    works, sending = [], []
     for move in moves:
         if move.source == me and move.target == me:
             new_shard[move.start - new_start : move.end - new_start] = _rows(held, move, held_start)
         elif move.source == me:
-            operations.append(dist.P2POp(dist.isend, _rows(held, move, held_start), move.target))
+            rows = _rows(held, move, held_start)
+            sending.append(rows)  # alive until its send completed
+            works.append(group.send([rows], move.target, tag))
         elif move.target == me:
-            operations.append(dist.P2POp(dist.irecv, new_shard[move.start - new_start : move.end - new_start],
-                                         move.source))
-    for work in dist.batch_isend_irecv(operations) if operations else []:
+            works.append(group.recv([new_shard[move.start - new_start : move.end - new_start]], move.source, tag))
+    for work in works:
         work.wait()
     return new_shard
 

@@ -6,6 +6,12 @@ applied to the units named by ``shard_modules`` and then to the LightningModule,
 generation's group; Lightning builds the optimizers after the wrap (as for its ``ModelParallelStrategy``), so they
 hold the sharded parameters. FSDP2 averages the gradients over the mesh as DDP does, so the loss weights stay right.
 A checkpoint is a full state dict gathered by every member and written by rank 0.
+
+A resize reshards live (:class:`~lightning_elan.elastic.live_reshard.LiveResharding`): the old members (stayers and
+leavers) and the joiners move the rows of every parameter and optimizer state from their old holders to their new
+ones (``replication.fsdp_reshard.reshard_fsdp``), so a joiner receives only its shard; the rest of its state (loops,
+data position, RNG, callbacks, schedulers) comes from its source as an ``"elan"`` joiner's does, without the model and
+optimizer tensors. A member's death cannot be recovered from yet: the survivors stop with :class:`LostShard`.
 """
 
 from __future__ import annotations
@@ -16,20 +22,33 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_elan import torch_compat
+from lightning_elan import compat, torch_compat
+from lightning_elan.elastic.live_reshard import ReshardGroup
+from lightning_elan.replication.fsdp_reshard import describe_optimizers, reshard_fsdp
+from lightning_elan.replication.reception import tensor_nbytes
 from lightning_elan.strategy.strategy import ElanStrategy
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import lightning.pytorch as pl
     from lightning.fabric.strategies import _StrategyRegistry
     from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElanFSDPStrategy", "register_elan_fsdp_strategy"]
+__all__ = ["ElanFSDPStrategy", "LostShard", "register_elan_fsdp_strategy"]
 
 NOT_YET = "strategy='elan_fsdp' does not support {what} yet (issue 24); {instead}"
+LIVE_RESHARD_KEY = "elan_fsdp_live_reshard"
+"""In a joiner's checkpoint: its model and optimizer states come by the live reshard, not in the checkpoint."""
+
+
+class LostShard(RuntimeError):
+    """A member of an elan_fsdp job died: its shard of the model and optimizer is gone (no mirror yet)."""
 
 
 class ElanFSDPStrategy(ElanStrategy):
@@ -55,6 +74,8 @@ class ElanFSDPStrategy(ElanStrategy):
         self.hsdp_group_size = hsdp_group_size
         self._device_mesh: DeviceMesh | None = None
         self._mesh_name: str | None = None
+        self._snapshotting = False  # a source dumps a joiner's state: no model or optimizer tensors in it
+        self._joined_optimizers: list[dict[str, Any]] | None = None  # a joiner: its source's optimizer skeleton
 
     @classmethod
     @override
@@ -75,10 +96,16 @@ class ElanFSDPStrategy(ElanStrategy):
         """Refuse what is not supported yet, connect to the job, then build the generation's mesh."""
         self._refuse_unsupported()
         super().setup_environment()
-        if not self.engine.is_member:
-            raise NotImplementedError(NOT_YET.format(
-                what="a worker joining a running job", instead="start the job at its size (elan run --nproc N)"))
-        self._build_mesh()
+        if self.engine.is_member:
+            self._build_mesh()  # a joiner's comes with its generation (membership_changed)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """A joiner sets up unsharded (no mesh yet; its optimizers over its own parameters), then joins: the live
+        reshard shards its module and rebinds its optimizers (Lightning restores loops and schedulers after this)."""
+        super().setup(trainer)
+        if self._training_fit and not self.engine.is_member and not self.engine.has_left:
+            self._join()
 
     def _refuse_unsupported(self) -> None:
         if self.hsdp_group_size is not None:
@@ -111,9 +138,13 @@ class ElanFSDPStrategy(ElanStrategy):
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
-        if not _is_sharded(model):
-            shard_model(model, self.device_mesh, self.shard_modules, self._fully_shard_options())
+        """Sharded over the mesh; a joiner's stays whole until the live reshard (it has no mesh yet)."""
+        if self._device_mesh is not None and not _is_sharded(model):
+            self._shard(model, self._device_mesh)
         return model
+
+    def _shard(self, model: nn.Module, mesh: DeviceMesh) -> None:
+        shard_model(model, mesh, self.shard_modules, self._fully_shard_options())
 
     def _fully_shard_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
@@ -125,11 +156,84 @@ class ElanFSDPStrategy(ElanStrategy):
     def _register_ddp_hooks(self) -> None:
         """No DDP communication hooks: FSDP2 does its own reduce-scatter."""
 
+    # ------------------------------------------------------------------ a resize: the live reshard
+
     @override
-    def before_resize(self) -> None:
-        """A resize of a sharded job is not supported yet: every old member stops with this message."""
-        raise NotImplementedError(NOT_YET.format(what="a resize (workers joining, leaving or migrating)",
-                                                 instead="run the job at a fixed size"))
+    def membership_changed(self, previous_rank: int | None) -> None:
+        """A stayer or joiner in a new generation: the mesh is the new generation's (the live reshard follows)."""
+        super().membership_changed(previous_rank)
+        if self.engine.is_member:
+            self._build_mesh()
+
+    @override
+    def training_state(self) -> dict[str, Any]:
+        """A joiner's state without the parameters and optimizer states (they come by the live reshard; gathering them
+        would be a collective on the source alone): the module's buffers, the optimizers' skeleton (hyperparameters,
+        Adam's step) and everything else an ``"elan"`` joiner gets."""
+        self._snapshotting = True
+        try:
+            state = super().training_state()
+        finally:
+            self._snapshotting = False
+        state["checkpoint"][LIVE_RESHARD_KEY] = True
+        state["fsdp_optimizers"] = describe_optimizers(self.lightning_module, self._torch_optimizers())
+        return state
+
+    @override
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """As an ``"elan"`` joiner, but the model state of the checkpoint (buffers only) is not loaded strictly."""
+        self._joined_optimizers = state["fsdp_optimizers"]
+        module = self.lightning_module
+        strict = module.strict_loading
+        module.strict_loading = False
+        try:
+            super().load_training_state(state)
+        finally:
+            module.strict_loading = strict
+
+    def reshard_live(self, reshard: ReshardGroup) -> None:
+        """Move this member's shards to their new holders over ``reshard``'s group (``LiveResharding``)."""
+        receiving, holding = reshard.rank in reshard.receivers, reshard.rank in reshard.holders
+        skeleton = describe_optimizers(self.lightning_module, self._torch_optimizers()) if holding else \
+            self._joined_optimizers
+        mesh = self.device_mesh if receiving else None
+        reshard_fsdp(self.lightning_module, self._torch_optimizers(), self._shard, reshard.holders,
+                     reshard.receivers, mesh, group=reshard.group, skeleton=skeleton)
+        self._joined_optimizers = None
+        if not receiving:  # a leaver: its module's tensors are on the meta device; teardown moves them to the CPU
+            self.lightning_module.to_empty(device=self.root_device)
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [_torch_optimizer(optimizer) for optimizer in self.optimizers]
+
+    @override
+    def state_nbytes(self) -> int:
+        """What a source sends a joiner: the buffers, no parameter or optimizer state (they move in the reshard)."""
+        return tensor_nbytes(list(self.lightning_module.buffers()))
+
+    @override
+    def state_nbytes_beyond_model(self) -> int:
+        return 0
+
+    # ------------------------------------------------------------------ a member's death: not recovered yet
+
+    @override
+    def recover_from(self, error: BaseException, rollback: Callable[[], None] | None) -> bool:
+        """A member's death stops the job with :class:`LostShard` (anything else is re-raised as before)."""
+        if self.engine.has_left or isinstance(error, (compat.LeaveFit, StopIteration)):
+            raise error
+        self.engine.confirm_peer_failure(error)
+        raise self._lost_shard() from error
+
+    @override
+    def _recover_before_the_loop(self, error: BaseException) -> None:
+        self.engine.confirm_peer_failure(error)
+        raise self._lost_shard() from error
+
+    def _lost_shard(self) -> LostShard:
+        return LostShard(f"worker {self.engine.worker_id}: a member of this strategy='elan_fsdp' job died, and its "
+                         "shard of the model and optimizer state died with it; elan_fsdp cannot yet recover a lost "
+                         "shard (issue 24: mirrored shards). Restart the job from its last checkpoint")
 
     # ------------------------------------------------------------------ checkpoints: a full state dict on rank 0
 
@@ -138,6 +242,9 @@ class ElanFSDPStrategy(ElanStrategy):
         """The full model state, gathered by every member (a collective) onto the CPU."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        if self._snapshotting:  # a joiner's state: the buffers (FSDP2 keeps them whole), no parameter
+            return {name: value for name, value in self.lightning_module.state_dict().items()
+                    if not isinstance(value, DTensor)}
         return get_model_state_dict(self.lightning_module, options=_full_state_options())
 
     @override
@@ -145,6 +252,8 @@ class ElanFSDPStrategy(ElanStrategy):
         """The optimizer's full state keyed by parameter name (``get_optimizer_state_dict``; a collective)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        if self._snapshotting:
+            return {}
         return get_optimizer_state_dict(self.lightning_module, _torch_optimizer(optimizer),
                                         options=_full_state_options())
 
@@ -162,8 +271,12 @@ class ElanFSDPStrategy(ElanStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Each optimizer's full state (as :meth:`optimizer_state` wrote it) into its shards."""
+        """Each optimizer's full state (as :meth:`optimizer_state` wrote it) into its shards; a joiner's came by the
+        live reshard."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        if checkpoint.get(LIVE_RESHARD_KEY):
+            return
 
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             set_optimizer_state_dict(self.lightning_module, _torch_optimizer(optimizer), state,

@@ -140,3 +140,40 @@ def test_static_elan_fsdp_equals_static_elan(tmp_path: Path, static_ddp: FsdpRun
     assert_states_close(run.final_state(), static_ddp.final_state())
     assert_checkpoints_alike(run, static_ddp)
 
+
+SCHEDULE = "3:add=1,6:remove=rank:0,9:migrate=1"
+
+
+@pytest.fixture(scope="module")
+def static_fsdp(tmp_path_factory: pytest.TempPathFactory) -> FsdpRun:
+    run = run_fsdp_job(tmp_path_factory.mktemp("static-fsdp"), "fsdpstatic")
+    assert_ok(run)
+    assert_each_sample_once(run)
+    return run
+
+
+@pytest.mark.parametrize("units", ["whole", "blocks"])
+def test_elastic_elan_fsdp_equals_the_static_run(tmp_path: Path, static_fsdp: FsdpRun, units: str) -> None:
+    """2 workers grow to 3 at step 3, rank 0 leaves at 6, one worker migrates at 9: each resize reshards live (the
+    joiners receive only their shards), and the job computes what the static 2-worker elan_fsdp run computes."""
+    run = run_fsdp_job(tmp_path, f"fsdpel{units}", *(["--shard-blocks"] if units == "blocks" else []),
+                       schedule=SCHEDULE)
+
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("remove", 2),
+                                                                            ("migrate", 2)], run.adjustments()
+    # every participant of each resize resharded: w0, w1, w2 at the add and the removal, w1, w2, w3 at the migration
+    assert run.output.count("resharded live") == 9, run.excerpt()
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())
+    assert_checkpoints_alike(run, static_fsdp)
+
+
+def test_a_killed_member_stops_the_job_with_a_clear_message(tmp_path: Path) -> None:
+    """Recovering a lost shard is not built yet: a SIGKILLed member makes the survivors stop with that message,
+    never a hang."""
+    run = run_fsdp_job(tmp_path, "fsdpkill", "--kill-step", "5")
+
+    assert run.returncode != 0
+    assert "still running after" not in run.output
+    assert "elan_fsdp cannot yet recover a lost shard" in run.output.replace("\n", " "), run.excerpt()

@@ -5,13 +5,15 @@ python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N]
 Every process appends the samples it trained to ``OUT/trained-<pid>.jsonl`` (one line per batch: epoch, step, the
 dataset indices, without a rank's weight-0 stand-in sample). ``ModelCheckpoint`` saves every 3 steps into
 ``OUT/checkpoints``. At the end every member gathers the full state (parameters and Adam's states, by parameter name)
-and rank 0 writes ``OUT/final.pt``. ``--kill-step S``: rank 1 SIGKILLs itself as the batch of step S starts.
+and rank 0 writes ``OUT/final.pt``. Each member's live reshards are logged (``resharded live``). ``--kill-step S``:
+rank 1 SIGKILLs itself as the batch of step S starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 from pathlib import Path
@@ -110,6 +112,9 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    reshards = logging.getLogger("lightning_elan.elastic.live_reshard")  # one line per member and live reshard
+    reshards.setLevel(logging.INFO)
+    reshards.addHandler(logging.StreamHandler())
     pl.seed_everything(1)
     strategy = ElanFSDPStrategy(shard_modules={Block}) if args.shard_blocks else args.strategy
     model = MLP()
