@@ -97,6 +97,8 @@ class ElanStrategy(DDPStrategy):
         self.engine.attach(self)
         self._collectives_local = False
         self._training_fit = False  # from setup to teardown of a fit that trains (not Tuner.lr_find's)
+        self._evaluation_limits: dict[str, int | float] = {}  # the user's limit_*_batches
+        self._evaluation_limits_warned: set[str] = set()
         self._current_share: LocalShare | None = None
         self._applied_steps = AppliedSteps()  # manual optimization: the batch's steps, until it stands
         self._loader_rng = LoaderRNG()  # the random state the data-loader hooks were called with
@@ -467,6 +469,7 @@ class ElanStrategy(DDPStrategy):
         self._loader_rng.replay(compat.VALIDATION_LOADER_HOOK)
 
     def _shard_for_evaluation(self, trainer: pl.Trainer, dataloader: object) -> object:
+        self._keep_evaluation_limit_global(trainer)
         if (
             not compat.user_wants_distributed_sampler(trainer)
             or self.world_size < 2
@@ -480,6 +483,29 @@ class ElanStrategy(DDPStrategy):
         sampler = DistributedSampler(dataloader.dataset, num_replicas=self.world_size, rank=self.global_rank,
                                      shuffle=False)
         return compat.with_sampler(dataloader, sampler, trainer.state.stage)
+
+    def _keep_evaluation_limit_global(self, trainer: pl.Trainer) -> None:
+        """An int ``limit_val_batches``/``limit_test_batches`` counts batches per process: the static run of the launch
+        world evaluates ``limit × launch world`` batches, the first samples of the dataset (each process's shard
+        interleaves it). At another world the per-process limit is set so the job evaluates as many, the same samples
+        (rounded up where the world does not divide them: a warning says so); a fraction scales with the shard."""
+        stage = trainer.state.stage
+        if stage not in _EVALUATION_LIMITED or not self.engine.is_member:
+            return
+        name = f"limit_{stage.dataloader_prefix}_batches"
+        limit = self._evaluation_limits.setdefault(name, getattr(trainer, name))
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            return
+        if not compat.user_wants_distributed_sampler(trainer):
+            return  # the user's own sampler shards: their limit is theirs
+        total = limit * self._launch_world_size()
+        per_process = -(-total // self.world_size)
+        if per_process * self.world_size != total and name not in self._evaluation_limits_warned:
+            self._evaluation_limits_warned.add(name)
+            log.warning("%s=%d per process at %d workers is %d batches; at %d workers each evaluates %d (%d in all)",
+                        name, limit, self._launch_world_size(), total, self.world_size, per_process,
+                        per_process * self.world_size)
+        setattr(trainer, name, per_process)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -708,6 +734,7 @@ def _install_coordinator(trainer: pl.Trainer, strategy: ElanStrategy) -> None:
         trainer.callbacks.append(_ElanCoordinator(strategy))
 
 
+_EVALUATION_LIMITED = (RunningStage.SANITY_CHECKING, RunningStage.VALIDATING, RunningStage.TESTING)
 _LIMIT_OF_STAGE = {TrainerFn.VALIDATING: "limit_val_batches", TrainerFn.TESTING: "limit_test_batches",
                    TrainerFn.PREDICTING: "limit_predict_batches"}
 
