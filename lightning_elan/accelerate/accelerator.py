@@ -133,6 +133,7 @@ class ElasticAccelerator(Accelerator):
         self._committed = False
         self._aborted = False  # a member died during this batch's step: the rest of it is a no-op, then redone
         self._recovery_due = False  # a member died after this batch's step was committed: it stands, then recover
+        self._cut_after_commit = False  # ... in a later collective of the batch (a second model's backward)
         self._step_open = False  # micro-batches were taken since the last committed optimizer step
         self._step_counter_at_open = 0  # Accelerate's micro-step counter when the open step began
         self.recoveries = 0  # member deaths this worker recovered from
@@ -412,6 +413,9 @@ class ElasticAccelerator(Accelerator):
                 self.elastic_scaling.policy.timer.optimizer_step()
         if self._aborted:
             return False, None
+        if self._cut_after_commit:
+            self._skip_step_after_cut()
+            return False, None
         scale = self.elastic_scaling.lr_scale_at(self.optimizer_steps)
         return True, None if scale == 1.0 else ScaledParamGroups(optimizer, scale)
 
@@ -426,7 +430,7 @@ class ElasticAccelerator(Accelerator):
             if not self._recovery_due:
                 log.warning("worker %s: a member of generation %s died after step %d was committed: it stands",
                             self.engine.worker_id, self.engine.generation, self.optimizer_steps + 1)
-            self._recovery_due = True
+            self._recovery_due = self._cut_after_commit = True
             return
         if not self._aborted:
             log.warning("worker %s: a member of generation %s died; the step is discarded and redone",
@@ -618,6 +622,27 @@ class ElasticAccelerator(Accelerator):
         step that was not committed are dropped (its batches are redone)."""
         if self._step_open:
             self._discard_open_step()
+        elif self._cut_after_commit:
+            self._discard_cut_iterations()
+
+    def _skip_step_after_cut(self) -> None:
+        """An optimizer step of a batch whose step was committed (by its first optimizer step) before a member died in
+        a later collective of the batch: its gradients were not all-reduced with every member, so it is not applied."""
+        log.warning("worker %s: a member died after step %d was committed (its first optimizer step), in a later "
+                    "backward of the same batch: this later optimizer step is not applied (its gradients are not "
+                    "the whole batch's); the job goes on, but this step differs from a static run's (two optimizers "
+                    "stepped in one batch, a GAN: the first one's step stands)", self.engine.worker_id,
+                    self.optimizer_steps + 1)
+
+    def _discard_cut_iterations(self) -> None:
+        """After a death in a backward that followed the batch's commit: no gradients, and each elastic DDP without
+        the interrupted iteration (its reducer would fail the next forward: 'unmarked_param_indices')."""
+        for optimizer in compat.prepared_optimizers(self):
+            optimizer.optimizer.zero_grad(set_to_none=True)
+        for model in compat.prepared_models(self):
+            if isinstance(model, ElasticDistributedDataParallel):
+                model.discard_iteration()
+        self._cut_after_commit = False
 
     def _discard_open_step(self) -> None:
         """Whatever phase the death cut short (a forward, a backward or its all-reduce, the vote), the redo starts
