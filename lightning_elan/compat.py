@@ -13,11 +13,11 @@ from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from packaging.version import Version
 from torchmetrics import Metric
@@ -958,6 +958,38 @@ def move_progress_bar(trainer: pl.Trainer, loop_started: bool = True) -> None:
             callback.train_progress_bar = callback.init_train_tqdm()
             callback.train_progress_bar.reset(total=trainer.num_training_batches)
             callback.train_progress_bar.initial = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def move_throughput_monitors(trainer: pl.Trainer, loop_started: bool = True) -> None:
+    """``ThroughputMonitor`` after a resize: its ``Throughput``s count the new world (``setup`` gave them the world
+    size of then), and a process that became global rank 0 in the training loop starts measuring there. Its hooks are
+    ``rank_zero_only``: ``on_train_start`` called ``_start`` (the training stage's clock and counts) on the old rank 0
+    only, so the new rank 0's first ``on_train_batch_end`` failed with ``KeyError: <RunningStage.TRAINING>``."""
+    for callback in trainer.callbacks:
+        if not isinstance(callback, ThroughputMonitor):
+            continue
+        for throughput in callback._throughputs.values():
+            throughput.world_size = max(trainer.world_size, 1)
+        stage = trainer.state.stage
+        if loop_started and trainer.is_global_zero and stage == RunningStage.TRAINING and stage not in callback._t0s:
+            callback._start(trainer)
+
+
+def no_throughput_setup_after_leaving(trainer: pl.Trainer, left: Callable[[], bool]) -> None:
+    """A ``trainer.validate/test/predict`` on a worker that ``left()`` the job skips ``ThroughputMonitor.setup``: it
+    builds a ``Throughput`` with ``trainer.world_size``, 0 on a leaver (``assert world_size > 0`` failed before the
+    strategy's ``setup`` skipped the stage). The leaver's evaluation runs no batch, so the monitor measures nothing."""
+    for callback in trainer.callbacks:
+        if not isinstance(callback, ThroughputMonitor) or hasattr(callback, "_elan_left"):
+            continue
+        setup = type(callback).setup.__get__(callback)
+
+        def setup_unless_left(*args: Any, callback: Any = callback, setup: Any = setup, **kwargs: Any) -> None:
+            if not callback._elan_left():
+                setup(*args, **kwargs)
+
+        callback.setup = setup_unless_left
+        callback._elan_left = left
 
 
 def adopt_loggers(trainer: pl.Trainer) -> None:

@@ -240,6 +240,7 @@ class ElanStrategy(DDPStrategy):
         self._training_fit = not compat.tuning(trainer)
         compat.around_dataloader_requests(trainer, self._loader_rng.call)
         compat.no_checkpoint_selected_after_leaving(trainer, lambda: self.engine.has_left)
+        compat.no_throughput_setup_after_leaving(trainer, lambda: self.engine.has_left)
         if self.engine.has_left:
             log.info("worker %s left the job: this fit is skipped here (the job's workers train)",
                      self.engine.worker_id)
@@ -402,6 +403,7 @@ class ElanStrategy(DDPStrategy):
             compat.refresh_epoch_length(trainer)  # the global batch may have changed: the epoch has a new length
         self._reshard_evaluation(trainer)
         compat.move_progress_bar(trainer, loop_started=not self._pre_loop.recording)
+        compat.move_throughput_monitors(trainer, loop_started=not self._pre_loop.recording)
 
     def leave(self) -> NoReturn:
         raise compat.LeaveFit
