@@ -17,10 +17,12 @@ optimizer tensors. A member's death cannot be recovered from yet: the survivors 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
@@ -105,7 +107,30 @@ class ElanFSDPStrategy(ElanStrategy):
         reshard shards its module and rebinds its optimizers (Lightning restores loops and schedulers after this)."""
         super().setup(trainer)
         if self._training_fit and not self.engine.is_member and not self.engine.has_left:
+            _materialize_meta_buffers(self.lightning_module, self.root_device)
             self._join()
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """A joiner's ``configure_model`` builds on the meta device: its shards arrive in the live reshard."""
+        if self._joiner_fitting():
+            with torch.device("meta"):
+                yield
+        else:
+            with super().model_sharded_context():
+                yield
+
+    @override
+    def model_to_device(self) -> None:
+        """A joiner's module built on the meta device stays there until the live reshard assigns its shards."""
+        if not (self._joiner_fitting() and _has_meta_tensors(self.lightning_module)):
+            super().model_to_device()
+
+    def _joiner_fitting(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        return fitting and self.engine.environment.joiner and not self.engine.is_member and not self.engine.has_left
 
     def _refuse_unsupported(self) -> None:
         if self.hsdp_group_size is not None:
@@ -299,6 +324,25 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, unit_classes: frozenset[type
         fully_shard(unit, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
     log.debug("FSDP2 over %d ranks: %d units and the root", mesh.size(), len(units))
+
+
+def _has_meta_tensors(model: nn.Module) -> bool:
+    return any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()])
+
+
+def _materialize_meta_buffers(model: nn.Module, device: torch.device) -> None:
+    """A joiner's buffers built on the meta device get memory (their values come with the source's state); one that
+    is not in the state dict (non-persistent) cannot be received: a warning names it."""
+    persistent = set(model.state_dict(keep_vars=True))
+    for module_name, module in model.named_modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is None or not buffer.is_meta:
+                continue
+            module._buffers[name] = torch.empty_like(buffer, device=device)
+            qualified = f"{module_name}.{name}" if module_name else name
+            if qualified not in persistent:
+                log.warning("strategy='elan_fsdp': the non-persistent buffer %s was built on the meta device on this "
+                            "joiner and is not received with the state: its values are uninitialised", qualified)
 
 
 def _is_sharded(model: nn.Module) -> bool:

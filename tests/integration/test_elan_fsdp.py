@@ -177,3 +177,18 @@ def test_a_killed_member_stops_the_job_with_a_clear_message(tmp_path: Path) -> N
     assert run.returncode != 0
     assert "still running after" not in run.output
     assert "elan_fsdp cannot yet recover a lost shard" in run.output.replace("\n", " "), run.excerpt()
+
+
+def test_a_joiner_builds_its_module_on_the_meta_device(tmp_path: Path) -> None:
+    """The network built in ``configure_model``: on the launch workers whole, on each joiner on the meta device (it
+    holds nothing but the shard it receives); the elastic run equals the static one within 1e-9."""
+    static = run_fsdp_job(tmp_path / "static", "fsdpcmstatic", "--configure-model")
+    run = run_fsdp_job(tmp_path / "elastic", "fsdpcm", "--configure-model", schedule=SCHEDULE)
+
+    assert_ok(static)
+    assert_ok(run)
+    built = [json.loads(path.read_text())["meta"] for path in run.out.glob("built-*.json")]
+    assert sorted(built) == [False, False, True, True], built  # 2 launch workers, 2 joiners
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static.final_state())
+    assert_checkpoints_alike(run, static)

@@ -1,12 +1,13 @@
 """A float64 MLP of a few Linear blocks trained with Adam, under ``strategy="elan"`` or ``"elan_fsdp"`` (issue 24).
 
-python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N] [--kill-step S]
+python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N] [--kill-step S] [--configure-model]
 
 Every process appends the samples it trained to ``OUT/trained-<pid>.jsonl`` (one line per batch: epoch, step, the
 dataset indices, without a rank's weight-0 stand-in sample). ``ModelCheckpoint`` saves every 3 steps into
-``OUT/checkpoints``. At the end every member gathers the full state (parameters and Adam's states, by parameter name)
-and rank 0 writes ``OUT/final.pt``. Each member's live reshards are logged (``resharded live``). ``--kill-step S``:
-rank 1 SIGKILLs itself as the batch of step S starts.
+``OUT/checkpoints``. ``--configure-model``: the network is built in ``configure_model``, which writes
+``OUT/built-<pid>.json`` (whether it was built on the meta device). At the end every member gathers the full state
+(parameters and Adam's states, by parameter name) and rank 0 writes ``OUT/final.pt``. Each member's live reshards are
+logged (``resharded live``). ``--kill-step S``: rank 1 SIGKILLs itself as the batch of step S starts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import lightning_elan  # noqa: F401
 from lightning_elan.strategy.fsdp import ElanFSDPStrategy
 
 SAMPLES, FEATURES, WIDTH = 96, 6, 16
+OUT = "."  # set from the command line
 
 
 class Indexed(Dataset):
@@ -54,10 +56,22 @@ class Block(nn.Module):
         return torch.tanh(self.linear(x))
 
 
+def network() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(FEATURES, WIDTH), Block(), Block(), Block(), nn.Linear(WIDTH, 1)).double()
+
+
 class MLP(pl.LightningModule):
-    def __init__(self) -> None:
+    """``in_configure_model``: the network is built in ``configure_model`` (on a joiner: on the meta device)."""
+
+    def __init__(self, in_configure_model: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(FEATURES, WIDTH), Block(), Block(), Block(), nn.Linear(WIDTH, 1)).double()
+        self.net = None if in_configure_model else network()
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = network()
+            built = {"meta": all(parameter.is_meta for parameter in self.net.parameters())}
+            (Path(OUT) / f"built-{os.getpid()}.json").write_text(json.dumps(built))  # a joiner's: meta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -110,14 +124,17 @@ def main() -> None:
     parser.add_argument("--shard-blocks", action="store_true")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--kill-step", type=int, default=None)
+    parser.add_argument("--configure-model", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    global OUT
+    OUT = str(args.out)
     reshards = logging.getLogger("lightning_elan.elastic.live_reshard")  # one line per member and live reshard
     reshards.setLevel(logging.INFO)
     reshards.addHandler(logging.StreamHandler())
     pl.seed_everything(1)
     strategy = ElanFSDPStrategy(shard_modules={Block}) if args.shard_blocks else args.strategy
-    model = MLP()
+    model = MLP(in_configure_model=args.configure_model)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_epochs=args.epochs, logger=False, limit_val_batches=0,
         enable_progress_bar=False, enable_model_summary=False,
