@@ -112,7 +112,6 @@ class ElasticAccelerator(Accelerator):
                                     global_batch=plugin.global_batch_size, send_ahead=plugin.send_ahead)
         self.engine.attach(self)
         self.optimizer_steps = 0
-        self.launch_world_size = max(environment.world_size, 1)  # a joiner receives the job's with its state
         self.elastic_scaling = AccelerateScaling(plugin, lambda: self.optimizer_steps)
         self.engine.register_scaling(self.elastic_scaling)
         self._train_loader: ElasticTrainLoader | None = None
@@ -174,6 +173,12 @@ class ElasticAccelerator(Accelerator):
         """A member died during the current batch's step: it is not applied (``optimizer.step()``,
         ``scheduler.step()`` do nothing) and its global batch is redone by the survivors from the next batch on."""
         return self._aborted
+
+    @property
+    def launch_world_size(self) -> int:
+        """The job's world when it started: what a per-process ``batch_size`` and the LR schedule's steps per optimizer
+        step mean. The engine's: a joiner receives its source's with its state, ``load_state`` sets the checkpoint's."""
+        return self.engine.launch_world_size or 1
 
     @property
     def data_position(self) -> Any:
@@ -595,7 +600,7 @@ class ElasticAccelerator(Accelerator):
     def _load_loop_state(self, loop: dict[str, Any]) -> None:
         self.optimizer_steps = int(loop["optimizer_steps"])
         self.step = int(loop["accelerate_step"])
-        self.launch_world_size = int(loop["launch_world_size"])
+        self.engine.launch_world_size = int(loop["launch_world_size"])
         self.elastic_scaling.load_state_dict(loop["scaling"])
 
     def epoch_aggregates(self) -> dict[str, Any] | None:

@@ -23,7 +23,9 @@ __all__ = ["ElasticOptimizer", "ElasticScheduler", "StepCommit"]
 class StepCommit(Protocol):
     """What the wrappers ask of the accelerator at a synchronised step (``ElasticAccelerator`` implements it)."""
 
-    launch_world_size: int  # the LR schedule steps this many times per optimizer step, whatever the world of the moment
+    @property
+    def launch_world_size(self) -> int:
+        """The LR schedule steps this many times per optimizer step, whatever the world of the moment."""
 
     @property
     def step_discarded(self) -> bool:
