@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -405,6 +406,28 @@ class ElanStrategy(DDPStrategy):
         compat.move_progress_bar(trainer, loop_started=not self._pre_loop.recording)
         compat.move_throughput_monitors(trainer, loop_started=not self._pre_loop.recording)
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """An error ended ``trainer.validate/test/predict`` (outside ``fit``): when a member died meanwhile, say so in
+        one error line. A death is recovered from during ``fit`` only; the evaluations around it are not, and the
+        survivors' error is gloo's ("Connection reset by peer"), which does not name the death."""
+        super().on_exception(exception)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn == TrainerFn.FITTING or not self.engine.is_member:
+            return
+        if self.world_size > 1 and isinstance(exception, RuntimeError) and self._member_died_within(_DEATH_NOTICE_S):
+            log.error("worker %s: a member of the job died during trainer.%s after fit; elan recovers from a death "
+                      "during fit only, so this %s stops here with the error below", self.engine.worker_id,
+                      trainer.state.fn.value, trainer.state.fn.value)
+
+    def _member_died_within(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while not self.engine.peer_failed:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
     def leave(self) -> NoReturn:
         raise compat.LeaveFit
 
@@ -736,6 +759,9 @@ def _install_coordinator(trainer: pl.Trainer, strategy: ElanStrategy) -> None:
         trainer.callbacks.append(_ElanCoordinator(strategy))
 
 
+_DEATH_NOTICE_S = 10.0
+"""How long an evaluation's collective error waits for the AM's notice of a member's death before it is taken as
+the process's own."""
 _EVALUATION_LIMITED = (RunningStage.SANITY_CHECKING, RunningStage.VALIDATING, RunningStage.TESTING)
 _LIMIT_OF_STAGE = {TrainerFn.VALIDATING: "limit_val_batches", TrainerFn.TESTING: "limit_test_batches",
                    TrainerFn.PREDICTING: "limit_predict_batches"}

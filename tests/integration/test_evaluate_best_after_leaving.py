@@ -17,17 +17,18 @@ pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).parent / "user_scripts" / "test_best_after_fit.py"
 
 
-def run(tmp_path: Path, name: str, schedule: str | None) -> tuple[str, list[dict]]:
+def run(tmp_path: Path, name: str, schedule: str | None, *args: str, ok: bool = True) -> tuple[str, list[dict]]:
     command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "2", "--job", name, "--coordinate-every",
                "1", "--state-dir", str(tmp_path / f"{name}-state")]
     if schedule:
         command += ["--schedule", schedule]
     out = tmp_path / name
-    command += ["--", sys.executable, str(SCRIPT), str(out)]
+    command += ["--", sys.executable, str(SCRIPT), str(out), *args]
     job = subprocess.run(command, env=elan_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=300)
-    assert job.returncode == 0, job.stdout[-4000:]
-    assert "Traceback" not in job.stdout, job.stdout[-4000:]
+    if ok:
+        assert job.returncode == 0, job.stdout[-4000:]
+        assert "Traceback" not in job.stdout, job.stdout[-4000:]
     return job.stdout, [json.loads(path.read_text()) for path in sorted(out.glob("tested-*.json"))]
 
 
@@ -40,3 +41,13 @@ def test_a_worker_that_left_skips_the_test_of_the_best_checkpoint(tmp_path: Path
     assert [result["results"] for result in elastic if result["rank"] == -1] == [[]], "the leaver tests nothing"
     tested = next(result["results"][0]["test_loss"] for result in elastic if result["rank"] == 0)
     assert abs(tested - expected) <= 1e-9, (tested, expected)
+
+
+def test_a_death_during_the_test_after_fit_is_named(tmp_path: Path) -> None:
+    """A member SIGKILLed in ``trainer.test`` after ``fit``: elan recovers from deaths during ``fit`` only, so the job
+    fails, but the survivor says why before gloo's "Connection reset by peer" traceback (before: that traceback
+    only)."""
+    output, tested = run(tmp_path, "dies", None, "--die-testing", ok=False)
+    assert "elan: error: job dies fails" in output, output[-4000:]
+    assert "a member of the job died during trainer.test after fit" in output, output[-4000:]
+    assert tested == []

@@ -2,14 +2,16 @@
 ``trainer.test(ckpt_path="best")``, as Lightning's docs show. It knows nothing of lightning_elan beyond
 ``strategy="elan"``.
 
-python test_best_after_fit.py OUT
+python test_best_after_fit.py OUT [--die-testing]
 
-Every process that tests writes ``OUT/tested-<pid>.json`` (its rank and the test results)."""
+Every process that tests writes ``OUT/tested-<pid>.json`` (its rank and the test results). ``--die-testing``: the
+process of rank 1 SIGKILLs itself at the test's second batch."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -44,6 +46,8 @@ class Regressor(pl.LightningModule):
         self.log("val_loss", self.loss(batch), sync_dist=True)
 
     def test_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        if "--die-testing" in sys.argv and self.global_rank == 1 and batch_idx == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
         self.log("test_loss", self.loss(batch), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
