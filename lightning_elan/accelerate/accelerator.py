@@ -86,8 +86,9 @@ EPOCH_LOOP_REQUIRED = (
     "not a local variable: a joiner's starts at 0. (A plain `python train.py` run, without `elan run`, may loop as "
     "it likes.)")
 
-# a joiner warming up is no one's main process until its generation forms
-_PROVISIONAL_RANK, _PROVISIONAL_WORLD = 1, 2
+# a joiner warming up is no one's main process until its generation forms: rank 1 of the job's launch world (of 2 at
+# least), so that a schedule sized with num_processes before prepare() (transformers' examples) is the members' one
+_PROVISIONAL_RANK, _LEAST_PROVISIONAL_WORLD = 1, 2
 _LEFT_RANK = -1
 
 
@@ -687,7 +688,8 @@ class ElasticAccelerator(Accelerator):
             self._group_view = engine.generation_group
             compat.set_process_state(True, device, engine.backend, engine.world_size, engine.rank)
         else:  # a joiner warming up: local collectives, not the main process
-            compat.set_process_state(False, device, None, _PROVISIONAL_WORLD, _PROVISIONAL_RANK)
+            world = max(self.launch_world_size, _LEAST_PROVISIONAL_WORLD)
+            compat.set_process_state(False, device, None, world, _PROVISIONAL_RANK)
 
     # ------------------------------------------------------------------ collectives in the loop
 

@@ -173,7 +173,8 @@ class ElasticWorker:
         send_ahead: str | None = None,
     ) -> None:
         self.environment = environment
-        self.launch_world_size = environment.world_size or None  # a joiner's comes with its state
+        # a joiner's comes with its state; the launcher tells it ahead (where it knows it) for code run before that
+        self.launch_world_size = environment.world_size or environment.launch_world_size or None
         self.coordinate_every = coordinate_every or environment.coordinate_every
         if self.coordinate_every < 1:
             raise ValueError(f"coordinate_every must be >= 1, got {self.coordinate_every}")

@@ -185,6 +185,7 @@ class JobLauncher:
         self._store: Any = None
         self._client: AMClient | None = None
         self._workers: dict[str, WorkerProcess] = {}
+        self._launch_world_size = 0  # the members of generation 0, once spawned: every joiner is told it
         self._device_count = self._count_devices(config.devices)
         self._device_cursor = 0
         self._signals: list[int] = []
@@ -331,7 +332,7 @@ class JobLauncher:
     # ------------------------------------------------------------------ spawning
 
     def _spawn_members(self, members: list[str]) -> None:
-        world_size = len(members)
+        world_size = self._launch_world_size = len(members)
         for rank, worker_id in enumerate(members):
             detail = f"member, rank {rank} of {world_size}"
             self._spawn(worker_id, ROLE_MEMBER, rank=rank, world_size=world_size, detail=detail)
@@ -370,6 +371,7 @@ class JobLauncher:
             world_size=world_size,
             device_index=device_index,
             term_grace_s=self.config.term_grace_s,
+            launch_world_size=self._launch_world_size if role == ROLE_JOINER else 0,
         )
         env = self._worker_env(description)
         process = subprocess.Popen(self.config.command, env=env,

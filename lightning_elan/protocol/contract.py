@@ -84,6 +84,7 @@ ENV_ROLE = ENV_PREFIX + "ROLE"
 ENV_GENERATION = ENV_PREFIX + "GENERATION"
 ENV_RANK = ENV_PREFIX + "RANK"
 ENV_WORLD_SIZE = ENV_PREFIX + "WORLD_SIZE"
+ENV_LAUNCH_WORLD_SIZE = ENV_PREFIX + "LAUNCH_WORLD_SIZE"  # a joiner: the job's world at its launch (``--nproc``)
 ENV_COORDINATE_EVERY = ENV_PREFIX + "COORDINATE_EVERY"
 ENV_SPAWN_TIME = ENV_PREFIX + "SPAWN_TIME"
 ENV_DEVICE_INDEX = ENV_PREFIX + "DEVICE_INDEX"
@@ -97,6 +98,7 @@ WORKER_ENV_VARS: tuple[str, ...] = (
     ENV_GENERATION,
     ENV_RANK,
     ENV_WORLD_SIZE,
+    ENV_LAUNCH_WORLD_SIZE,
     ENV_COORDINATE_EVERY,
     ENV_SPAWN_TIME,
     ENV_DEVICE_INDEX,
@@ -1225,6 +1227,7 @@ class WorkerEnvironment:
     spawn_time: float
     device_index: int | None
     term_grace_s: float = DEFAULT_TERM_GRACE_S  # SIGTERM → leave; not left this long after → the crash path
+    launch_world_size: int = 0  # the job's world at its launch, where the launcher knows it (0: unknown)
 
     @property
     def standalone(self) -> bool:
@@ -1259,6 +1262,7 @@ class WorkerEnvironment:
             spawn_time=float(env.get(ENV_SPAWN_TIME, time.time())),
             device_index=None if device in (None, "") else int(device),
             term_grace_s=_term_grace(env.get(ENV_TERM_GRACE)),
+            launch_world_size=int(env.get(ENV_LAUNCH_WORLD_SIZE, 0)),
         )
 
     @classmethod
@@ -1281,12 +1285,14 @@ class WorkerEnvironment:
         spawn_time: float | None = None,
         device_index: int | None = None,
         term_grace_s: float = DEFAULT_TERM_GRACE_S,
+        launch_world_size: int = 0,
     ) -> WorkerEnvironment:
-        """What the launcher gives a member of generation 0 (with ``rank``/``world_size``) or a joiner."""
+        """What the launcher gives a member of generation 0 (with ``rank``/``world_size``) or a joiner (with the job's
+        ``launch_world_size`` where the launcher knows it)."""
         generation = 0 if role == ROLE_MEMBER else -1
         spawn_time = time.time() if spawn_time is None else spawn_time
         return cls(job, worker_id, role, am_address, store_address, generation, rank, world_size, coordinate_every,
-                   spawn_time, device_index, term_grace_s)
+                   spawn_time, device_index, term_grace_s, launch_world_size)
 
     def to_env(self) -> dict[str, str]:
         """The ``ELAN_*`` variables that make ``from_env`` return this description (joiners carry no rank)."""
@@ -1305,6 +1311,8 @@ class WorkerEnvironment:
         if self.role == ROLE_MEMBER:
             env.update({ENV_GENERATION: str(self.generation), ENV_RANK: str(self.rank),
                         ENV_WORLD_SIZE: str(self.world_size)})
+        if self.launch_world_size > 0:
+            env[ENV_LAUNCH_WORLD_SIZE] = str(self.launch_world_size)
         if self.device_index is not None:
             env[ENV_DEVICE_INDEX] = str(self.device_index)
         return env
@@ -1369,6 +1377,7 @@ __all__ = [
     "ENV_HOME",
     "ENV_IFACE",
     "ENV_JOB",
+    "ENV_LAUNCH_WORLD_SIZE",
     "ENV_PREFIX",
     "ENV_RANK",
     "ENV_REPLICATION",

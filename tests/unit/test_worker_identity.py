@@ -62,8 +62,9 @@ def test_a_bad_role_is_refused() -> None:
         launched("member", rank=2, world_size=3, device_index=0),
         launched("joiner"),
         launched("joiner", term_grace_s=7.5),
+        launched("joiner", launch_world_size=3),
     ],
-    ids=["member", "joiner", "term-grace"],
+    ids=["member", "joiner", "term-grace", "joiner-told-the-launch-world"],
 )
 def test_to_env_round_trips_through_from_env(environment: WorkerEnvironment) -> None:
     env = environment.to_env()
@@ -78,6 +79,14 @@ def test_a_joiners_environment_carries_no_rank_and_a_member_carries_generation_z
 
     assert {"ELAN_RANK", "ELAN_WORLD_SIZE", "ELAN_GENERATION", "ELAN_DEVICE_INDEX"}.isdisjoint(joiner)
     assert (member["ELAN_GENERATION"], member["ELAN_RANK"], member["ELAN_WORLD_SIZE"]) == ("0", "0", "2")
+
+
+def test_a_joiner_told_the_launch_world_reads_it_and_one_not_told_reads_zero() -> None:
+    told = WorkerEnvironment.from_env({**BASE, "ELAN_ROLE": "joiner", "ELAN_LAUNCH_WORLD_SIZE": "3"})
+
+    assert (told.world_size, told.launch_world_size) == (0, 3)  # no world of its own until its plan
+    assert WorkerEnvironment.from_env({**BASE, "ELAN_ROLE": "joiner"}).launch_world_size == 0
+    assert "ELAN_LAUNCH_WORLD_SIZE" not in launched("joiner").to_env()
 
 
 def test_split_host_port() -> None:
