@@ -12,8 +12,8 @@ other states (Adam's ``step``) and its groups' hyperparameters are the first hol
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_elan.replication.reshard import move_rows
+from lightning_elan.replication.reshard import DEFAULT_CHUNK_BYTES, move_rows
 from lightning_elan.torch_compat import undo_fully_shard
 
 __all__ = ["ShardModules", "describe_optimizers", "reshard_fsdp"]
@@ -35,48 +35,66 @@ PARAM = "param"
 
 def reshard_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], shard_modules: ShardModules,
                  holders: Sequence[int], receivers: Sequence[int], mesh: DeviceMesh | None, group: Any | None = None,
-                 skeleton: list[dict[str, Any]] | None = None) -> None:
+                 skeleton: list[dict[str, Any]] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
     """Shard ``model`` and ``optimizers`` from the ``holders``' mesh onto ``mesh`` (None on a member that leaves).
 
     ``holders``/``receivers`` are ranks of ``group`` (default: the default group; else a process group or a c10d
     backend, see ``move_rows``). ``skeleton``: the optimizers as :func:`describe_optimizers` describes them on a holder
-    (default: the first holder's, broadcast on the default group)."""
+    (default: the first holder's, broadcast on the default group). Rows move in messages of at most ``chunk_bytes``;
+    each old shard is freed once its rows have gone, and each new parameter shard is loaded as soon as it is whole, so
+    a member's memory grows by at most its new shard, one chunk and one parameter's shard (FSDP2 re-pads a short
+    one)."""
     me = group.rank() if group is not None else dist.get_rank()
     names = {id(parameter): name for name, parameter in model.named_parameters()}
     like = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in model.named_parameters()}
     skeleton = skeleton if skeleton is not None else _skeleton(optimizers, names, holders[0])
     held = _held_shards(model, optimizers, names) if me in holders else {}
+    group_names = [_release(optimizer, names) for optimizer in optimizers]
     if me in holders:
         undo_fully_shard(model)
+    gc.collect()  # FSDP2's states (reference cycles) go now: ``held`` is then the only owner of the old shards
+    if me in receivers:
+        if mesh is None:
+            raise ValueError("a receiver of the reshard needs the new mesh")
+        shard_modules(model, mesh)  # on the meta parameters: allocates nothing
     tags = iter(range(1 << 30))  # one per tensor, the same on every member (the same names and kinds, in order)
-    moved = {name: {kind: move_rows(held.get(name, {}).get(kind), shape.shape[0], holders, receivers, like=shape,
-                                    group=group, tag=next(tags))
-                    for kind in _sharded_kinds(skeleton, name)} for name, shape in like.items()}
+    moved: dict[str, dict[str, DTensor]] = {}
+    for name, shape in like.items():
+        olds = held.pop(name, {})
+        for kind in _sharded_kinds(skeleton, name):
+            rows = move_rows(olds.pop(kind, None), shape.shape[0], holders, receivers, like=shape, group=group,
+                             tag=next(tags), chunk_bytes=chunk_bytes)  # the old shard freed here
+            if rows is not None:
+                moved.setdefault(name, {})[kind] = _as_shard(rows, mesh, shape)
+        if me in receivers:
+            _load_parameter(model, name, moved[name].pop(PARAM))
     if me not in receivers:
         return
-    if mesh is None:
-        raise ValueError("a receiver of the reshard needs the new mesh")
-    shard_modules(model, mesh)
-    shards = _NewShards(mesh, moved, like)
-    model.load_state_dict({name: nn.Parameter(shards.of(name, PARAM)) for name in like}, assign=True, strict=False)
     parameters = dict(model.named_parameters())
     for index, (optimizer, described) in enumerate(zip(optimizers, skeleton, strict=True)):
-        _rebind(optimizer, described, {old: parameters[name] for old, name in names.items()},
-                lambda name, key, index=index: shards.of(name, f"o{index}/{key}"), parameters)
+        _rebind(optimizer, described, group_names[index], lambda name, key, index=index: moved[name][f"o{index}/{key}"],
+                parameters)
 
 
-@dataclass
-class _NewShards:
-    """The rows this receiver got, by parameter name and kind, as shards of ``mesh``."""
+def _release(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[list[str]]:
+    """Drop ``optimizer``'s references to the old parameters and states (their shards can then be freed as they go);
+    the names of each group's parameters, for :func:`_rebind`."""
+    group_names = [[names[id(parameter)] for parameter in group["params"]] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = []
+    optimizer.state.clear()
+    return group_names
 
-    mesh: DeviceMesh
-    rows: dict[str, dict[str, torch.Tensor]]
-    like: dict[str, torch.Tensor]
 
-    def of(self, name: str, kind: str) -> DTensor:
-        like = self.like[name]
-        return DTensor.from_local(self.rows[name][kind], self.mesh, [Shard(0)], shape=like.shape,
-                                  stride=like.stride(), run_check=False)
+def _as_shard(rows: torch.Tensor, mesh: DeviceMesh | None, like: torch.Tensor) -> DTensor:
+    """This receiver's rows as its shard of ``mesh``."""
+    return DTensor.from_local(rows, mesh, [Shard(0)], shape=like.shape, stride=like.stride(), run_check=False)
+
+
+def _load_parameter(model: nn.Module, name: str, shard: DTensor) -> None:
+    """Load one new parameter shard into the re-sharded ``model`` (FSDP2's post-load hook re-pads a short shard; the
+    unpadded rows are freed when this returns)."""
+    model.load_state_dict({name: nn.Parameter(shard)}, assign=True, strict=False)
 
 
 def _held_shards(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -124,13 +142,13 @@ def _sharded_kinds(skeleton: list[dict[str, Any]], name: str) -> list[str]:
     return kinds
 
 
-def _rebind(optimizer: torch.optim.Optimizer, described: dict[str, Any], replacing: dict[int, nn.Parameter],
+def _rebind(optimizer: torch.optim.Optimizer, described: dict[str, Any], group_names: list[list[str]],
             sharded: Callable[[str, str], DTensor], parameters: dict[str, nn.Parameter]) -> None:
-    """Point ``optimizer`` at the new parameters (``replacing``: by the old one's id), with the moved states and the
-    first holder's hyperparameters and other states."""
-    for group, hyper in zip(optimizer.param_groups, described["groups"], strict=True):
+    """Point ``optimizer``'s groups at the new parameters (``group_names``: each group's, by name), with the moved
+    states and the first holder's hyperparameters and other states."""
+    for group, hyper, param_names in zip(optimizer.param_groups, described["groups"], group_names, strict=True):
         group.update(hyper)
-        group["params"] = [replacing[id(parameter)] for parameter in group["params"]]
+        group["params"] = [parameters[name] for name in param_names]
     optimizer.state.clear()
     for name, state in described["states"].items():
         optimizer.state[parameters[name]] = {**state["values"], **{key: sharded(name, key) for key in state["sharded"]}}

@@ -13,18 +13,24 @@ import torch.distributed as dist
 
 from lightning_elan.replication.shard_layout import RowMove, row_moves, shard_rows
 
-__all__ = ["move_rows"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "move_rows"]
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+"""The largest message of a reshard (issue 24: the fixed buffer beside a member's new shard)."""
 
 
 def move_rows(held: torch.Tensor | None, length: int, holders: Sequence[int], receivers: Sequence[int],
-              like: torch.Tensor | None = None, group: Any | None = None, tag: int = 0) -> torch.Tensor | None:
+              like: torch.Tensor | None = None, group: Any | None = None, tag: int = 0,
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor | None:
     """This member's new shard of a tensor of ``length`` rows (None when it receives none).
 
     ``held`` is its old shard (None when it holds none: a joiner); ``like`` gives a joiner the rows' shape beyond the
     first dimension and the dtype (a meta tensor of the whole shape will do). Every holder and receiver calls it with
     the same arguments but ``held``; ``holders`` and ``receivers`` are ranks of ``group`` (default: the default group;
     else a process group or a c10d backend, used through its own ``send``/``recv``), in shard order. ``tag`` tells
-    this tensor's messages from another's between the same two members.
+    this tensor's messages from another's between the same two members. Rows go in messages of at most
+    ``chunk_bytes`` (at least one row), views of ``held`` where its rows are contiguous, so no temporary beyond one
+    chunk lives at a time.
     """
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     me = group.rank()
@@ -35,19 +41,45 @@ def move_rows(held: torch.Tensor | None, length: int, holders: Sequence[int], re
     moves = row_moves(length, holders, receivers)
     held_start = shard_rows(length, len(holders), list(holders).index(me))[0] if me in holders else 0
     new_start = shard_rows(length, len(receivers), list(receivers).index(me))[0] if me in receivers else 0
-    works, sending = [], []
+    rows_per_chunk = _rows_per_chunk(template, chunk_bytes)
+    incoming = [move for move in moves if move.target == me and move.source != me]
+    works = [group.recv([new_shard[start - new_start : end - new_start]], move.source, tag)  # type: ignore[index]
+             for move in incoming for start, end in _chunks(move, rows_per_chunk)]
     for move in moves:
         if move.source == me and move.target == me:
-            new_shard[move.start - new_start : move.end - new_start] = _rows(held, move, held_start)
+            new_shard[move.start - new_start : move.end - new_start] = _rows(held, move.start, move.end, held_start)
         elif move.source == me:
-            rows = _rows(held, move, held_start)
-            sending.append(rows)  # alive until its send completed
-            works.append(group.send([rows], move.target, tag))
-        elif move.target == me:
-            works.append(group.recv([new_shard[move.start - new_start : move.end - new_start]], move.source, tag))
+            works += _send_chunks(group, held, move, held_start, rows_per_chunk, tag)
     for work in works:
         work.wait()
     return new_shard
+
+
+def _send_chunks(group: Any, held: torch.Tensor | None, move: RowMove, held_start: int, rows_per_chunk: int,
+                 tag: int) -> list[Any]:
+    """Send ``move``'s rows in chunks: views of ``held`` when its rows are contiguous (no copy); otherwise one chunk's
+    contiguous copy at a time, its send completed before the next is made."""
+    works = []
+    for start, end in _chunks(move, rows_per_chunk):
+        view = _rows(held, start, end, held_start)
+        rows = view.contiguous()
+        work = group.send([rows], move.target, tag)
+        if rows is view:
+            works.append(work)
+        else:
+            work.wait()  # a copy: freed before the next one is made
+    return works
+
+
+def _rows_per_chunk(template: torch.Tensor, chunk_bytes: int) -> int:
+    """How many rows of ``template`` fit in ``chunk_bytes`` (at least one)."""
+    row_bytes = template[0].numel() * template.element_size() if template.shape and template.shape[0] else 0
+    return max(1, chunk_bytes // row_bytes) if row_bytes else 1 << 62
+
+
+def _chunks(move: RowMove, rows_per_chunk: int) -> list[tuple[int, int]]:
+    """``move``'s rows ``[start, end)`` cut into pieces of at most ``rows_per_chunk`` rows."""
+    return [(start, min(start + rows_per_chunk, move.end)) for start in range(move.start, move.end, rows_per_chunk)]
 
 
 def _new_shard(template: torch.Tensor, length: int, receivers: Sequence[int], me: int) -> torch.Tensor | None:
@@ -58,7 +90,8 @@ def _new_shard(template: torch.Tensor, length: int, receivers: Sequence[int], me
     return torch.empty((end - start, *template.shape[1:]), dtype=template.dtype, device=device)
 
 
-def _rows(held: torch.Tensor | None, move: RowMove, held_start: int) -> torch.Tensor:
+def _rows(held: torch.Tensor | None, start: int, end: int, held_start: int) -> torch.Tensor:
+    """Rows ``[start, end)`` of ``held`` (whose first row is ``held_start``), a view (contiguous when ``held`` is)."""
     if held is None:
-        raise ValueError(f"rows {move.start}..{move.end} are to be sent by a member that holds no shard")
-    return held[move.start - held_start : move.end - held_start].contiguous()
+        raise ValueError(f"rows {start}..{end} are to be sent by a member that holds no shard")
+    return held[start - held_start : end - held_start]

@@ -62,18 +62,24 @@ class ElanFSDPStrategy(ElanStrategy):
         reshard_after_forward: FSDP2's option of the same name (free the gathered parameters after the forward).
         mp_policy: an FSDP2 ``MixedPrecisionPolicy``, passed to every ``fully_shard``.
         hsdp_group_size: HSDP (shard within groups of this size): not supported yet, refused at the start of fit.
+        reshard_chunk_mb: the largest message of the live reshard at a resize, in MB (the fixed buffer beside a
+            member's new shard: its memory grows by at most its new shard, one chunk and one parameter's shard).
         **kwargs: passed to :class:`~lightning_elan.strategy.strategy.ElanStrategy`.
     """
 
     strategy_name = "elan_fsdp"
 
     def __init__(self, shard_modules: Iterable[type[nn.Module]] | None = None, reshard_after_forward: bool = True,
-                 mp_policy: Any | None = None, hsdp_group_size: int | None = None, **kwargs: Any) -> None:
+                 mp_policy: Any | None = None, hsdp_group_size: int | None = None, reshard_chunk_mb: float = 64,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.shard_modules = frozenset(shard_modules or ())
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.hsdp_group_size = hsdp_group_size
+        if reshard_chunk_mb <= 0:
+            raise ValueError(f"reshard_chunk_mb must be positive, got {reshard_chunk_mb}")
+        self.reshard_chunk_bytes = max(1, int(reshard_chunk_mb * (1 << 20)))
         self._device_mesh: DeviceMesh | None = None
         self._mesh_name: str | None = None
         self._snapshotting = False  # a source dumps a joiner's state: no model or optimizer tensors in it
@@ -223,7 +229,8 @@ class ElanFSDPStrategy(ElanStrategy):
             self._joined_optimizers
         mesh = self.device_mesh if receiving else None
         reshard_fsdp(self.lightning_module, self._torch_optimizers(), self._shard, reshard.holders,
-                     reshard.receivers, mesh, group=reshard.group, skeleton=skeleton)
+                     reshard.receivers, mesh, group=reshard.group, skeleton=skeleton,
+                     chunk_bytes=self.reshard_chunk_bytes)
         self._joined_optimizers = None
         if not receiving:  # a leaver: its module's tensors are on the meta device; teardown moves them to the CPU
             self.lightning_module.to_empty(device=self.root_device)
