@@ -81,6 +81,11 @@ that took more than 10 s (a storm of jobs on 2 cores, load 16), and a survivor t
 FAILURE_NOTICE_WARNING_S = 10.0
 """After this long without the AM's notice, the waiting worker says what it waits for."""
 
+PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, KeyError, IndexError, ZeroDivisionError,
+                      NotImplementedError, ImportError, SyntaxError)
+"""Errors of this process's own code, never of a collective a peer's death broke (those raise ``RuntimeError``s: gloo's,
+torch's ``DistError``s, :class:`PeerFailure`): re-raised at once, without waiting for the AM's notice of a death."""
+
 LEAVER_NICENESS = 19
 """A worker that left the job runs at this niceness (the lowest priority) until it exits."""
 
@@ -509,7 +514,7 @@ class ElasticWorker:
     def _confirm_peer_failure(self, error: BaseException) -> None:
         if isinstance(error, PeerFailure):
             return  # raised because the watch saw a generation fail (one being formed, too)
-        if self._watch is None:
+        if self._watch is None or (isinstance(error, PROGRAMMING_ERRORS) and not self.peer_failed):
             raise error
         started, warned = time.monotonic(), False
         while not self.peer_failed:
