@@ -516,17 +516,22 @@ class ElasticWorker:
             return  # raised because the watch saw a generation fail (one being formed, too)
         if self._watch is None or (isinstance(error, PROGRAMMING_ERRORS) and not self.peer_failed):
             raise error
-        started, warned = time.monotonic(), False
+        if self.peer_failure_within(FAILURE_NOTICE_WARNING_S):
+            return
+        log.warning("worker %s: a collective failed (%s: %s) and the AM has not said that a member died; waiting up "
+                    "to %.0f s for it before taking the error as this process's own", self.worker_id,
+                    type(error).__name__, str(error)[:200], FAILURE_NOTICE_S)
+        if not self.peer_failure_within(FAILURE_NOTICE_S - FAILURE_NOTICE_WARNING_S):
+            raise error
+
+    def peer_failure_within(self, seconds: float) -> bool:
+        """Whether the AM says, within ``seconds``, that a member of this worker's generation died."""
+        deadline = time.monotonic() + seconds
         while not self.peer_failed:
-            waited = time.monotonic() - started
-            if waited > FAILURE_NOTICE_S:
-                raise error
-            if waited > FAILURE_NOTICE_WARNING_S and not warned:
-                warned = True
-                log.warning("worker %s: a collective failed (%s: %s) and the AM has not said that a member died; "
-                            "waiting up to %.0f s for it before taking the error as this process's own",
-                            self.worker_id, type(error).__name__, str(error)[:200], FAILURE_NOTICE_S)
+            if time.monotonic() > deadline:
+                return False
             time.sleep(0.02)
+        return True
 
     def _on_generation_failed(self, generation: int) -> None:
         """The watch thread: release every collective of the failed generation (it raises :class:`PeerFailure`)."""

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -415,18 +414,11 @@ class ElanStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn == TrainerFn.FITTING or not self.engine.is_member:
             return
-        if self.world_size > 1 and isinstance(exception, RuntimeError) and self._member_died_within(_DEATH_NOTICE_S):
+        maybe_a_death = self.world_size > 1 and isinstance(exception, RuntimeError)
+        if maybe_a_death and self.engine.peer_failure_within(_DEATH_NOTICE_S):
             log.error("worker %s: a member of the job died during trainer.%s after fit; elan recovers from a death "
                       "during fit only, so this %s stops here with the error below", self.engine.worker_id,
                       trainer.state.fn.value, trainer.state.fn.value)
-
-    def _member_died_within(self, seconds: float) -> bool:
-        deadline = time.monotonic() + seconds
-        while not self.engine.peer_failed:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
-        return True
 
     def leave(self) -> NoReturn:
         raise compat.LeaveFit
