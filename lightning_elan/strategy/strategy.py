@@ -499,7 +499,30 @@ class ElanStrategy(DDPStrategy):
             return dataloader
         sampler = DistributedSampler(dataloader.dataset, num_replicas=self.world_size, rank=self.global_rank,
                                      shuffle=False)
+        self._warn_of_repeated_evaluation_samples(trainer, sampler)
         return compat.with_sampler(dataloader, sampler, trainer.state.stage)
+
+    def _warn_of_repeated_evaluation_samples(self, trainer: pl.Trainer, sampler: DistributedSampler) -> None:
+        """``DistributedSampler`` gives every process as many samples by repeating the first ones where the world does
+        not divide the dataset (DDP does the same). Where the launch world divided it, the static run evaluated each
+        sample once: at this world size the job's evaluation metrics (a ``sync_dist`` mean, a torchmetrics state) take
+        the repeated samples in too and differ from the static run's. Said once per stage and world size."""
+        total, samples = sampler.total_size, len(sampler.dataset)  # type: ignore[arg-type]
+        launch = self._launch_world_size()
+        key = f"{trainer.state.stage}@{self.world_size}"
+        limit = getattr(trainer, f"limit_{trainer.state.stage.dataloader_prefix}_batches", None)
+        whole = isinstance(limit, float) and limit == 1.0  # a limit may stop before the repeated samples
+        if total == samples or samples % launch != 0 or not whole or self.global_rank != 0:
+            return
+        if key in self._evaluation_limits_warned:
+            return
+        self._evaluation_limits_warned.add(key)
+        log.warning("evaluation (%s) at %d workers: %d samples do not divide among them, so each process "
+                    "evaluates %d and %d samples are evaluated twice (DistributedSampler's padding, as under DDP); "
+                    "the job's %d launch workers evaluated each once, so %s metrics at this size differ from a "
+                    "static run's",
+                    trainer.state.stage.value, self.world_size, samples, sampler.num_samples, total - samples, launch,
+                    trainer.state.stage.dataloader_prefix)
 
     def _keep_evaluation_limit_global(self, trainer: pl.Trainer) -> None:
         """An int ``limit_val_batches``/``limit_test_batches`` counts batches per process: the static run of the launch

@@ -2,7 +2,9 @@
 ``limit_test_batches=2`` (batches per process, as Lightning counts them), validation twice an epoch, a test after
 ``fit``. It knows nothing of lightning_elan beyond ``strategy="elan"``.
 
-python limited_validation.py OUT
+python limited_validation.py OUT [--whole]
+
+``--whole``: no limits, every validation and test sample is evaluated (40 of each, batches of 5).
 
 Writes ``OUT/logs/metrics.csv`` (CSVLogger) and, on rank 0, ``OUT/final.pt`` (the parameters) and
 ``OUT/tested.json``."""
@@ -52,11 +54,12 @@ class Regressor(pl.LightningModule):
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
+    limits = {} if "--whole" in sys.argv[2:] else {"limit_val_batches": 3, "limit_test_batches": 2}
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(1)
     model = Regressor()
     trainer = pl.Trainer(strategy="elan", accelerator="cpu", max_epochs=2, val_check_interval=0.5,
-                         limit_val_batches=3, limit_test_batches=2, log_every_n_steps=1,
+                         **limits, log_every_n_steps=1,
                          logger=CSVLogger(out, name="logs", version=""), enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(dataset(96, 0), batch_size=6, shuffle=True), DataLoader(dataset(40, 1), batch_size=5))
