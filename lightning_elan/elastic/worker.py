@@ -32,6 +32,7 @@ from lightning_elan.data.sampler import DataPosition, EpochOrder
 from lightning_elan.elastic.am_link import AMLink
 from lightning_elan.elastic.compute import ComputeMeter
 from lightning_elan.elastic.epoch_aggregates import AggregateHandover
+from lightning_elan.elastic.error_origin import may_be_a_peers_death
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, UncertainCommit
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
@@ -80,11 +81,6 @@ that took more than 10 s (a storm of jobs on 2 cores, load 16), and a survivor t
 
 FAILURE_NOTICE_WARNING_S = 10.0
 """After this long without the AM's notice, the waiting worker says what it waits for."""
-
-PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, KeyError, IndexError, ZeroDivisionError,
-                      NotImplementedError, ImportError, SyntaxError)
-"""Errors of this process's own code, never of a collective a peer's death broke (those raise ``RuntimeError``s: gloo's,
-torch's ``DistError``s, :class:`PeerFailure`): re-raised at once, without waiting for the AM's notice of a death."""
 
 LEAVER_NICENESS = 19
 """A worker that left the job runs at this niceness (the lowest priority) until it exits."""
@@ -514,8 +510,8 @@ class ElasticWorker:
     def _confirm_peer_failure(self, error: BaseException) -> None:
         if isinstance(error, PeerFailure):
             return  # raised because the watch saw a generation fail (one being formed, too)
-        if self._watch is None or (isinstance(error, PROGRAMMING_ERRORS) and not self.peer_failed):
-            raise error
+        if self._watch is None or not (self.peer_failed or may_be_a_peers_death(error)):
+            raise error  # the process's own error (a bug, an out-of-memory...), raised outside any communication
         if self.peer_failure_within(FAILURE_NOTICE_WARNING_S):
             return
         log.warning("worker %s: a collective failed (%s: %s) and the AM has not said that a member died; waiting up "

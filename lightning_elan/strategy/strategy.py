@@ -34,6 +34,7 @@ from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
 from lightning_elan.elastic.applied_steps import AppliedSteps
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel, freeze_as, frozen_parameters
+from lightning_elan.elastic.error_origin import may_be_a_peers_death
 from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.gather import even_rows
 from lightning_elan.elastic.pre_loop import PreLoopCollectives
@@ -414,7 +415,7 @@ class ElanStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn == TrainerFn.FITTING or not self.engine.is_member:
             return
-        maybe_a_death = self.world_size > 1 and isinstance(exception, RuntimeError)
+        maybe_a_death = self.world_size > 1 and may_be_a_peers_death(exception)
         if maybe_a_death and self.engine.peer_failure_within(_DEATH_NOTICE_S):
             log.error("worker %s: a member of the job died during trainer.%s after fit; elan recovers from a death "
                       "during fit only, so this %s stops here with the error below", self.engine.worker_id,

@@ -3,7 +3,10 @@
 user's own error and traceback, without first waiting for the AM to say that a member died (the engine's wait for a
 death, up to 60 s, is for errors a collective raised; before, every such bug printed "a collective failed ... waiting
 up to 60 s" after 10 s and surfaced after 60). A bug on one rank only is that worker's death (its traceback, a
-warning naming it): the other, whose all-reduce met its exit, recovers alone and redoes the step, as after a kill."""
+warning naming it): the other, whose all-reduce met its exit, recovers alone and redoes the step, as after a kill.
+The same holds for a ``RuntimeError`` of a torch op the user called (``--bug dtype``: ``mat1 and mat2 must have the
+same dtype``): it was raised outside any collective, so it is the process's own (``elastic/error_origin.py``); before,
+every ``RuntimeError`` waited up to 60 s for a death that never came."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from tests.integration.elastic_runs import elan_env
 pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).parent / "user_scripts" / "bug_in_training_step.py"
 WAITED = "the AM has not said that a member died"
+DTYPE_BUG = "RuntimeError: mat1 and mat2 must have the same dtype"
 
 
 def run_buggy(tmp: Path, *args: str) -> subprocess.CompletedProcess:
@@ -39,5 +43,23 @@ def test_a_bug_on_one_rank_ends_that_worker_and_the_survivor_trains_on(tmp_path:
     output = job.stdout + job.stderr
     assert job.returncode == 0, output[-3000:]
     assert output.count("IndexError: list index out of range") == 1, output[-3000:]  # rank 1's, with its traceback
+    assert "w1 died (exited with code 1)" in output, output[-3000:]
+    assert "step 4 redone" in output, output[-3000:]
+
+
+def test_a_torch_error_on_every_rank_fails_the_job_with_the_users_error_at_once(tmp_path: Path) -> None:
+    job = run_buggy(tmp_path, "3", "--bug", "dtype")
+    output = job.stdout + job.stderr
+    assert job.returncode != 0, output[-3000:]
+    assert output.count(DTYPE_BUG) >= 2, output[-3000:]  # each worker's own traceback
+    assert "bug_in_training_step.py" in output and "in training_step" in output, output[-3000:]
+    assert WAITED not in output, output[-3000:]
+
+
+def test_a_torch_error_on_one_rank_ends_that_worker_and_the_survivor_trains_on(tmp_path: Path) -> None:
+    job = run_buggy(tmp_path, "3", "1", "--bug", "dtype")
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output[-3000:]
+    assert output.count(DTYPE_BUG) == 1, output[-3000:]
     assert "w1 died (exited with code 1)" in output, output[-3000:]
     assert "step 4 redone" in output, output[-3000:]
