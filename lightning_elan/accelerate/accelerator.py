@@ -122,7 +122,8 @@ class ElasticAccelerator(Accelerator):
         self._loop_epoch: int | None = None  # the epoch `for epoch in accelerator.epochs(n)` is in (its body runs)
         self._between_passes = False  # a boundary where a pass over the training loader or an epoch starts
         self._epoch_loops = 0  # the epochs() loops entered
-        self._loop_left_after: tuple[int, int] | None = None  # (loop, optimizer steps) when epochs() was left early
+        self._loop_left_after: tuple[int, int, bool] | None = None  # epochs() left early: (loop, optimizer steps,
+        # after the last step's batch boundary)
         self._loop_end_announced = False
         self._loop_end_watch: LoopEndWatch | None = None  # a joiner: the job's loop may end before its own
         self._objects = ReplicatedObjects(lambda: compat.checkpointed_objects(self))
@@ -140,6 +141,7 @@ class ElasticAccelerator(Accelerator):
         self._pre_loop = PreLoopCollectives(self._recover_before_the_loop, self.engine.earliest_position)
         self._group_view: torch.distributed.ProcessGroup | None = None
         self._evaluations = EvaluationRecovery(self.engine, self, self._recover_mid_evaluation)
+        compat.guard_process_decorators()
         with compat.single_process_initialisation():
             super().__init__(*args, **kwargs)
         device = self._elastic_device(environment, bool(kwargs.get("cpu", False)))
@@ -209,7 +211,7 @@ class ElasticAccelerator(Accelerator):
                 yield epoch
             except GeneratorExit:  # the loop was left (break, return, an exception)
                 steps = self.optimizer_steps + int(self._committed)
-                self._loop_left_after = None if self.has_left else (self._epoch_loops, steps)
+                self._loop_left_after = None if self.has_left else (self._epoch_loops, steps, not self._batch_pending)
                 raise
             finally:
                 self._loop_epoch = None
@@ -240,11 +242,40 @@ class ElasticAccelerator(Accelerator):
 
     @override
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Accelerate's ``prepare``; a new worker then waits here until it is admitted and holds the job's state."""
+        """Accelerate's ``prepare``; a new worker then waits here until it is admitted and holds the job's state.
+        Called again with a training loader after the training loop failed before its first step (accelerate's
+        ``find_executable_batch_size`` retrying at a smaller batch size), the new loader is the training loader."""
+        if self._retrying_the_loop(args):
+            self._forget_the_failed_loop()
         result = super().prepare(*args, device_placement=device_placement)
         if self._train_loader is not None and self.engine.environment.joiner and self.engine.generation is None:
             self._join()
         return result
+
+    def _retrying_the_loop(self, args: tuple[Any, ...]) -> bool:
+        """A launch member's training loop (its first ``epochs()``) was left, by an error, before any step was applied,
+        and a new ``DataLoader`` is being prepared: the loop is being retried (``find_executable_batch_size``)."""
+        return (self._train_loader is not None and self._epoch_loops == 1 and self._loop_epoch is None
+                and self.optimizer_steps == 0 and not self._committed and not self._joined_running_job
+                and self.engine.is_member and any(isinstance(arg, DataLoader) for arg in args))
+
+    def _forget_the_failed_loop(self) -> None:
+        """The failed loop's batch is not taken (the position goes back to its step's first sample, the step's
+        gradients go), its loader is no longer the training loader, and its global batch is the new loader's."""
+        log.info("worker %s: the training loop failed before its first step and a new training DataLoader is "
+                 "prepared: the loop starts again with it", self.engine.worker_id)
+        data = self.engine.data
+        if self._step_open:
+            self._discard_open_step()
+            if self._position_at_open is not None:
+                data.load_state_dict(self._position_at_open)
+        data.load_state_dict({**data.state_dict(), "global_batch": None, "steps_before": 0, "position_before": 0})
+        self.elastic_scaling.forget_global_batch()
+        loaders = compat.prepared_dataloaders(self)
+        if self._train_loader in loaders:
+            loaders.remove(self._train_loader)
+        self._train_loader = self._position_at_open = self._share = self._loop_left_after = None
+        self._batch_pending, self._epoch_loops = False, 0
 
     def _join(self) -> None:
         for model in compat.prepared_models(self):
@@ -267,9 +298,19 @@ class ElasticAccelerator(Accelerator):
         self._loop_end_watch = LoopEndWatch(
             lambda: open_rendezvous_store(engine.environment.store_address or "", engine.timeout),
             lambda: engine.generation,
-            lambda loop, steps: self._loop_epoch is not None and self._epoch_loops == loop
-            and self.optimizer_steps >= steps,
+            self._trains_past,
             lambda generation, error: group.fail(generation_prefix(generation), error))
+
+    def _trains_past(self, loop: int, steps: int, after_boundary: bool) -> bool:
+        """In the ``loop``-th ``epochs()`` loop past ``steps`` optimizer steps: at the batch boundary of that step or
+        later when the members left inside its batch, with a batch taken after it when they left after its boundary
+        (then the code after the loop over the batches, an evaluation and ``check_trigger()``, which they ran too
+        before they left, may still be in its last collective here when they announce the loop's end)."""
+        if self._loop_epoch is None or self._epoch_loops != loop:
+            return False
+        if self.optimizer_steps != steps:
+            return self.optimizer_steps > steps
+        return self._batch_pending or not after_boundary
 
     def _announce_loop_end(self) -> None:
         """A member that left its ``epochs()`` loop early goes on (a collective, a save, ``end_training``): joiners
@@ -479,6 +520,7 @@ class ElasticAccelerator(Accelerator):
             raise RuntimeError(EPOCH_LOOP_REQUIRED)
 
     def take_global_batch(self, loader: ElasticTrainLoader) -> None:
+        self._batch_pending = True  # first: the batch about to be taken trains past a step the job's loop ended after
         self._raise_if_loop_ended()
         data = self.engine.data
         opens_step = not self._step_open
@@ -683,13 +725,13 @@ class ElasticAccelerator(Accelerator):
         """This process's place in the job, written into Accelerate's state singletons."""
         engine, device = self.engine, self.engine.device
         if engine.has_left:
-            compat.set_process_state(False, device, None, 1, _LEFT_RANK)
+            compat.set_process_state(False, device, None, 1, _LEFT_RANK, outside_the_job=True)
         elif engine.is_member:
             self._group_view = engine.generation_group
             compat.set_process_state(True, device, engine.backend, engine.world_size, engine.rank)
         else:  # a joiner warming up: local collectives, not the main process
             world = max(self.launch_world_size, _LEAST_PROVISIONAL_WORLD)
-            compat.set_process_state(False, device, None, world, _PROVISIONAL_RANK)
+            compat.set_process_state(False, device, None, world, _PROVISIONAL_RANK, outside_the_job=True)
 
     # ------------------------------------------------------------------ collectives in the loop
 

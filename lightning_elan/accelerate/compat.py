@@ -26,6 +26,7 @@ What the elastic accelerator depends on, upstream:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -77,11 +78,51 @@ def distributed_type_for(device: torch.device) -> DistributedType:
     return DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU
 
 
+_OUTSIDE_THE_JOB = "_elan_outside_the_job"
+"""A key of the state singletons' shared dicts: True on a joiner warming up (not admitted yet) and on a worker that left
+the job. Both are single-process states (``DistributedType.NO``, so Accelerate's collectives are local)."""
+
+_PROCESS_DECORATORS = ("on_main_process", "on_local_main_process", "on_last_process", "on_process", "on_local_process")
+
+
+def _do_nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _outside_the_job(function: Any) -> Any:
+    """``PartialState.on_main_process`` (and its siblings) run the function on any process whose state is not
+    distributed (``if self.is_main_process or not self.use_distributed``): on a joiner warming up and on a worker that
+    left, which are no process of the job. There they do nothing: ``Accelerator.init_trackers``/``log`` and every
+    tracker's ``@on_main_process`` methods (a second tracker run, say), and the user's
+    ``@accelerator.on_main_process`` functions. ``function`` is the upstream method (accelerate/state.py)."""
+    def guarded(self: PartialState, *args: Any, **kwargs: Any) -> Any:
+        decorated = function(self, *args, **kwargs)
+        if not self._shared_state.get(_OUTSIDE_THE_JOB) or not callable(decorated):
+            return decorated
+        if isinstance(decorated, functools.partial) and decorated.func.__name__ == function.__name__:
+            return decorated  # on_process()/on_local_process() called without the function: decorated later
+        return _do_nothing
+
+    guarded._elan_guard = True  # type: ignore[attr-defined]
+    return functools.wraps(function)(guarded)
+
+
+def guard_process_decorators() -> None:
+    """Install :func:`_outside_the_job` on ``PartialState``'s decorators (once)."""
+    for name in _PROCESS_DECORATORS:
+        method = getattr(PartialState, name)
+        if not getattr(method, "_elan_guard", False):
+            setattr(PartialState, name, _outside_the_job(method))
+
+
 def set_process_state(
-    distributed: bool, device: torch.device, backend: str | None, num_processes: int, process_index: int
+    distributed: bool, device: torch.device, backend: str | None, num_processes: int, process_index: int,
+    outside_the_job: bool = False,
 ) -> None:
-    """Write this process's place in the job into both state singletons (read live everywhere in Accelerate)."""
+    """Write this process's place in the job into both state singletons (read live everywhere in Accelerate);
+    ``outside_the_job``: a joiner warming up or a worker that left (``on_main_process`` functions do nothing)."""
     values = {
+        _OUTSIDE_THE_JOB: outside_the_job,
         "distributed_type": distributed_type_for(device) if distributed else DistributedType.NO,
         "backend": backend if distributed else None,
         "device": device,

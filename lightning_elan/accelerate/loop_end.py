@@ -49,24 +49,26 @@ class LoopEnded(RuntimeError):
         self.steps = steps
 
 
-def announce_loop_end(store: dist.Store, generation: int, loop: int, steps: int) -> None:
+def announce_loop_end(store: dist.Store, generation: int, loop: int, steps: int, after_boundary: bool) -> None:
     """A member left its ``loop``-th ``epochs()`` loop early after ``steps`` optimizer steps, and goes on: say so to the
-    joiners."""
+    joiners. ``after_boundary``: it left after the batch boundary of its last step (in the code after the loop over the
+    batches: ``check_trigger()`` after an evaluation), not inside that batch (``break`` after ``optimizer.step()``)."""
     log.info("training loop %d of generation %d ended after %d optimizer steps", loop, generation, steps)
-    store.set(loop_ended_key(generation), f"{loop}:{steps}")
+    store.set(loop_ended_key(generation), f"{loop}:{steps}:{int(after_boundary)}")
 
 
 class LoopEndWatch:
-    """A joiner's thread: polls the store for its generation's announcement; once ``trains_past(loop, steps)``, calls
-    ``release(generation, LoopEnded(steps))`` (which fails the collectives of that generation) once."""
+    """A joiner's thread: polls the store for its generation's announcement; once ``trains_past(loop, steps,
+    after_boundary)``, calls ``release(generation, LoopEnded(steps))`` (which fails the collectives of that generation)
+    once."""
 
     def __init__(self, open_store: Callable[[], dist.Store], generation: Callable[[], int | None],
-                 trains_past: Callable[[int, int], bool], release: Callable[[int, LoopEnded], None]) -> None:
+                 trains_past: Callable[[int, int, bool], bool], release: Callable[[int, LoopEnded], None]) -> None:
         self._open_store = open_store
         self._generation = generation
         self._trains_past = trains_past
         self._release = release
-        self.ended_after: tuple[int, int] | None = None  # (loop, steps) the job's loop ended after, once announced
+        self.ended_after: tuple[int, int, bool] | None = None  # (loop, steps, after_boundary), once announced
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elan-loop-end-watch", daemon=True)
         self._thread.start()
@@ -98,12 +100,12 @@ class LoopEndWatch:
                 return
 
 
-def _announced(store: dist.Store, generation: int) -> tuple[int, int] | None:
+def _announced(store: dist.Store, generation: int) -> tuple[int, int, bool] | None:
     key = loop_ended_key(generation)
     try:
         if not store.check([key]):
             return None
-        loop, _, steps = store.get(key).decode().partition(":")
+        loop, steps, after_boundary = store.get(key).decode().split(":")
     except Exception:  # a store that does not answer now: look again later
         return None
-    return int(loop), int(steps)
+    return int(loop), int(steps), after_boundary == "1"

@@ -45,6 +45,11 @@ class AccelerateScaling:
         log.info("LR ramp from x%g at step %d to x%g at step %d", self.ramp.from_scale, self.ramp.start_step,
                  target, self.ramp.end_step)
 
+    def forget_global_batch(self) -> None:
+        """The training loader was replaced before the first step (a retry at a smaller batch size): the global batch
+        the user's LR was tuned for is the new loader's, recorded at its first batch."""
+        self.policy.base_global_batch = self.policy.global_batch = None
+
     def lr_scale_at(self, step: int) -> float:
         return lr_scale(step, self.ramp)
 

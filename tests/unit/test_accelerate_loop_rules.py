@@ -95,15 +95,16 @@ def test_a_joiner_past_the_step_the_jobs_loop_ended_after_is_released_with_a_cle
         errors.append((generation, error))
         released.set()
 
-    def trains_past(loop: int, ended: int) -> bool:
+    def trains_past(loop: int, ended: int, after_boundary: bool) -> bool:
+        assert not after_boundary
         return steps["loop"] == loop and steps["now"] >= ended
 
     watch = LoopEndWatch(lambda: store, lambda: 3, trains_past, release)
     try:
-        announce_loop_end(store, 3, 1, 20)  # the first epochs() loop ended after 20 steps
-        assert store.get(loop_ended_key(3)) == b"1:20"
+        announce_loop_end(store, 3, 1, 20, False)  # the first epochs() loop ended after 20 steps, in its batch
+        assert store.get(loop_ended_key(3)) == b"1:20:0"
         time.sleep(0.6)
-        assert watch.ended_after == (1, 20)
+        assert watch.ended_after == (1, 20, False)
         steps["now"] = 25  # in the second epochs() loop of the script: not past the first
         time.sleep(0.6)
         assert not released.is_set() and watch.error_if_past() is None
