@@ -146,6 +146,12 @@ def _add_run(sub: Any) -> argparse.ArgumentParser:
         help=f"keep K workers started and warmed up but not training (0–{MAX_STANDBY}); an `add` takes them first, "
              "so new capacity trains after one adjustment pause instead of a process start (default 0)",
     )
+    run.add_argument(
+        "--no-preload", dest="preload", action="store_false",
+        help="start every worker as a fresh process; by default a `python script.py` or `python -m module` command's "
+             "workers are forked from one process that imported torch/Lightning/Accelerate once (a joiner starts in "
+             "about a second instead of after its imports; README: Preloaded workers)",
+    )
     cli_sizing.add_sizing_options(run)
     return run
 
@@ -344,6 +350,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         join_timeout_s=args.join_timeout,
         standby=args.standby,
         sizing=cli_sizing.sizing_requests(args, parser),
+        preload=args.preload,
     )
     if args.min_workers is not None and args.min_workers > args.nproc:
         parser.error(f"--min-workers {args.min_workers} is more than --nproc {args.nproc}")

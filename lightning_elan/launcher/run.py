@@ -38,6 +38,7 @@ from typing import Any
 
 from lightning_elan.launcher.am_process import DEFAULT_MAX_RESTARTS, AMFailed, AMProcess, describe_status
 from lightning_elan.launcher.lifeline import die_with_parent, sigterm_held
+from lightning_elan.launcher.preload import ForkedWorker, PreloadedInterpreter, PreloadUnavailable, preloadable_command
 from lightning_elan.launcher.schedule import ScaleAction, format_schedule_item
 from lightning_elan.launcher.segments import remove_segments_of
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
@@ -113,6 +114,8 @@ class LaunchConfig:
     join_timeout_s: float | None = None  # ... for at most this long, then fails
     standby: int = 0  # workers kept started and warmed up, taken first by an `add`
     sizing: list[SizingRequest] = field(default_factory=list)  # sent to the AM once the job has started
+    preload: bool = True  # fork the workers from a preloaded interpreter (launcher/preload.py) where the command allows
+    preload_timeout_s: float = 120.0  # start workers without it when its imports take longer
 
 
 @dataclass
@@ -121,7 +124,7 @@ class WorkerProcess:
 
     worker_id: str
     role: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedWorker
     device_index: int | None = None
     returncode: int | None = None
     stranded: bool = False  # a joiner of a plan whose old members all finished: stopped by the launcher
@@ -192,6 +195,7 @@ class JobLauncher:
         self._saved_handlers: dict[int, Any] = {}
         self._exit_seen = False
         self._last_held_check = 0.0
+        self._preload: PreloadedInterpreter | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -212,6 +216,7 @@ class JobLauncher:
         """Start everything, supervise until the job ends, tear everything down; return the exit code."""
         self._install_signal_handlers()
         try:
+            self._start_preload()
             self._start_services()
             members = self._start_job()
             self._submit_schedule()
@@ -240,6 +245,7 @@ class JobLauncher:
             return 1
         finally:
             self._remove_dead_workers_segments()
+            self._stop_preload()
             self._stop_services()
             self._restore_signal_handlers()
 
@@ -373,23 +379,64 @@ class JobLauncher:
             term_grace_s=self.config.term_grace_s,
             launch_world_size=self._launch_world_size if role == ROLE_JOINER else 0,
         )
-        env = self._worker_env(description)
-        process = subprocess.Popen(self.config.command, env=env,
-                                   preexec_fn=die_with_parent(signal.SIGKILL, hold_sigterm=True))
+        process = self._start_process(self._worker_env(description))
         worker = WorkerProcess(worker_id, role, process, device_index)
         self._workers[worker_id] = worker
         where = "" if device_index is None else f", device {device_index}"
         log.info("spawned %s (%s%s, pid %d)", worker_id, detail, where, process.pid)
         return worker
 
+    def _start_process(self, env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedWorker:
+        """A worker process: forked by the preload process when it serves, else the command started afresh."""
+        if self._preload is not None and self._preload_serves():
+            try:
+                return self._preload.spawn(env)
+            except PreloadUnavailable:
+                self._preload = None
+        return subprocess.Popen(self.config.command, env=env,
+                                preexec_fn=die_with_parent(signal.SIGKILL, hold_sigterm=True))
+
     def _worker_env(self, description: WorkerEnvironment) -> dict[str, str]:
-        """The inherited environment without any ``ELAN_*`` worker variable, then this worker's."""
-        env = {key: value for key, value in self._base_env.items() if key not in STRIPPED_ENV_VARS}
+        """The environment common to every worker (:meth:`_common_env`), then this worker's ``ELAN_*`` variables."""
+        env = self._common_env()
         env.update(description.to_env())
+        return env
+
+    def _common_env(self) -> dict[str, str]:
+        """The inherited environment without any ``ELAN_*`` worker variable."""
+        env = {key: value for key, value in self._base_env.items() if key not in STRIPPED_ENV_VARS}
         # as torchrun does: several workers on one host, each with an OpenMP pool sized for the whole machine, spin
         # against each other (measured here: packing a 100 MB state for replication took 1.2 s instead of 0.1 s)
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
+
+    # ------------------------------------------------------------------ the preloaded interpreter
+
+    def _start_preload(self) -> None:
+        """Start the preload process (``launcher/preload.py``) when asked for and the command allows it."""
+        command = preloadable_command(self.config.command) if self.config.preload else None
+        if command is None:
+            return
+        self._preload = PreloadedInterpreter(command, self._common_env())
+        try:
+            self._preload.start()
+        except OSError as exc:
+            log.warning("workers start without the preloaded interpreter: %s", exc)
+            self._preload = None
+
+    def _preload_serves(self) -> bool:
+        """Whether the preload process forks workers (waiting for its imports the first time)."""
+        assert self._preload is not None
+        if self._preload.ready or self._preload.wait_ready(self.config.preload_timeout_s, self._check_signals):
+            return True
+        self._preload.close()
+        self._preload = None
+        return False
+
+    def _stop_preload(self) -> None:
+        if self._preload is not None:
+            self._preload.close()
+            self._preload = None
 
     @staticmethod
     def _count_devices(devices: str) -> int:

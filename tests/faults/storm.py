@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ GAP_S = (1.5, 4.0)
 JOB_TIMEOUT_S = 900.0
 MAX_WORKERS = 5
 SPARED_MEMBERS = 2
+SPAWNED = re.compile(r"spawned (\S+) \(.*?pid (\d+)\)")  # elan run's line for each worker it starts
 """Members no event may take: with no member left there is no state to go on from, and the driver's view of the
 membership (the AM's status) lags a leaver's exit, so one more than the minimum is kept."""
 
@@ -131,7 +133,9 @@ class _Weather:
     def _signal_worker(self, sig: signal.Signals) -> bool:
         """Signal a random worker process (a member, a joiner warming up, a replacement) — but leave the job
         ``SPARED_MEMBERS`` members that are neither signalled nor due to be removed."""
-        workers = {pid: _worker_id(pid) for pid in self._children("worker") if pid not in self.signalled}
+        spawned = spawned_workers(self.storm.directory / f"{self.storm.name}.log")
+        workers = {pid: spawned.get(pid) or _worker_id(pid) for pid in self._children("worker")
+                   if pid not in self.signalled}
         members, removals = self._membership()
         if members is None:
             return False  # the AM does not answer (restarting): who is a member is unknown
@@ -197,6 +201,23 @@ class _Weather:
 
 
 def _child_pids(pid: int) -> list[int]:
+    """The children of ``pid``, and the workers its preload process (``elan-preload``) forked for it."""
+    children = _direct_children(pid)
+    preloads = [child for child in children if (_argv(child) or [b""])[0] == b"elan-preload"]
+    return [child for child in children if child not in preloads] + [
+        worker for preload in preloads for worker in _direct_children(preload)]
+
+
+def spawned_workers(log_path: Path) -> dict[int, str]:
+    """``{pid: worker id}`` from ``elan run``'s log (a preloaded worker's ``/proc/PID/environ`` is the launcher's)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return {}
+    return {int(pid): worker for worker, pid in SPAWNED.findall(text)}
+
+
+def _direct_children(pid: int) -> list[int]:
     children: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
@@ -217,7 +238,7 @@ def _argv(pid: int) -> list[bytes] | None:
 
 
 def _worker_id(pid: int) -> str | None:
-    """The ``ELAN_WORKER_ID`` a worker process was started with."""
+    """The ``ELAN_WORKER_ID`` a worker process was started with (not a preloaded one: see :func:`spawned_workers`)."""
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:

@@ -62,8 +62,11 @@ def _read_argv(pid: int) -> list[bytes] | None:
         return None
 
 
-@pytest.mark.parametrize("delay_s", [0.5, 3.0], ids=["importing", "forming"])
-def test_a_member_killed_while_the_job_starts(tmp_path, static, delay_s):
-    run = killed_at_start(tmp_path, delay_s, signal.SIGKILL, ("--replace-failed",))
+# a fresh worker imports torch and Lightning for its first ~8 s here, then forms the first generation; a worker forked
+# from the preloaded interpreter (launcher/preload.py) starts forming at once
+@pytest.mark.parametrize(("delay_s", "start"), [(0.5, ("--no-preload",)), (3.0, ("--no-preload",)), (0.3, ())],
+                         ids=["importing", "forming", "forming-preloaded"])
+def test_a_member_killed_while_the_job_starts(tmp_path, static, delay_s, start):
+    run = killed_at_start(tmp_path, delay_s, signal.SIGKILL, ("--replace-failed", *start))
     result = check_storm(run, static, SAMPLES, EPOCHS)
     assert result.recoveries == 1, f"one recovery from the death at start: {result}"

@@ -145,6 +145,7 @@ def run_killed_job(tmp: Path, name: str, seed: int, kills: int, save_kills: int 
         plan.write_text(json.dumps({"kills": save_kill_plan(seed, save_kills)}))
         env["ELAN_TEST_AM_SAVE_KILLS"] = str(plan)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SAVE_KILL_SITE), env.get("PYTHONPATH")]))
+        env["ELAN_PRELOAD_SITECUSTOMIZE"] = "worker"  # it may run in each worker after the fork
     log_path = tmp / f"{name}.log"
     command = elan_command(tmp, name, 2, KILL_ARGS, SCHEDULE)
     with open(log_path, "w") as log_file:

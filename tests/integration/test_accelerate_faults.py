@@ -84,7 +84,8 @@ def _exact_after_a_library_kill(plain_runs, tmp_path, job, kill):
     """A 2-worker job whose ``kill`` (``WORKER:PHASE``, tests/integration/fault_kill) SIGKILLs that worker: exit 0,
     that kill, every sample once per epoch, the plain run's final state."""
     env = {"ELAN_TEST_KILL": kill,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_KILL_DIR), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_KILL_DIR), os.environ.get("PYTHONPATH")])),
+           "ELAN_PRELOAD_SITECUSTOMIZE": "worker"}
     run = accelerate_run(tmp_path, job, 2, list(JOB_ARGS[1]), env=env)
     assert run.returncode == 0, run.excerpt()
     kills = (tmp_path / "elan-home" / "fault-kills.log").read_text().split()

@@ -50,7 +50,8 @@ def fault_command(tmp: Path, name: str, nproc: int, probe_args: list[str], *, sc
     env = elan_env(tmp)
     if library_kill:
         env = {**env, "ELAN_TEST_KILL": library_kill,
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_KILL_DIR), env.get("PYTHONPATH")]))}
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_KILL_DIR), env.get("PYTHONPATH")])),
+               "ELAN_PRELOAD_SITECUSTOMIZE": "worker"}
     return command, env
 
 

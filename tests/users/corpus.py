@@ -130,6 +130,7 @@ def job_env(home: Path, job: Job, extra: dict[str, str] | None = None) -> dict[s
     env = {**elan_env(home), **(extra or {})}
     env["USERS_OBSERVE"] = str(home / "observe")
     env["PYTHONPATH"] = os.pathsep.join([str(OBSERVER), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env["ELAN_PRELOAD_SITECUSTOMIZE"] = "worker"  # it may run in each worker after the fork
     if job.schedule:
         env["USERS_HOLD"] = "1"
     if job.kill is not None:

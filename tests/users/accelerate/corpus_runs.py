@@ -98,6 +98,7 @@ def job_env(home: Path, job: Job) -> dict[str, str]:
     env = elan_env(home)
     env["USERS_OBSERVE"] = str(home / "observe")
     env["PYTHONPATH"] = os.pathsep.join([str(OBSERVER), *filter(None, [env.get("PYTHONPATH")])])
+    env["ELAN_PRELOAD_SITECUSTOMIZE"] = "worker"  # it may run in each worker after the fork
     if job.schedule or job.kill_step is not None:
         env["USERS_HOLD"] = "1"
     if job.kill_step is not None:

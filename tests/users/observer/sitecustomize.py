@@ -265,4 +265,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 if _observe_dir() is not None:
+    # a worker forked by elan run's preload process has these modules already: instrument them now, others on import
+    for _name in TRAINER_MODULES:
+        if _name in sys.modules:
+            _instrument(sys.modules[_name])
     sys.meta_path.insert(0, _Finder())
