@@ -26,7 +26,6 @@ broadcast at the batch boundary), or :class:`PeerFailure` (the commit vote).
 from __future__ import annotations
 
 import os
-import traceback
 from collections.abc import Iterator
 from types import TracebackType
 
@@ -86,8 +85,9 @@ def may_be_a_peers_death(error: BaseException) -> bool:
 
 def raised_in_communication(trace: TracebackType | None) -> bool:
     """Whether the innermost frame of ``trace`` is in communication code."""
-    frames = traceback.extract_tb(trace)
-    return bool(frames) and _is_communication_code(frames[-1].filename)
+    while trace is not None and trace.tb_next is not None:
+        trace = trace.tb_next
+    return trace is not None and _is_communication_code(trace.tb_frame.f_code.co_filename)
 
 
 def _is_communication_code(filename: str) -> bool:
