@@ -347,8 +347,32 @@ class ElasticAccelerator(Accelerator):
                                            self.non_blocking)
         log.info("evaluation DataLoader sharded by Accelerate (%s): a member's death during a pass loses its samples "
                  "of that pass", unsupported)
-        return EvaluationLoader(data_loader, lambda loader: compat.shard_for_evaluation(self, loader),
-                                self._evaluations, unsupported)
+        return EvaluationLoader(data_loader, self._shard_for_evaluation, self._evaluations, unsupported)
+
+    def _shard_for_evaluation(self, loader: DataLoader) -> Any:
+        """Accelerate's shards of an evaluation loader for the world of now (at its first pass and after a resize)."""
+        self._warn_if_shards_uneven(loader)
+        return compat.shard_for_evaluation(self, loader)
+
+    def _warn_if_shards_uneven(self, loader: DataLoader) -> None:
+        """``even_batches=False``: Accelerate deals the batches round robin, so a world that does not divide them gives
+        some processes one batch more, and a collective per batch (``gather_for_metrics``) there waits for ever."""
+        if self.even_batches or self.split_batches or isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            return
+        world = self.num_processes
+        try:
+            batches = len(loader)
+        except TypeError:
+            return
+        if world < 2 or batches % world == 0:
+            return
+        shares = [len(range(rank, batches, world)) for rank in range(world)]
+        log.warning("evaluation DataLoader with even_batches=False at %d processes: its %d batches are %s per process, "
+                    "so a collective per batch (gather_for_metrics, gather, reduce) waits for ever on the processes "
+                    "with more (then fails at the collective timeout); a resize gives the job such a world. Use "
+                    "even_batches=True (Accelerate's default: the last batches are padded, gather_for_metrics drops "
+                    "the padding), or collect the metrics locally and gather them once after the pass",
+                    world, batches, shares)
 
     def _prepare_train_loader(self, data_loader: DataLoader, device_placement: bool | None) -> ElasticTrainLoader:
         refuse_unsupported(data_loader, self.dispatch_batches)
