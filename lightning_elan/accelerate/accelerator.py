@@ -129,6 +129,8 @@ class ElasticAccelerator(Accelerator):
         self._objects = ReplicatedObjects(lambda: compat.checkpointed_objects(self))
         self._position_at_open: dict[str, Any] | None = None  # the data position where the open step began
         self._tracker_args: dict[str, Any] | None = None
+        self._saved_elsewhere: tuple[str, dict[str, Any]] | None = None  # the last save_state's directory and progress,
+        # on a process that was not the main one (which writes the model, optimizers and elan_state.json)
         self._share: LocalShare | None = None
         self._batch_pending = False
         self._committed = False
@@ -735,6 +737,7 @@ class ElasticAccelerator(Accelerator):
         self._refresh_membership()
         if self.is_main_process and previous_rank not in (None, 0):
             self._start_trackers_here()
+            self._complete_checkpoint_of_dead_main()
 
     def after_resize(self) -> None:
         if self._train_loader is not None:
@@ -892,7 +895,28 @@ class ElasticAccelerator(Accelerator):
         location = super().save_state(output_dir, safe_serialization, **kwargs)
         if self.is_main_process:
             Path(location, ELAN_STATE_FILE).write_text(json.dumps({"data": data, "loop": loop}))
+        self._saved_elsewhere = None if self.is_main_process else (str(location), loop)
         return location
+
+    def _complete_checkpoint_of_dead_main(self) -> None:
+        """This process became the main one in a recovery: if the last ``save_state`` was made here as another process
+        and the main process of then died before it wrote its part (``elan_state.json`` last), and no step was applied
+        since, write the checkpoint again into its directory (its parameters, optimizers and position are those)."""
+        saved, self._saved_elsewhere = self._saved_elsewhere, None
+        if saved is None or Path(saved[0], ELAN_STATE_FILE).exists():
+            return
+        location, loop = saved
+        if self._checkpoint_progress()[1]["optimizer_steps"] != loop["optimizer_steps"]:
+            return
+        log.warning("worker %s: the main process died before it wrote save_state's checkpoint %s; the new main "
+                    "process writes it", self.engine.worker_id, location)
+        configuration = self.project_configuration
+        naming, iteration = configuration.automatic_checkpoint_naming, configuration.iteration
+        configuration.automatic_checkpoint_naming = False  # its directory, and no barrier (this is a recovery)
+        try:
+            self.save_state(location)
+        finally:
+            configuration.automatic_checkpoint_naming, configuration.iteration = naming, iteration
 
     def _checkpoint_progress(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The data position and loop state a checkpoint saved now resumes from: those after the last applied step. A
