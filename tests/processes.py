@@ -5,6 +5,7 @@ orphan's waits for init to reap it. Other users' processes (unreadable) are neve
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterable
@@ -72,6 +73,21 @@ def mentioning(text: str) -> set[int]:
 
 def command_line(pid: int) -> str:
     return _read(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+SPAWNED = re.compile(r"spawned (\S+) \(.*?pid (\d+)\)")  # `elan run`'s log line for each worker it starts
+
+
+def spawned_workers(launcher_output: str) -> dict[str, int]:
+    """``{worker id: pid}`` of the workers ``elan run``'s output says it started (a worker forked from its preload
+    process has the launcher's environment in ``/proc/PID/environ``: its ``ELAN_WORKER_ID`` is not there)."""
+    return {worker: int(pid) for worker, pid in SPAWNED.findall(launcher_output)}
+
+
+def runs_script(pid: int, script: str | Path) -> bool:
+    """Whether ``pid`` is a running process whose command line names ``script`` (a worker of that script, not a pid
+    reused after it exited)."""
+    return running(pid) and str(script).encode() in _read(pid, "cmdline")
 
 
 def wait_gone(candidates: Iterable[int], timeout_s: float) -> set[int]:

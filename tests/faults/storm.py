@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
+from tests import processes
 from tests.faults.checks import StormCheck, check_storm
 from tests.integration.elastic_runs import PROBE, RunResult, elan_env
 
@@ -40,7 +40,6 @@ GAP_S = (1.5, 4.0)
 JOB_TIMEOUT_S = 900.0
 MAX_WORKERS = 5
 SPARED_MEMBERS = 2
-SPAWNED = re.compile(r"spawned (\S+) \(.*?pid (\d+)\)")  # elan run's line for each worker it starts
 """Members no event may take: with no member left there is no state to go on from, and the driver's view of the
 membership (the AM's status) lags a leaver's exit, so one more than the minimum is kept."""
 
@@ -214,7 +213,7 @@ def spawned_workers(log_path: Path) -> dict[int, str]:
         text = log_path.read_text(errors="replace")
     except OSError:
         return {}
-    return {int(pid): worker for worker, pid in SPAWNED.findall(text)}
+    return {pid: worker for worker, pid in processes.spawned_workers(text).items()}
 
 
 def _direct_children(pid: int) -> list[int]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests import processes
 from tests.integration.accelerate_runs import PROBE as ACCELERATE_PROBE
 from tests.integration.elastic_runs import PROBE, PROBE_ARGS, RunResult, elan_env
 from tests.integration.hold_point import RELEASED
@@ -121,7 +122,7 @@ def _kill_worker(out: Path, worker: str) -> int:
 
 
 def _check_is_worker(pid: int, worker: str) -> None:
-    """Never SIGKILL a process that is not the victim worker (a pid reused after an unexpected exit)."""
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    if f"ELAN_WORKER_ID={worker}".encode() not in environ:
+    """Never SIGKILL a process that is not the victim worker (a pid reused after an unexpected exit): the pid the
+    worker wrote down must still run one of the probes."""
+    if not any(processes.runs_script(pid, probe) for probe in (PROBE, ACCELERATE_PROBE)):
         raise RuntimeError(f"pid {pid} is not worker {worker}: not killed")

@@ -246,8 +246,14 @@ def _become_worker_or_exit(server, request, sitecustomize):
 
 def _main():
     channel = os.environ.pop(CHANNEL_VAR, None)
-    _drop_this_directory()
-    sitecustomize = _shadowed_sitecustomize()
+    try:
+        _drop_this_directory()
+        sitecustomize = _shadowed_sitecustomize()
+    except BaseException:
+        if channel is None:
+            raise
+        traceback.print_exc()  # the preload process must never go on to run the command's script
+        os._exit(1)
     if channel is None:
         _run_sitecustomize(sitecustomize)
     else:

@@ -80,41 +80,35 @@ def test_a_member_killed_while_the_main_process_prepares_the_data(static_runs: d
     job = Job("prepare_kill", SCRIPT, ("--preparation_seconds", str(PREPARATION_S)), nproc=3)
     (tmp_path / "observe").mkdir()
     env = job_env(tmp_path, job)
-    proc = subprocess.Popen(elan_command(tmp_path, job), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = tmp_path / "output.log"
+    with open(log, "w") as output:
+        proc = subprocess.Popen(elan_command(tmp_path, job), cwd=tmp_path, env=env, stdout=output,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        victim = _rank_2_once_the_data_is_being_prepared(proc.pid, tmp_path / "out")
+        victim = _rank_2_once_the_data_is_being_prepared(log, tmp_path / "out")
         os.kill(victim["pid"], signal.SIGKILL)
-        output, _ = proc.communicate(timeout=300)
+        proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    (tmp_path / "output.log").write_text(output)
-    run = Run(job, tmp_path, proc.returncode, output)
+    run = Run(job, tmp_path, proc.returncode, log.read_text())
     _assert_exact(run, static_runs[3], 3)
     assert [(r["action"], r["failure"]["dead"]) for r in run.adjustments()] == [("failure", [victim["worker_id"]])]
     assert _epoch_gathers(run) == [(0, 2), (1, 2)]
 
 
-def _rank_2_once_the_data_is_being_prepared(launcher: int, out: Path) -> dict:
-    """The worker launched as rank 2 (``w2``: its id and pid), once the main process has started preparing the data
-    (and not finished)."""
+def _rank_2_once_the_data_is_being_prepared(launcher_log: Path, out: Path) -> dict:
+    """The worker launched as rank 2 (``w2``: its id and pid, from the launcher's log), once the main process has
+    started preparing the data (and not finished)."""
     deadline = time.monotonic() + 120
     while not (out / "preparing").exists():
         assert time.monotonic() < deadline, "the main process never started preparing the data"
         time.sleep(0.02)
     assert not (out / "data.pt").exists(), "the data was ready before the kill"
-    workers = [pid for pid in processes.descendants(launcher) if b"ELAN_WORKER_ID=w2\0" in _environ(pid)]
-    assert len(workers) == 1, workers
-    return {"worker_id": "w2", "pid": workers[0]}
-
-
-def _environ(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return b""
+    pid = processes.spawned_workers(launcher_log.read_text())["w2"]
+    assert processes.runs_script(pid, SCRIPT), pid
+    return {"worker_id": "w2", "pid": pid}
 
 
 @pytest.mark.parametrize("step", [3, 12], ids=["mid-epoch", "after-the-epochs-last-batch"])
