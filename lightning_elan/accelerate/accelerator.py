@@ -129,6 +129,7 @@ class ElasticAccelerator(Accelerator):
         self._objects = ReplicatedObjects(lambda: compat.checkpointed_objects(self))
         self._position_at_open: dict[str, Any] | None = None  # the data position where the open step began
         self._tracker_args: dict[str, Any] | None = None
+        self._not_a_training_batch_warned = False
         self._saved_elsewhere: tuple[str, dict[str, Any]] | None = None  # the last save_state's directory and progress,
         # on a process that was not the main one (which writes the model, optimizers and elan_state.json)
         self._share: LocalShare | None = None
@@ -460,6 +461,7 @@ class ElasticAccelerator(Accelerator):
         that does not divide by the world counts every sample once)."""
         if self._aborted:
             return  # the step is discarded: its gradients would not be all-reduced anyway
+        self._warn_if_not_a_training_batch()
         weight = self.sample_weight
         if weight != 1.0:
             loss = loss * weight
@@ -471,6 +473,21 @@ class ElasticAccelerator(Accelerator):
         except Exception as error:  # a member died during the gradient all-reduce (anything else is re-raised)
             self._absorb_failure(error)
         timer.after_backward(time.perf_counter())
+
+    def _warn_if_not_a_training_batch(self) -> None:
+        """A backward in the training loop with no batch of the training loader taken: the loop trains on another
+        loader (find_executable_batch_size's retry after steps were applied prepares a new one, which is then an
+        evaluation loader), whose steps elan neither counts nor re-shards: say so, once."""
+        if (self._batch_pending or self._loop_epoch is None or self._not_a_training_batch_warned
+                or self.engine.environment.standalone):
+            return
+        self._not_a_training_batch_warned = True
+        log.warning("worker %s: backward() of a batch that is not from the training DataLoader (the first one "
+                    "prepared): elan counts, shards and redoes only that loader's batches, so these steps are not "
+                    "elastic (accelerator.optimizer_steps stays %d, samples may be trained twice in an epoch). A new "
+                    "training DataLoader is taken only when the training loop failed before its first step (a "
+                    "find_executable_batch_size retry); after that, keep training on the loader prepared first",
+                    self.engine.worker_id, self.optimizer_steps)
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> tuple[bool, ScaledParamGroups | None]:
         """Every synchronised optimizer step: commit it with every member (once per batch), scale it by the LR ramp.
