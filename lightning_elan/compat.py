@@ -292,7 +292,8 @@ def redo_interrupted_batches(
     def advance(data_fetcher: Any) -> None:
         if not window or epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
             window.update(_progress_state(epoch_loop, data_fetcher),
-                          metrics=_metric_states(trainer, epoch_loop._results))
+                          metrics=_metric_states(trainer, epoch_loop._results),
+                          buffers=_buffer_states(trainer.lightning_module))
         saved = dict(window)
         epoch_loop._elan_discarded = False
         logs.holding = True
@@ -439,6 +440,7 @@ def _rewind_window(trainer: pl.Trainer, data_fetcher: Any, saved: dict[str, Any]
     """Back to where the interrupted step's first batch began: progress counters, fetcher, metric states."""
     _restore_progress(trainer.fit_loop.epoch_loop, data_fetcher, saved)
     _restore_metric_states(trainer.fit_loop.epoch_loop._results, saved["metrics"])
+    _restore_buffers(saved["buffers"])
 
 
 _Row = tuple[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
@@ -516,6 +518,27 @@ def keep_logged_rows(trainer: pl.Trainer, closed: Callable[[int], None]) -> Call
     logs: _WindowLogs = trainer.fit_loop.epoch_loop._elan_window_logs
     logs.closed = closed
     return logs.resend
+
+
+def _buffer_states(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]:
+    """The module's buffers as the step's first batch began (each submodule, its buffer's name, the tensor and a
+    copy): a forward or a ``training_step`` updates some (BatchNorm's running statistics and ``num_batches_tracked``
+    in place, a user's EMA kept with ``register_buffer`` in place or by assigning a new tensor), and a step discarded by
+    a member's death must not count twice. torchmetrics states are not buffers (``_metric_states``)."""
+    return [(owner, name, buffer, buffer.detach().clone())
+            for owner in module.modules() for name, buffer in owner.named_buffers(recurse=False)]
+
+
+def _restore_buffers(saved: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]) -> None:
+    """The saved values go back into the saved tensors, which become the buffers again (DDP keeps references to the
+    module's buffers: an attempt that assigned a new tensor is undone too)."""
+    with torch.no_grad():
+        for owner, name, buffer, value in saved:
+            if buffer.shape == value.shape:
+                buffer.copy_(value)
+            else:  # resized in place by the discarded attempt
+                buffer.set_(value)
+            setattr(owner, name, buffer)  # Module.__setattr__ of a registered buffer's name: the buffer again
 
 
 def _metric_states(trainer: pl.Trainer, results: Any) -> dict[str, Any]:
