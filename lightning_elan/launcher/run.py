@@ -556,8 +556,10 @@ class JobLauncher:
         """Set the failure keys the survivors' watch threads poll: their collectives are released at once."""
         for generation in generations:
             self._store.set(failure_key(generation), worker.worker_id)
-        log.warning("%s died (%s): the survivors of %s recover without it", worker.worker_id,
-                    describe_exit(worker.returncode or 0, False), generations_phrase(generations))
+        cause = ": its script raised an error (its traceback is above), which ends it as a death would;" if (
+            self._marked(script_failed_key(worker.worker_id))) else ":"
+        log.warning("%s died (%s)%s the survivors of %s recover without it", worker.worker_id,
+                    describe_exit(worker.returncode or 0, False), cause, generations_phrase(generations))
 
     def _finished_by_am(self, status: StatusReply) -> int:
         """The AM ended the job: its members finished training (it decided so from the exits this launcher reported),

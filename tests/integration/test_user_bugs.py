@@ -43,7 +43,7 @@ def test_a_bug_on_one_rank_ends_that_worker_and_the_survivor_trains_on(tmp_path:
     output = job.stdout + job.stderr
     assert job.returncode == 0, output[-3000:]
     assert output.count("IndexError: list index out of range") == 1, output[-3000:]  # rank 1's, with its traceback
-    assert "w1 died (exited with code 1)" in output, output[-3000:]
+    assert "w1 died (exited with code 1): its script raised an error" in output, output[-3000:]
     assert "step 4 redone" in output, output[-3000:]
 
 
@@ -61,5 +61,5 @@ def test_a_torch_error_on_one_rank_ends_that_worker_and_the_survivor_trains_on(t
     output = job.stdout + job.stderr
     assert job.returncode == 0, output[-3000:]
     assert output.count(DTYPE_BUG) == 1, output[-3000:]
-    assert "w1 died (exited with code 1)" in output, output[-3000:]
+    assert "w1 died (exited with code 1): its script raised an error" in output, output[-3000:]
     assert "step 4 redone" in output, output[-3000:]
