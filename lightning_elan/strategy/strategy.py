@@ -295,8 +295,8 @@ class ElanStrategy(DDPStrategy):
                                      "its group at every generation and settles its buckets at construction")
             self._ddp = ElasticDistributedDataParallel(model, self._current_group,
                                                        device_ids=self.determine_ddp_device_ids(), **kwargs)
-            if self.engine.in_launch_generation:
-                self._ddp.broadcast_module_state()
+            if self.engine.in_launch_generation:  # a member's death in it is recovered (elastic/pre_loop.py)
+                self._pre_loop.run(self._ddp.broadcast_module_state)
         return self._ddp
 
     def _current_group(self) -> torch.distributed.ProcessGroup | None:

@@ -130,12 +130,13 @@ def test_a_member_killed_in_a_barrier_before_the_first_batch_is_recovered(tmp_pa
 
 
 @pytest.mark.parametrize("kill", ["w0:barrier:pre_setup", "w1:barrier:_CheckpointConnector.resume_end",
-                                  "w2:broadcast", "w0:broadcast"])
+                                  "w2:broadcast", "w0:broadcast", "w1:ddp_broadcast", "w0:ddp_broadcast"])
 def test_a_member_killed_in_a_collective_before_the_training_loop_is_recovered(tmp_path: Path, static_run: RunResult,
                                                                                 kill: str) -> None:
-    """Rank 0 at the setup barrier, a member after the model is wrapped in DDP (``resume_end``), the broadcast of
-    ``ModelCheckpoint``'s directory (its source may be past it when the others learn of the death): the survivors
-    run the interrupted collective again without the dead one and train the whole job exactly."""
+    """Rank 0 at the setup barrier, a member after the model is wrapped in DDP (``resume_end``), DDP's broadcast of
+    rank 0's weights as the model is wrapped (a receiver, or the source), the broadcast of ``ModelCheckpoint``'s
+    directory (its source may be past it when the others learn of the death): the survivors run the interrupted
+    collective again without the dead one and train the whole job exactly."""
     victim = kill.split(":")[0]
     run = fault_run(tmp_path, "preloop", 3, [], library_kill=kill, launcher_args=("--replace-failed",))
 

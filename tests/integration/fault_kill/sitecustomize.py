@@ -17,6 +17,9 @@
 * ``barrier`` — a member at its first ``ElanStrategy.barrier`` (Lightning's, before the first batch: ``pre_setup``,
   ``_CheckpointConnector.resume_end``; ``barrier:NAME`` the barrier of that name), before it enters it: the others
   meet its death in that barrier (storm seed 953);
+* ``ddp_broadcast`` — a member of the launch generation as its elastic DDP broadcasts rank 0's weights (Lightning's
+  ``configure_ddp``, before ``resume_end``): the others meet its death in that broadcast (found by
+  ``test_start_faults``' kill 0.3 s after a preloaded worker's start: the job failed);
 * ``broadcast`` — a member at its first ``ElanStrategy.broadcast`` (``ModelCheckpoint``'s directory, in ``setup``),
   before it enters it: the source may complete it while the others meet the death;
 * ``preparing`` — an Accelerate member as it calls ``accelerator.prepare`` (before its training loop): the others meet
@@ -41,6 +44,8 @@ _FRONT_ENDS = {"train_end": ("lightning_elan.strategy.strategy", "_ElanCoordinat
                "loop_over": ("lightning_elan.accelerate.accelerator", "ElasticAccelerator", "_training_over"),
                "barrier": ("lightning_elan.strategy.strategy", "ElanStrategy", "barrier"),
                "broadcast": ("lightning_elan.strategy.strategy", "ElanStrategy", "broadcast"),
+               "ddp_broadcast": ("lightning_elan.elastic.ddp", "ElasticDistributedDataParallel",
+                                 "broadcast_module_state"),
                "preparing": ("lightning_elan.accelerate.accelerator", "ElasticAccelerator", "prepare")}
 _AFTER = {"recovering", "trained", "loop_over"}  # killed when the method returns, not when it is called
 
