@@ -32,6 +32,25 @@ JOB_ARGS = {
 """The probe's options for the two reference jobs, by gradient accumulation steps."""
 
 
+def loop_run(tmp: Path, name: str, loop: Path, loop_args: tuple[str, ...] = (), *, nproc: int = 2,
+             schedule: str | None = None) -> RunResult:
+    """``elan run --nproc N [--schedule S] -- python LOOP tmp/name ARGS`` (a user's Accelerate loop writing its
+    ``record-<worker>.json`` files to ``tmp/name``), to its end; its output goes to ``tmp/name.log``."""
+    command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
+               "--coordinate-every", "1", "--state-dir", str(tmp / f"{name}-state"),
+               *(["--schedule", schedule] if schedule else []), "--", sys.executable, str(loop), str(tmp / name),
+               *loop_args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=420, env=elan_env(tmp))
+    output = proc.stdout + proc.stderr
+    (tmp / f"{name}.log").write_text(output)
+    return RunResult(tmp / name, tmp / f"{name}-state", proc.returncode, output)
+
+
+def loop_records(run: RunResult) -> dict[str, dict]:
+    """Each worker's ``record-<worker>.json``, by worker id."""
+    return {path.stem[len("record-"):]: json.loads(path.read_text()) for path in run.out.glob("record-*.json")}
+
+
 def total_steps(accumulation: int) -> int:
     """Optimizer steps of the default job (launched with 2 workers)."""
     return EPOCHS * SAMPLES // (BATCH * 2 * accumulation)

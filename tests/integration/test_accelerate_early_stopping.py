@@ -10,15 +10,13 @@ own summary first), was still in the loop at that step, which counted as trainin
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.integration.elastic_runs import RunResult, elan_env
+from tests.integration.accelerate_runs import loop_records, loop_run
+from tests.integration.elastic_runs import RunResult
 
 pytestmark = pytest.mark.integration
 
@@ -27,17 +25,10 @@ SAMPLES = 64
 
 
 def elan_run(tmp: Path, name: str, schedule: str | None = None) -> RunResult:
-    command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "2", "--job", name,
-               "--coordinate-every", "1", "--state-dir", str(tmp / f"{name}-state"),
-               *(["--schedule", schedule] if schedule else []), "--", sys.executable, str(LOOP), str(tmp / name)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=420, env=elan_env(tmp))
-    output = proc.stdout + proc.stderr
-    (tmp / f"{name}.log").write_text(output)
-    return RunResult(tmp / name, tmp / f"{name}-state", proc.returncode, output)
+    return loop_run(tmp, name, LOOP, schedule=schedule)
 
 
-def records(run: RunResult) -> dict[str, dict]:
-    return {path.stem[len("record-"):]: json.loads(path.read_text()) for path in run.out.glob("record-*.json")}
+records = loop_records
 
 
 def test_a_joiner_stops_early_with_the_members(tmp_path: Path) -> None:

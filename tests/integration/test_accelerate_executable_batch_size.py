@@ -13,14 +13,13 @@ parameters 0.29 from the static run's, exit 0 and no warning.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.integration.elastic_runs import RunResult, elan_env
+from tests.integration.accelerate_runs import loop_records, loop_run
+from tests.integration.elastic_runs import RunResult
 
 pytestmark = pytest.mark.integration
 
@@ -31,18 +30,10 @@ NOT_ELASTIC = "backward() of a batch that is not from the training DataLoader (t
 
 
 def elan_run(tmp: Path, name: str, start: int, schedule: str | None = None) -> RunResult:
-    command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(WORLD), "--job", name,
-               "--coordinate-every", "1", "--state-dir", str(tmp / f"{name}-state"),
-               *(["--schedule", schedule] if schedule else []), "--", sys.executable, str(LOOP), str(tmp / name),
-               str(start)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=420, env=elan_env(tmp))
-    output = proc.stdout + proc.stderr
-    (tmp / f"{name}.log").write_text(output)
-    return RunResult(tmp / name, tmp / f"{name}-state", proc.returncode, output)
+    return loop_run(tmp, name, LOOP, (str(start),), nproc=WORLD, schedule=schedule)
 
 
-def records(run: RunResult) -> dict[str, dict]:
-    return {path.stem[len("record-"):]: json.loads(path.read_text()) for path in run.out.glob("record-*.json")}
+records = loop_records
 
 
 def assert_like_the_static_run(run: RunResult, reference: dict) -> dict[str, dict]:

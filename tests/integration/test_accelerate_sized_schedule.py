@@ -8,16 +8,14 @@ was 0.00933) and the parameters ended 5e-4 from the static run's, with exit 0 an
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.elastic_runs import RunResult, elan_env
+from tests.integration.accelerate_runs import loop_records, loop_run
+from tests.integration.elastic_runs import RunResult
 
 pytestmark = pytest.mark.integration
 
@@ -27,17 +25,10 @@ STEPS = EPOCHS * SAMPLES // (4 * LAUNCH_WORLD)  # global batch 4 x 3 at every wo
 
 
 def elan_run(tmp: Path, name: str, schedule: str | None) -> RunResult:
-    command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(LAUNCH_WORLD), "--job", name,
-               "--coordinate-every", "1", "--state-dir", str(tmp / f"{name}-state"),
-               *(["--schedule", schedule] if schedule else []), "--", sys.executable, str(LOOP), str(tmp / name)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=420, env=elan_env(tmp))
-    output = proc.stdout + proc.stderr
-    (tmp / f"{name}.log").write_text(output)
-    return RunResult(tmp / name, tmp / f"{name}-state", proc.returncode, output)
+    return loop_run(tmp, name, LOOP, nproc=LAUNCH_WORLD, schedule=schedule)
 
 
-def records(run: RunResult) -> dict[str, dict]:
-    return {path.stem[len("record-"):]: json.loads(path.read_text()) for path in run.out.glob("record-*.json")}
+records = loop_records
 
 
 def test_a_joiner_sizes_its_schedule_with_the_launch_world(tmp_path: Path) -> None:

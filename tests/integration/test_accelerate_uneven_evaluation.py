@@ -9,14 +9,12 @@ evaluates every sample once per epoch with the static run's losses.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.elastic_runs import RunResult, elan_env
+from tests.integration.accelerate_runs import loop_records, loop_run
+from tests.integration.elastic_runs import RunResult
 
 pytestmark = pytest.mark.integration
 
@@ -25,17 +23,10 @@ WARNING = "evaluation DataLoader with even_batches=False at 3 processes: its 8 b
 
 
 def elan_run(tmp: Path, name: str, schedule: str | None = None) -> RunResult:
-    command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "2", "--job", name,
-               "--coordinate-every", "1", "--state-dir", str(tmp / f"{name}-state"),
-               *(["--schedule", schedule] if schedule else []), "--", sys.executable, str(LOOP), str(tmp / name)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=420, env=elan_env(tmp))
-    output = proc.stdout + proc.stderr
-    (tmp / f"{name}.log").write_text(output)
-    return RunResult(tmp / name, tmp / f"{name}-state", proc.returncode, output)
+    return loop_run(tmp, name, LOOP, schedule=schedule)
 
 
-def records(run: RunResult) -> dict[str, dict]:
-    return {path.stem[len("record-"):]: json.loads(path.read_text()) for path in run.out.glob("record-*.json")}
+records = loop_records
 
 
 def test_uneven_evaluation_shards_after_a_resize_are_named(tmp_path: Path) -> None:
