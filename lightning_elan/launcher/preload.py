@@ -279,10 +279,9 @@ class PreloadedInterpreter:
     def stop(self, grace_s: float = 5.0) -> None:
         """Close the channel (the preload process exits once its workers have); kill it after ``grace_s``."""
         self.ready = False
-        for fd in (self._request_fd,):
-            if fd >= 0:
-                os.close(fd)
-        self._request_fd = -1
+        if self._request_fd >= 0:
+            os.close(self._request_fd)
+            self._request_fd = -1
         if self._process is None:
             return
         try:
