@@ -54,7 +54,7 @@ from lightning_elan.accelerate.data import (
     refuse_unsupported,
 )
 from lightning_elan.accelerate.evaluation_recovery import EvaluationRecovery, all_tensors, without_padding
-from lightning_elan.accelerate.loop_end import LoopEndWatch, announce_loop_end
+from lightning_elan.accelerate.loop_end import LoopEnded, LoopEndWatch, announce_loop_end
 from lightning_elan.accelerate.objects import CHECKPOINTED, ReplicatedObjects
 from lightning_elan.accelerate.plugin import ElasticPlugin
 from lightning_elan.accelerate.scaling import AccelerateScaling
@@ -326,6 +326,8 @@ class ElasticAccelerator(Accelerator):
 
     def _raise_if_loop_ended(self, cause: BaseException | None = None) -> None:
         """This joiner trains past the step the job's loop ended after: stop with the reason."""
+        if isinstance(cause, LoopEnded):
+            raise cause  # the engine raised the error the loop-end watch failed the collectives with
         error = None if self._loop_end_watch is None else self._loop_end_watch.error_if_past()
         if error is not None:
             raise error from cause

@@ -574,6 +574,12 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         return self.backend
 
     @property
+    def failure(self) -> BaseException | None:
+        """What the current generation's collectives were failed with (:meth:`fail`), if they were."""
+        generation = self._generation
+        return None if generation is None else generation.failure
+
+    @property
     def current(self) -> ProcessGroup:
         if self._current is None:
             raise RuntimeError("the elastic process group is not part of any generation (not configured)")

@@ -510,6 +510,9 @@ class ElasticWorker:
     def _confirm_peer_failure(self, error: BaseException) -> None:
         if isinstance(error, PeerFailure):
             return  # raised because the watch saw a generation fail (one being formed, too)
+        own = self._own_failure()
+        if own is not None:
+            raise own from error  # the generation failed by this process's own decision, not by a death
         if self._watch is None or not (self.peer_failed or may_be_a_peers_death(error)):
             raise error  # the process's own error (a bug, an out-of-memory...), raised outside any communication
         if self.peer_failure_within(FAILURE_NOTICE_WARNING_S):
@@ -519,6 +522,13 @@ class ElasticWorker:
                     type(error).__name__, str(error)[:200], FAILURE_NOTICE_S)
         if not self.peer_failure_within(FAILURE_NOTICE_S - FAILURE_NOTICE_WARNING_S):
             raise error
+
+    def _own_failure(self) -> BaseException | None:
+        """What this process failed its generation's collectives with itself (a front-end's decision, e.g. a joiner
+        training past the loop's end), rather than a peer's death the watch saw: the collective's error, wrapped by
+        torch's future or the autograd engine, stands for it."""
+        failure = None if self.group is None else self.group.failure
+        return None if failure is None or isinstance(failure, PeerFailure) else failure
 
     def peer_failure_within(self, seconds: float) -> bool:
         """Whether the AM says, within ``seconds``, that a member of this worker's generation died."""
