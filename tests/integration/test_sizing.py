@@ -27,7 +27,8 @@ from tests.integration.elastic_runs import (
     elan_env,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.solo]  # measures throughput: alone under `pytest -n`
+pytestmark = pytest.mark.integration
+measures_throughput = pytest.mark.solo  # alone under `pytest -n`; the argument checks share the cores
 GLOBAL = ["--global-batch", "12"]  # the static run's 2 × 6, split over however many workers there are
 
 
@@ -40,6 +41,7 @@ def run_job(tmp: Path, name: str, nproc: int, probe_args: list[str], launcher_ar
     return RunResult(tmp / name, tmp / f"{name}-state", proc.returncode, output)
 
 
+@measures_throughput
 def test_a_3x_slower_worker_is_replaced_and_the_run_stays_exact(static_run, tmp_path):
     probe = [*PROBE_ARGS, *GLOBAL, "--step-sleep", "0.25", "--slow-worker", "w1:0.5"]
     run = run_job(tmp_path, "straggler", 2, probe, ("--stragglers", "replace", "--straggler-window", "3"))
@@ -70,6 +72,7 @@ def wait_for_step(tmp: Path, job: str, step: int, timeout_s: float = 120) -> Non
     raise AssertionError(f"job {job} did not reach step {step} within {timeout_s} s")
 
 
+@measures_throughput
 def test_elan_profile_1_to_3_records_three_throughputs_and_the_job_ends_exact(tmp_path):
     probe = [*PROBE_ARGS, *GLOBAL, "--epochs", "8"]
     static = run_job(tmp_path, "static8", 2, probe, ())
@@ -116,6 +119,7 @@ def assert_exact_epochs(run: RunResult, static: RunResult, epochs: int) -> None:
     assert_states_close(run.final_state(), static.final_state(), TOLERANCE)
 
 
+@measures_throughput
 def test_throughput_autoscaler_settles_where_scaling_efficiency_falls_below_the_threshold(tmp_path):
     probe = [*PROBE_ARGS, *GLOBAL, "--epochs", "10"]
     static = run_job(tmp_path, "static10", 2, probe, ())
@@ -134,6 +138,7 @@ def test_throughput_autoscaler_settles_where_scaling_efficiency_falls_below_the_
     assert_exact_epochs(run, static, 10)
 
 
+@measures_throughput
 def test_utility_autoscaler_adds_a_worker_only_while_finishing_sooner_is_worth_its_price(static_run, tmp_path):
     """The first decision adds a worker on the linear estimate (at linear speed-up the job costs the same
     worker-seconds and finishes sooner). Once 2 workers are measured (sub-linear: R2 ≈ 1.5 R1): a free worker
@@ -183,6 +188,7 @@ def test_a_garbage_utility_file_is_refused_naming_the_file(tmp_path):
     assert result.returncode == 2 and str(utility) in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+@measures_throughput
 def test_a_job_of_elan_workers_grows_through_the_scale_out_command(static_run, tmp_path):
     """`elan am --min-workers 1 --autoscale throughput --scale-out-command CMD` and one `elan worker`: the autoscaler
     wants 2 workers, the AM runs CMD (here: start another `elan worker` of the job, as `sbatch worker.sh` would), the
