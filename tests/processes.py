@@ -57,6 +57,32 @@ def descendants(root: int) -> set[int]:
     return found
 
 
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (of each of its threads), none once it is gone."""
+    found: list[int] = []
+    for task in (PROC / str(pid) / "task").glob("*"):
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:  # the thread or the process ended meanwhile
+            continue
+    return found
+
+
+def launched_by(launcher: int) -> list[int]:
+    """The children of an ``elan run`` process, with the workers its preload process (``elan-preload``) forked in
+    place of the preload process itself."""
+    direct = children(launcher)
+    preloads = [child for child in direct if (argv(child) or [b""])[0] == b"elan-preload"]
+    return [child for child in direct if child not in preloads] + [
+        worker for preload in preloads for worker in children(preload)]
+
+
+def argv(pid: int) -> list[bytes] | None:
+    """A running (not zombie) process's argument vector, else None."""
+    command = _read(pid, "cmdline")
+    return command.split(b"\0") if command and running(pid) else None
+
+
 def _read(pid: int, name: str) -> bytes:
     try:
         return (PROC / str(pid) / name).read_bytes()

@@ -47,6 +47,7 @@ from lightning_elan.launcher.enrolled import EXIT_NOT_ENROLLED
 from lightning_elan.master.etcd_store import EtcdStore
 from lightning_elan.master.main import CLEAN_FINISHES
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
+from tests import processes
 from tests.faults.checks import StormCheck, check_storm
 from tests.faults.storm import (
     EPOCHS,
@@ -56,8 +57,6 @@ from tests.faults.storm import (
     SPARED_MEMBERS,
     STORM_ARGS,
     WORKERS,
-    _argv,
-    _child_pids,
     _send,
     _worker_id,
     run_static,
@@ -273,8 +272,8 @@ class _Weather:
 
 def _training_pid(worker_pid: int) -> int | None:
     """The training process an ``elan worker`` runs (the probe), if it runs one."""
-    for pid in _child_pids(worker_pid):
-        argv = _argv(pid)
+    for pid in processes.launched_by(worker_pid):
+        argv = processes.argv(pid)
         if argv and any(arg.endswith(b"probe_train.py") for arg in argv):
             return pid
     return None

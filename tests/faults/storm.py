@@ -187,7 +187,7 @@ class _Weather:
 
     def _children(self, kind: str) -> list[int]:
         """Live children of the launcher: its workers (``worker``) or its AM (``am``)."""
-        return [pid for pid in _child_pids(self.launcher.pid) if _kind(_argv(pid)) == kind]
+        return [pid for pid in processes.launched_by(self.launcher.pid) if _kind(processes.argv(pid)) == kind]
 
     def _sleep(self, seconds: float) -> bool:
         end = time.monotonic() + seconds
@@ -199,14 +199,6 @@ class _Weather:
         return self.launcher.poll() is None
 
 
-def _child_pids(pid: int) -> list[int]:
-    """The children of ``pid``, and the workers its preload process (``elan-preload``) forked for it."""
-    children = _direct_children(pid)
-    preloads = [child for child in children if (_argv(child) or [b""])[0] == b"elan-preload"]
-    return [child for child in children if child not in preloads] + [
-        worker for preload in preloads for worker in _direct_children(preload)]
-
-
 def spawned_workers(log_path: Path) -> dict[int, str]:
     """``{pid: worker id}`` from ``elan run``'s log (a preloaded worker's ``/proc/PID/environ`` is the launcher's)."""
     try:
@@ -214,26 +206,6 @@ def spawned_workers(log_path: Path) -> dict[int, str]:
     except OSError:
         return {}
     return {pid: worker for worker, pid in processes.spawned_workers(text).items()}
-
-
-def _direct_children(pid: int) -> list[int]:
-    children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return children
-
-
-def _argv(pid: int) -> list[bytes] | None:
-    """A live (not zombie) process's argv, else None."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return None if state == "Z" else argv
 
 
 def _worker_id(pid: int) -> str | None:

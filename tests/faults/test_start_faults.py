@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests import processes
 from tests.faults.checks import check_storm
-from tests.faults.storm import WORKERS, _child_pids, _kind, _stop, job_command, run_static
+from tests.faults.storm import WORKERS, _kind, _stop, job_command, run_static
 from tests.integration.elastic_runs import RunResult, elan_env
 
 pytestmark = pytest.mark.integration
@@ -48,18 +49,11 @@ def killed_at_start(tmp: Path, delay_s: float, sig: signal.Signals, extra: tuple
 def _await_workers(launcher: int, count: int) -> list[int]:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        workers = [pid for pid in _child_pids(launcher) if _kind(_read_argv(pid)) == "worker"]
+        workers = [pid for pid in processes.launched_by(launcher) if _kind(processes.argv(pid)) == "worker"]
         if len(workers) >= count:
             return workers
         time.sleep(0.01)
     raise AssertionError("the workers were never started")
-
-
-def _read_argv(pid: int) -> list[bytes] | None:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
 
 
 # a fresh worker imports torch and Lightning for its first ~8 s here, then forms the first generation; a worker forked

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import processes
 from tests.integration.elastic_runs import TOLERANCE, RunResult, assert_ranks_agree, assert_states_close
 from tests.integration.worker_faults import (
     assert_completed_once,
@@ -190,10 +191,10 @@ def test_a_death_the_am_hears_of_late_is_still_recovered(tmp_path: Path, static_
     try:
         progress = tmp_path / "late"
         _wait_for(lambda: _progress(progress, "w0").get("step", 0) >= 2, "w0 completed step 2")
-        am = next(pid for pid in _children(job.pid) if b"am" in _argv(pid)[3:4])
+        am = next(pid for pid in processes.children(job.pid) if (processes.argv(pid) or [])[3:4] == [b"am"])
         os.kill(am, signal.SIGSTOP)
         victim = _progress(progress, "w1")["pid"]
-        _wait_for(lambda: not Path(f"/proc/{victim}").exists() or _zombie(victim), "w1 killed itself")
+        _wait_for(lambda: not processes.running(victim), "w1 killed itself")
         time.sleep(AM_PAUSE_S)
         os.kill(am, signal.SIGCONT)
         job.wait(300)
@@ -218,22 +219,6 @@ def _progress(out: Path, worker: str) -> dict:
         return json.loads((out / f"progress-{worker}.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _children(pid: int) -> list[int]:
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
-
-
-def _argv(pid: int) -> list[bytes]:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
