@@ -54,6 +54,7 @@ from lightning_elan.accelerate.data import (
     refuse_unsupported,
 )
 from lightning_elan.accelerate.evaluation_recovery import EvaluationRecovery, all_tensors, without_padding
+from lightning_elan.accelerate.local_sgd import LocalSGDSteps
 from lightning_elan.accelerate.loop_end import LoopEnded, LoopEndWatch, announce_loop_end
 from lightning_elan.accelerate.objects import CHECKPOINTED, ReplicatedObjects
 from lightning_elan.accelerate.plugin import ElasticPlugin
@@ -144,7 +145,9 @@ class ElasticAccelerator(Accelerator):
         self._pre_loop = PreLoopCollectives(self._recover_before_the_loop, self.engine.earliest_position)
         self._group_view: torch.distributed.ProcessGroup | None = None
         self._evaluations = EvaluationRecovery(self.engine, self, self._recover_mid_evaluation)
+        self.local_sgd_steps_state = LocalSGDSteps()  # a LocalSGD's count of local steps: joiners continue it
         compat.guard_process_decorators()
+        compat.watch_local_sgd()
         with compat.single_process_initialisation():
             super().__init__(*args, **kwargs)
         device = self._elastic_device(environment, bool(kwargs.get("cpu", False)))
@@ -641,6 +644,7 @@ class ElasticAccelerator(Accelerator):
             "schedulers": [scheduler.state_dict() for scheduler in compat.prepared_schedulers(self)],
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "objects": self._objects.state_dict(),
+            "local_sgd": self.local_sgd_steps_state.state_dict(),
             "loop": {**self._loop_state(), "trackers": self._tracker_args,
                      "save_iteration": self.project_configuration.iteration},
         }
@@ -657,6 +661,7 @@ class ElasticAccelerator(Accelerator):
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
         self._objects.load_state_dict(state["objects"])
+        self.local_sgd_steps_state.load_state_dict(state["local_sgd"])
         self._load_loop_state(state["loop"])
         self._pre_loop.joined()
         self._tracker_args = state["loop"].get("trackers")

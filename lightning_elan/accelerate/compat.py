@@ -115,6 +115,34 @@ def guard_process_decorators() -> None:
             setattr(PartialState, name, _outside_the_job(method))
 
 
+def watch_local_sgd() -> None:
+    """Tell the elastic accelerator when a ``LocalSGD`` is entered and exited (once). Upstream
+    (``accelerate/local_sgd.py``): ``LocalSGD.__init__`` keeps the accelerator in ``self.accelerator`` only when
+    enabled, ``step()`` counts in ``self.num_steps`` and averages the models whenever
+    ``num_steps % local_sgd_steps == 0``."""
+    from accelerate.local_sgd import LocalSGD
+
+    if getattr(LocalSGD.__enter__, "_elan_watch", False):
+        return
+    enter, exit_ = LocalSGD.__enter__, LocalSGD.__exit__
+
+    def watched_enter(self: LocalSGD) -> LocalSGD:
+        result = enter(self)
+        steps = getattr(getattr(self, "accelerator", None), "local_sgd_steps_state", None)
+        if steps is not None:
+            steps.entered(self)
+        return result
+
+    def watched_exit(self: LocalSGD, *exc: Any) -> Any:
+        steps = getattr(getattr(self, "accelerator", None), "local_sgd_steps_state", None)
+        if steps is not None:
+            steps.exited(self)
+        return exit_(self, *exc)
+
+    watched_enter._elan_watch = True  # type: ignore[attr-defined]
+    LocalSGD.__enter__, LocalSGD.__exit__ = watched_enter, watched_exit  # type: ignore[method-assign]
+
+
 def set_process_state(
     distributed: bool, device: torch.device, backend: str | None, num_processes: int, process_index: int,
     outside_the_job: bool = False,
