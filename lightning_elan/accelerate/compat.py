@@ -199,9 +199,32 @@ def leave_dataloader(loader: object) -> None:
 
 def shard_for_evaluation(accelerator: Accelerator, loader: DataLoader) -> Any:
     """Accelerate's own sharded loader for the world of now (not kept in the accelerator's list of loaders)."""
-    sharded = Accelerator.prepare_data_loader(accelerator, loader)
+    with _whole_batches_if_unsplittable(accelerator, loader):
+        sharded = Accelerator.prepare_data_loader(accelerator, loader)
     accelerator._dataloaders.remove(sharded)
     return sharded
+
+
+@contextlib.contextmanager
+def _whole_batches_if_unsplittable(accelerator: Accelerator, loader: DataLoader) -> Iterator[None]:
+    """``split_batches=True`` and a batch size the world of now does not divide (a resize made it): Accelerate's
+    ``BatchSamplerShard`` raises ``ValueError`` (``accelerate/data_loader.py``), which ``prepare()`` at launch never
+    did. Shard that evaluation loader the way ``split_batches=False`` does instead: whole batches round robin, the
+    last ones padded, ``gather_for_metrics`` dropping the padding; every sample is evaluated once all the same.
+    ``Accelerator.split_batches`` reads ``dataloader_config.split_batches`` live (``accelerate/accelerator.py``)."""
+    config = accelerator.dataloader_config
+    batch_size = getattr(loader, "batch_size", None)
+    world = accelerator.num_processes
+    if not config.split_batches or batch_size is None or batch_size % world == 0:
+        yield
+        return
+    log.info("evaluation DataLoader: its batch size %d does not split over %d processes (split_batches=True); each "
+             "process evaluates whole batches of it instead", batch_size, world)
+    config.split_batches = False
+    try:
+        yield
+    finally:
+        config.split_batches = True
 
 
 def replace_prepared(items: list[Any], old: Any, new: Any) -> None:
