@@ -5,6 +5,7 @@ Each function names the upstream behaviour it depends on (lightning 2.4–2.6, `
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -254,7 +255,10 @@ def call_after_each_trained_batch(trainer: pl.Trainer, hook: Callable[[], None])
         if getattr(epoch_loop, "_elan_discarded", False):  # see redo_interrupted_batches
             epoch_loop._elan_discarded = False
             return
-        run_batch_end(epoch_loop, data_fetcher)  # a death in its validation: see redo_validation_cut_by_a_death
+        try:
+            run_batch_end(epoch_loop, data_fetcher)  # a death in its validation: see redo_validation_cut_by_a_death
+        except _WindowRedone:
+            return  # the batch's step is redone from its window's first batch: the rest of its end with it
         hook()
 
     epoch_loop.on_advance_end = on_advance_end
@@ -297,11 +301,14 @@ def redo_interrupted_batches(
         saved = dict(window)
         epoch_loop._elan_discarded = False
         logs.holding = True
+        rewind = functools.partial(_rewind_window, trainer, data_fetcher, saved)
         try:
             run_batch(epoch_loop, data_fetcher)
         except Exception as error:
-            epoch_loop._elan_discarded = recover(error, lambda: _rewind_window(trainer, data_fetcher, saved))
-        logs.window_done(discarded=epoch_loop._elan_discarded, closed=not accumulating(trainer))
+            epoch_loop._elan_discarded = recover(error, rewind)
+        open_window = not epoch_loop._elan_discarded and accumulating(trainer)
+        epoch_loop._elan_rewind_open_window = rewind if open_window else None
+        logs.window_done(discarded=epoch_loop._elan_discarded, closed=not open_window)
 
     epoch_loop.advance = advance
     epoch_loop._elan_recover = recover
@@ -384,7 +391,8 @@ def redo_validation_cut_by_a_death(
                 if trainer.sanity_checking:
                     raise
                 _abandon_validation(trainer, start)
-                recover(error, None)
+                if recover(error, getattr(trainer.fit_loop.epoch_loop, "_elan_rewind_open_window", None)):
+                    _redo_open_window(trainer)
                 trainer.validating = True  # as ``on_advance_end`` set it before the run
                 log.warning("a member died during validation: it runs again from its first batch in the new "
                             "generation (its hooks run again; state a validation_step keeps outside self.log and "
@@ -395,6 +403,26 @@ def redo_validation_cut_by_a_death(
 
     val_loop.run = run_again_after_recovery
     val_loop._elan_recover = recover
+
+
+class _WindowRedone(Exception):
+    """Raised out of a validation run cut by a death inside an accumulation window: the window is redone."""
+
+
+def _redo_open_window(trainer: pl.Trainer) -> None:
+    """A validation run due in the middle of an accumulation window (``val_check_interval`` counts batches, not
+    optimizer steps) was cut by a death: the window's step was not committed, so the job redoes it from its first
+    batch (the elastic data position went back there, the gradients accumulated so far were dropped and the loop's
+    progress rewound by ``recover``). The batches before the validation train again and the validation comes again
+    after them: the rest of this batch's ``on_advance_end`` is skipped, as for a batch discarded in ``advance``, and
+    the window's held logger rows are dropped."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    epoch_loop._elan_rewind_open_window = None
+    epoch_loop._elan_window_logs.window_done(discarded=True, closed=True)
+    trainer.training = True  # as ``on_advance_end`` sets it after the run
+    log.warning("a member died during a validation inside an accumulation window: the window's step is redone from "
+                "its first batch, and the validation after it")
+    raise _WindowRedone
 
 
 def _validation_start(trainer: pl.Trainer) -> dict[str, Any]:

@@ -211,6 +211,11 @@ def _observer_class(callback_base: type) -> type:
                     "world": trainer.world_size, "samples": samples})
             _kill_if_due(self.batch_step, trainer.global_rank, "end")
 
+        def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
+                                      dataloader_idx: int = 0) -> None:
+            if trainer.state.fn == "fit" and not trainer.sanity_checking:  # a validation run of the training loop
+                _kill_if_due(self.batch_step, trainer.global_rank, "validation")
+
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             _kill_if_due(self.batch_step, trainer.global_rank, "optimizer")
 

@@ -1,0 +1,74 @@
+"""Kills the corpus' schedule does not reach: a member SIGKILLed inside a validation run that falls in the middle of
+a gradient-accumulation window (``scripts/validate_mid_accumulation.py``), compared with the static run."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.users.corpus import (
+    TOLERANCE,
+    Job,
+    Run,
+    assert_checkpoints_alike,
+    assert_ok,
+    assert_states_close,
+    run_job,
+)
+
+pytestmark = pytest.mark.integration
+
+COMMAND = ("{scripts}/validate_mid_accumulation.py", "{out}")
+# 120 samples, a global batch of 12: 10 batches an epoch, windows of 3 batches (the tenth alone), 4 optimizer steps
+# an epoch; validation after every fifth batch. Epoch 2's validation after its batch 4 (the window of batches 3-5,
+# which began at step 9) is the one cut short.
+KILL = "9:validation"
+STOP_AT_STEP = 14  # the script sets trainer.should_stop from this step
+
+
+def last_attempts(run: Run) -> dict[int, Counter]:
+    """Each epoch's trained samples, counting a batch redone after a death once: of the records of one
+    (epoch, batch_idx), those of its last attempt (the latest world that trained it)."""
+    by_batch: dict[tuple[int, int], list[dict]] = {}
+    for record in run.events("trained"):
+        by_batch.setdefault((record["epoch"], record["batch_idx"]), []).append(record)
+    epochs: dict[int, Counter] = {}
+    for (epoch, _), records in by_batch.items():
+        last = max(records, key=lambda record: record["at"])
+        for record in records:
+            if record["world"] == last["world"]:
+                epochs.setdefault(epoch, Counter()).update(record["samples"])
+    return epochs
+
+
+@pytest.fixture(scope="module")
+def static(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run = run_job(tmp_path_factory.mktemp("static"), Job("static", COMMAND))
+    assert_ok(run)
+    return run
+
+
+def test_a_member_killed_in_a_validation_inside_an_accumulation_window(tmp_path: Path, static: Run) -> None:
+    """The window's micro-batches accumulated before the validation are redone from its first one by the survivor,
+    with nothing of their first attempt left in the gradients: the final state, every validation, the checkpoints
+    and the predictions are the static run's, and every sample trained once per epoch."""
+    run = run_job(tmp_path, Job("killed", COMMAND, kill=KILL))
+    assert_ok(run)
+    assert [kill["phase"] for kill in run.kills()] == ["validation"]
+    assert [a["action"] for a in run.adjustments()] == ["failure"]
+    expected = last_attempts(static)
+    seen = last_attempts(run)
+    assert sorted(seen) == sorted(expected)
+    for epoch, counts in seen.items():
+        assert counts == expected[epoch], f"epoch {epoch}: {counts - expected[epoch]} / {expected[epoch] - counts}"
+    assert_states_close(run.final_state(), static.final_state())
+    validations = [json.loads(line) for line in (run.out / "validations.jsonl").read_text().splitlines()]
+    reference = [json.loads(line) for line in (static.out / "validations.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in validations] == [v["step"] for v in reference]
+    for mine, theirs in zip(validations, reference, strict=True):
+        assert abs(mine["sum"] - theirs["sum"]) <= TOLERANCE, (mine, theirs)
+    assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
+    assert json.loads((run.out / "predicted.json").read_text())["step"] == STOP_AT_STEP
