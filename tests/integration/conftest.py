@@ -21,13 +21,15 @@ from tests.integration.elastic_runs import (
     elan_env,
     elan_run,
 )
+from tests.shared_runs import shared_run
 
 
 @pytest.fixture(scope="session")
 def static_run(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """The static 2-worker run of the default probe job (``PROBE_ARGS``), run once per session: the reference every
     elastic run's final parameters must equal within ``TOLERANCE``."""
-    return check_static_run(elan_run(tmp_path_factory.mktemp("static"), "static", 2, PROBE_ARGS))
+    return shared_run(tmp_path_factory, "static",
+                      lambda directory: check_static_run(elan_run(directory, "static", 2, PROBE_ARGS)))
 
 
 @pytest.fixture(scope="session")
@@ -35,13 +37,16 @@ def plain_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, RunResult]
     """The static references of the Accelerate tests: a plain 2-process ``Accelerator`` run of
     ``accelerate_probe.py`` for each of ``JOB_ARGS`` (gradient accumulation 1; 2 with shuffling and loader workers),
     run once per session."""
-    tmp = tmp_path_factory.mktemp("plain-accelerate")
-    runs = {accumulation: plain_accelerate_run(tmp, f"plain{accumulation}", 2, args)
+    return {accumulation: shared_run(tmp_path_factory, f"plain-accelerate-{accumulation}",
+                                     lambda directory, args=args: _checked_plain_run(directory, args))
             for accumulation, args in JOB_ARGS.items()}
-    for run in runs.values():
-        assert run.returncode == 0, run.excerpt()
-        assert_counted_once(consumed_per_epoch(run.records()), ACCELERATE_SAMPLES, ACCELERATE_EPOCHS)
-    return runs
+
+
+def _checked_plain_run(directory: Path, args: list[str]) -> RunResult:
+    run = plain_accelerate_run(directory, "plain", 2, args)
+    assert run.returncode == 0, run.excerpt()
+    assert_counted_once(consumed_per_epoch(run.records()), ACCELERATE_SAMPLES, ACCELERATE_EPOCHS)
+    return run
 
 
 @pytest.fixture
