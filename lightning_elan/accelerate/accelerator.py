@@ -123,6 +123,7 @@ class ElasticAccelerator(Accelerator):
         self._loop_epoch: int | None = None  # the epoch `for epoch in accelerator.epochs(n)` is in (its body runs)
         self._between_passes = False  # a boundary where a pass over the training loader or an epoch starts
         self._epoch_loops = 0  # the epochs() loops entered
+        self._loop_ran_out = False  # an epochs() loop ran to its end on a member: the job's training is over
         self._loop_left_after: tuple[int, int, bool] | None = None  # epochs() left early: (loop, optimizer steps,
         # after the last step's batch boundary)
         self._loop_end_announced = False
@@ -201,6 +202,7 @@ class ElasticAccelerator(Accelerator):
         the members). Each later epoch starts at its beginning, also when the loop over the previous one was left
         early (``break``). Ends on a worker that left the job."""
         epoch: int | None = None
+        self._refuse_a_loop_after_the_training(num_epochs)
         self._epoch_loops += 1
         self._pre_loop.loop_started()
         self.engine.training_loop_started()
@@ -221,7 +223,23 @@ class ElasticAccelerator(Accelerator):
                 raise
             finally:
                 self._loop_epoch = None
+        self._loop_ran_out = not self.has_left
         self._training_over()
+
+    def _refuse_a_loop_after_the_training(self, num_epochs: int) -> None:
+        """An ``epochs()`` loop after one ran out: the job's training is over (its data position is at the end of the
+        last epoch, the link to the AM closed), so this loop would train nothing (``epochs(n)`` continues the job's
+        epochs) or train alone. A loop per fold or stage (Accelerate's ``cross_validation.py``: ``prepare()`` and
+        ``range(num_epochs)`` per fold) cannot be made elastic: a joiner, running the script from its start, could
+        not know which fold the job is in. Refused on every worker alike, with what to do instead."""
+        if not self._loop_ran_out:
+            return
+        raise RuntimeError(
+            f"accelerator.epochs({num_epochs}) after an earlier epochs() loop ran out: the job's training is over "
+            f"(epochs() continues the job's epochs on one training DataLoader, the first prepared, so this loop would "
+            f"train nothing). A training loop per fold or stage (cross-validation, a second training DataLoader) is "
+            f"not supported in one elastic job: run each fold as its own `elan run` job, or train all stages in one "
+            f"`for epoch in accelerator.epochs(total)` loop.")
 
     def _next_epoch(self, previous: int | None) -> int:
         data = self.engine.data
