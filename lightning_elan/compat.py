@@ -370,7 +370,8 @@ def redo_validation_cut_by_a_death(
     the batch's end (plateau schedulers, ``_batches_that_stepped``, logger saving): with the run redone in place, that
     rest runs once, as Lightning's. ``_EvaluationLoop.run`` is looked up on the loop at call time, so an instance
     attribute replaces it for this trainer only. The sanity check runs the same loop before the training loop, where a
-    death is recovered inside each collective (``elastic/pre_loop.py``): an error escaping it is raised as before.
+    death is recovered inside each of the strategy's collectives (``elastic/pre_loop.py``); one seen in a collective
+    made without the strategy (torchmetrics' sync) runs the sanity check again (:func:`_redo_sanity_check`).
     What is logged during the run (``log_eval_end_metrics``, step metrics) is held until it returns: a death after
     that (in ``on_validation_end``: ``ModelCheckpoint``'s save) logs the validation once too.
     """
@@ -389,7 +390,8 @@ def redo_validation_cut_by_a_death(
             except Exception as error:
                 logs.window_done(discarded=True, closed=True)
                 if trainer.sanity_checking:
-                    raise
+                    _redo_sanity_check(trainer, start, error, recover)
+                    continue
                 _abandon_validation(trainer, start)
                 if recover(error, getattr(trainer.fit_loop.epoch_loop, "_elan_rewind_open_window", None)):
                     _redo_open_window(trainer)
@@ -403,6 +405,20 @@ def redo_validation_cut_by_a_death(
 
     val_loop.run = run_again_after_recovery
     val_loop._elan_recover = recover
+
+
+def _redo_sanity_check(trainer: pl.Trainer, start: dict[str, Any], error: BaseException,
+                       recover: Callable[[BaseException, Callable[[], None] | None], bool]) -> None:
+    """A member's death during the sanity check, seen in a collective the strategy does not make (torchmetrics'
+    ``Metric.sync`` calls ``torch.distributed.all_gather`` itself, from a ``MetricCollection.compute()`` in
+    ``on_validation_epoch_end``, say; the strategy's own reductions recover inside themselves: ``elastic/pre_loop.py``):
+    the survivors recover (``recover`` re-raises what is not a death) and run the sanity check again from its first
+    batch in the new generation. ``Trainer._run_sanity_check`` set ``sanity_checking`` before ``val_loop.run()`` and
+    resets the results after it: the run redone in place leaves it as Lightning's."""
+    _abandon_validation(trainer, start)
+    recover(error, None)
+    trainer.sanity_checking = True  # ``_abandon_validation`` set ``training`` as between two batches
+    log.warning("a member died during the sanity check: it runs again from its first batch in the new generation")
 
 
 class _WindowRedone(Exception):

@@ -1,5 +1,6 @@
-"""Kills the corpus' schedule does not reach: a member SIGKILLed inside a validation run that falls in the middle of
-a gradient-accumulation window (``scripts/validate_mid_accumulation.py``), compared with the static run."""
+"""Kills the corpus' schedule does not reach, each compared with the static run: a member SIGKILLed inside a validation
+run that falls in the middle of a gradient-accumulation window (``scripts/validate_mid_accumulation.py``), and in the
+sanity check while the others sync torchmetrics (``scripts/metrics_loggers_profiler.py``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from tests.users.corpus import (
     Job,
     Run,
     assert_checkpoints_alike,
+    assert_logged_alike,
     assert_ok,
+    assert_same_samples,
     assert_states_close,
+    read_csv,
     run_job,
 )
 
@@ -72,3 +76,28 @@ def test_a_member_killed_in_a_validation_inside_an_accumulation_window(tmp_path:
         assert abs(mine["sum"] - theirs["sum"]) <= TOLERANCE, (mine, theirs)
     assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
     assert json.loads((run.out / "predicted.json").read_text())["step"] == STOP_AT_STEP
+
+
+SANITY_COMMAND = ("{scripts}/metrics_loggers_profiler.py", "{out}")
+
+
+def test_a_member_killed_in_the_sanity_check_while_torchmetrics_syncs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 1 dies in the sanity check's ``on_validation_epoch_end`` (a callback's, which runs first), so rank 0 meets
+    its death in the LightningModule's ``MetricCollection.compute()``, whose sync torchmetrics makes itself: the
+    survivor runs the sanity check again and trains alone, as the static run trains (same samples, final state, every
+    logged step of both CSV loggers and the same checkpoints)."""
+    static = run_job(tmp_path_factory.mktemp("sanity-static"), Job("static", SANITY_COMMAND))
+    assert_ok(static)
+    run = run_job(tmp_path_factory.mktemp("sanity-killed"), Job("killed", SANITY_COMMAND, kill="sanity"))
+    assert_ok(run)
+    assert [kill["phase"] for kill in run.kills()] == ["sanity"]
+    assert [a["action"] for a in run.adjustments()] == ["failure"]
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    for logger in ("csv_a", "csv_b"):
+        _, rows = read_csv(run.out / logger / "version_0" / "metrics.csv")
+        _, static_rows = read_csv(static.out / logger / "version_0" / "metrics.csv")
+        for column in ("train_loss_step", "train_loss_epoch", "val_loss", "val_mse", "val_mae", "lr-Adam",
+                       "grad_norm", "weight_norm"):
+            assert_logged_alike(rows, static_rows, column, exact=True)
+    assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)

@@ -29,7 +29,9 @@ redo the step without it; ``optimizer``: at the batch's first optimizer step, af
 two optimizers, the others apply the first step and meet the death in the second); ``end``: after the batch's step is
 applied and its samples recorded, so the others meet it at the batch boundary. ``$USERS_KILL=setup``: the process
 that is rank 1 SIGKILLs itself in the callbacks' ``setup`` hook, before the training loop (the others meet its death in
-``ModelCheckpoint``'s directory broadcast or Lightning's ``post_setup`` barrier).
+``ModelCheckpoint``'s directory broadcast or Lightning's ``post_setup`` barrier); ``$USERS_KILL=sanity``: in the
+callbacks' ``on_validation_epoch_end`` of the sanity check (the others meet its death in the LightningModule's hook of
+the same name, a torchmetrics ``compute()`` say).
 """
 
 from __future__ import annotations
@@ -152,8 +154,9 @@ def _kill_if_due(step: int, rank: int, phase: str) -> None:
     if not plan or rank != 1 or "ELAN_WORKER_ID" not in os.environ:
         return
     kill_step, _, kill_phase = plan.partition(":")
-    due = phase == "setup" if plan == "setup" else phase != "setup" and (step, phase) == (int(kill_step),
-                                                                                            kill_phase or "start")
+    before_loop = ("setup", "sanity")
+    due = phase == plan if plan in before_loop else phase not in before_loop and (step, phase) == (
+        int(kill_step), kill_phase or "start")
     if not due:
         return
     try:
@@ -215,6 +218,10 @@ def _observer_class(callback_base: type) -> type:
                                       dataloader_idx: int = 0) -> None:
             if trainer.state.fn == "fit" and not trainer.sanity_checking:  # a validation run of the training loop
                 _kill_if_due(self.batch_step, trainer.global_rank, "validation")
+
+        def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.sanity_checking:  # before the LightningModule's hook, which may sync its metrics
+                _kill_if_due(-1, trainer.global_rank, "sanity")
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             _kill_if_due(self.batch_step, trainer.global_rank, "optimizer")
