@@ -113,6 +113,8 @@ CORPUS: dict[str, Script] = {
     "boring_demo": Script(("{scripts}/boring_demo.py", "{out}"), True, epochs(2, 64), tuple(range(64))),
     "finetune_backbone": Script(("{scripts}/finetune_backbone.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
     "prune_weights": Script(("{scripts}/prune_weights.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
+    "metrics_loggers_profiler": Script(("{scripts}/metrics_loggers_profiler.py", "{out}"), True,
+                                       {**epochs(3, 108), 3: 36}, tuple(range(30))),
     "transformer_cli": Script(("{scripts}/transformer_cli.py", "fit", "--seed_everything=7",
                                "--trainer.strategy=elan", "--trainer.accelerator=cpu",
                                "--trainer.precision=bf16-mixed", "--trainer.max_epochs=2",
@@ -530,6 +532,27 @@ def check_prune_weights(run: Run, static: Run | None) -> None:
         assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
 
 
+LOGGED_COLUMNS = ("train_loss_step", "train_loss_epoch", "val_loss", "val_mse", "val_mae", "lr-Adam", "grad_norm",
+                  "weight_norm")
+
+
+def check_metrics_loggers_profiler(run: Run, static: Run | None) -> None:
+    """``max_steps=30`` over epochs of 9 batches (``limit_train_batches=0.75`` of 12); both CSV loggers got the same
+    rows, every step once, a validation twice in each whole epoch (none in the sanity check or the last 3 batches); the
+    profiler's report printed;
+    with the static run: every logged column and the checkpoints equal."""
+    _, rows = read_csv(run.out / "csv_a" / "version_0" / "metrics.csv")
+    assert read_csv(run.out / "csv_b" / "version_0" / "metrics.csv")[1] == rows, "the two loggers differ"
+    assert sorted(logged(rows, "train_loss_step")) == list(range(30))
+    assert sorted(logged(rows, "val_mse")) == [3, 7, 12, 16, 21, 25], "after the 4th and 9th batch of epochs 0-2"
+    assert "FIT Profiler Report" in run.output
+    if static is not None:
+        _, static_rows = read_csv(static.out / "csv_a" / "version_0" / "metrics.csv")
+        for column in LOGGED_COLUMNS:
+            assert_logged_alike(rows, static_rows, column, exact=True)
+        assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
+
+
 OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "datamodule_callbacks": check_datamodule_callbacks,
     "cli_classifier": check_cli_classifier,
@@ -549,6 +572,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "gather_outputs": check_gather_outputs,
     "finetune_backbone": check_finetune_backbone,
     "prune_weights": check_prune_weights,
+    "metrics_loggers_profiler": check_metrics_loggers_profiler,
 }
 
 
