@@ -141,6 +141,7 @@ class ElasticAccelerator(Accelerator):
         self._recovery_due = False  # a member died after this batch's step was committed: it stands, then recover
         self._cut_after_commit = False  # ... in a later collective of the batch (a second model's backward)
         self._step_open = False  # micro-batches were taken since the last committed optimizer step
+        self._step_attempted = False  # this batch called a synchronised optimizer step (applied or discarded)
         self._step_counter_at_open = 0  # Accelerate's micro-step counter when the open step began
         self.recoveries = 0  # member deaths this worker recovered from
         self._pre_loop = PreLoopCollectives(self._recover_before_the_loop, self.engine.earliest_position)
@@ -515,6 +516,7 @@ class ElasticAccelerator(Accelerator):
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> tuple[bool, ScaledParamGroups | None]:
         """Every synchronised optimizer step: commit it with every member (once per batch), scale it by the LR ramp.
         Returns whether to apply it (not when it is discarded) and the scaled param groups to restore after it."""
+        self._step_attempted = True
         if not self._committed and not self._aborted:
             try:
                 self.engine.commit_step(self.optimizer_steps)
@@ -607,12 +609,15 @@ class ElasticAccelerator(Accelerator):
         if self.has_left:
             raise LeftTheJob
         trained, self._batch_pending = self._batch_pending, False
+        stepped, self._step_attempted = self._step_attempted, False
         if trained:
             if self._committed:
                 self.optimizer_steps += 1
             self._committed = False
             if not self._aborted:
                 self._observe_step()
+        if trained and self._inside_manual_accumulation(stepped):
+            return
         if self._aborted or self._recovery_due:
             self._recover()
         elif trained:
@@ -621,6 +626,24 @@ class ElasticAccelerator(Accelerator):
             except Exception as error:
                 self._raise_if_loop_ended(error)
                 raise
+
+    def _inside_manual_accumulation(self, stepped: bool) -> bool:
+        """Between two micro-batches of an optimizer step accumulated by hand (Accelerate's guide "without
+        ``accumulate()``": ``no_sync`` on all but every N-th batch of the user's own ``enumerate`` counter): the batch
+        took a step open and called no optimizer step, and ``sync_gradients`` (which only ``accumulate()`` turns off)
+        is on. Nothing happens here: no coordination (a joiner admitted now would start its counter at 0 in the middle
+        of the members' window: a synced backward against their ``no_sync`` one, a hang) and no recovery (the redo
+        would re-yield the window's first batches while the user's counter goes on, so every later window would be
+        cut off the data: silently other steps than a static run's). A member's death is met in the window's gradient
+        all-reduce or its commit; a death met earlier (a collective of the user's) leaves the rest of the window
+        discarded (backward and step are no-ops) and the survivors recover after the batch that calls the step: the
+        window's batches are redone from its first, where the user's counter starts its next window."""
+        if not (self._step_open and self.sync_gradients) or stepped or self._between_passes:
+            return False
+        if self._aborted:
+            log.debug("worker %s: a member died inside an optimizer step accumulated by hand: the survivors recover "
+                      "after the batch that calls the step", self.engine.worker_id)
+        return True
 
     def _recover(self) -> None:
         """Survivors of a member's death: the engine rewinds the data position to the open step's first batch,
