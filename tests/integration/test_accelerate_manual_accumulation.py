@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from tests.integration.accelerate_runs import committed_batches
 from tests.integration.elastic_runs import (
     TOLERANCE,
     RunResult,
@@ -62,29 +62,13 @@ def elastic_run(tmp: Path) -> RunResult:
     return RunResult(tmp / "manual", tmp / "manual-state", proc.returncode, proc.stdout + proc.stderr)
 
 
-def trained_once_per_epoch(run: RunResult) -> dict[int, Counter]:
-    """The samples of each epoch, each global batch as the last generation that trained it took it."""
-    attempts: dict[tuple[int, int], list[tuple[int, list[int]]]] = {}
-    for path in run.out.glob("batches-*.jsonl"):
-        for batch in map(json.loads, path.read_text().splitlines()):
-            attempts.setdefault((batch["epoch"], batch["position"]), []).append((batch["generation"],
-                                                                                  batch["indices"]))
-    per_epoch: dict[int, Counter] = {}
-    for (epoch, _position), tries in attempts.items():
-        last = max(generation for generation, _ in tries)
-        for generation, indices in tries:
-            if generation == last:
-                per_epoch.setdefault(epoch, Counter()).update(indices)
-    return per_epoch
-
-
 def test_a_member_killed_inside_a_no_sync_window_is_redone_exactly(tmp_path):
     plain = plain_run(tmp_path)
     assert plain.returncode == 0, plain.output[-3000:]
     run = elastic_run(tmp_path)
     assert run.returncode == 0, run.excerpt()
     assert f"after the death of w1 (step {KILLED_IN_STEP} redone)" in run.output, run.excerpt()
-    assert_counted_once(trained_once_per_epoch(run), SAMPLES, EPOCHS)
+    assert_counted_once(committed_batches(run), SAMPLES, EPOCHS)
     assert_states_close(run.final_state(), plain.final_state(), TOLERANCE)
     records = {path.stem: json.loads(path.read_text()) for path in run.out.glob("record-*.json")}
     assert records["record-w0"]["steps"] == STEPS
