@@ -1169,3 +1169,12 @@ def _refresh_progress_bar_total(trainer: pl.Trainer) -> None:
 
 def _finite(total: int | float) -> int | None:
     return None if total == float("inf") else int(total)
+
+
+def sharded_checkpoint_metadata_name() -> str:
+    """The file beside a sharded checkpoint's DCP shards holding the rest of the checkpoint (loops, callbacks):
+    Lightning's ``lightning.fabric.utilities.load._METADATA_FILENAME`` (``"meta.pt"``), which its ``FSDPStrategy`` and
+    ``ModelParallelStrategy`` write from rank 0 and test for (``_is_sharded_checkpoint``) when loading."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    return _METADATA_FILENAME

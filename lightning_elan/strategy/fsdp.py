@@ -5,7 +5,12 @@ elastic data loader, strong scaling's loss weights, the step vote). Instead of t
 applied to the units named by ``shard_modules`` and then to the LightningModule, over a 1-D ``DeviceMesh`` of the
 generation's group; Lightning builds the optimizers after the wrap (as for its ``ModelParallelStrategy``), so they
 hold the sharded parameters. FSDP2 averages the gradients over the mesh as DDP does, so the loss weights stay right.
-A checkpoint is a full state dict gathered by every member and written by rank 0.
+A checkpoint is, by default (``state_dict_type="full"``, Lightning's ``FSDPStrategy`` default), a full state dict
+gathered by every member and written by rank 0; with ``state_dict_type="sharded"`` a directory of DCP shards written by
+every member (``ModelParallelStrategy``'s layout, :mod:`lightning_elan.sharded_checkpoint`). Either loads at any world
+size, in ``"elan"``/``"elan_fsdp"`` jobs and in Lightning's ``ModelParallelStrategy``; both strategies load a directory
+Lightning's sharded strategies wrote.
+
 
 A resize reshards live (:class:`~lightning_elan.elastic.live_reshard.LiveResharding`): the old members (stayers and
 leavers) and the joiners move the rows of every parameter and optimizer state from their old holders to their new
@@ -19,7 +24,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -27,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_elan import compat, torch_compat
+from lightning_elan import compat, sharded_checkpoint, torch_compat
 from lightning_elan.elastic.live_reshard import ReshardGroup
 from lightning_elan.replication.fsdp_reshard import describe_optimizers, reshard_fsdp
 from lightning_elan.replication.reception import tensor_nbytes
@@ -64,6 +70,9 @@ class ElanFSDPStrategy(ElanStrategy):
         hsdp_group_size: HSDP (shard within groups of this size): not supported yet, refused at the start of fit.
         reshard_chunk_mb: the largest message of the live reshard at a resize, in MB (the fixed buffer beside a
             member's new shard: its memory grows by at most its new shard, one chunk and one parameter's shard).
+        state_dict_type: Lightning ``FSDPStrategy``'s knob: ``"full"`` (default) gathers the whole state and rank 0
+            writes one file; ``"sharded"`` has every member write its shards into a directory (no gather; DCP
+            reshards it on load).
         **kwargs: passed to :class:`~lightning_elan.strategy.strategy.ElanStrategy`.
     """
 
@@ -71,8 +80,11 @@ class ElanFSDPStrategy(ElanStrategy):
 
     def __init__(self, shard_modules: Iterable[type[nn.Module]] | None = None, reshard_after_forward: bool = True,
                  mp_policy: Any | None = None, hsdp_group_size: int | None = None, reshard_chunk_mb: float = 64,
-                 **kwargs: Any) -> None:
+                 state_dict_type: Literal["full", "sharded"] = "full", **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}")
+        self.state_dict_type = state_dict_type
         self.shard_modules = frozenset(shard_modules or ())
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
@@ -267,27 +279,56 @@ class ElanFSDPStrategy(ElanStrategy):
                          "shard of the model and optimizer state died with it; elan_fsdp cannot yet recover a lost "
                          "shard (issue 24: mirrored shards). Restart the job from its last checkpoint")
 
-    # ------------------------------------------------------------------ checkpoints: a full state dict on rank 0
+    # ------------------------------------------------------------------ checkpoints: full on rank 0, or sharded
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model state, gathered by every member (a collective) onto the CPU."""
+        """The full model state, gathered by every member (a collective) onto the CPU; or this member's shards."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         if self._snapshotting:  # a joiner's state: the buffers (FSDP2 keeps them whole), no parameter
             return {name: value for name, value in self.lightning_module.state_dict().items()
                     if not isinstance(value, DTensor)}
-        return get_model_state_dict(self.lightning_module, options=_full_state_options())
+        return get_model_state_dict(self.lightning_module, options=self._state_options())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's full state keyed by parameter name (``get_optimizer_state_dict``; a collective)."""
+        """The optimizer's full state keyed by parameter name (``get_optimizer_state_dict``; a collective); or this
+        member's shards of it."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if self._snapshotting:
             return {}
         return get_optimizer_state_dict(self.lightning_module, _torch_optimizer(optimizer),
-                                        options=_full_state_options())
+                                        options=self._state_options())
+
+    def _state_options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=self.state_dict_type == "full", cpu_offload=True)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """``"sharded"``: every member writes its shards into the directory ``filepath`` (``ModelParallelStrategy``'s
+        layout; DCP's collectives on the default group, which is the current generation's); ``"full"``: rank 0 writes
+        the file (a sharded directory there is replaced, as Lightning does)."""
+        if self.engine.has_left or self.state_dict_type == "full":
+            self._remove_sharded_directory(filepath)
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError("ElanFSDPStrategy(state_dict_type='sharded').save_checkpoint(..., storage_options=...) is "
+                            "not supported: the shards are written by torch.distributed.checkpoint, not CheckpointIO")
+        sharded_checkpoint.save_sharded(checkpoint, Path(self.broadcast(str(filepath))),
+                                        compat.sharded_checkpoint_metadata_name(), None, self.is_global_zero,
+                                        lambda: self.barrier("elan_fsdp sharded save"))
+
+    def _remove_sharded_directory(self, filepath: Any) -> None:
+        if self.is_global_zero and not self.engine.has_left and \
+                sharded_checkpoint.is_sharded_checkpoint(filepath, compat.sharded_checkpoint_metadata_name()):
+            import shutil
+
+            shutil.rmtree(filepath)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -307,11 +348,12 @@ class ElanFSDPStrategy(ElanStrategy):
         live reshard."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        if checkpoint.get(LIVE_RESHARD_KEY):
+        if checkpoint.get(LIVE_RESHARD_KEY) or self._load_sharded_optimizer_states(checkpoint):
             return
 
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            set_optimizer_state_dict(self.lightning_module, _torch_optimizer(optimizer), state,
+            set_optimizer_state_dict(self.lightning_module, _torch_optimizer(optimizer),
+                                     _keyed_by_name(state, self.lightning_module),
                                      options=StateDictOptions(full_state_dict=True))
 
     @override
@@ -358,10 +400,14 @@ def _is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def _full_state_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+def _keyed_by_name(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """An optimizer state keyed by parameter position (a plain optimizer's, ``ModelParallelStrategy``'s full file)
+    rekeyed by parameter name, as Lightning's ``_rekey_optimizer_state_if_needed`` does; one keyed by name as it is."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if state.get("state") and isinstance(next(iter(state["state"])), int):
+        return FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, module)
+    return state
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

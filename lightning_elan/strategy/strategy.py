@@ -12,8 +12,9 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -28,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_elan import compat, torch_compat
+from lightning_elan import compat, sharded_checkpoint, torch_compat
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
@@ -709,6 +710,39 @@ class ElanStrategy(DDPStrategy):
             return tensor.unsqueeze(0)
         all_gather = super().all_gather
         return self._pre_loop.run(lambda: all_gather(even_rows(tensor, group), group, sync_grads))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A file as Lightning loads it, or a sharded directory (``ModelParallelStrategy``'s, ``FSDPStrategy``'s,
+        ``elan_fsdp``'s): its model state read whole, its optimizer states read once the optimizers exist."""
+        metadata_name = compat.sharded_checkpoint_metadata_name()
+        if not sharded_checkpoint.is_sharded_checkpoint(checkpoint_path, metadata_name):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(checkpoint_path)
+        checkpoint = torch.load(path / metadata_name, map_location="cpu", weights_only=weights_only)
+        checkpoint["state_dict"] = sharded_checkpoint.load_model_state(path, self.lightning_module.state_dict())
+        optimizers = sharded_checkpoint.optimizer_keys(path)
+        if optimizers:
+            checkpoint["optimizer_states"] = [sharded_checkpoint.ShardedOptimizerState(path, key) for key in optimizers]
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Optimizer states as Lightning loads them, or read from a sharded checkpoint now that the optimizers exist."""
+        if not self._load_sharded_optimizer_states(checkpoint):
+            super().load_optimizer_state_dict(checkpoint)
+
+    def _load_sharded_optimizer_states(self, checkpoint: Mapping[str, Any]) -> bool:
+        """Read each optimizer's state from the sharded checkpoint it stands for; False when it holds the states."""
+        states = checkpoint["optimizer_states"]
+        if not any(isinstance(state, sharded_checkpoint.ShardedOptimizerState) for state in states):
+            return False
+        if len(states) != len(self.optimizers):
+            raise RuntimeError(f"the checkpoint holds the states of {len(states)} optimizers, but "
+                               f"configure_optimizers returned {len(self.optimizers)}: resume with as many optimizers")
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            state.load_into(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        return True
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
