@@ -50,6 +50,10 @@ class Run:
         start = self.output.find("Traceback")
         return f"{self.output[start : start + 5000] if start >= 0 else ''}\n...\n{self.output[-3000:]}"
 
+    def adjustments(self) -> list[dict]:
+        path = self.home / "state" / "adjustments.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
     def samples_per_epoch(self) -> dict[int, Counter]:
         epochs: dict[int, Counter] = {}
         for path in self.out.glob("trained-*.jsonl"):
@@ -258,3 +262,49 @@ def test_a_lightning_model_parallel_checkpoint_loads_into_elan_fsdp(tmp_path: Pa
         assert_ok(run)
         assert_each_sample_once(run, [2, 3])
     assert_same_checkpoint(fsdp.out / "final.ckpt", ddp.out / "final.ckpt")
+
+
+def trained_at(run: Run, step: int) -> Counter:
+    """The samples the run trained in the batch that made ``step`` (recorded after the step)."""
+    counts: Counter = Counter()
+    for path in run.out.glob("trained-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["step"] == step:
+                counts.update(record["samples"])
+    return counts
+
+
+def test_sharded_checkpoints_written_across_resizes_and_rank_0_leaving(tmp_path: Path, static: Run) -> None:
+    """A sharded 2-worker job grows to 3 after step 3, loses rank 0 after step 9 and migrates a worker after step 12,
+    each at a step whose checkpoint (every 3 steps) is written just before the resize, by the members about to change:
+    rank 0 writes its part of step 9's and leaves. Every checkpoint is a whole directory equal to the static run's."""
+    run = run_elan(tmp_path, "elan_fsdp_sharded", 2, 6, 2, schedule="3:add=1,9:remove=rank:0,12:migrate=1")
+
+    assert_ok(run)
+    assert [(a["action"], a["step"], len(a["members"])) for a in run.adjustments()] == [
+        ("add", 3, 3), ("remove", 9, 2), ("migrate", 12, 2)], run.adjustments()
+    assert_each_sample_once(run, [0, 1])
+    steps = sorted(path.name for path in (run.out / "steps").iterdir())
+    assert steps == ["step=12.ckpt", "step=15.ckpt", "step=3.ckpt", "step=6.ckpt", "step=9.ckpt"], steps
+    for name in [*steps, *EPOCH_CHECKPOINTS]:
+        written = run.out / ("steps" if name.startswith("step") else "checkpoints") / name
+        assert is_sharded_directory(written), name
+        assert_same_checkpoint(written, static.out / written.parent.name / name)
+    assert_same_checkpoint(run.out / "final.ckpt", static.out / "checkpoints" / EPOCH_CHECKPOINTS[1])
+    assert read_checkpoint(run.out / "top" / "last.ckpt")["global_step"] == 15
+
+
+def test_resuming_mid_epoch_from_a_sharded_checkpoint_at_another_world_size(tmp_path: Path, static: Run,
+                                                                           sharded: Run) -> None:
+    """``last.ckpt`` of the sharded 2-worker job (step 15, one batch before the end of epoch 1) resumed by 3 workers:
+    the rest of epoch 1 is exactly the uninterrupted run's last batch, epochs 2 and 3 train each sample once, and
+    the job ends where the uninterrupted run ends."""
+    run = run_elan(tmp_path, "elan_fsdp_sharded", 3, 4, 4, resume=sharded.out / "top" / "last.ckpt")
+
+    assert_ok(run)
+    seen = run.samples_per_epoch()
+    assert sorted(seen) == [1, 2, 3], sorted(seen)
+    assert seen[1] == trained_at(static, 16)
+    assert seen[2] == seen[3] == Counter(range(SAMPLES))
+    assert_same_checkpoint(run.out / "final.ckpt", static.out / "final.ckpt")

@@ -6,7 +6,8 @@ python fsdp_checkpoint_user.py OUT --strategy S --batch-size B --max-epochs E [-
 "sharded")``), ``elan``, or ``model_parallel`` (Lightning's own ``ModelParallelStrategy`` over ``--devices`` CPU
 processes; the model is sharded with ``fully_shard`` in ``configure_model``, as Lightning's guide does). Each process
 appends the samples of every batch it trains to ``OUT/trained-<pid>.jsonl``; ``OUT/checkpoints`` gets one checkpoint per
-epoch, ``OUT/top`` the best by ``train_loss`` of the checkpoints every 3 steps and ``last.ckpt``. At the end the script
+epoch, ``OUT/top`` the best by ``train_loss`` of the checkpoints every 3 steps and ``last.ckpt``, ``OUT/steps`` every
+one of those. At the end the script
 saves ``OUT/final.ckpt`` with ``trainer.save_checkpoint``. ``--classic``: the ``pytorch_lightning`` package.
 """
 
@@ -115,7 +116,9 @@ def main() -> None:
                                                                                 else {}),
         callbacks=[RecordTrained(args.out), ModelCheckpoint(dirpath=args.out / "checkpoints", save_top_k=-1),
                    ModelCheckpoint(dirpath=args.out / "top", monitor="train_loss", save_top_k=1, save_last=True,
-                                   every_n_train_steps=3, filename="{step}")],
+                                   every_n_train_steps=3, filename="{step}"),
+                   ModelCheckpoint(dirpath=args.out / "steps", every_n_train_steps=3, save_top_k=-1,
+                                   filename="{step}")],
     )
     trainer.fit(MLP(), DataLoader(Indexed(), batch_size=args.batch_size, shuffle=True), ckpt_path=args.resume)
     if not getattr(trainer.strategy, "has_left", False):  # a worker that left the job has no model to save
