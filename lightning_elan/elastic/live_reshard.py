@@ -7,6 +7,11 @@ with a :class:`ReshardGroup` that contains all of them — the old members first
 joiners in plan order — built from the new generation's store (a transfer group of its own, like the collective
 transport's: a leaver is not in the new default group). The rest of a joiner's state (loops, data position, RNG,
 callbacks, schedulers) still comes from its source through the engine's normal replication, before the reshard.
+
+After a member's death the recovery plan's survivors and its joiners (``--replace-failed``) reshard the same way, the
+dead members left out: the group is the survivors in old rank order, then the joiners, and ``owners`` says which of
+them holds each old shard (a dead member's is held by its mirror holder, ``replication.mirror_plan``); a shard that
+died with its mirror raises :class:`~lightning_elan.replication.mirror_plan.ShardsLost` on every participant alike.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 
-from lightning_elan.protocol.contract import AdjustmentPlan
+from lightning_elan.protocol.contract import ACTION_FAILURE, AdjustmentPlan
+from lightning_elan.replication.mirror_plan import shard_owners
 from lightning_elan.replication.transports.collective import make_transfer_group
 
 log = logging.getLogger(__name__)
@@ -35,6 +41,8 @@ class ReshardGroup:
     group: Any  # a c10d backend used through its own methods (send, recv, broadcast), not registered with torch
     holders: list[int]
     receivers: list[int]
+    owners: list[int] | None = None  # after a death: for each old shard, the rank holding it (its own or a mirror)
+    previous_index: int | None = None  # after a death: this member's old shard (None on a joiner)
 
     @property
     def rank(self) -> int:
@@ -56,11 +64,17 @@ def reshard_live(frontend: object, plan: AdjustmentPlan, worker_id: str, store: 
     if not isinstance(frontend, LiveResharding):
         return
     started = time.perf_counter()
-    order = [*plan.previous_members, *plan.joiners]
+    recovering = plan.action == ACTION_FAILURE
+    holding = [member for member in plan.previous_members if member in plan.stayers] if recovering else \
+        list(plan.previous_members)
+    owners = shard_owners(plan.previous_members, holding) if recovering else None  # ShardsLost: on every member alike
+    order = [*holding, *[joiner for joiner in plan.joiners if joiner not in holding]]
     group = make_transfer_group(store, f"elan/gen{plan.generation}/reshard", order.index(worker_id), len(order),
                                 backend, timeout)
-    reshard = ReshardGroup(group, list(range(len(plan.previous_members))),
-                           [order.index(member) for member in plan.members])
+    reshard = ReshardGroup(group, list(range(len(holding))), [order.index(member) for member in plan.members],
+                           owners=None if owners is None else [order.index(owner) for owner in owners],
+                           previous_index=plan.previous_members.index(worker_id) if recovering and
+                           worker_id in holding else None)
     frontend.reshard_live(reshard)
     log.info("worker %s resharded live for generation %d (%d holders -> %d receivers) in %.1f ms", worker_id,
              plan.generation, len(reshard.holders), len(reshard.receivers), (time.perf_counter() - started) * 1e3)

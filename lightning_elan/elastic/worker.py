@@ -449,6 +449,7 @@ class ElasticWorker:
                     committed_step)
         launch = self.in_launch_generation
         plan, sent = self._enter_recovery(failed, committed_step)
+        self._reshard_live(plan)  # a sharded front-end: the dead members' shards from their mirrors (elan_fsdp)
         self._recovered_plan = plan
         if launch and not plan.joiners:  # no state was replicated into it: it starts as the launch generation did
             self._launch_generation = plan.generation

@@ -11,12 +11,18 @@ every member (``ModelParallelStrategy``'s layout, :mod:`lightning_elan.sharded_c
 size, in ``"elan"``/``"elan_fsdp"`` jobs and in Lightning's ``ModelParallelStrategy``; both strategies load a directory
 Lightning's sharded strategies wrote.
 
-
 A resize reshards live (:class:`~lightning_elan.elastic.live_reshard.LiveResharding`): the old members (stayers and
 leavers) and the joiners move the rows of every parameter and optimizer state from their old holders to their new
 ones (``replication.fsdp_reshard.reshard_fsdp``), so a joiner receives only its shard; the rest of its state (loops,
 data position, RNG, callbacks, schedulers) comes from its source as an ``"elan"`` joiner's does, without the model and
-optimizer tensors. A member's death cannot be recovered from yet: the survivors stop with :class:`LostShard`.
+optimizer tensors.
+
+A member's death loses no step (``strategy.fsdp_mirroring``): each member's shard is mirrored in the next member's
+host memory, kept at the state after the last committed step (the reduced gradients go to the mirror before the step's
+commit vote, and the mirror holder applies the committed update itself); the survivors form a new generation, the dead
+member's rows come from its mirror holder and move with everyone's to the new layout (and to a ``--replace-failed``
+joiner), and the interrupted step is redone as under ``"elan"``. A shard that died with its mirror, or a death no mirror
+covers, stops the job with :class:`LostShard`, naming what was lost.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,6 +44,7 @@ from lightning_elan import compat, sharded_checkpoint, torch_compat
 from lightning_elan.elastic.live_reshard import ReshardGroup
 from lightning_elan.replication.fsdp_reshard import describe_optimizers, reshard_fsdp
 from lightning_elan.replication.reception import tensor_nbytes
+from lightning_elan.strategy.fsdp_mirroring import LostShard, StepMirroring, unmirrored_because
 from lightning_elan.strategy.strategy import ElanStrategy
 
 if TYPE_CHECKING:
@@ -53,10 +61,6 @@ __all__ = ["ElanFSDPStrategy", "LostShard", "register_elan_fsdp_strategy"]
 NOT_YET = "strategy='elan_fsdp' does not support {what} yet (issue 24); {instead}"
 LIVE_RESHARD_KEY = "elan_fsdp_live_reshard"
 """In a joiner's checkpoint: its model and optimizer states come by the live reshard, not in the checkpoint."""
-
-
-class LostShard(RuntimeError):
-    """A member of an elan_fsdp job died: its shard of the model and optimizer is gone (no mirror yet)."""
 
 
 class ElanFSDPStrategy(ElanStrategy):
@@ -235,14 +239,19 @@ class ElanFSDPStrategy(ElanStrategy):
             module.strict_loading = strict
 
     def reshard_live(self, reshard: ReshardGroup) -> None:
-        """Move this member's shards to their new holders over ``reshard``'s group (``LiveResharding``)."""
+        """Move this member's shards to their new holders over ``reshard``'s group (``LiveResharding``); after a death,
+        a dead member's from its mirror."""
         receiving, holding = reshard.rank in reshard.receivers, reshard.rank in reshard.holders
         skeleton = describe_optimizers(self.lightning_module, self._torch_optimizers()) if holding else \
             self._joined_optimizers
         mesh = self.device_mesh if receiving else None
-        reshard_fsdp(self.lightning_module, self._torch_optimizers(), self._shard, reshard.holders,
-                     reshard.receivers, mesh, group=reshard.group, skeleton=skeleton,
-                     chunk_bytes=self.reshard_chunk_bytes)
+        if reshard.owners is not None:
+            self._mirroring.reshard(reshard, lambda: self._mirroring.recover(
+                reshard, self.lightning_module, self._torch_optimizers(), self._shard, mesh, skeleton))
+        else:
+            self._mirroring.reshard(reshard, lambda: reshard_fsdp(
+                self.lightning_module, self._torch_optimizers(), self._shard, reshard.holders, reshard.receivers, mesh,
+                group=reshard.group, skeleton=skeleton, chunk_bytes=self.reshard_chunk_bytes))
         self._joined_optimizers = None
         if not receiving:  # a leaver: its module's tensors are on the meta device; teardown moves them to the CPU
             self.lightning_module.to_empty(device=self.root_device)
@@ -259,25 +268,52 @@ class ElanFSDPStrategy(ElanStrategy):
     def state_nbytes_beyond_model(self) -> int:
         return 0
 
-    # ------------------------------------------------------------------ a member's death: not recovered yet
+    # ------------------------------------------------------------------ a member's death: its shard from its mirror
+
+    @cached_property
+    def _mirroring(self) -> StepMirroring:
+        return StepMirroring(self.engine.worker_id)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """The gradients go to the mirror holder before the step's commit vote; the committed step advances the
+        mirror after the update."""
+        index = [_torch_optimizer(one) for one in self.optimizers].index(_torch_optimizer(optimizer))
+
+        def mirrored_closure() -> Any:
+            result = closure()
+            self._mirroring.before_vote(self.lightning_module, self._torch_optimizers(), index,
+                                        self.engine.generation_group, self._unmirrored())
+            return result
+
+        output = super().optimizer_step(optimizer, mirrored_closure, model, **kwargs)
+        self._mirroring.after_step()
+        return output
 
     @override
     def recover_from(self, error: BaseException, rollback: Callable[[], None] | None) -> bool:
-        """A member's death stops the job with :class:`LostShard` (anything else is re-raised as before)."""
+        """A member died: recover as ``"elan"`` does when a mirror covers it (the reshard restores its shard), else stop
+        with :class:`LostShard`; anything else is re-raised as before."""
         if self.engine.has_left or isinstance(error, (compat.LeaveFit, StopIteration)):
             raise error
         self.engine.confirm_peer_failure(error)
-        raise self._lost_shard() from error
+        try:
+            self._mirroring.check_recoverable(self.engine.world_size, self._unmirrored())
+        except LostShard as lost:
+            raise lost from error
+        return super().recover_from(error, rollback)
+
+    def _unmirrored(self) -> str | None:
+        trainer = self.lightning_module.trainer
+        return unmirrored_because(self._torch_optimizers(), self.lightning_module.automatic_optimization,
+                                  bool(trainer.gradient_clip_val))
 
     @override
     def _recover_before_the_loop(self, error: BaseException) -> None:
+        """No step was mirrored before the training loop: a death there stops the job with :class:`LostShard`."""
         self.engine.confirm_peer_failure(error)
-        raise self._lost_shard() from error
-
-    def _lost_shard(self) -> LostShard:
-        return LostShard(f"worker {self.engine.worker_id}: a member of this strategy='elan_fsdp' job died, and its "
-                         "shard of the model and optimizer state died with it; elan_fsdp cannot yet recover a lost "
-                         "shard (issue 24: mirrored shards). Restart the job from its last checkpoint")
+        raise LostShard(f"worker {self.engine.worker_id}: a member of this strategy='elan_fsdp' job died before the "
+                        "training loop, when no shard is mirrored yet; restart the job") from error
 
     # ------------------------------------------------------------------ checkpoints: full on rank 0, or sharded
 

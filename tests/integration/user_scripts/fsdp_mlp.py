@@ -1,13 +1,19 @@
 """A float64 MLP of a few Linear blocks trained with Adam, under ``strategy="elan"`` or ``"elan_fsdp"`` (issue 24).
 
-python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N] [--kill-step S] [--configure-model]
+python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N] [--kill-step S [--kill-rank R]...
+    [--kill-at start|forward|backward|optimizer]] [--configure-model]
 
 Every process appends the samples it trained to ``OUT/trained-<pid>.jsonl`` (one line per batch: epoch, step, the
 dataset indices, without a rank's weight-0 stand-in sample). ``ModelCheckpoint`` saves every 3 steps into
 ``OUT/checkpoints``. ``--configure-model``: the network is built in ``configure_model``, which writes
 ``OUT/built-<pid>.json`` (whether it was built on the meta device). At the end every member gathers the full state
 (parameters and Adam's states, by parameter name) and rank 0 writes ``OUT/final.pt``. Each member's live reshards are
-logged (``resharded live``). ``--kill-step S``: rank 1 SIGKILLs itself as the batch of step S starts.
+logged (``resharded live``). ``--kill-step S``: rank 1 (or each ``--kill-rank``) SIGKILLs itself in the batch of step
+S: as it starts (``--kill-at start``), in the forward (a forward pre-hook of the second block), in the backward (a
+gradient hook on that block's output: the later units' reduce-scatters are under way) or in the optimizer step
+(``on_before_optimizer_step``: the step was committed, the update not applied; the batch's samples are recorded first,
+as the step stands). Only processes of the generation that first reaches the kill die (``OUT/killed`` says which), so
+a survivor that takes a killed rank, or a replacement, does not kill itself in the redo.
 """
 
 from __future__ import annotations
@@ -85,21 +91,56 @@ class MLP(pl.LightningModule):
 
 
 class RecordTrained(Callback):
-    """One line per trained batch: the samples this process trained (a stand-in sample of weight 0 left out)."""
+    """One line per trained batch: the samples this process trained (a stand-in sample of weight 0 left out); the
+    kills of ``--kill-step``."""
 
-    def __init__(self, out: Path, kill_step: int | None) -> None:
+    def __init__(self, out: Path, kill_step: int | None, kill_ranks: list[int], kill_at: str) -> None:
+        self.out = out
         self.path = out / f"trained-{os.getpid()}.jsonl"
-        self.kill_step = kill_step
+        self.kill_step, self.kill_ranks, self.kill_at = kill_step, kill_ranks, kill_at
+        self.hooks: list = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.kill_step and trainer.global_rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
+        self.batch = batch
+        if not self._kills_here(trainer):
+            return
+        if self.kill_at == "start":
+            self._die(trainer)
+        elif self.kill_at == "forward":
+            self.hooks.append(pl_module.net[2].register_forward_pre_hook(lambda *_: self._die(trainer)))
+        elif self.kill_at == "backward":
+            def die_in_backward(_module, _inputs, output):
+                output.register_hook(lambda _grad: self._die(trainer))  # returns None: the output stays
+
+            self.hooks.append(pl_module.net[2].register_forward_hook(die_in_backward))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.kill_at == "optimizer" and self._kills_here(trainer):
+            self._record(trainer, self.batch)  # committed: the step stands with this member's samples
+            self._die(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        self._record(trainer, batch)
+
+    def _record(self, trainer, batch) -> None:
         samples = [] if trainer.strategy.sample_weight == 0 else batch[0].tolist()
         with self.path.open("a") as file:
             file.write(json.dumps({"epoch": trainer.current_epoch, "step": trainer.global_step,
                                    "samples": samples}) + "\n")
+
+    def _kills_here(self, trainer) -> bool:
+        if trainer.global_step != self.kill_step or trainer.global_rank not in self.kill_ranks:
+            return False
+        marker = self.out / "killed"
+        generation = str(trainer.strategy.generation)
+        return not marker.exists() or marker.read_text() == generation
+
+    def _die(self, trainer) -> None:
+        (self.out / "killed").write_text(str(trainer.strategy.generation))
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def full_state(trainer: pl.Trainer, model: MLP) -> dict[str, torch.Tensor]:
@@ -124,6 +165,8 @@ def main() -> None:
     parser.add_argument("--shard-blocks", action="store_true")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--kill-step", type=int, default=None)
+    parser.add_argument("--kill-rank", type=int, action="append", default=None)
+    parser.add_argument("--kill-at", choices=["start", "forward", "backward", "optimizer"], default="start")
     parser.add_argument("--configure-model", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +181,7 @@ def main() -> None:
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_epochs=args.epochs, logger=False, limit_val_batches=0,
         enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[RecordTrained(args.out, args.kill_step),
+        callbacks=[RecordTrained(args.out, args.kill_step, args.kill_rank or [1], args.kill_at),
                    ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=3, save_top_k=-1,
                                    filename="{step}")],
     )

@@ -1,0 +1,126 @@
+"""``elan_fsdp``'s shard mirror in the training step, and the recovery of a dead member's shard from it (issue 24).
+
+:class:`StepMirroring` is what :class:`~lightning_elan.strategy.fsdp.ElanFSDPStrategy` does around each optimizer step
+(``replication.shard_mirror``: seed the mirror at a generation's first step, exchange the reduced gradients before the
+commit vote, advance the mirror once the step committed) and at a recovery (``replication.fsdp_recover``: every
+survivor gives its own shard and, if its ward died, the ward's from the mirror; the rows go to the new layout). A
+member's death that no mirror covers — the job has a single member, an optimizer that cannot be replayed on a shard,
+manual optimization or gradient clipping (:func:`unmirrored_because`), the mirror of the generation was not seeded
+yet, a member died while shards moved — stops the job with :class:`LostShard`, naming why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_elan.elastic.live_reshard import ReshardGroup
+from lightning_elan.replication.fsdp_recover import recover_fsdp
+from lightning_elan.replication.fsdp_reshard import ShardModules
+from lightning_elan.replication.shard_mirror import ShardMirror, mirrorable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LostShard", "StepMirroring", "unmirrored_because"]
+
+
+class LostShard(RuntimeError):
+    """A member of an elan_fsdp job died and its shard of the model and optimizer cannot be rebuilt."""
+
+
+def unmirrored_because(optimizers: Sequence[torch.optim.Optimizer], automatic: bool, clipping: bool) -> str | None:
+    """Why the steps of this fit cannot be mirrored exactly (None: they can)."""
+    if not automatic:
+        return "manual optimization: a redone batch undoes the steps it applied, which the mirrors cannot"
+    if clipping:
+        return "gradient clipping: the gradients are clipped after the mirrors received them"
+    return mirrorable(optimizers)
+
+
+class StepMirroring:
+    """One member's shard mirror across the steps and generations of a fit."""
+
+    def __init__(self, worker_id: str) -> None:
+        self._worker_id = worker_id
+        self._mirror = ShardMirror()
+        self._exchanged = False  # this step's gradients are in the mirrors: advance once it committed
+        self._moving = False  # a reshard is under way: a death now leaves the shards half moved
+        self.step_seconds: list[float] = []  # the mirror's own time per step (seed, exchange, advance)
+
+    def before_vote(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], index: int,
+                    group: Any, unmirrored: str | None) -> None:
+        """After the step's backward: seed the mirror if this generation has none, send the gradients to it
+        (nothing when ``unmirrored`` says why the steps cannot be mirrored)."""
+        self._exchanged = False
+        if group.size() < 2 or unmirrored is not None:
+            return
+        started = time.perf_counter()
+        if not self._mirror.seeded:
+            received = self._mirror.seed(model, optimizers, group)
+            log.info("worker %s mirrors the shard of rank %d (%.1f MB)", self._worker_id, self._mirror.ward,
+                     received / 1e6)
+        self._mirror.exchange_gradients(model, group)
+        self._mirror.capture_hyperparameters(optimizers)
+        self._index, self._exchanged = index, True
+        self.step_seconds.append(time.perf_counter() - started)
+
+    def after_step(self) -> None:
+        """The step committed and applied here: apply it to the mirror too."""
+        if self._exchanged:
+            started = time.perf_counter()
+            self._mirror.advance(self._index)
+            self._exchanged = False
+            self.step_seconds[-1] += time.perf_counter() - started
+
+    def check_recoverable(self, world_size: int, unmirrored: str | None) -> None:
+        """Before a recovery: :class:`LostShard` when no mirror can cover a dead member."""
+        why = "a member died while the shards were being moved to a new layout" if self._moving else \
+            "the job had a single member" if world_size < 2 else unmirrored
+        if why is not None:
+            raise LostShard(f"worker {self._worker_id}: a member of this strategy='elan_fsdp' job died and its shard "
+                            f"of the model and optimizer state cannot be rebuilt ({why}); restart the job from its "
+                            "last checkpoint")
+
+    def reshard(self, reshard: ReshardGroup, move: Any) -> None:
+        """Run ``move`` (a planned resize's reshard, or :meth:`recover`), marking the shards as moving meanwhile; the
+        mirror is of the old layout: seeded again at the new generation's first step."""
+        self._moving = True
+        move()
+        self._moving = False
+        self._mirror.forget()
+
+    def recover(self, reshard: ReshardGroup, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                shard_modules: ShardModules, mesh: Any, skeleton: list[dict[str, Any]]) -> None:
+        """After a death: the old shards (each survivor's own, a dead ward's from its mirror) to the new layout."""
+        assert reshard.owners is not None
+        me = reshard.rank
+        ward = self._mirror.ward
+        needs_mirror = ward is not None and reshard.owners[ward] == me and ward != reshard.previous_index
+        missing = reshard.previous_index is not None and not self._mirror.seeded and _holds_a_dead_shard(reshard)
+        if _any_member(reshard.group, missing):
+            raise LostShard(f"worker {self._worker_id}: a member of this strategy='elan_fsdp' job died before its "
+                            "shard was mirrored in this generation (the mirror is seeded at a generation's first "
+                            "step); restart the job from its last checkpoint")
+        mirrored = {ward: self._mirror.rows()} if needs_mirror else {}
+        if mirrored:
+            log.warning("worker %s restores the shard of dead rank %d from its mirror", self._worker_id, ward)
+        recover_fsdp(model, optimizers, shard_modules, reshard.owners, reshard.receivers, mesh, reshard.group,
+                     skeleton, reshard.previous_index, mirrored)
+
+
+def _holds_a_dead_shard(reshard: ReshardGroup) -> bool:
+    """Whether this survivor is the owner of a shard that is not its own (it must have a mirror)."""
+    assert reshard.owners is not None
+    return any(owner == reshard.rank and index != reshard.previous_index for index, owner in enumerate(reshard.owners))
+
+
+def _any_member(group: Any, flag: bool) -> bool:
+    """Whether ``flag`` is set on any member of ``group`` (a c10d backend: one small all-reduce)."""
+    value = torch.tensor([1.0 if flag else 0.0])
+    group.allreduce([value]).wait()
+    return bool(value.item() > 0)
