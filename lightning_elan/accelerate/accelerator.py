@@ -145,6 +145,7 @@ class ElasticAccelerator(Accelerator):
         self._step_counter_at_open = 0  # Accelerate's micro-step counter when the open step began
         self.recoveries = 0  # member deaths this worker recovered from
         self._pre_loop = PreLoopCollectives(self._recover_before_the_loop, self.engine.earliest_position)
+        self._between_batches: PreLoopCollectives | None = None  # collectives since the last batch (epoch's end)
         self._group_view: torch.distributed.ProcessGroup | None = None
         self._evaluations = EvaluationRecovery(self.engine, self, self._recover_mid_evaluation)
         self.local_sgd_steps_state = LocalSGDSteps()  # a LocalSGD's count of local steps: joiners continue it
@@ -561,6 +562,7 @@ class ElasticAccelerator(Accelerator):
         self._boundary_between_passes()
         self._require_epoch_loop()
         self._catching_up = False
+        self._between_batches = None
         data = self.engine.data
         if self.epoch_complete() and self._loop_epoch != data.epoch:
             loader.set_epoch(data.epoch + 1)
@@ -589,6 +591,7 @@ class ElasticAccelerator(Accelerator):
 
     def take_global_batch(self, loader: ElasticTrainLoader) -> None:
         self._batch_pending = True  # first: the batch about to be taken trains past a step the job's loop ended after
+        self._between_batches = None
         self._raise_if_loop_ended()
         data = self.engine.data
         opens_step = not self._step_open
@@ -882,6 +885,8 @@ class ElasticAccelerator(Accelerator):
             return own
         if self._pre_loop.recording and self.engine.is_member:
             return self._pre_loop_collective(collective)
+        if self._outside_a_batch():
+            return self._collective_between_batches(collective)
         try:
             result = collective()
         except Exception as error:
@@ -904,6 +909,34 @@ class ElasticAccelerator(Accelerator):
             self._evaluations.recovered_before_the_loop(self._pre_loop.run)
         self._evaluations.collective_done()
         return result
+
+    def _outside_a_batch(self) -> bool:
+        """In the loop over the epochs, between two passes over the training loader (the code at an epoch's end or
+        start: ``reduce`` of an epoch's loss, ``save_state``'s barrier), no batch taken and no step open, this process
+        a member, outside an evaluation pass (whose own recovery evaluates what the dead had not)."""
+        return (self._loop_epoch is not None and not self._batch_pending and not self._step_open
+                and not self._aborted and not self._recovery_due and not self._evaluations.evaluating
+                and self.engine.is_member)
+
+    def _collective_between_batches(self, collective: Callable[[], Any]) -> Any:
+        """A collective outside a training batch: a member's death in it is recovered from at once and it runs again
+        among the survivors, as one before the training loop (no step to discard: the code after it meets the
+        survivors, not this process's own values). The collectives since the last batch are kept in order, so a
+        survivor that completed one the others had not runs it again with them (``elastic/pre_loop.py``)."""
+        if self._between_batches is None:
+            self._between_batches = PreLoopCollectives(self._recover_between_batches, self.engine.earliest_position)
+        result = self._between_batches.run(collective)
+        self._evaluations.collective_done()
+        return result
+
+    def _recover_between_batches(self, error: BaseException) -> None:
+        """A collective outside a training batch raised: recover if a member died, else re-raise."""
+        self._raise_if_loop_ended(error)
+        self.engine.confirm_peer_failure(error)
+        log.warning("worker %s: a member died in a collective between training batches (the code at an epoch's end "
+                    "or start); it runs again without it", self.engine.worker_id)
+        self.recoveries += 1
+        self.engine.recover(self.optimizer_steps)
 
     # ------------------------------------------------------------------ evaluation passes (evaluation_recovery.py)
 
