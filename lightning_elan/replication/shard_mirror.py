@@ -1,21 +1,23 @@
 """A member's mirror of its ward's FSDP2 shard, kept at the state after the last committed step (issue 24, Gemini).
 
-Each member mirrors, in its host memory, the shard of the previous rank of the ring (``mirror_plan.mirror_ward``):
-its rows of every parameter and of every optimizer state sharded like them. The mirror is seeded with a full copy at
-a generation's first step; from then on each step costs one message per member, its reduced gradient rows, sent to
-its mirror holder after the backward and **before** the step's commit vote (a member votes only once its exchange is
+Each member mirrors, in its host memory, the shard of the previous rank of the ring (``mirror_plan.mirror_ward``): its
+rows of every parameter and of every optimizer state sharded like them. The mirror is seeded with a full copy at a
+generation's first step; from then on each step costs one message per member, its reduced gradient rows, sent to its
+mirror holder after the backward and **before** the step's commit vote (a member votes only once its exchange is
 complete, so a committed step's gradients are in every mirror). Once the step commits, the holder applies the
-optimizer's update to the mirror itself (a hook-free copy of the optimizer with the step's hyperparameters), so the
-mirror is the ward's state after that step whatever the ward does next: a ward killed in its optimizer step, after it
-or before the next step's vote, is restored exactly from its mirror; a ward killed before the vote leaves the step
-uncommitted, the mirror unchanged, and the step is redone by the survivors. Only optimizers whose update is
-elementwise per parameter row can be replayed on a shard (:data:`ELEMENTWISE_OPTIMIZERS`); with another one the job
-has no mirror and a death fails it with a clear message.
+optimizer's update to the mirror itself (a hook-free copy of the optimizer with the step's hyperparameters), on a
+background thread that overlaps the next step's forward and backward (it is joined before the mirror is read or fed
+again: the next gradient exchange, a recovery), so the mirror is the ward's state after that step whatever the ward does
+next: a ward killed in its optimizer step, after it or before the next step's vote, is restored exactly from its mirror;
+a ward killed before the vote leaves the step uncommitted, the mirror unchanged, and the step is redone by the
+survivors. Only optimizers whose update is elementwise per parameter row can be replayed on a shard
+(:data:`ELEMENTWISE_OPTIMIZERS`); with another one the job has no mirror and a death fails it with a clear message.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +59,8 @@ class ShardMirror:
         self._shadows: list[torch.optim.Optimizer] = []
         self._ward: int | None = None
         self._hyper: list[list[dict[str, Any]]] = []
+        self._replay: threading.Thread | None = None  # the committed step being applied to the mirror
+        self._replay_error: BaseException | None = None
 
     @property
     def seeded(self) -> bool:
@@ -72,6 +76,7 @@ class ShardMirror:
         shaped like them (those the seed brought, and those the optimizers created since, e.g. Adam's moments)."""
         if self._rows is None:
             raise RuntimeError("the shard mirror was not seeded in this generation")
+        self.settle()
         for index, shadow in enumerate(self._shadows):
             for kinds in self._rows.values():
                 for key, value in shadow.state.get(kinds[PARAM], {}).items():
@@ -81,6 +86,7 @@ class ShardMirror:
 
     def forget(self) -> None:
         """A new generation: the layout changed; seeded again at its first step."""
+        self.settle()
         self._rows, self._shadows, self._ward, self._hyper = None, [], None, []
 
     def seed(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], group: Any) -> int:
@@ -113,9 +119,33 @@ class ShardMirror:
         self._hyper = [[{key: value for key, value in group.items() if key != "params"}
                         for group in optimizer.param_groups] for optimizer in optimizers]
 
-    def advance(self, index: int) -> None:
+    def advance(self, index: int, background: bool = True) -> None:
         """Optimizer ``index``'s step committed: apply it to the mirror with the ward's gradients and the step's
-        hyperparameters."""
+        hyperparameters (``background``: on a thread, joined by :meth:`settle`)."""
+        self.settle()
+        if not background:
+            self._apply(index)
+            return
+        self._replay = threading.Thread(target=self._apply_catching, args=(index,), name="elan-shard-mirror",
+                                        daemon=True)
+        self._replay.start()
+
+    def settle(self) -> None:
+        """Wait for the step being applied to the mirror; re-raise its error."""
+        if self._replay is not None:
+            self._replay.join()
+            self._replay = None
+        if self._replay_error is not None:
+            error, self._replay_error = self._replay_error, None
+            raise RuntimeError("the shard mirror could not apply a committed step") from error
+
+    def _apply_catching(self, index: int) -> None:
+        try:
+            self._apply(index)
+        except BaseException as error:  # re-raised on the training thread by settle()
+            self._replay_error = error
+
+    def _apply(self, index: int) -> None:
         shadow = self._shadows[index]
         for group, hyper in zip(shadow.param_groups, self._hyper[index], strict=True):
             group.update(hyper)

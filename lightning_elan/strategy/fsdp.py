@@ -394,6 +394,7 @@ class ElanFSDPStrategy(ElanStrategy):
 
     @override
     def teardown(self) -> None:
+        self._mirroring.settle()
         super().teardown()
         if self.engine.has_left or not self.engine.is_member:
             self._forget_mesh()

@@ -77,6 +77,10 @@ class StepMirroring:
             self._exchanged = False
             self.step_seconds[-1] += time.perf_counter() - started
 
+    def settle(self) -> None:
+        """Wait for the mirror's replay of the last step (before the process ends)."""
+        self._mirror.settle()
+
     def check_recoverable(self, world_size: int, unmirrored: str | None) -> None:
         """Before a recovery: :class:`LostShard` when no mirror can cover a dead member."""
         why = "a member died while the shards were being moved to a new layout" if self._moving else \

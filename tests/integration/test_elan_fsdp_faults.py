@@ -62,13 +62,13 @@ def test_rank_0_killed_loses_no_step(tmp_path: Path, static_fsdp: FsdpRun) -> No
 
 
 def test_a_killed_member_is_replaced(tmp_path: Path, static_fsdp: FsdpRun) -> None:
-    """``--replace-failed``, 2 workers: rank 1 dies in step 5's backward; the survivor restores its shard from its
-    mirror and trains on alone, and the replacement joins at the next step boundary, receiving only its new shard in
-    the live reshard."""
+    """``--replace-failed --min-workers 2``, 2 workers: rank 1 dies in step 5's backward; the recovery waits for the
+    replacement, and its reshard gives the replacement only its new shard: its rows from the survivor's own shard and
+    from the survivor's mirror of the dead member's."""
     run = run_fsdp_job(tmp_path, "fsdpreplace", "--kill-step", KILL_STEP, "--kill-at", "backward", nproc=2,
-                       launcher=("--replace-failed",))
+                       launcher=("--replace-failed", "--min-workers", "2"))
 
-    assert_recovered_exactly(run, static_fsdp, [("failure", 1), ("add", 2)])
+    assert_recovered_exactly(run, static_fsdp, [("failure", 2)])
 
 
 def test_a_shard_killed_with_its_mirror_fails_the_job_clearly(tmp_path: Path) -> None:
