@@ -115,6 +115,8 @@ CORPUS: dict[str, Script] = {
     "prune_weights": Script(("{scripts}/prune_weights.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
     "metrics_loggers_profiler": Script(("{scripts}/metrics_loggers_profiler.py", "{out}"), True,
                                        {**epochs(3, 108), 3: 36}, tuple(range(30))),
+    "split_barriers_resume": Script(("{scripts}/split_barriers_resume.py", "{out}"), True, epochs(2, 96),
+                                    tuple(range(16))),
     "transformer_cli": Script(("{scripts}/transformer_cli.py", "fit", "--seed_everything=7",
                                "--trainer.strategy=elan", "--trainer.accelerator=cpu",
                                "--trainer.precision=bf16-mixed", "--trainer.max_epochs=2",
@@ -553,6 +555,24 @@ def check_metrics_loggers_profiler(run: Run, static: Run | None) -> None:
         assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
 
 
+def check_split_barriers_resume(run: Run, static: Run | None) -> None:
+    """Rank 0's summary row of each epoch written once, before every rank's barriers; the custom state carried
+    through checkpoints and joins (``on_save_checkpoint``/``on_load_checkpoint``); every step logged once; with the
+    static run: the loss, learning rate (scaled by the launch world) and validation loss of every step, and the
+    checkpoints (``last.ckpt`` and the two best by ``train_loss``), equal."""
+    summary = [json.loads(line) for line in (run.out / "summary.jsonl").read_text().splitlines()]
+    assert summary == [{"epoch": 0, "step": 8}, {"epoch": 1, "step": 16}], summary
+    assert json.loads((run.out / "final.json").read_text()) == {"epochs_summarised": [0, 1]}
+    _, rows = read_csv(run.out / "logs" / "split" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(16))
+    if static is not None:
+        _, static_rows = read_csv(static.out / "logs" / "split" / "version_0" / "metrics.csv")
+        for column in ("train_loss", "lr-SGD", "val_loss"):
+            assert_logged_alike(rows, static_rows, column, exact=True)
+        saved = assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
+        assert len(saved) == 3, sorted(saved)
+
+
 OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "datamodule_callbacks": check_datamodule_callbacks,
     "cli_classifier": check_cli_classifier,
@@ -573,6 +593,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "finetune_backbone": check_finetune_backbone,
     "prune_weights": check_prune_weights,
     "metrics_loggers_profiler": check_metrics_loggers_profiler,
+    "split_barriers_resume": check_split_barriers_resume,
 }
 
 
