@@ -368,29 +368,36 @@ class ElanFSDPStrategy(ElanStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """A full state loaded before the model is sharded (Lightning restores the model before ``setup``) or into
-        the shards (``set_model_state_dict``)."""
+        """A full state loaded before the model is sharded (Lightning restores the model before ``setup``) or cut
+        into the shards locally (``sharded_checkpoint.shard_like``) and loaded with ``set_model_state_dict``."""
         if not _is_sharded(self.lightning_module):
             super().load_model_state_dict(checkpoint, strict=strict)
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-        set_model_state_dict(self.lightning_module, checkpoint["state_dict"],
-                             options=StateDictOptions(full_state_dict=True, strict=strict))
+        module = self.lightning_module
+        state = sharded_checkpoint.shard_like(dict(checkpoint["state_dict"]), get_model_state_dict(module))
+        set_model_state_dict(module, state, options=StateDictOptions(strict=strict))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Each optimizer's full state (as :meth:`optimizer_state` wrote it) into its shards; a joiner's came by the
-        live reshard."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        """Each optimizer's full state (as :meth:`optimizer_state` wrote it, or keyed by position) cut into its shards
+        locally (``set_optimizer_state_dict``'s own full-state path scatters from rank 0 over a group torch must have
+        registered, which an elastic generation's is not); a sharded checkpoint's read shard by shard; a joiner's came
+        by the live reshard."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
 
         if checkpoint.get(LIVE_RESHARD_KEY) or self._load_sharded_optimizer_states(checkpoint):
             return
-
+        module = self.lightning_module
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            set_optimizer_state_dict(self.lightning_module, _torch_optimizer(optimizer),
-                                     _keyed_by_name(state, self.lightning_module),
-                                     options=StateDictOptions(full_state_dict=True))
+            torch_optimizer = _torch_optimizer(optimizer)
+            shards = sharded_checkpoint.shard_like(_keyed_by_name(state, module),
+                                                   get_optimizer_state_dict(module, torch_optimizer))
+            set_optimizer_state_dict(module, torch_optimizer, shards)
 
     @override
     def teardown(self) -> None:

@@ -94,10 +94,11 @@ def run_elan(home: Path, strategy: str, nproc: int, batch_size: int, max_epochs:
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def run_plain(home: Path, devices: int, batch_size: int, max_epochs: int, resume: Path | None = None) -> Run:
+def run_plain(home: Path, devices: int, batch_size: int, max_epochs: int, resume: Path | None = None,
+              strategy: str = "model_parallel") -> Run:
     """Lightning's own ``ModelParallelStrategy`` over ``devices`` CPU processes (its launcher starts the others)."""
     home.mkdir(parents=True, exist_ok=True)
-    command = [*_script(home, "model_parallel", batch_size, max_epochs, resume), "--devices", str(devices)]
+    command = [*_script(home, strategy, batch_size, max_epochs, resume), "--devices", str(devices)]
     env = {**os.environ, "MASTER_PORT": str(_free_port()), "ELAN_TEST_HOME": str(home)}
     proc = subprocess.Popen(command, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -211,17 +212,17 @@ def test_sharded_checkpoints_are_lightning_directories_equal_to_full_ones(static
     assert read_checkpoint(sharded.out / "top" / "last.ckpt")["global_step"] == 15
 
 
-@pytest.mark.parametrize(("strategy", "nproc", "batch_size", "classic"),
-                         [("elan_fsdp_sharded", 3, 4, False), ("elan", 1, 12, False),
-                          ("elan_fsdp_sharded", 3, 4, True)])
-def test_resuming_from_a_sharded_checkpoint_at_another_world_size(tmp_path: Path, static: Run, sharded: Run,
-                                                                  strategy: str, nproc: int, batch_size: int,
-                                                                  classic: bool) -> None:
+@pytest.mark.parametrize(("written", "strategy", "nproc", "batch_size", "classic"),
+                         [("sharded", "elan_fsdp_sharded", 3, 4, False), ("sharded", "elan", 1, 12, False),
+                          ("sharded", "elan_fsdp_sharded", 3, 4, True), ("full", "elan_fsdp", 3, 4, False)])
+def test_resuming_from_a_checkpoint_at_another_world_size(tmp_path: Path, static: Run, sharded: Run, written: str,
+                                                          strategy: str, nproc: int, batch_size: int,
+                                                          classic: bool) -> None:
     """An elan_fsdp job of 3 workers (``lightning.pytorch`` or ``pytorch_lightning``), or an "elan" job of 1, resumes
-    from the 2-worker sharded checkpoint of epoch 1 (same global batch): epochs 2 and 3 train each sample once and the
-    job ends where the uninterrupted run ends, its checkpoints equal to that run's."""
-    run = run_elan(tmp_path, strategy, nproc, batch_size, 4, resume=sharded.out / "checkpoints" / EPOCH_CHECKPOINTS[1],
-                   classic=classic)
+    from the 2-worker checkpoint of epoch 1 (sharded, or the default full file; same global batch): epochs 2 and 3
+    train each sample once and the job ends where the uninterrupted run ends, its checkpoints equal to that run's."""
+    checkpoint = (sharded if written == "sharded" else static).out / "checkpoints" / EPOCH_CHECKPOINTS[1]
+    run = run_elan(tmp_path, strategy, nproc, batch_size, 4, resume=checkpoint, classic=classic)
 
     assert_ok(run)
     assert_each_sample_once(run, [2, 3])
@@ -308,3 +309,18 @@ def test_resuming_mid_epoch_from_a_sharded_checkpoint_at_another_world_size(tmp_
     assert seen[1] == trained_at(static, 16)
     assert seen[2] == seen[3] == Counter(range(SAMPLES))
     assert_same_checkpoint(run.out / "final.ckpt", static.out / "final.ckpt")
+
+
+def test_a_lightning_model_parallel_full_file_loads_into_elan_fsdp_and_elan(tmp_path: Path) -> None:
+    """``ModelParallelStrategy(save_distributed_checkpoint=False)`` writes one file whose optimizer state is keyed by
+    parameter position: an elan_fsdp job of 3 and an "elan" job of 1 load it (parameters and Adam's states)."""
+    plain = run_plain(tmp_path / "plain", 2, 6, 2, strategy="model_parallel_full")
+    assert_ok(plain)
+    written = plain.out / "checkpoints" / EPOCH_CHECKPOINTS[1]
+    assert written.is_file()
+    assert isinstance(next(iter(torch.load(written, weights_only=False)["optimizer_states"][0]["state"])), int)
+
+    for strategy, nproc, batch_size in [("elan_fsdp", 3, 4), ("elan", 1, 12)]:
+        loaded = run_elan(tmp_path / strategy, strategy, nproc, batch_size, 2, resume=written)
+        assert_ok(loaded)
+        assert_same_checkpoint(loaded.out / "final.ckpt", written)

@@ -3,12 +3,12 @@
 python fsdp_checkpoint_user.py OUT --strategy S --batch-size B --max-epochs E [--resume CKPT] [--devices N] [--classic]
 
 ``S``: ``elan_fsdp`` (a full checkpoint, the default), ``elan_fsdp_sharded`` (``ElanFSDPStrategy(state_dict_type=
-"sharded")``), ``elan``, or ``model_parallel`` (Lightning's own ``ModelParallelStrategy`` over ``--devices`` CPU
-processes; the model is sharded with ``fully_shard`` in ``configure_model``, as Lightning's guide does). Each process
-appends the samples of every batch it trains to ``OUT/trained-<pid>.jsonl``; ``OUT/checkpoints`` gets one checkpoint per
-epoch, ``OUT/top`` the best by ``train_loss`` of the checkpoints every 3 steps and ``last.ckpt``, ``OUT/steps`` every
-one of those. At the end the script
-saves ``OUT/final.ckpt`` with ``trainer.save_checkpoint``. ``--classic``: the ``pytorch_lightning`` package.
+"sharded")``), ``elan``, ``model_parallel`` (Lightning's own ``ModelParallelStrategy`` over ``--devices`` CPU
+processes; the model is sharded with ``fully_shard`` in ``configure_model``, as Lightning's guide does) or
+``model_parallel_full`` (the same with ``save_distributed_checkpoint=False``). Each process appends the samples of every
+batch it trains to ``OUT/trained-<pid>.jsonl``; ``OUT/checkpoints`` gets one checkpoint per epoch, ``OUT/top`` the best
+by ``train_loss`` of the checkpoints every 3 steps and ``last.ckpt``, ``OUT/steps`` every one of those. At the end the
+script saves ``OUT/final.ckpt`` with ``trainer.save_checkpoint``. ``--classic``: the ``pytorch_lightning`` package.
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ class RecordTrained(Callback):
 def strategy_of(name: str, devices: int):
     if name == "elan_fsdp_sharded":
         return ElanFSDPStrategy(state_dict_type="sharded")
-    if name == "model_parallel":
-        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    if name.startswith("model_parallel"):  # model_parallel_full: its checkpoints one file
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=name != "model_parallel_full")
     return name
 
 
@@ -109,7 +110,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     pl.seed_everything(1)
-    plain = args.strategy == "model_parallel"
+    plain = args.strategy.startswith("model_parallel")
     trainer = pl.Trainer(
         strategy=strategy_of(args.strategy, args.devices), accelerator="cpu", max_epochs=args.max_epochs,
         logger=False, enable_progress_bar=False, enable_model_summary=False, **({"devices": args.devices} if plain
