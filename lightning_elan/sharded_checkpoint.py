@@ -119,16 +119,16 @@ class ShardedOptimizerState:
 
 
 def shard_like(full: Any, template: Any) -> Any:
-    """``full`` (a whole state: tensors, dicts, lists) with each tensor that is a ``DTensor`` in ``template`` cut to
-    this process's shard of it locally (``distribute_tensor(..., src_data_rank=None)``: no collective, so it works on
-    an elastic generation's mesh, where torch's scatter from rank 0 cannot resolve the group)."""
+    """``full`` (a whole state: tensors, dicts, lists) with each plain tensor that is a ``DTensor`` in ``template``
+    cut to this process's shard locally (``distribute_tensor(..., src_data_rank=None)``: no collective, so it works
+    on an elastic generation's mesh, where torch's scatter from rank 0 cannot resolve the group); a DTensor as it is."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(full, dict) and isinstance(template, dict):
         return {key: shard_like(value, template.get(key)) for key, value in full.items()}
     if isinstance(full, list) and isinstance(template, list) and len(full) == len(template):
         return [shard_like(value, like) for value, like in zip(full, template, strict=True)]
-    if isinstance(full, torch.Tensor) and isinstance(template, DTensor):
+    if isinstance(full, torch.Tensor) and not isinstance(full, DTensor) and isinstance(template, DTensor):
         whole = full.to(device=template.device, dtype=template.dtype)
         return distribute_tensor(whole, template.device_mesh, template.placements, src_data_rank=None)
     return full

@@ -73,3 +73,25 @@ def test_a_module_on_the_meta_device_reads_nothing(tmp_path: Path) -> None:
     state = sharded_checkpoint.load_model_state(tmp_path / "ckpt", template)
 
     assert all(value.is_meta for value in state.values())
+
+
+def test_shard_like_cuts_plain_tensors_where_the_template_holds_dtensors() -> None:
+    """One process, a mesh of one: the cut is the whole tensor; values without a DTensor template pass as they are."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        template = {"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]), "step": torch.tensor(0.0)}
+        full = {"w": torch.arange(8.0).reshape(4, 2), "step": torch.tensor(3.0), "lr": 0.1}
+
+        cut = sharded_checkpoint.shard_like(full, template)
+
+        assert isinstance(cut["w"], DTensor) and torch.equal(cut["w"].full_tensor(), full["w"])
+        assert cut["step"] is full["step"] and cut["lr"] == 0.1
+        assert sharded_checkpoint.shard_like(cut, template)["w"] is cut["w"]
+    finally:
+        dist.destroy_process_group()
