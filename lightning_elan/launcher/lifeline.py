@@ -3,8 +3,8 @@
 On Linux a child learns nothing when its parent dies unless it asked to. Every process ``elan run`` and ``elan worker``
 start asks, in a ``preexec_fn`` (it runs in the child after ``fork``, before ``exec``; the setting survives ``exec``):
 
-* ``elan run``'s workers (members, joiners, standbys) for SIGKILL: the job's rendezvous store lives in the launcher,
-  so without it the job cannot go on, and nobody would be left to stop them;
+* ``elan run``'s workers (members, joiners, standbys) for SIGKILL: the job's rendezvous store lives as long as the
+  launcher, so without it the job cannot go on, and nobody would be left to stop them;
 * the AM ``elan run`` starts for SIGTERM: it stops as on Ctrl-C (its registry entry is removed, its state stays in the
   state directory); its ``--parent-pid`` watch is the fallback. It too starts with SIGTERM held (below), until
   ``elan am`` has installed its handler, before it binds and registers;

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_elan.launcher.job_store import ForkedStore, StoreLost
 from lightning_elan.launcher.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ __all__ = ["ForkedWorker", "PreloadableCommand", "PreloadedInterpreter", "module
 
 SITE_DIR = Path(__file__).with_name("preload_site")
 CHANNEL_VAR = "ELAN_PRELOAD_CHANNEL"  # read by preload_site/sitecustomize.py (standard library only: named twice)
+STORE_CHANNEL_VAR = "ELAN_PRELOAD_STORE_CHANNEL"
 MODULES_VAR = "ELAN_PRELOAD_MODULES"
 SITECUSTOMIZE_VAR = "ELAN_PRELOAD_SITECUSTOMIZE"  # "worker": a hidden sitecustomize may run in each forked worker
 # what the preload process imports when the script (or a module next to it) imports it: libraries whose import is slow
@@ -183,12 +185,15 @@ def _imports_in(path: Path) -> list[str]:
 class PreloadedInterpreter:
     """The launcher's side of the preload process: start it, fork workers from it, learn their exits."""
 
-    def __init__(self, command: PreloadableCommand, env: Mapping[str, str]) -> None:
+    def __init__(self, command: PreloadableCommand, env: Mapping[str, str], store_host: str | None = None) -> None:
         self.command = command
         self._env = dict(env)
+        self._store_host = store_host  # fork the job's store host bound there (``launcher/job_store.py``)
         self._process: subprocess.Popen[bytes] | None = None
         self._request_fd = -1
         self._reply_fd = -1
+        self._store_fds: tuple[int, int] | None = None  # the launcher's ends of the store host's pipes
+        self._store_forked = False
         self._buffer = b""
         self._replies: list[dict[str, Any]] = []
         self._exits: dict[int, int] = {}
@@ -199,19 +204,37 @@ class PreloadedInterpreter:
         return None if self._process is None else self._process.pid
 
     def start(self) -> None:
-        request_read, self._request_fd = os.pipe()
-        self._reply_fd, reply_write = os.pipe()
+        (request_read, self._request_fd), (self._reply_fd, reply_write) = _pipe_pair()
         os.set_blocking(self._reply_fd, False)
-        fcntl.fcntl(self._request_fd, fcntl.F_SETFD, fcntl.FD_CLOEXEC)
-        fcntl.fcntl(self._reply_fd, fcntl.F_SETFD, fcntl.FD_CLOEXEC)
+        theirs = [request_read, reply_write]
+        env = self._preload_env(request_read, reply_write)
+        if self._store_host is not None:
+            (store_read, store_request), (store_reply, store_write) = _pipe_pair()
+            self._store_fds = (store_request, store_reply)
+            theirs += [store_read, store_write]
+            env[STORE_CHANNEL_VAR] = f"{store_read},{store_write},{self._store_host}"
         try:
-            self._process = subprocess.Popen(list(self.command.argv), env=self._preload_env(request_read, reply_write),
-                                             pass_fds=(request_read, reply_write),
+            self._process = subprocess.Popen(list(self.command.argv), env=env, pass_fds=tuple(theirs),
                                              preexec_fn=die_with_parent(signal.SIGKILL))
         finally:
-            os.close(request_read)
-            os.close(reply_write)
+            for fd in theirs:
+                os.close(fd)
         log.info("preloading %s for the workers (pid %d)", ", ".join(self.command.modules), self._process.pid)
+
+    def forked_store(self) -> ForkedStore | None:
+        """The job's store in the store host the preload process forked once ready (None when it did not)."""
+        fds, self._store_fds = self._store_fds, None
+        if fds is None:
+            return None
+        if not self._store_forked:
+            _close_all(fds)
+            return None
+        try:
+            return ForkedStore(*fds)
+        except StoreLost as exc:
+            log.warning("the store host did not start (%s): the launcher serves the job's store", exc)
+            _close_all(fds)
+            return None
 
     def _preload_env(self, request_fd: int, reply_fd: int) -> dict[str, str]:
         env = dict(self._env)
@@ -237,6 +260,7 @@ class PreloadedInterpreter:
         if not reply["ready"]:  # it refused (a reason of the command's own), as it may
             return self._give_up(str(reply.get("reason")), logging.INFO)
         self.ready = True
+        self._store_forked = bool(reply.get("store"))
         return True
 
     def _give_up(self, reason: str, level: int = logging.WARNING) -> bool:
@@ -295,6 +319,9 @@ class PreloadedInterpreter:
         if self._reply_fd >= 0:
             os.close(self._reply_fd)
             self._reply_fd = -1
+        if self._store_fds is not None:  # never taken: the store host, if any, ends
+            _close_all(self._store_fds)
+            self._store_fds = None
 
     def _gone(self) -> bool:
         return self._process is None or self._process.poll() is not None
@@ -316,6 +343,20 @@ class PreloadedInterpreter:
                 self._exits[int(reply["exited"])] = int(reply["returncode"])
             else:
                 self._replies.append(reply)
+
+
+def _pipe_pair() -> tuple[tuple[int, int], tuple[int, int]]:
+    """Two pipes, ``(read, write)`` each, that no child inherits unless passed."""
+    pipes = (os.pipe(), os.pipe())
+    for fd in (*pipes[0], *pipes[1]):
+        fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.FD_CLOEXEC)
+    return pipes
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class ForkedWorker:

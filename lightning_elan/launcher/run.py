@@ -10,7 +10,8 @@ that fails unexpectedly stops the whole job. Only an exit the AM waited for (a l
 ``(expected)``; a death the survivors recover from is logged as such, never as expected.
 
 The AM is a child process (``launcher.am_process``) restarted from its store whenever it dies; the TCPStore
-server stays in the launcher, so neither an AM nor a worker takes it down. Every launcher request is resent
+server lives as long as the launcher (in the store host the preload process forks, else in the launcher:
+``launcher/job_store.py``), so neither an AM nor a worker takes it down. Every launcher request is resent
 with the same message id until the (possibly restarted) AM answers, so none applies twice or gets lost.
 
 Every child dies with the launcher (``launcher/lifeline.py``): a SIGKILLed ``elan run`` leaves no worker, standby,
@@ -37,6 +38,7 @@ from types import FrameType
 from typing import Any
 
 from lightning_elan.launcher.am_process import DEFAULT_MAX_RESTARTS, AMFailed, AMProcess, describe_status
+from lightning_elan.launcher.job_store import JobStore, LauncherStore, StoreLost
 from lightning_elan.launcher.lifeline import die_with_parent, sigterm_held
 from lightning_elan.launcher.preload import ForkedWorker, PreloadedInterpreter, PreloadUnavailable, preloadable_command
 from lightning_elan.launcher.schedule import ScaleAction, format_schedule_item
@@ -185,7 +187,7 @@ class JobLauncher:
         self.config = config
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._am: AMProcess | None = None
-        self._store: Any = None
+        self._store: JobStore | None = None
         self._client: AMClient | None = None
         self._workers: dict[str, WorkerProcess] = {}
         self._launch_world_size = 0  # the members of generation 0, once spawned: every joiner is told it
@@ -239,6 +241,10 @@ class JobLauncher:
             log.error("%s: stopping job %s", exc, self.config.job)
             self._terminate_children()
             return 1
+        except StoreLost as exc:
+            log.error("%s: stopping job %s", exc, self.config.job)
+            self._abort(str(exc))
+            return 1
         except OSError as exc:
             log.error("cannot start worker command %r: %s", self.config.command[0], exc)
             self._abort(f"cannot start the worker command: {exc}")
@@ -261,12 +267,14 @@ class JobLauncher:
         self._client = AMClient(self.am_address, self.config.job, timeout_s=self.config.am_timeout_s, retries=0)
         log.info("job %s: AM at %s, store at %s", self.config.job, self.am_address, self.store_address)
 
-    @staticmethod
-    def _start_store() -> Any:
-        # Imported here so that `elan status` / `elan scale` never pay for `import torch`.
-        from torch.distributed import TCPStore
-
-        return TCPStore(LOCAL_HOST, 0, is_master=True, wait_for_workers=False)
+    def _start_store(self) -> JobStore:
+        """The job's store (``launcher/job_store.py``): in the store host the preload process forks, when it serves
+        (the launcher then never imports torch), else in this process."""
+        if self._preload is not None and self._preload_serves():
+            store = self._preload.forked_store()
+            if store is not None:
+                return store
+        return LauncherStore(LOCAL_HOST)
 
     def _stop_services(self) -> None:
         if self._client is not None:
@@ -278,7 +286,9 @@ class JobLauncher:
             except Exception:
                 log.exception("stopping the AM of job %s failed", self.config.job)
             self._am = None
-        self._store = None  # the TCPStore server shuts down with its last reference
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     @staticmethod
     def _close_quietly(client: AMClient) -> None:
@@ -417,7 +427,7 @@ class JobLauncher:
         command = preloadable_command(self.config.command) if self.config.preload else None
         if command is None:
             return
-        self._preload = PreloadedInterpreter(command, self._common_env())
+        self._preload = PreloadedInterpreter(command, self._common_env(), store_host=LOCAL_HOST)
         try:
             self._preload.start()
         except OSError as exc:

@@ -16,6 +16,13 @@ The channel: the launcher writes one JSON line per worker (``{"env": {...}, "hol
 pipe; this process answers on the reply pipe with JSON lines: ``{"ready": true}`` (or ``{"ready": false, "reason":
 ...}``) once preloaded, ``{"spawned": pid}`` per request, ``{"exited": pid, "returncode": code}`` per child that ended
 (``returncode`` as ``subprocess.Popen`` gives it: negative for a signal).
+
+The job's rendezvous store: with ``ELAN_PRELOAD_STORE_CHANNEL`` set (two more pipes and the host to bind), this process,
+once preloaded, forks the *store host* before any worker: a grandchild (its parent exits at once, so it is neither a
+worker nor reaped here) that serves a torch ``TCPStore``, says ``{"port": N}`` on its reply pipe and answers the
+launcher's ``{"op": "check", "keys": [...]}`` and ``{"op": "set", "key": ..., "value": ...}`` with ``{"result": ...}``
+(or ``{"error": ...}``) until the launcher closes its end or dies. ``{"ready": ..., "store": true}`` says it was forked.
+The launcher then never imports torch itself (``launcher/job_store.py``).
 """
 
 import ctypes
@@ -35,7 +42,9 @@ MODULES_VAR = "ELAN_PRELOAD_MODULES"  # comma-separated modules to import before
 # last step of its start-up; without it such a module makes the preload process refuse to serve (it would run once,
 # before the imports, without the worker's environment, where a fresh worker runs it first, with its own)
 SITECUSTOMIZE_VAR = "ELAN_PRELOAD_SITECUSTOMIZE"
+STORE_CHANNEL_VAR = "ELAN_PRELOAD_STORE_CHANNEL"  # "<request fd>,<reply fd>,<host>": fork the job's store host
 TITLE = b"elan-preload"  # what /proc/PID/cmdline of the preload process shows (its children show the command)
+STORE_TITLE = b"elan-store"  # ... and what the store host's shows
 PR_SET_PDEATHSIG = 1
 REAP_INTERVAL_S = 0.05
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -213,10 +222,12 @@ def _serve(channel_text, sitecustomize):
     channel = _Channel(channel_text)
     title = _ProcessTitle()
     modules = [name for name in os.environ.pop(MODULES_VAR, "").split(",") if name]
+    store_channel = os.environ.pop(STORE_CHANNEL_VAR, None)
     server = None
     try:
         reason = _refusal(sitecustomize) or _preload(modules)
-        channel.send({"ready": reason is None, "reason": reason})
+        hosted = store_channel is not None and _fork_store_host(store_channel, channel, title, reason is None)
+        channel.send({"ready": reason is None, "reason": reason, "store": hosted})
         if reason is not None:
             os._exit(0)
         title.show(TITLE)
@@ -226,6 +237,64 @@ def _serve(channel_text, sitecustomize):
         traceback.print_exc()
         os._exit(1)
     _become_worker_or_exit(server, request, sitecustomize)
+
+
+def _fork_store_host(text, channel, title, wanted):
+    """Fork the store host (when ``wanted`` and torch is preloaded); whether it was. This process keeps none of the
+    store's pipes: the workers it forks later must not hold them."""
+    request_fd, reply_fd, host = text.split(",", 2)
+    request_fd, reply_fd = int(request_fd), int(reply_fd)
+    try:
+        if not wanted or "torch" not in sys.modules:
+            return False
+        pid = os.fork()
+        if pid == 0:
+            _detached_store_host(_Channel(f"{request_fd},{reply_fd}"), host, channel, title)
+        os.waitpid(pid, 0)  # the intermediate child, which exits at once
+        return True
+    finally:
+        os.close(request_fd)
+        os.close(reply_fd)
+
+
+def _detached_store_host(store_channel, host, channel, title):
+    """In the forked child: fork again and exit, so the store host is nobody's worker; the host never returns."""
+    code = 1
+    try:
+        if os.fork() != 0:
+            os._exit(0)
+        channel.close()  # the preload process's pipes: only the launcher and the preload process hold them
+        title.show(STORE_TITLE)
+        _StoreHost(store_channel, host).serve()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+class _StoreHost:
+    """The job's rendezvous store (a torch ``TCPStore`` server) and the launcher's ``check``/``set`` on it."""
+
+    def __init__(self, channel, host):
+        self.channel = channel
+        self.store = sys.modules["torch"].distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+    def serve(self):
+        """Answer the launcher until it closes its end (or dies): then the store ends with this process."""
+        self.channel.send({"port": self.store.port})
+        while self.channel.open:
+            for request in self.channel.requests(1.0):
+                self.channel.send(self.answer(request))
+
+    def answer(self, request):
+        try:
+            if request["op"] == "check":
+                return {"result": bool(self.store.check(request["keys"]))}
+            self.store.set(request["key"], request["value"])
+            return {"result": None}
+        except Exception as exc:  # the launcher raises it
+            return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _refusal(sitecustomize):
