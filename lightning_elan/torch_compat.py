@@ -36,6 +36,7 @@ __all__ = [
     "forget_mesh_group",
     "forget_scaler_step",
     "keep_alive_forever",
+    "mark_optimizer_stepped",
     "mesh_of_group",
     "nccl_backend",
     "publish_default_group",
@@ -236,6 +237,14 @@ def forget_scaler_step(scaler: Any) -> None:
 
 FULLY_SHARD_UNDONE_ON = ">=2.13,<2.14"
 """The torch versions whose FSDP2 internals :func:`undo_fully_shard` was read from and tested on."""
+
+
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer`` as stepped for its LR schedulers: ``LRScheduler.__init__`` wraps ``optimizer.step`` so that a
+    call sets ``optimizer._opt_called``, and ``LRScheduler.step`` warns "Detected call of `lr_scheduler.step()` before
+    `optimizer.step()`" while its ``_step_count`` is 1 and that attribute is unset. A process that received the state
+    of optimizers the job stepped (a joiner) has not called ``step`` itself."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
 def undo_fully_shard(model: torch.nn.Module) -> None:

@@ -707,11 +707,23 @@ class ElasticAccelerator(Accelerator):
         self._objects.load_state_dict(state["objects"])
         self.local_sgd_steps_state.load_state_dict(state["local_sgd"])
         self._load_loop_state(state["loop"])
+        self._mark_optimizers_stepped()
         self._pre_loop.joined()
         self._tracker_args = state["loop"].get("trackers")
         self.project_configuration.iteration = int(state["loop"]["save_iteration"])  # automatic checkpoint names
         if self.is_main_process:
             self._start_trackers_here()
+
+    def _mark_optimizers_stepped(self) -> None:
+        """A joiner of a job that applied steps: its schedulers' optimizers count as stepped, so a scheduler stepped
+        before this process's first ``optimizer.step()`` (a joiner admitted at an epoch's end, then a per-epoch
+        scheduler) does not warn that the schedule's first value is skipped: it is not, the members stepped."""
+        if self.optimizer_steps == 0:
+            return
+        for scheduler in compat.prepared_schedulers(self):
+            optimizer = getattr(getattr(scheduler, "scheduler", scheduler), "optimizer", None)
+            if isinstance(optimizer, torch.optim.Optimizer):
+                torch_compat.mark_optimizer_stepped(optimizer)
 
     def receive_destinations(self, state: dict[str, Any]) -> dict[int, torch.Tensor]:
         """Each prepared model's own parameters and buffers take the source's, pruned as the source's are."""

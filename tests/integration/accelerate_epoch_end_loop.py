@@ -6,8 +6,10 @@ epoch's row logged to a custom tracker (Accelerate's "Implementing Custom Tracke
 ``save_state()`` with ``automatic_checkpoint_naming``; ``unwrap_model`` + ``accelerator.save`` on the main process at
 the end (``OUT/final.pt``).
 
-``--die-at reduce:2:1``: the process of rank 2 SIGKILLs itself in epoch 1 just before its ``reduce``. Each process
-appends the samples of every batch it trains to ``OUT/samples-<pid>.jsonl`` with the step and the world size.
+``--die-at reduce:2:1``: the process of rank 2 SIGKILLs itself in epoch 1 just before its ``reduce``. ``--hold``:
+under `elan run`, the main process holds before each batch until the joiners due at the next step are ready (so a
+scheduled ``add`` lands at its step). Each process appends the samples of every batch it trains to
+``OUT/samples-<pid>.jsonl`` with the step and the world size.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +80,27 @@ def die_here(accelerator: ElasticAccelerator, out: Path, die_at: str | None, poi
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def hold_for_joiners(accelerator: ElasticAccelerator, timeout_s: float = 240.0) -> None:
+    """The main process: wait until every request due at the next step has its new workers ready."""
+    if not accelerator.is_main_process or "ELAN_AM_ADDRESS" not in os.environ:
+        return
+    from lightning_elan.protocol.client import AMClient
+
+    step, deadline = accelerator.optimizer_steps + 1, time.monotonic() + timeout_s
+    with AMClient(os.environ["ELAN_AM_ADDRESS"], os.environ["ELAN_JOB"]) as client:
+        while time.monotonic() < deadline:
+            due = [request for request in client.status()["pending"] if (request.get("at_step") or 0) <= step]
+            if all(state == "ready" for request in due for state in request["worker_status"].values()):
+                return
+            time.sleep(0.1)
+    raise TimeoutError(f"the joiners due at step {step} are not ready after {timeout_s} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--die-at", default=None)
+    parser.add_argument("--hold", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     set_seed(11)
@@ -99,6 +119,8 @@ def main() -> None:
         model.train()
         total = torch.zeros((), dtype=torch.float64)
         for indices, x, y in train:
+            if args.hold:
+                hold_for_joiners(accelerator)
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 accelerator.backward(loss)
