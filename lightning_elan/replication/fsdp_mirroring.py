@@ -6,7 +6,8 @@ commit vote, advance the mirror once the step committed) and at a recovery (``re
 survivor gives its own shard and, if its ward died, the ward's from the mirror; the rows go to the new layout). A
 member's death that no mirror covers — the job has a single member, an optimizer that cannot be replayed on a shard,
 manual optimization or gradient clipping (:func:`unmirrored_because`), the mirror of the generation was not seeded
-yet, a member died while shards moved — stops the job with :class:`LostShard`, naming why.
+yet (seeded at the end of a resize or recovery, and at the launch generation's first step), a member died
+while shards moved — stops the job with :class:`LostShard`, naming why.
 """
 
 from __future__ import annotations
@@ -60,14 +61,20 @@ class StepMirroring:
         if group.size() < 2 or unmirrored is not None:
             return
         started = time.perf_counter()
-        if not self._mirror.seeded:
-            received = self._mirror.seed(model, optimizers, group)
-            log.info("worker %s mirrors the shard of rank %d (%.1f MB)", self._worker_id, self._mirror.ward,
-                     received / 1e6)
+        self.seed(model, optimizers, group, unmirrored)
         self._mirror.exchange_gradients(model, group)
         self._mirror.capture_hyperparameters(optimizers)
         self._index, self._exchanged = index, True
         self.step_seconds.append(time.perf_counter() - started)
+
+    def seed(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], group: Any,
+             unmirrored: str | None) -> None:
+        """At a step boundary (the end of a reshard, or a generation's first step): the full copy of the shards into
+        the mirrors, if this generation has none yet."""
+        if self._mirror.seeded or group.size() < 2 or unmirrored is not None:
+            return
+        received = self._mirror.seed(model, optimizers, group)
+        log.info("worker %s mirrors the shard of rank %d (%.1f MB)", self._worker_id, self._mirror.ward, received / 1e6)
 
     def after_step(self) -> None:
         """The step committed and applied here: apply it to the mirror too."""
@@ -108,8 +115,8 @@ class StepMirroring:
         missing = reshard.previous_index is not None and not self._mirror.seeded and _holds_a_dead_shard(reshard)
         if _any_member(reshard.group, missing):
             raise LostShard(f"worker {self._worker_id}: a member of this strategy='elan_fsdp' job died before its "
-                            "shard was mirrored in this generation (the mirror is seeded at a generation's first "
-                            "step); restart the job from its last checkpoint")
+                            "shard was mirrored in this generation (the mirrors are seeded at the end of a resize, or "
+                            "at the launch generation's first step); restart the job from its last checkpoint")
         mirrored = {ward: self._mirror.rows()} if needs_mirror else {}
         if mirrored:
             log.warning("worker %s restores the shard of dead rank %d from its mirror", self._worker_id, ward)

@@ -253,6 +253,9 @@ class ElanFSDPStrategy(ElanStrategy):
                 self.lightning_module, self._torch_optimizers(), self._shard, reshard.holders, reshard.receivers, mesh,
                 group=reshard.group, skeleton=skeleton, chunk_bytes=self.reshard_chunk_bytes))
         self._joined_optimizers = None
+        if receiving:  # the new generation's mirrors at once: a death before its first step's vote is covered too
+            self._mirroring.seed(self.lightning_module, self._torch_optimizers(), self.engine.generation_group,
+                                 self._unmirrored())
         if not receiving:  # a leaver: its module's tensors are on the meta device; teardown moves them to the CPU
             self.lightning_module.to_empty(device=self.root_device)
 
