@@ -1,17 +1,18 @@
 """A member's mirror of its ward's FSDP2 shard, kept at the state after the last committed step (issue 24, Gemini).
 
 Each member mirrors, in its host memory, the shard of the previous rank of the ring (``mirror_plan.mirror_ward``): its
-rows of every parameter and of every optimizer state sharded like them. The mirror is seeded with a full copy at a
-generation's first step; from then on each step costs one message per member, its reduced gradient rows, sent to its
-mirror holder after the backward and **before** the step's commit vote (a member votes only once its exchange is
-complete, so a committed step's gradients are in every mirror). Once the step commits, the holder applies the
-optimizer's update to the mirror itself (a hook-free copy of the optimizer with the step's hyperparameters), on a
-background thread that overlaps the next step's forward and backward (it is joined before the mirror is read or fed
-again: the next gradient exchange, a recovery), so the mirror is the ward's state after that step whatever the ward does
-next: a ward killed in its optimizer step, after it or before the next step's vote, is restored exactly from its mirror;
-a ward killed before the vote leaves the step uncommitted, the mirror unchanged, and the step is redone by the
-survivors. Only optimizers whose update is elementwise per parameter row can be replayed on a shard
-(:data:`ELEMENTWISE_OPTIMIZERS`); with another one the job has no mirror and a death fails it with a clear message.
+rows of every parameter and of every optimizer state sharded like them. The mirror is seeded with a full copy at the end
+of a resize's or recovery's reshard (at the launch generation's first step); from then on each step costs one message
+per member, its reduced gradient rows, sent to its mirror holder after the backward and **before** the step's commit
+vote (a member votes only once its exchange is complete, so a committed step's gradients are in every mirror). Once the
+step commits, the holder applies the optimizer's update to the mirror itself (a hook-free copy of the optimizer with the
+step's hyperparameters), on a background thread that overlaps the next step's forward and backward (it is joined before
+the mirror is read or fed again: the next gradient exchange, a recovery), so the mirror is the ward's state after that
+step whatever the ward does next: a ward killed in its optimizer step, after it or before the next step's vote, is
+restored exactly from its mirror; a ward killed before the vote leaves the step uncommitted, the mirror unchanged, and
+the step is redone by the survivors. Only optimizers whose update is elementwise per parameter row can be replayed on a
+shard (:data:`ELEMENTWISE_OPTIMIZERS`); with another one the job has no mirror and a death fails it with a clear
+message.
 """
 
 from __future__ import annotations
