@@ -22,8 +22,9 @@ MIRROR = f"{PACKAGE}.pytorch_lightning."  # the classic tree: the package's own 
 # Bottom first. A unit (a sub-package or a top-level module) imports its own modules and those of lower layers, never
 # a unit of its own layer: the AM and the engine, say, share what lies below them and know nothing of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # lazy exports, the classic tree's hook, Lightning's privates, torch's privates, etcd, counts and lists in words
-    ("_lazy", "_classic", "compat", "torch_compat", "etcd", "words"),
+    # lazy exports, the classic tree's hook, Lightning's privates, torch's privates, etcd, counts and lists in words,
+    # a sharded checkpoint directory (torch only)
+    ("_lazy", "_classic", "compat", "torch_compat", "etcd", "words", "sharded_checkpoint"),
     # the wire contract; the batch and LR at a resize, the size a job should have, the data position, the simulator
     ("protocol", "scaling", "sizing", "data", "sim"),
     ("replication",),  # the state of a worker copied to a joiner: planning, packing, transports
