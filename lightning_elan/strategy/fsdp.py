@@ -17,7 +17,7 @@ ones (``replication.fsdp_reshard.reshard_fsdp``), so a joiner receives only its 
 data position, RNG, callbacks, schedulers) comes from its source as an ``"elan"`` joiner's does, without the model and
 optimizer tensors.
 
-A member's death loses no step (``replication.fsdp_mirroring``): each member's shard is mirrored in the next one's
+A member's death loses no step (``elastic.fsdp_mirroring``): each member's shard is mirrored in the next one's
 host memory, kept at the state after the last committed step (the reduced gradients go to the mirror before the step's
 commit vote, and the mirror holder applies the committed update itself); the survivors form a new generation, the dead
 member's rows come from its mirror holder and move with everyone's to the new layout (and to a ``--replace-failed``
@@ -41,8 +41,8 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_elan import compat, sharded_checkpoint, torch_compat
+from lightning_elan.elastic.fsdp_mirroring import LostShard, StepMirroring, unmirrored_because
 from lightning_elan.elastic.live_reshard import ReshardGroup
-from lightning_elan.replication.fsdp_mirroring import LostShard, StepMirroring, unmirrored_because
 from lightning_elan.replication.fsdp_reshard import describe_optimizers, reshard_fsdp
 from lightning_elan.replication.reception import tensor_nbytes
 from lightning_elan.strategy.strategy import ElanStrategy

@@ -71,7 +71,7 @@ def test_only_elementwise_optimizers_are_mirrored() -> None:
 
 
 def test_steps_that_cannot_be_replayed_exactly_are_not_mirrored() -> None:
-    from lightning_elan.replication.fsdp_mirroring import unmirrored_because
+    from lightning_elan.elastic.fsdp_mirroring import unmirrored_because
 
     adam = [torch.optim.Adam([nn.Parameter(torch.zeros(2))])]
     assert unmirrored_because(adam, automatic=True, clipping=False) is None
