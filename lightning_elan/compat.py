@@ -142,10 +142,31 @@ def stage_training_state(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> Non
     ``strategy.setup`` and ``on_fit_start``; it reads ``_CheckpointConnector._loaded_checkpoint``. Callbacks and the
     datamodule are restored here, as ``_restore_modules_and_callbacks`` would have done before setup.
     """
+    _count_the_epoch_in_progress(checkpoint)
     connector = trainer._checkpoint_connector
     connector._loaded_checkpoint = checkpoint
     connector.restore_datamodule()
     connector.restore_callbacks()
+
+
+def _count_the_epoch_in_progress(checkpoint: dict[str, Any]) -> None:
+    """A mid-epoch state whose ``epoch_progress`` does not count the epoch in progress as started: restored, it would
+    not restart mid-epoch, and the joiner would run the epoch from its first batch while the members are in it.
+
+    ``_FitLoop.update_restart_stage`` tells a mid-epoch restart by ``epoch_progress.total`` with ``started ==
+    processed + 1`` (``advance`` increments ``ready``/``started`` as an epoch starts, ``processed`` as it ends). A loop
+    that resumed from a checkpoint saved on an epoch's last batch (``RESTARTED_ON_LAST``: ``ModelCheckpoint`` every N
+    steps on an epoch's end, or ``save_last``) goes on into the next epochs without that increment (Lightning 2.6.6):
+    mid-epoch, its ``started`` equals ``processed``. The joiner's restore then sets the epoch loop's batch progress
+    to the epoch's start (``_TrainingEpochLoop.reset``): its ``batch_idx`` lags the members', it misses the epoch's last
+    batch and the validation after it, and the job hangs there. Counted here as Lightning counts a running epoch."""
+    loops = checkpoint.get("loops", {}).get("fit_loop")
+    if not loops or "epoch_progress" not in loops or "epoch_loop.batch_progress" not in loops:
+        return
+    batches = loops["epoch_loop.batch_progress"]["current"]
+    for tracker in (loops["epoch_progress"]["total"], loops["epoch_progress"]["current"]):
+        if 0 < batches["ready"] and tracker["started"] == tracker["processed"] == tracker["completed"]:
+            tracker["ready"] = tracker["started"] = tracker["processed"] + 1
 
 
 def call_on_load_checkpoint(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
