@@ -82,8 +82,8 @@ that took more than 10 s (a storm of jobs on 2 cores, load 16), and a survivor t
 FAILURE_NOTICE_WARNING_S = 10.0
 """After this long without the AM's notice, the waiting worker says what it waits for."""
 
-LEAVER_NICENESS = 19
-"""A worker that left the job runs at this niceness (the lowest priority) until it exits."""
+LEAVER_STEP_ASIDE_S = 1.0
+"""How long a worker that left the job waits before its teardown: the stayers' first steps run without it."""
 
 VOTE_STORE_KEY = "vote-store"
 """Under a generation's prefix in the job store: ``HOST:PORT`` of the generation's fast store (etcd job stores only)."""
@@ -117,13 +117,12 @@ class NotAMember(RuntimeError):
     """Raised by :meth:`ElasticWorker.join` when the AM cancelled this joiner (its request failed or the job ended)."""
 
 
-def yield_cpu() -> None:
+def step_aside() -> None:
     """A leaver, out of the job: what it still runs (the framework's teardown, freeing its state, the rest of the
-    script) gets the lowest CPU priority, so that it does not slow the stayers' first steps on a shared host."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, LEAVER_NICENESS)
-    except (AttributeError, OSError) as error:  # not on this platform, or not allowed: it only costs time
-        log.debug("a leaver could not lower its priority: %s", error)
+    script) waits :data:`LEAVER_STEP_ASIDE_S`, so that it does not slow the stayers' first steps on a shared host.
+    A wait, not a lower priority: an unprivileged process cannot raise its priority again, and at niceness 19 on a busy
+    host a leaver's teardown (its interpreter's last garbage collection alone) took minutes."""
+    time.sleep(LEAVER_STEP_ASIDE_S)
 
 
 def generation_prefix(generation: int) -> str:
@@ -850,7 +849,7 @@ class ElasticWorker:
         report = AdjustmentReport(self.worker_id, plan.generation, "leaver", pause_s=elapsed, bytes_sent=sent)
         self._require_link().report(report, wait=True)
         self.has_left = True
-        yield_cpu()
+        step_aside()
         self.frontend.leave()
 
     # ------------------------------------------------------------------ state replication
