@@ -27,7 +27,7 @@ from lightning_elan.protocol.contract import (
 log = logging.getLogger(__name__)
 
 QUIET_AFTER_FAILURE_S = 5.0
-"""After the AM failed to answer a ``coordinate``, training goes on and asks again this much later."""
+"""After the AM failed to answer two ``coordinate``s in a row, training goes on and asks again this much later."""
 WAIT_PLAN_POLL_S = 5.0
 """A joiner's long poll: the AM answers ``wait`` after this long when nothing was decided."""
 STATS_ATTEMPT_S = 1.0
@@ -50,6 +50,7 @@ class AMLink:
         self._sender = threading.Thread(target=self._send_reports, name="elan-report-sender", daemon=True)
         self._sender.start()
         self._quiet_until = 0.0
+        self.unanswered = False  # the last coordinate went unanswered: the AM may have decided a plan on it
 
     @property
     def worker_id(self) -> str:
@@ -62,18 +63,34 @@ class AMLink:
         return self._client.register(request, timeout_s=5.0, retries=5)
 
     def coordinate(self, request: CoordinateRequest) -> CoordinateReply:
-        """Ask whether to adjust; any failure means "no decision" and training goes on."""
+        """Ask whether to adjust; any failure means "no decision" and training goes on.
+
+        An AM that answers late (a loaded host) may still decide a plan on the request it did not answer in time: it
+        holds that plan in flight and hands it to the next ``coordinate``. So after one unanswered request
+        :attr:`unanswered` is set and the caller asks again at its next step; only after two in a row (an AM that is
+        gone or restarting) does the link keep quiet for ``QUIET_AFTER_FAILURE_S``."""
         if time.monotonic() < self._quiet_until:
             return CoordinateReply.none()
         try:
-            return self._client.coordinate(request)
+            reply = self._client.coordinate(request)
         except AMUnavailable:
-            log.warning("application master does not answer; training goes on, asking again in %.0f s",
-                        QUIET_AFTER_FAILURE_S)
-            self._quiet_until = time.monotonic() + QUIET_AFTER_FAILURE_S
+            self._note_unanswered()
+            return CoordinateReply.none()
         except AMError as error:
             log.error("application master refused coordination: %s", error)
-        return CoordinateReply.none()
+            reply = CoordinateReply.none()
+        self.unanswered = False
+        return reply
+
+    def _note_unanswered(self) -> None:
+        if not self.unanswered:
+            log.warning("application master does not answer; training goes on, asking again at the next step")
+            self.unanswered = True
+            return
+        log.warning("application master does not answer again; training goes on, asking again in %.0f s",
+                    QUIET_AFTER_FAILURE_S)
+        self.unanswered = False
+        self._quiet_until = time.monotonic() + QUIET_AFTER_FAILURE_S
 
     def wait_plan(self, deadline_s: float) -> WaitPlanReply:
         """Long-poll until the AM decides a plan that includes this joiner (or cancels it)."""

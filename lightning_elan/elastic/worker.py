@@ -794,8 +794,11 @@ class ElasticWorker:
             global_batch=self.data.global_batch, scaling=self._scaling.summary_if_due(),
             remaining_samples=self.remaining_samples(),
         )
-        reply = self._require_link().coordinate(request)
+        link = self._require_link()
+        reply = link.coordinate(request)
         plan = reply.plan
+        if plan is None and link.unanswered:
+            return _DEFERRED, None  # the AM may have decided on the unanswered request: ask at the next step
         if plan is None:
             return (_PREPARE if reply.joiners_coming else _NO_CHANGE), None
         scaling = self._scaling.decide(self.world_size, plan.world_size, self.data.global_batch)
