@@ -9,20 +9,16 @@ rank 0), with each sample trained once per epoch.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
 import sys
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.elastic_runs import elan_env
-from tests.users.corpus import end_every_process_of, shm_dir
+from tests.integration import fsdp_runs
+from tests.integration.fsdp_runs import FsdpRun, assert_ok, elan_command, run_to_end
+
+__all__ = ["FsdpRun", "assert_each_sample_once", "assert_ok", "assert_states_close", "run_fsdp_job"]
 
 pytestmark = pytest.mark.integration
 
@@ -33,75 +29,17 @@ RUN_TIMEOUT_S = 240.0
 """A run takes about 50 s on 2 busy cores; one still going after this long is hung (killed, and it fails)."""
 
 
-@dataclass
-class FsdpRun:
-    home: Path
-    returncode: int
-    output: str
-
-    @property
-    def out(self) -> Path:
-        return self.home / "out"
-
-    def excerpt(self) -> str:
-        start = self.output.find("Traceback")
-        return f"{self.output[start : start + 5000] if start >= 0 else ''}\n...\n{self.output[-3000:]}"
-
-    def final_state(self) -> dict[str, torch.Tensor]:
-        return torch.load(self.out / "final.pt")
-
-    def checkpoints(self) -> dict[str, dict]:
-        return {path.name: torch.load(path, weights_only=False) for path in (self.out / "checkpoints").glob("*.ckpt")}
-
-    def samples_per_epoch(self) -> dict[int, Counter]:
-        epochs: dict[int, Counter] = {}
-        for path in self.out.glob("trained-*.jsonl"):
-            for line in path.read_text().splitlines():
-                record = json.loads(line)
-                epochs.setdefault(record["epoch"], Counter()).update(record["samples"])
-        return epochs
-
-    def adjustments(self) -> list[dict]:
-        path = self.home / "state" / "adjustments.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def run_fsdp_job(home: Path, name: str, *script_args: str, nproc: int = 2, schedule: str | None = None,
                  launcher: tuple[str, ...] = ()) -> FsdpRun:
     """``elan run`` of the script to its end (killed with everything it started after ``RUN_TIMEOUT_S``);
     ``launcher``: more options of ``elan run``."""
-    home.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
-               "--coordinate-every", "1", "--state-dir", str(home / "state")]
-    if schedule:
-        command += ["--schedule", schedule]
-    command += [*launcher, "--", sys.executable, str(SCRIPT), str(home / "out"), *script_args]
-    shm = shm_dir(home)
-    env = {**elan_env(home), "ELAN_SHM_DIR": str(shm)}
-    proc = subprocess.Popen(command, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        output += f"\n[test] still running after {RUN_TIMEOUT_S:.0f} s: killed\n"
-    finally:
-        end_every_process_of(home)
-        shutil.rmtree(shm, ignore_errors=True)
-    (home / "output.log").write_text(output)
-    return FsdpRun(home, proc.returncode, output)
-
-
-def assert_ok(run: FsdpRun) -> None:
-    assert run.returncode == 0, f"exit {run.returncode}:\n{run.excerpt()}"
+    command = elan_command(home, name, nproc, schedule, launcher)
+    return run_to_end([*command, "--", sys.executable, str(SCRIPT), str(home / "out"), *script_args], home,
+                      RUN_TIMEOUT_S)
 
 
 def assert_each_sample_once(run: FsdpRun) -> None:
-    seen = run.samples_per_epoch()
-    assert sorted(seen) == list(range(EPOCHS)), f"epochs trained: {sorted(seen)}"
-    for epoch, counts in seen.items():
-        assert counts == Counter(range(SAMPLES)), f"epoch {epoch}: {sorted((s, c) for s, c in counts.items() if c > 1)}"
+    fsdp_runs.assert_each_sample_once(run, list(range(EPOCHS)), SAMPLES)
 
 
 def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:

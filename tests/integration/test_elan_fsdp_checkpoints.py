@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.integration.elastic_runs import elan_env
-from tests.users.corpus import end_every_process_of, shm_dir
+from tests.integration import fsdp_runs
+from tests.integration.fsdp_runs import FsdpRun as Run
+from tests.integration.fsdp_runs import assert_ok, elan_command, run_to_end
 
 pytestmark = pytest.mark.integration
 
@@ -36,73 +33,20 @@ RUN_TIMEOUT_S = 300.0
 EPOCH_CHECKPOINTS = ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt"]
 
 
-@dataclass
-class Run:
-    home: Path
-    returncode: int
-    output: str
-
-    @property
-    def out(self) -> Path:
-        return self.home / "out"
-
-    def excerpt(self) -> str:
-        start = self.output.find("Traceback")
-        return f"{self.output[start : start + 5000] if start >= 0 else ''}\n...\n{self.output[-3000:]}"
-
-    def adjustments(self) -> list[dict]:
-        path = self.home / "state" / "adjustments.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def samples_per_epoch(self) -> dict[int, Counter]:
-        epochs: dict[int, Counter] = {}
-        for path in self.out.glob("trained-*.jsonl"):
-            for line in path.read_text().splitlines():
-                record = json.loads(line)
-                epochs.setdefault(record["epoch"], Counter()).update(record["samples"])
-        return epochs
-
-
-def _finish(proc: subprocess.Popen, home: Path) -> Run:
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        output += f"\n[test] still running after {RUN_TIMEOUT_S:.0f} s: killed\n"
-    finally:
-        end_every_process_of(home)
-    (home / "output.log").write_text(output)
-    return Run(home, proc.returncode, output)
-
-
 def run_elan(home: Path, strategy: str, nproc: int, batch_size: int, max_epochs: int, resume: Path | None = None,
              schedule: str | None = None, classic: bool = False) -> Run:
     """``elan run`` of the user script to its end."""
-    home.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", home.name,
-               "--coordinate-every", "1", "--state-dir", str(home / "state")]
-    command += ["--schedule", schedule] if schedule else []
-    command += ["--", *_script(home, strategy, batch_size, max_epochs, resume), *(["--classic"] if classic else [])]
-    shm = shm_dir(home)
-    env = {**elan_env(home), "ELAN_SHM_DIR": str(shm)}
-    proc = subprocess.Popen(command, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        return _finish(proc, home)
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    command = [*elan_command(home, home.name, nproc, schedule), "--",
+               *_script(home, strategy, batch_size, max_epochs, resume), *(["--classic"] if classic else [])]
+    return run_to_end(command, home, RUN_TIMEOUT_S)
 
 
 def run_plain(home: Path, devices: int, batch_size: int, max_epochs: int, resume: Path | None = None,
               strategy: str = "model_parallel") -> Run:
     """Lightning's own ``ModelParallelStrategy`` over ``devices`` CPU processes (its launcher starts the others)."""
-    home.mkdir(parents=True, exist_ok=True)
     command = [*_script(home, strategy, batch_size, max_epochs, resume), "--devices", str(devices)]
     env = {**os.environ, "MASTER_PORT": str(_free_port()), "ELAN_TEST_HOME": str(home)}
-    proc = subprocess.Popen(command, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    return _finish(proc, home)
+    return run_to_end(command, home, RUN_TIMEOUT_S, env)
 
 
 def _script(home: Path, strategy: str, batch_size: int, max_epochs: int, resume: Path | None) -> list[str]:
@@ -119,15 +63,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def assert_ok(run: Run) -> None:
-    assert run.returncode == 0, f"exit {run.returncode}:\n{run.excerpt()}"
-
-
 def assert_each_sample_once(run: Run, epochs: list[int]) -> None:
-    seen = run.samples_per_epoch()
-    assert sorted(seen) == epochs, f"epochs trained: {sorted(seen)}"
-    for epoch, counts in seen.items():
-        assert counts == Counter(range(SAMPLES)), f"epoch {epoch}: {sorted((s, c) for s, c in counts.items() if c > 1)}"
+    fsdp_runs.assert_each_sample_once(run, epochs, SAMPLES)
 
 
 # ---------------------------------------------------------------------------------------------- reading checkpoints
