@@ -59,6 +59,7 @@ from lightning_elan.accelerate.loop_end import LoopEnded, LoopEndWatch, announce
 from lightning_elan.accelerate.objects import CHECKPOINTED, ReplicatedObjects
 from lightning_elan.accelerate.plugin import ElasticPlugin
 from lightning_elan.accelerate.scaling import AccelerateScaling
+from lightning_elan.accelerate.tracker_rows import TrackerRows
 from lightning_elan.accelerate.wrappers import ElasticOptimizer, ElasticScheduler
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
@@ -131,6 +132,9 @@ class ElasticAccelerator(Accelerator):
         self._objects = ReplicatedObjects(lambda: compat.checkpointed_objects(self))
         self._position_at_open: dict[str, Any] | None = None  # the data position where the open step began
         self._tracker_args: dict[str, Any] | None = None
+        self._tracker_rows = TrackerRows()  # the rows logged, written again by a new main process that lacks them
+        self.engine.follow_logged_rows(self._write_tracker_rows_again)
+        self._rows_at_open = 0  # the rows logged when the open step began (a discarded step's are forgotten)
         self._not_a_training_batch_warned = False
         self._saved_elsewhere: tuple[str, dict[str, Any]] | None = None  # the last save_state's directory and progress,
         # on a process that was not the main one (which writes the model, optimizers and elan_state.json)
@@ -597,6 +601,7 @@ class ElasticAccelerator(Accelerator):
         opens_step = not self._step_open
         if opens_step:
             self._step_counter_at_open = self.step
+            self._rows_at_open = self._tracker_rows.count
             self._position_at_open = data.state_dict()
         self._awaiting_first_batch = False
         self._share = self.engine.take_global_batch(loader.sampler.epoch_end(), opens_step=opens_step)
@@ -689,7 +694,7 @@ class ElasticAccelerator(Accelerator):
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "objects": self._objects.state_dict(),
             "local_sgd": self.local_sgd_steps_state.state_dict(),
-            "loop": {**self._loop_state(), "trackers": self._tracker_args,
+            "loop": {**self._loop_state(), "trackers": self._tracker_args, "tracker_rows": self._tracker_rows.count,
                      "save_iteration": self.project_configuration.iteration},
         }
 
@@ -710,6 +715,7 @@ class ElasticAccelerator(Accelerator):
         self._mark_optimizers_stepped()
         self._pre_loop.joined()
         self._tracker_args = state["loop"].get("trackers")
+        self._tracker_rows.count = int(state["loop"].get("tracker_rows", 0))
         self.project_configuration.iteration = int(state["loop"]["save_iteration"])  # automatic checkpoint names
         if self.is_main_process:
             self._start_trackers_here()
@@ -812,6 +818,7 @@ class ElasticAccelerator(Accelerator):
             torch_compat.forget_scaler_step(self.scaler)
         self.step = self._step_counter_at_open
         self._step_open = False
+        self._tracker_rows.forget_after(self._rows_at_open)
 
     def membership_changed(self, previous_rank: int | None) -> None:
         self._refresh_membership()
@@ -974,6 +981,26 @@ class ElasticAccelerator(Accelerator):
         again on a new main process when rank 0 leaves."""
         self._tracker_args = {"project_name": project_name, "config": config, "init_kwargs": init_kwargs}
         super().init_trackers(project_name, config, init_kwargs)
+
+    @override
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """Accelerate's (the main process writes); every member keeps the row, numbered, and the main process marks
+        it written, so that a new main process writes it again should this one die before it wrote it
+        (``tracker_rows.py``). A row logged in a step a member's death cut short is not kept: the redo logs it."""
+        row = None if self._aborted else self._tracker_rows.logged(values, step, log_kwargs)
+        super().log(values, step, log_kwargs)
+        if row is not None:
+            self.engine.rows_closed(row)
+
+    def _write_tracker_rows_again(self, row: int) -> bool:
+        """The new main process after its predecessor's death: write the rows after the last one it marked, up to
+        ``row`` (the last this process logged in the failed generation)."""
+        self._start_trackers_here()
+        written = self._tracker_rows.write_again(self.engine.rows_marked, row, super().log)
+        if written:
+            log.warning("worker %s: the main process died before it wrote %d tracker row%s: written by the new main "
+                        "process", self.engine.worker_id, written, "" if written == 1 else "s")
+        return written > 0
 
     def _start_trackers_here(self) -> None:
         if self._tracker_args is not None and not self.trackers:

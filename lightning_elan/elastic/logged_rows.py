@@ -41,6 +41,7 @@ class LoggedRows:
         self._resend: Callable[[int], bool] | None = None
         self._closed: _Closed | None = None
         self._unwritten: int | None = None
+        self._marked: int = 0  # the window the failed generation's rank 0 marked last (0: none)
 
     def follow(self, resend: Callable[[int], bool]) -> None:
         """``resend(window)`` logs and saves the rows of ``window`` again; False when this process has none of it."""
@@ -70,7 +71,13 @@ class LoggedRows:
                         "failed (%s): if it died before, they are missing", failed, error)
             return
         if marked is None or marked < closed.window:
-            self._unwritten = closed.window
+            self._unwritten, self._marked = closed.window, marked or 0
+
+    @property
+    def marked(self) -> int:
+        """During a re-send: the last window the dead rank 0 marked as written (0: none), so a front-end whose windows
+        are numbered one by one (Accelerate's tracker rows) writes every later one."""
+        return self._marked
 
     def resend_if_due(self, store: dist.Store | None, generation: int, rank: int) -> None:
         """After the recovery: the new rank 0 writes the rows its dead predecessor had not, and marks them."""

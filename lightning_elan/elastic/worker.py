@@ -233,6 +233,11 @@ class ElasticWorker:
         predecessor had not written them (see :meth:`rows_closed`)."""
         self._rows.follow(resend)
 
+    @property
+    def rows_marked(self) -> int:
+        """While a closed window is sent again: the last window the dead rank 0 marked as written (0: none)."""
+        return self._rows.marked
+
     def rows_closed(self, window: int) -> None:
         """The front-end sent (and saved) the logger rows of closed ``window``; rank 0's loggers wrote them."""
         if self._vote is not None and self.is_member:
