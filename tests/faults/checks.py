@@ -92,13 +92,14 @@ def last_step(run: RunResult) -> int:
     return max(record["global_step"] for record in run.records() if not record["left"])
 
 
-def check_storm(run: RunResult, static: RunResult, samples: int, epochs: int) -> StormCheck:
+def check_storm(run: RunResult, static: RunResult, samples: int, epochs: int, sharded: bool = False) -> StormCheck:
     """Exit 0, the static run's last step, each sample once per epoch, members bit-identical at every step, final
-    parameters and optimizer state within ``TOLERANCE`` of the static run."""
+    parameters and optimizer state within ``TOLERANCE`` of the static run. ``sharded`` (``elan_fsdp``): the members
+    hold different shards, so only the full state they gathered at the end (``final*.pt``) is compared."""
     assert run.returncode == 0, run.excerpt()
     assert last_step(run) == last_step(static), f"last step {last_step(run)}, static {last_step(static)}"
     counted = assert_each_sample_once(run.out, samples, epochs)
-    steps = assert_ranks_agree(run.records())
+    steps = 0 if sharded else assert_ranks_agree(run.records())
     assert_states_close(run.final_state(), static.final_state(), TOLERANCE)
     assert_states_close(torch.load(run.out / "final-optimizer.pt"), torch.load(static.out / "final-optimizer.pt"),
                         TOLERANCE)

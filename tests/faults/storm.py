@@ -1,13 +1,16 @@
-"""Seeded failure storms: ``python -m tests.faults.storm --storms N --seed S``.
+"""Seeded failure storms: ``python -m tests.faults.storm --storms N --seed S [--strategy elan_fsdp]``.
 
-One storm is one 3-worker float64 probe job under ``elan run --replace-failed --coordinate-every 1`` (98 steps) that
-receives a random event every 1.5–4 s until it ends: SIGKILL of a worker, SIGTERM of a worker, SIGKILL of the AM,
-``elan scale add 1``, ``elan scale remove 1``. Events are real signals to real processes and real CLI requests;
-nothing waits for an earlier event to settle, so adjustments, recoveries and AM restarts overlap.
+One storm is one 3-worker float64 probe job (``strategy="elan"``, or ``"elan_fsdp"``: the model sharded by FSDP2)
+under ``elan run --replace-failed --coordinate-every 1`` (98 steps) that receives a random event every 1.5–4 s until it
+ends: SIGKILL of a worker, SIGTERM of a worker, SIGKILL of the AM, ``elan scale add 1``, ``elan scale remove 1``.
+Events are real signals to real processes and real CLI requests; nothing waits for an earlier event to settle, so
+adjustments, recoveries and AM restarts overlap.
 
 A storm *held* when the job exited 0 and its result is the static run's: the same last step, every sample trained
-exactly once per epoch, the members bit-identical at every step, the final parameters and optimizer state within
-1e-9 of a static 3-worker run. Prints one line per storm and ``held: H of N storms``; exit 0 only if all held.
+exactly once per epoch, the members bit-identical at every step (under ``elan_fsdp`` the members hold different
+shards: the full state they gather at the end is checked instead), the final parameters and optimizer state within
+1e-9 of a static 3-worker run of the same strategy. Prints one line per storm and ``held: H of N storms``; exit 0 only
+if all held.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ WORKERS = 3
 SAMPLES, EPOCHS, BATCH, GLOBAL_BATCH = 240, 7, 6, 18  # 14 steps per epoch, 98 steps
 STORM_ARGS = ["--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
               "--global-batch", str(GLOBAL_BATCH), "--step-sleep", "0.1", "--progress"]
+STRATEGIES = ("elan", "elan_fsdp")
 EVENTS = ("kill_worker", "term_worker", "kill_am", "add", "remove")
 GAP_S = (1.5, 4.0)
 JOB_TIMEOUT_S = 900.0
@@ -66,6 +70,11 @@ def job_command(directory: Path, name: str, nproc: int, extra: tuple[str, ...] =
             "--", sys.executable, str(PROBE), "--out", str(directory / name), *probe_args]
 
 
+def storm_args(strategy: str = "elan") -> list[str]:
+    """The probe's options of a storm job of ``strategy``."""
+    return [*STORM_ARGS, "--strategy", strategy]
+
+
 def run_static(directory: Path, probe_args: list[str] = STORM_ARGS) -> RunResult:
     """The static 3-worker run every storm is compared with."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -78,13 +87,13 @@ def run_static(directory: Path, probe_args: list[str] = STORM_ARGS) -> RunResult
     return run
 
 
-def run_storm(root: Path, seed: int, launcher_args: tuple[str, ...] = ()) -> Storm:
+def run_storm(root: Path, seed: int, launcher_args: tuple[str, ...] = (), probe_args: list[str] = STORM_ARGS) -> Storm:
     """Run one storm to its end; the job's files stay under ``root/storm<seed>``."""
     storm = Storm(seed, root / f"storm{seed}")
     storm.directory.mkdir(parents=True, exist_ok=True)
     env = elan_env(storm.directory)
     log_path = storm.directory / f"{storm.name}.log"
-    command = job_command(storm.directory, storm.name, WORKERS, ("--replace-failed", *launcher_args))
+    command = job_command(storm.directory, storm.name, WORKERS, ("--replace-failed", *launcher_args), probe_args)
     with open(log_path, "w") as log_file:
         launcher = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True)
         try:
@@ -238,11 +247,11 @@ def _send(pid: int, sig: signal.Signals) -> bool:
     return True
 
 
-def check(storm: Storm, static: RunResult) -> StormCheck:
+def check(storm: Storm, static: RunResult, strategy: str = "elan") -> StormCheck:
     """The storm's invariants (raises AssertionError naming the first that failed)."""
     assert storm.error is None, storm.error
     assert storm.run is not None
-    return check_storm(storm.run, static, SAMPLES, EPOCHS)
+    return check_storm(storm.run, static, SAMPLES, EPOCHS, sharded=strategy == "elan_fsdp")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,24 +260,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="storm i uses seed S + i")
     parser.add_argument("--dir", type=Path, default=None, help="keep the jobs' files here (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the files of storms that held too")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="elan", help="the storm jobs' strategy")
     args = parser.parse_args(argv)
     root = args.dir or Path(tempfile.mkdtemp(prefix="elan-storms-"))
     print(f"files in {root}", flush=True)
-    static = run_static(root / "static")
+    static = run_static(root / "static", storm_args(args.strategy))
     held, failed = 0, []
     for seed in range(args.seed, args.seed + args.storms):
-        ok = _one(root, seed, static, args.keep)
+        ok = _one(root, seed, static, args.keep, args.strategy)
         held += ok
         failed += [] if ok else [seed]
     print(f"held: {held} of {args.storms} storms" + (f"; failed seeds: {failed}" if failed else ""), flush=True)
     return 0 if held == args.storms else 1
 
 
-def _one(root: Path, seed: int, static: RunResult, keep: bool) -> bool:
+def _one(root: Path, seed: int, static: RunResult, keep: bool, strategy: str) -> bool:
     started = time.monotonic()
-    storm = run_storm(root, seed)
+    storm = run_storm(root, seed, probe_args=storm_args(strategy))
     try:
-        result = check(storm, static)
+        result = check(storm, static, strategy)
         ok, detail = True, f"held ({result})"
     except AssertionError as error:
         ok, detail = False, f"FAILED: {str(error)[:600]}"

@@ -26,10 +26,12 @@ import torchmetrics
 from hold_point import HoldPoint  # a sibling module (this script's folder is first on sys.path)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_elan
 from lightning_elan.callbacks import HybridScaling, ProgressiveLinearLR
+from lightning_elan.strategy.fsdp import ElanFSDPStrategy
 
 
 class IndexedDataset(Dataset):
@@ -90,6 +92,11 @@ class ProbeModel(pl.LightningModule):
             seconds += self.sleep_model[0] / world + self.sleep_model[1] * world
         return seconds
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Called as ``self(x)``: under ``elan_fsdp`` the module is FSDP2's root unit, whose forward gathers the
+        parameters (``self.net(x)`` from ``training_step`` would skip it)."""
+        return self.net(x)
+
     def training_step(self, batch, batch_idx):
         index, x, y = batch
         if self.step_sleep or self.slow_worker or self.sleep_model:
@@ -98,7 +105,7 @@ class ProbeModel(pl.LightningModule):
             self.consumed.setdefault(self.current_epoch, []).extend(index.tolist())
         self.current_indices = index.tolist() if getattr(self.trainer.strategy, "sample_weight", 1.0) > 0 else []
         self.window_indices += self.current_indices
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self(x), y)
         self.samples_seen.update(float(len(self.current_indices)))
         self.log("samples_logged", float(len(self.current_indices)), reduce_fx="sum", on_step=False, on_epoch=True,
                  logger=False)  # callback_metrics only: the tests compare the CSV columns
@@ -158,7 +165,7 @@ class ProbeModel(pl.LightningModule):
         _, x, y = batch
         if batch_idx == 1:
             self.hold("validation", self.trainer.global_step)
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
 
     def on_train_batch_start(self, batch, batch_idx):
         trainer = self.trainer
@@ -203,12 +210,19 @@ class ProbeModel(pl.LightningModule):
 
     def save_final_state(self) -> None:
         """Rank 0's parameters and optimizer state once training ended, inside ``fit`` (a member killed in the
-        script's code after ``fit`` does not take them along)."""
+        script's code after ``fit`` does not take them along); under ``elan_fsdp`` the full state, gathered by every
+        member (a collective), as a user of a sharded model gets it."""
         trainer = self.trainer
-        if getattr(trainer.strategy, "has_left", False) or trainer.global_rank != 0:
+        if getattr(trainer.strategy, "has_left", False):
             return
-        torch.save({k: v.cpu() for k, v in self.state_dict().items()}, self.out / "final.pt")
-        torch.save(optimizer_state(trainer), self.out / "final-optimizer.pt")
+        if isinstance(trainer.strategy, ElanFSDPStrategy):
+            parameters, optimizer = gathered_state(trainer)
+        elif trainer.global_rank == 0:
+            parameters, optimizer = {k: v.cpu() for k, v in self.state_dict().items()}, optimizer_state(trainer)
+        if trainer.global_rank != 0:
+            return
+        torch.save(parameters, self.out / "final.pt")
+        torch.save(optimizer, self.out / "final-optimizer.pt")
 
     def record_logged_count(self, epoch: int) -> None:
         """The epoch's ``samples_logged`` (Lightning computes it after ``on_train_epoch_end``)."""
@@ -279,15 +293,22 @@ def wait_for_joiners_due_at(step: int, failed: typing.Callable[[], bool], timeou
 
 
 def state_digest(model: ProbeModel) -> str:
+    """Of this process's parameters and optimizer state (under ``elan_fsdp``: of its shards, which differ by rank)."""
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
-        digest.update(tensor.detach().cpu().numpy().tobytes())
+        digest.update(_local(tensor).numpy().tobytes())
     optimizer = model.trainer.optimizers[0]
     for state in optimizer.state.values():
         for key in sorted(state):
-            digest.update(state[key].detach().cpu().numpy().tobytes())
+            digest.update(_local(state[key]).numpy().tobytes())
     digest.update(repr([group["lr"] for group in optimizer.param_groups]).encode())
     return digest.hexdigest()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor's values, or a DTensor's local shard (``elan_fsdp``), on the CPU."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.detach().cpu()
 
 
 @dataclass
@@ -303,7 +324,7 @@ class ProbeConfig:
     global_batch: int | None = None  # ElanStrategy(global_batch_size=...)
     no_shuffle: bool = False
     val: bool = False
-    strategy: str = "elan"  # 'elan', or a Lightning strategy for comparison runs
+    strategy: str = "elan"  # 'elan', 'elan_fsdp' (the model sharded by FSDP2), or a Lightning strategy for comparisons
     devices: str = "auto"
     accelerator: str = "cpu"  # 'gpu' for the CUDA runs of tests/gpu
     backend: str | None = None  # process group backend of the elan strategy (e.g. gloo)
@@ -362,6 +383,19 @@ def optimizer_state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
     return flat
 
 
+def gathered_state(trainer: pl.Trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``elan_fsdp``: the full parameters and optimizer state (a collective of every member; rank 0 holds the
+    optimizer's), the optimizer's flat as :func:`optimizer_state` writes a whole one (keyed by parameter position)."""
+    strategy, optimizer = trainer.strategy, trainer.optimizers[0]
+    parameters = {name: value.detach().cpu() for name, value in strategy.lightning_module_state_dict().items()}
+    by_name = strategy.optimizer_state(optimizer).get("state", {})
+    positions = {name: index for index, (name, _) in enumerate(trainer.lightning_module.named_parameters())}
+    flat = {f"state.{positions[name]}.{key}": torch.as_tensor(value).cpu().double()
+            for name, state in by_name.items() for key, value in state.items()}
+    flat.update({f"lr.{i}": torch.tensor(group["lr"]) for i, group in enumerate(optimizer.param_groups)})
+    return parameters, flat
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(name)s: %(message)s")
     logging.getLogger("lightning_elan").setLevel(os.environ.get("ELAN_PROBE_LOG", "INFO"))
@@ -376,10 +410,9 @@ def main() -> None:
     train = DataLoader(dataset, batch_size=config.batch_size, shuffle=not config.no_shuffle, **loader_kwargs)
     val = DataLoader(IndexedDataset(30), batch_size=5) if config.val else None
     strategy = config.strategy
-    if strategy == "elan" and (config.global_batch or config.backend):
-        strategy = lightning_elan.ElanStrategy(
-            global_batch_size=config.global_batch, process_group_backend=config.backend
-        )
+    elastic = {"elan": lightning_elan.ElanStrategy, "elan_fsdp": ElanFSDPStrategy}
+    if strategy in elastic and (config.global_batch or config.backend):
+        strategy = elastic[strategy](global_batch_size=config.global_batch, process_group_backend=config.backend)
     full = config.full_lightning
     callbacks = [ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)] if full else []
     if config.scaling:
@@ -422,7 +455,7 @@ def main() -> None:
         "ended_samples": model.ended_samples,
     }
     (config.out / f"record-{worker}.json").write_text(json.dumps(record))
-    if config.strategy != "elan" and torch.distributed.is_initialized():
+    if config.strategy not in ("elan", "elan_fsdp") and torch.distributed.is_initialized():
         # a plain Lightning comparison run: rank 0 hosts the store, so no rank may exit while another still uses it
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
