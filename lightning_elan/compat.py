@@ -676,6 +676,30 @@ def no_checkpoint_selected_after_leaving(trainer: pl.Trainer, left: Callable[[],
     connector._select_ckpt_path = select_unless_left
 
 
+def no_data_prepared_after_leaving(trainer: pl.Trainer, left: Callable[[], bool]) -> None:
+    """A ``trainer.validate/test/predict/fit`` on a worker that ``left()`` the job prepares no data.
+
+    Lightning's ``Trainer._run`` calls ``trainer._data_connector.prepare_data()`` after the strategy's
+    ``setup_environment`` and before its ``setup`` (which skips the stage on a leaver); ``_DataConnector.prepare_data``
+    wraps an overridden ``prepare_data`` of the datamodule or the LightningModule in ``_InfiniteBarrier``, which makes a
+    gloo group with ``torch.distributed.new_group``: a leaver is in no generation, and that raised (a traceback and
+    exit 1 of a leaver whose script runs ``trainer.test(datamodule=...)`` after ``fit``). A leaver evaluates and trains
+    nothing, so it needs no data. The connector lives as long as the trainer, so an instance attribute replaces the
+    method for this trainer only."""
+    connector = trainer._data_connector
+    wrapped = hasattr(connector, "_elan_left")
+    connector._elan_left = left
+    if wrapped:
+        return
+    prepare = type(connector).prepare_data.__get__(connector)
+
+    def prepare_unless_left() -> None:
+        if not connector._elan_left():
+            prepare()
+
+    connector.prepare_data = prepare_unless_left
+
+
 def epoch_aggregates(trainer: pl.Trainer) -> dict[str, Any]:
     """What this process accumulated in the training epoch for values reduced over the processes at its end (keys
     alike on every process): ``self.log(..., on_epoch=True, sync_dist=True)`` values — the training epoch loop's

@@ -178,6 +178,7 @@ class ElanStrategy(DDPStrategy):
             _install_coordinator(trainer, self)
             compat.follow_fit_loop_restores(trainer, self._fit_loop_restored)
             compat.route_lr_find()
+            compat.no_data_prepared_after_leaving(trainer, lambda: self.engine.has_left)
             if not self.engine.environment.standalone:  # SIGTERM = leave the job (elastic/termination.py)
                 compat.keep_sigterm_handler(trainer, lambda: self.engine.sigterm_handler)
                 compat.drop_sigterm_broadcast(trainer)
