@@ -203,6 +203,47 @@ class ElanFSDPStrategy(ElanStrategy):
     def _register_ddp_hooks(self) -> None:
         """No DDP communication hooks: FSDP2 does its own reduce-scatter."""
 
+    # ------------------------------------------------------------------ a step runs inside the root unit's call
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._through_the_root_unit():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._through_the_root_unit():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._through_the_root_unit():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._through_the_root_unit():
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _through_the_root_unit(self) -> Generator[None, None, None]:
+        """While a step runs, ``self.model`` is a caller of the sharded LightningModule, so Lightning's forward
+        redirection (``Strategy.training_step`` & co. when the model is not the LightningModule, as under DDP) runs the
+        step inside the module's ``__call__``: FSDP2's forward hooks gather the root unit's parameters for the whole
+        step and set up the backward's reduce-scatter. Called directly, a step that uses a submodule (``self.net(x)``,
+        not ``self(x)``) found the parameters sharded (``aten.addmm.default got mixed torch.Tensor and DTensor``).
+        FSDP2 never reshards the root unit after its forward, so a ``self(x)`` inside the step (a nested call) leaves
+        them gathered too."""
+        sharded = self.model
+        if sharded is None or not _is_sharded(sharded):
+            yield
+            return
+        self.model = _RootUnitCall(sharded)
+        try:
+            yield
+        finally:
+            self.model = sharded
+
     # ------------------------------------------------------------------ a resize: the live reshard
 
     @override
@@ -408,6 +449,17 @@ class ElanFSDPStrategy(ElanStrategy):
         super().teardown()
         if self.engine.has_left or not self.engine.is_member:
             self._forget_mesh()
+
+
+class _RootUnitCall:
+    """Calls the sharded LightningModule through ``nn.Module.__call__`` (its FSDP2 hooks); ``self.model`` while a step
+    runs (see ``ElanFSDPStrategy._through_the_root_unit``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, unit_classes: frozenset[type[nn.Module]],

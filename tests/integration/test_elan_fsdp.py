@@ -109,6 +109,19 @@ def test_elastic_elan_fsdp_equals_the_static_run(tmp_path: Path, static_fsdp: Fs
     assert_checkpoints_alike(run, static_fsdp)
 
 
+def test_a_training_step_that_calls_its_network_directly(tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """``training_step`` calls ``self.net(x)``, not ``self(x)`` (most modules do): before, the first step failed with
+    ``aten.addmm.default got mixed torch.Tensor and DTensor`` (the parameters were still sharded: the step ran outside
+    the root unit's call); now it trains through the same resizes as the static run, equal within 1e-9."""
+    run = run_fsdp_job(tmp_path, "fsdpnetinstep", "--net-in-step", schedule=SCHEDULE)
+
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("remove", 2),
+                                                                            ("migrate", 2)], run.adjustments()
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())
+
+
 def test_a_joiner_builds_its_module_on_the_meta_device(tmp_path: Path) -> None:
     """The network built in ``configure_model``: on the launch workers whole, on each joiner on the meta device (it
     holds nothing but the shard it receives); the elastic run equals the static one within 1e-9."""

@@ -1,19 +1,20 @@
 """A float64 MLP of a few Linear blocks trained with Adam, under ``strategy="elan"`` or ``"elan_fsdp"`` (issue 24).
 
 python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N] [--kill-step S [--kill-rank R]...
-    [--kill-at start|forward|backward|optimizer]] [--configure-model]
+    [--kill-at start|forward|backward|optimizer]] [--configure-model] [--net-in-step]
 
 Every process appends the samples it trained to ``OUT/trained-<pid>.jsonl`` (one line per batch: epoch, step, the
 dataset indices, without a rank's weight-0 stand-in sample). ``ModelCheckpoint`` saves every 3 steps into
 ``OUT/checkpoints``. ``--configure-model``: the network is built in ``configure_model``, which writes
-``OUT/built-<pid>.json`` (whether it was built on the meta device). At the end every member gathers the full state
-(parameters and Adam's states, by parameter name) and rank 0 writes ``OUT/final.pt``. Each member's live reshards are
-logged (``resharded live``). ``--kill-step S``: rank 1 (or each ``--kill-rank``) SIGKILLs itself in the batch of step
-S: as it starts (``--kill-at start``), in the forward (a forward pre-hook of the second block), in the backward (a
+``OUT/built-<pid>.json`` (whether it was built on the meta device). ``--net-in-step``: ``training_step`` calls the
+network itself (``self.net(x)``, as most modules do) instead of ``self(x)``. At the end every member gathers the full
+state (parameters and Adam's states, by parameter name) and rank 0 writes ``OUT/final.pt``. Each member's live reshards
+are logged (``resharded live``). ``--kill-step S``: rank 1 (or each ``--kill-rank``) SIGKILLs itself in the batch of
+step S: as it starts (``--kill-at start``), in the forward (a forward pre-hook of the second block), in the backward (a
 gradient hook on that block's output: the later units' reduce-scatters are under way) or in the optimizer step
 (``on_before_optimizer_step``: the step was committed, the update not applied; the batch's samples are recorded first,
-as the step stands). Only processes of the generation that first reaches the kill die (``OUT/killed`` says which), so
-a survivor that takes a killed rank, or a replacement, does not kill itself in the redo.
+as the step stands). Only processes of the generation that first reaches the kill die (``OUT/killed`` says which), so a
+survivor that takes a killed rank, or a replacement, does not kill itself in the redo.
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ def network() -> nn.Sequential:
 class MLP(pl.LightningModule):
     """``in_configure_model``: the network is built in ``configure_model`` (on a joiner: on the meta device)."""
 
-    def __init__(self, in_configure_model: bool = False) -> None:
+    def __init__(self, in_configure_model: bool = False, net_in_step: bool = False) -> None:
         super().__init__()
         self.net = None if in_configure_model else network()
+        self.net_in_step = net_in_step
 
     def configure_model(self) -> None:
         if self.net is None:
@@ -84,7 +86,8 @@ class MLP(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         _, x, y = batch
-        return nn.functional.mse_loss(self(x), y)
+        prediction = self.net(x) if self.net_in_step else self(x)
+        return nn.functional.mse_loss(prediction, y)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=0.01)
@@ -168,6 +171,7 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, action="append", default=None)
     parser.add_argument("--kill-at", choices=["start", "forward", "backward", "optimizer"], default="start")
     parser.add_argument("--configure-model", action="store_true")
+    parser.add_argument("--net-in-step", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     global OUT
@@ -177,7 +181,7 @@ def main() -> None:
     reshards.addHandler(logging.StreamHandler())
     pl.seed_everything(1)
     strategy = ElanFSDPStrategy(shard_modules={Block}) if args.shard_blocks else args.strategy
-    model = MLP(in_configure_model=args.configure_model)
+    model = MLP(in_configure_model=args.configure_model, net_in_step=args.net_in_step)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_epochs=args.epochs, logger=False, limit_val_batches=0,
         enable_progress_bar=False, enable_model_summary=False,
