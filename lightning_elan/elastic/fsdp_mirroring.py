@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_elan.elastic.live_reshard import ReshardGroup
 from lightning_elan.replication.fsdp_recover import recover_fsdp
-from lightning_elan.replication.fsdp_reshard import ShardModules
+from lightning_elan.replication.fsdp_reshard import ShardModules, reshard_fsdp
 from lightning_elan.replication.shard_mirror import ShardMirror, mirrorable
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,24 @@ class StepMirroring:
         move()
         self._moving = False
         self._mirror.forget()
+
+    def move(self, reshard: ReshardGroup, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+             shard_modules: ShardModules, mesh: Any, skeleton: list[dict[str, Any]], chunk_bytes: int,
+             generation_group: Any, unmirrored: str | None) -> None:
+        """A front-end's live reshard (``LiveResharding.reshard_live``, both front-ends): a planned resize's rows to
+        the new layout, or after a death the recovery from the mirrors; then a receiver seeds the new generation's
+        mirrors at once (a death before its first step's vote is covered too). ``mesh``: the new generation's (None
+        on a leaver); ``skeleton``: the optimizers as a holder describes them."""
+        receiving = reshard.rank in reshard.receivers
+        mesh = mesh if receiving else None
+        if reshard.owners is not None:
+            self.reshard(reshard, lambda: self.recover(reshard, model, optimizers, shard_modules, mesh, skeleton))
+        else:
+            self.reshard(reshard, lambda: reshard_fsdp(model, optimizers, shard_modules, reshard.holders,
+                                                       reshard.receivers, mesh, group=reshard.group,
+                                                       skeleton=skeleton, chunk_bytes=chunk_bytes))
+        if receiving:
+            self.seed(model, optimizers, generation_group, unmirrored)
 
     def recover(self, reshard: ReshardGroup, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                 shard_modules: ShardModules, mesh: Any, skeleton: list[dict[str, Any]]) -> None:

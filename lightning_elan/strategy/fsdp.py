@@ -43,7 +43,7 @@ from typing_extensions import override
 from lightning_elan import compat, sharded_checkpoint, torch_compat
 from lightning_elan.elastic.fsdp_mirroring import LostShard, StepMirroring, unmirrored_because
 from lightning_elan.elastic.live_reshard import ReshardGroup
-from lightning_elan.replication.fsdp_reshard import describe_optimizers, reshard_fsdp
+from lightning_elan.replication.fsdp_reshard import describe_optimizers
 from lightning_elan.replication.reception import tensor_nbytes
 from lightning_elan.strategy.strategy import ElanStrategy
 
@@ -285,18 +285,10 @@ class ElanFSDPStrategy(ElanStrategy):
         receiving, holding = reshard.rank in reshard.receivers, reshard.rank in reshard.holders
         skeleton = describe_optimizers(self.lightning_module, self._torch_optimizers()) if holding else \
             self._joined_optimizers
-        mesh = self.device_mesh if receiving else None
-        if reshard.owners is not None:
-            self._mirroring.reshard(reshard, lambda: self._mirroring.recover(
-                reshard, self.lightning_module, self._torch_optimizers(), self._shard, mesh, skeleton))
-        else:
-            self._mirroring.reshard(reshard, lambda: reshard_fsdp(
-                self.lightning_module, self._torch_optimizers(), self._shard, reshard.holders, reshard.receivers, mesh,
-                group=reshard.group, skeleton=skeleton, chunk_bytes=self.reshard_chunk_bytes))
+        self._mirroring.move(reshard, self.lightning_module, self._torch_optimizers(), self._shard,
+                             self.device_mesh if receiving else None, skeleton, self.reshard_chunk_bytes,
+                             self.engine.generation_group if receiving else None, self._unmirrored())
         self._joined_optimizers = None
-        if receiving:  # the new generation's mirrors at once: a death before its first step's vote is covered too
-            self._mirroring.seed(self.lightning_module, self._torch_optimizers(), self.engine.generation_group,
-                                 self._unmirrored())
         if not receiving:  # a leaver: its module's tensors are on the meta device; teardown moves them to the CPU
             self.lightning_module.to_empty(device=self.root_device)
 
