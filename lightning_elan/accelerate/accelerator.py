@@ -54,6 +54,7 @@ from lightning_elan.accelerate.data import (
     refuse_unsupported,
 )
 from lightning_elan.accelerate.evaluation_recovery import EvaluationRecovery, all_tensors, without_padding
+from lightning_elan.accelerate.fsdp import FSDP2Sharding, LostShard, refuse_unsupported_fsdp
 from lightning_elan.accelerate.local_sgd import LocalSGDSteps
 from lightning_elan.accelerate.loop_end import LoopEnded, LoopEndWatch, announce_loop_end
 from lightning_elan.accelerate.objects import CHECKPOINTED, ReplicatedObjects
@@ -66,6 +67,7 @@ from lightning_elan.data.positions import LocalShare
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel, freeze_as, frozen_parameters
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.gather import even_rows
+from lightning_elan.elastic.live_reshard import ReshardGroup
 from lightning_elan.elastic.pre_loop import PreLoopCollectives
 from lightning_elan.elastic.pruning import prune_as
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember, generation_prefix
@@ -113,7 +115,9 @@ class ElasticAccelerator(Accelerator):
         self.engine = ElasticWorker(environment, coordinate_every=plugin.coordinate_every,
                                     join_timeout_s=plugin.join_timeout_s, replication=plugin.replication,
                                     global_batch=plugin.global_batch_size, send_ahead=plugin.send_ahead)
-        self.engine.attach(self)
+        fsdp_plugin = kwargs.get("fsdp_plugin")
+        self._sharding = None if fsdp_plugin is None else FSDP2Sharding(fsdp_plugin, self.engine.worker_id)
+        self.engine.attach(self if self._sharding is None else _ShardedFrontEnd(self))
         self.optimizer_steps = 0
         self.elastic_scaling = AccelerateScaling(plugin, lambda: self.optimizer_steps)
         self.engine.register_scaling(self.elastic_scaling)
@@ -157,6 +161,8 @@ class ElasticAccelerator(Accelerator):
         compat.watch_local_sgd()
         with compat.single_process_initialisation():
             super().__init__(*args, **kwargs)
+        if self._sharding is not None:
+            compat.keep_fsdp_plugin(self._sharding.plugin)
         device = self._elastic_device(environment, bool(kwargs.get("cpu", False)))
         self.engine.start("nccl" if device.type == "cuda" else "gloo", device, timedelta(seconds=300))
         self._refresh_membership()
@@ -277,10 +283,21 @@ class ElasticAccelerator(Accelerator):
         ``find_executable_batch_size`` retrying at a smaller batch size), the new loader is the training loader."""
         if self._retrying_the_loop(args):
             self._forget_the_failed_loop()
-        result = super().prepare(*args, device_placement=device_placement)
-        if self._train_loader is not None and self.engine.environment.joiner and self.engine.generation is None:
+        if self._sharding is not None and any(isinstance(arg, torch.nn.Module) for arg in args):
+            with self._sharding.preparing():  # Accelerate's FSDP2 preparation, on this generation's mesh
+                result = super().prepare(*args, device_placement=device_placement)
+        else:
+            result = super().prepare(*args, device_placement=device_placement)
+        if self._ready_to_join():
             self._join()
         return result
+
+    def _ready_to_join(self) -> bool:
+        """A new worker joins once its training loader (and, sharded, its model: the live reshard fills it) is
+        prepared."""
+        if self._train_loader is None or not self.engine.environment.joiner or self.engine.generation is not None:
+            return False
+        return self._sharding is None or bool(compat.prepared_models(self))
 
     def _retrying_the_loop(self, args: tuple[Any, ...]) -> bool:
         """A launch member's training loop (its first ``epochs()``) was left, by an error, before any step was applied,
@@ -488,6 +505,7 @@ class ElasticAccelerator(Accelerator):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Accelerate's backward of the loss weighted by this worker's share of the global batch (a last global batch
         that does not divide by the world counts every sample once)."""
+        self._absorb_tolerated_failure()  # a member died in the forward (FSDP2's all-gather)
         if self._aborted:
             return  # the step is discarded: its gradients would not be all-reduced anyway
         self._warn_if_not_a_training_batch()
@@ -499,6 +517,7 @@ class ElasticAccelerator(Accelerator):
         timer.before_backward(time.perf_counter())
         try:
             super().backward(loss, **kwargs)
+            self._absorb_tolerated_failure()  # FSDP2's reduce-scatter
         except Exception as error:  # a member died during the gradient all-reduce (anything else is re-raised)
             self._absorb_failure(error)
         timer.after_backward(time.perf_counter())
@@ -523,7 +542,10 @@ class ElasticAccelerator(Accelerator):
         Returns whether to apply it (not when it is discarded) and the scaled param groups to restore after it."""
         self._step_attempted = True
         if not self._committed and not self._aborted:
+            self._absorb_tolerated_failure()
+        if not self._committed and not self._aborted:
             try:
+                self._mirror_gradients(optimizer)
                 self.engine.commit_step(self.optimizer_steps)
             except Exception as error:  # the vote was aborted: a member died before every member committed
                 self._absorb_failure(error)
@@ -539,6 +561,35 @@ class ElasticAccelerator(Accelerator):
         scale = self.elastic_scaling.lr_scale_at(self.optimizer_steps)
         return True, None if scale == 1.0 else ScaledParamGroups(optimizer, scale)
 
+    def _absorb_tolerated_failure(self) -> None:
+        """Sharded: a collective of the model failed inside the user's calls (its forward, or a backward) and was
+        tolerated there (see ``FSDP2Sharding.build_mesh``): the step is discarded now (or the error re-raised)."""
+        failure = None if self._sharding is None else self._sharding.take_failure()
+        if failure is not None:
+            self._absorb_failure(failure)
+
+    def _mirror_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Sharded: this step's reduced gradients go to the mirror holder before the commit vote."""
+        if self._sharding is not None and self.engine.is_member:
+            self._sharding.before_vote(self._sharded_model(), self._torch_optimizers(), optimizer,
+                                       self.engine.generation_group)
+
+    def after_optimizer_step(self) -> None:
+        """A committed step was applied: sharded, its mirror applies it too."""
+        if self._sharding is not None:
+            self._sharding.after_step()
+
+    def _check_shards_recoverable(self) -> None:
+        """Sharded: a member died; :class:`LostShard` when no mirror can restore its shard."""
+        if self._sharding is not None:
+            self._sharding.check_recoverable(self.engine.world_size, self._torch_optimizers())
+
+    def _sharded_model(self) -> torch.nn.Module:
+        return compat.prepared_models(self)[0]
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [optimizer.optimizer for optimizer in compat.prepared_optimizers(self)]
+
     def _absorb_failure(self, error: BaseException) -> None:
         """``error`` came out of a collective of the current step: once a member's death is confirmed the step is
         discarded — unless every member committed it already: it stands (its scheduler step and the loop's side
@@ -546,6 +597,7 @@ class ElasticAccelerator(Accelerator):
         re-raised (or :class:`LoopEnded`, on a joiner training past the step the job's loop ended after)."""
         self._raise_if_loop_ended(error)
         self.engine.confirm_peer_failure(error)
+        self._check_shards_recoverable()
         if self._committed:
             if not self._recovery_due:
                 log.warning("worker %s: a member of generation %s died after step %d was committed: it stands",
@@ -662,8 +714,12 @@ class ElasticAccelerator(Accelerator):
         self._pre_loop.catch_up()
 
     def _recover_before_the_loop(self, error: BaseException) -> None:
-        """A collective before the training loop raised: recover if a member died (see ``elastic/pre_loop.py``)."""
+        """A collective before the training loop raised: recover if a member died (see ``elastic/pre_loop.py``);
+        sharded, no step was mirrored yet: :class:`LostShard`."""
         self.engine.confirm_peer_failure(error)
+        if self._sharding is not None:
+            raise LostShard(f"worker {self.engine.worker_id}: a member of this FSDP2 job died before the training "
+                            "loop, when no shard is mirrored yet; restart the job") from error
         log.warning("worker %s: a member died before the training loop; its collective runs again without it",
                     self.engine.worker_id)
         self.recoveries += 1
@@ -680,16 +736,25 @@ class ElasticAccelerator(Accelerator):
         ended, same-host joiners finish copying, the link to the AM closes (the group stays)."""
         if self._loop_end_watch is not None:
             self._loop_end_watch.close()
+        if self._sharding is not None:
+            self._sharding.settle()
         self.engine.training_ended()
         self.engine.close()
 
     # ------------------------------------------------------------------ FrontEnd: what the engine asks of Accelerate
 
     def training_state(self) -> dict[str, Any]:
+        """Sharded: without the parameters and optimizer states (the live reshard moves them), with the optimizers'
+        skeleton."""
+        sharding = self._sharding
         return {
-            "models": [self.unwrap_model(model).state_dict() for model in compat.prepared_models(self)],
+            "models": [self.unwrap_model(model).state_dict() if sharding is None else
+                       sharding.unsharded_state(model) for model in compat.prepared_models(self)],
             "frozen": [frozen_parameters(self.unwrap_model(model)) for model in compat.prepared_models(self)],
-            "optimizers": [optimizer.state_dict() for optimizer in compat.prepared_optimizers(self)],
+            "optimizers": [optimizer.state_dict() if sharding is None else {}
+                           for optimizer in compat.prepared_optimizers(self)],
+            "fsdp_optimizers": None if sharding is None else
+            sharding.describe(self._sharded_model(), self._torch_optimizers()),
             "schedulers": [scheduler.state_dict() for scheduler in compat.prepared_schedulers(self)],
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "objects": self._objects.state_dict(),
@@ -701,10 +766,13 @@ class ElasticAccelerator(Accelerator):
     def load_training_state(self, state: dict[str, Any]) -> None:
         for model, model_state, frozen in zip(compat.prepared_models(self), state["models"], state["frozen"],
                                               strict=True):
-            self.unwrap_model(model).load_state_dict(model_state)
+            self.unwrap_model(model).load_state_dict(model_state, strict=self._sharding is None)  # sharded: buffers
             freeze_as(self.unwrap_model(model), frozen)  # what the loop froze or unfroze since
-        for optimizer, optimizer_state in zip(compat.prepared_optimizers(self), state["optimizers"], strict=True):
-            optimizer.load_state_dict(optimizer_state)
+        if self._sharding is not None:
+            self._sharding.joined(state["fsdp_optimizers"])  # the states come by the live reshard
+        else:
+            for optimizer, optimizer_state in zip(compat.prepared_optimizers(self), state["optimizers"], strict=True):
+                optimizer.load_state_dict(optimizer_state)
         for scheduler, scheduler_state in zip(compat.prepared_schedulers(self), state["schedulers"], strict=True):
             scheduler.load_state_dict(scheduler_state)
         if self.scaler is not None and state["scaler"] is not None:
@@ -740,11 +808,15 @@ class ElasticAccelerator(Accelerator):
         return destinations
 
     def state_nbytes_beyond_model(self) -> int:
+        if self._sharding is not None:
+            return 0  # the optimizer states move in the live reshard
         return tensor_nbytes([getattr(optimizer, "optimizer", optimizer).state
                               for optimizer in compat.prepared_optimizers(self)])
 
     def state_nbytes(self) -> int:
         models = [self.unwrap_model(model) for model in compat.prepared_models(self)]
+        if self._sharding is not None:  # what a source sends a joiner: the buffers
+            return tensor_nbytes([list(model.buffers()) for model in models])
         return tensor_nbytes([[*model.parameters(), *model.buffers()] for model in models]) + \
             self.state_nbytes_beyond_model()
 
@@ -814,6 +886,8 @@ class ElasticAccelerator(Accelerator):
         for model in compat.prepared_models(self):
             if isinstance(model, ElasticDistributedDataParallel):
                 model.discard_iteration()
+        if self._sharding is not None:
+            self._sharding.discard_step(self._sharded_model())
         if self.scaler is not None:
             torch_compat.forget_scaler_step(self.scaler)
         self.step = self._step_counter_at_open
@@ -830,6 +904,16 @@ class ElasticAccelerator(Accelerator):
         if self._train_loader is not None:
             self._train_loader.rebuild()
 
+    def reshard_live(self, reshard: ReshardGroup) -> None:
+        """Sharded (``LiveResharding``, through :class:`_ShardedFrontEnd`): move this member's shards to their new
+        holders; a leaver's model is left with empty CPU tensors (its shards went)."""
+        assert self._sharding is not None
+        model, receiving = self._sharded_model(), reshard.rank in reshard.receivers
+        group = self.engine.generation_group if receiving else None  # a leaver is in no generation now
+        self._sharding.reshard_live(reshard, model, self._torch_optimizers(), group)
+        if not receiving:
+            model.to_empty(device=self.device)
+
     def leave(self) -> Any:
         self._refresh_membership()
         self._finish_trackers()
@@ -840,9 +924,15 @@ class ElasticAccelerator(Accelerator):
         engine, device = self.engine, self.engine.device
         if engine.has_left:
             compat.set_process_state(False, device, None, 1, _LEFT_RANK, outside_the_job=True)
+            if self._sharding is not None:
+                self._sharding.forget_mesh()
         elif engine.is_member:
             self._group_view = engine.generation_group
-            compat.set_process_state(True, device, engine.backend, engine.world_size, engine.rank)
+            compat.set_process_state(True, device, engine.backend, engine.world_size, engine.rank,
+                                     sharded=self._sharding is not None)
+            if self._sharding is not None:
+                group = engine.tolerant_generation_group(lambda: self._step_open and not self._committed)
+                self._sharding.build_mesh(group, device, engine.generation)
         else:  # a joiner warming up: local collectives, not the main process
             world = max(self.launch_world_size, _LEAST_PROVISIONAL_WORLD)
             compat.set_process_state(False, device, None, world, _PROVISIONAL_RANK, outside_the_job=True)
@@ -952,6 +1042,7 @@ class ElasticAccelerator(Accelerator):
         """A collective outside a training batch raised: recover if a member died, else re-raise."""
         self._raise_if_loop_ended(error)
         self.engine.confirm_peer_failure(error)
+        self._check_shards_recoverable()
         log.warning("worker %s: a member died in a collective between training batches (the code at an epoch's end "
                     "or start); it runs again without it", self.engine.worker_id)
         self.recoveries += 1
@@ -1137,13 +1228,34 @@ _SHARDED_ENVIRONMENT = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCE
 
 
 def _refuse_sharded_training(kwargs: dict[str, Any]) -> None:
-    """Elastic training here is data parallel (every worker holds the whole model): sharded engines are refused."""
-    given = [name for name in _SHARDED_PLUGINS if kwargs.get(name) is not None]
-    given += [name for name in _SHARDED_ENVIRONMENT if os.environ.get(name, "false").lower() == "true"]
+    """Elastic training here is data parallel (every worker holds the whole model) or sharded with FSDP2 (an
+    ``fsdp_plugin`` with ``fsdp_version=2``); the other sharded engines are refused, FSDP1 with the reason."""
+    fsdp = kwargs.get("fsdp_plugin")
+    if fsdp is not None:
+        refuse_unsupported_fsdp(fsdp)
+    given = [name for name in _SHARDED_PLUGINS if name != "fsdp_plugin" and kwargs.get(name) is not None]
+    given += [name for name in _SHARDED_ENVIRONMENT if os.environ.get(name, "false").lower() == "true"
+              and not (name == "ACCELERATE_USE_FSDP" and fsdp is not None)]
     if given:
-        raise NotImplementedError(f"ElasticAccelerator supports data-parallel training (DDP) only, not "
-                                  f"{', '.join(given)} (FSDP, DeepSpeed, Megatron-LM and tensor parallelism are not "
-                                  "elastic yet)")
+        raise NotImplementedError(f"ElasticAccelerator supports data-parallel training (DDP) and FSDP2 (an "
+                                  f"fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)) only, not "
+                                  f"{', '.join(given)} (FSDP configured through the environment, DeepSpeed, "
+                                  "Megatron-LM and tensor parallelism are not elastic yet)")
+
+
+class _ShardedFrontEnd:
+    """The engine's front-end for an FSDP2 job: the accelerator itself (every ``FrontEnd`` call goes to it), and
+    ``LiveResharding``, so every old member and joiner moves the shards at a resize (a data-parallel job's front-end
+    is the accelerator alone: its resizes build no reshard group)."""
+
+    def __init__(self, accelerator: ElasticAccelerator) -> None:
+        self._accelerator = accelerator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+    def reshard_live(self, reshard: ReshardGroup) -> None:
+        self._accelerator.reshard_live(reshard)
 
 
 def _close_at_exit(reference: weakref.ref[ElasticAccelerator]) -> None:

@@ -21,6 +21,14 @@ What the elastic accelerator depends on, upstream:
   ``load_state`` walk.
 * ``_is_accelerate_prepared`` on an object: ``prepare_model``/``prepare_optimizer``/``prepare_scheduler`` return such an
   object as it is (appending it to their list if missing) instead of wrapping it again.
+* FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``): ``AcceleratorState`` keeps the plugin as
+  ``fsdp_plugin`` and sets ``distributed_type = FSDP`` only for the GPU-like distributed types (``state.py``: on a
+  CPU, ``MULTI_CPU``, the plugin is dropped and the model is wrapped in DDP, silently); ``Accelerator.is_fsdp2`` reads
+  both live. ``Accelerator.prepare`` then runs ``_prepare_fsdp2``: optimizers and schedulers prepared first, the model
+  given to ``utils/fsdp_utils.fsdp2_prepare_model``, which imports ``fully_shard`` from ``torch.distributed.fsdp``
+  when called and applies it to the units its auto-wrap policy picks, the embedding and tail units, then the root
+  (``mesh=None`` without a ``parallelism_config``: torch's default mesh); the optimizers' parameters are then switched
+  to the sharded ones by name.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +82,11 @@ def single_process_initialisation() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def distributed_type_for(device: torch.device) -> DistributedType:
+def distributed_type_for(device: torch.device, sharded: bool = False) -> DistributedType:
+    """A member's distributed type: ``FSDP`` for a job sharded with FSDP2 (so ``is_fsdp2``, ``save_state`` and
+    ``load_state`` take Accelerate's FSDP2 paths, on a CPU too), else the data-parallel type of its device."""
+    if sharded:
+        return DistributedType.FSDP
     return DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU
 
 
@@ -145,13 +157,14 @@ def watch_local_sgd() -> None:
 
 def set_process_state(
     distributed: bool, device: torch.device, backend: str | None, num_processes: int, process_index: int,
-    outside_the_job: bool = False,
+    outside_the_job: bool = False, sharded: bool = False,
 ) -> None:
     """Write this process's place in the job into both state singletons (read live everywhere in Accelerate);
-    ``outside_the_job``: a joiner warming up or a worker that left (``on_main_process`` functions do nothing)."""
+    ``outside_the_job``: a joiner warming up or a worker that left (``on_main_process`` functions do nothing);
+    ``sharded``: a member of a job sharded with FSDP2."""
     values = {
         _OUTSIDE_THE_JOB: outside_the_job,
-        "distributed_type": distributed_type_for(device) if distributed else DistributedType.NO,
+        "distributed_type": distributed_type_for(device, sharded) if distributed else DistributedType.NO,
         "backend": backend if distributed else None,
         "device": device,
         "num_processes": num_processes,
@@ -258,3 +271,44 @@ def latest_checkpoint_dir(accelerator: Accelerator) -> str:
     base = os.path.join(accelerator.project_dir, "checkpoints")
     folders = [os.path.join(base, name) for name in os.listdir(base)]
     return max(folders, key=lambda folder: int("".join(ch for ch in os.path.basename(folder) if ch.isdigit()) or 0))
+
+
+def keep_fsdp_plugin(plugin: Any) -> None:
+    """Keep the FSDP2 plugin in ``AcceleratorState`` (``state.fsdp_plugin``, read by ``is_fsdp2``,
+    ``fsdp2_prepare_model``, ``save_state``/``load_state``): ``AcceleratorState.__init__`` keeps it only for the
+    GPU-like distributed types, never for the single-process state the elastic accelerator is initialised in."""
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
+
+
+@contextlib.contextmanager
+def preparing_as_fsdp2() -> Iterator[None]:
+    """While ``Accelerator.prepare`` runs on a process outside the job (a joiner warming up: ``DistributedType.NO``),
+    the state says ``FSDP``, so ``prepare`` takes its FSDP2 path (``if self.is_fsdp2: ... _prepare_fsdp2``) and the
+    model and optimizer are prepared as the members' were."""
+    states = (PartialState._shared_state, AcceleratorState._shared_state)
+    saved = [state["distributed_type"] for state in states]
+    for state in states:
+        state["distributed_type"] = DistributedType.FSDP
+    try:
+        yield
+    finally:
+        for state, value in zip(states, saved, strict=True):
+            state["distributed_type"] = value
+
+
+FullyShard = Callable[..., Any]
+"""``torch.distributed.fsdp.fully_shard``'s signature: ``(module or modules, *, mesh=..., **options)``."""
+
+
+@contextlib.contextmanager
+def fully_shard_replaced(replacement_of: Callable[[FullyShard], FullyShard]) -> Iterator[None]:
+    """Within, ``fsdp2_prepare_model`` (``accelerate/utils/fsdp_utils.py``, which imports ``fully_shard`` from
+    ``torch.distributed.fsdp`` each time it is called) calls ``replacement_of(torch's fully_shard)`` instead."""
+    import torch.distributed.fsdp as fsdp
+
+    original = fsdp.fully_shard
+    fsdp.fully_shard = replacement_of(original)
+    try:
+        yield
+    finally:
+        fsdp.fully_shard = original

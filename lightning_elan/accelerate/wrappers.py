@@ -34,6 +34,9 @@ class StepCommit(Protocol):
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> tuple[bool, ScaledParamGroups | None]:
         """Commit the step with every member; whether to apply it, and the param groups to restore after it."""
 
+    def after_optimizer_step(self) -> None:
+        """The committed step was applied."""
+
 
 class ElasticOptimizer(AcceleratedOptimizer):
     """``AcceleratedOptimizer`` whose synchronised steps go through the elastic accelerator first."""
@@ -55,6 +58,7 @@ class ElasticOptimizer(AcceleratedOptimizer):
         finally:
             if scaled is not None:
                 scaled.restore(self.optimizer)
+        self.elastic_accelerator.after_optimizer_step()
 
 
     @property

@@ -16,6 +16,11 @@ generation's own sizes.
 When a member dies, :meth:`ElasticProcessGroup.fail` releases every collective of its generation: each collective's
 work is an :class:`AbortableWork`, completed by the backend or by the failure, whichever comes first (gloo's
 ``abort()`` does not wake a blocked collective). A failed generation's group is never destroyed (``_keep_forever``).
+
+A sharded front-end's model runs collectives inside the user's own calls (FSDP2's all-gather in ``model(x)``), where
+nothing of ours can catch a member's death. Its mesh is a :class:`TolerantGenerationGroup`: while its owner says the
+step may still be discarded, a failed collective returns (its output left as it is) and the failure is kept for the
+owner to take at the step's next call it controls (``backward``, the optimizer step), which discards the step.
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ from lightning_elan.elastic.etcd_rendezvous import EtcdRendezvousStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticProcessGroup", "StaleGroupError", "UserGroup", "blocked_seconds", "install_default_group",
-           "uninstall_default_group"]
+__all__ = ["ElasticProcessGroup", "StaleGroupError", "TolerantGenerationGroup", "UserGroup", "blocked_seconds",
+           "install_default_group", "uninstall_default_group"]
 
 BACKEND_NAME = "elan"
 """The name the group is registered under with ``torch.distributed.Backend``."""
@@ -322,6 +327,32 @@ class _ForwardingCollectives:
         target = self._target()
         return self._guarded(lambda: target.allgather_into_tensor_coalesced(outputs, inputs, opts))
 
+    def all_gather_single(self, *args: Any) -> Any:
+        """torch 2.13's ``dist.all_gather_single`` (FSDP2's all-gather) calls this method of the group."""
+        target = self._target()
+        return self._guarded(lambda: target.all_gather_single(*args))
+
+    def all_gather_single_coalesced(self, *args: Any) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.all_gather_single_coalesced(*args))
+
+    def reduce_scatter_single(self, *args: Any) -> Any:
+        """torch 2.13's ``dist.reduce_scatter_single`` (FSDP2's reduce-scatter) calls this method of the group."""
+        target = self._target()
+        return self._guarded(lambda: target.reduce_scatter_single(*args))
+
+    def reduce_scatter_single_coalesced(self, *args: Any) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.reduce_scatter_single_coalesced(*args))
+
+    def reduce_scatter_tensor_coalesced(self, *args: Any) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.reduce_scatter_tensor_coalesced(*args))
+
+    def all_to_all_single(self, *args: Any) -> Any:
+        target = self._target()
+        return self._guarded(lambda: target.all_to_all_single(*args))
+
     def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
         target = self._target()
         return self._guarded(lambda: target.gather(output_tensors, input_tensors, opts))
@@ -509,11 +540,14 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         log.debug("new_group %s over ranks %s of %s (%s)", group_name, ranks, generation.prefix, group_desc)
         return UserGroup(backend, generation, self, ranks)
 
-    def generation_view(self) -> ProcessGroup:
-        """The current generation as a process group of its own size (for DDP, which reads the C++ size)."""
+    def generation_view(self, tolerating: Callable[[], bool] | None = None) -> ProcessGroup:
+        """The current generation as a process group of its own size (for DDP, which reads the C++ size); with
+        ``tolerating``, a :class:`TolerantGenerationGroup`."""
         generation = self._generation
         if generation is None:
             raise RuntimeError("the elastic process group is not part of any generation (not configured)")
+        if tolerating is not None:
+            return TolerantGenerationGroup(generation, self, tolerating)
         return GenerationGroup(generation, self)
 
     def _create(self, forming: _Forming, prefix: str, client: dist.Store, rank: int, world_size: int) -> ProcessGroup:
@@ -640,6 +674,71 @@ class GenerationGroup(_ForwardingCollectives, ProcessGroup):
 
     def name(self) -> str:
         return self._parent.backend
+
+
+class TolerantGenerationGroup(GenerationGroup):
+    """A generation's view whose collectives, while ``tolerating()`` says so, do not raise when they fail: the first
+    failure is kept (:meth:`take_failure`) and the collective returns, its output tensors as they were. For the
+    collectives a sharded model makes inside user code (FSDP2's all-gather in the forward, its reduce-scatter in the
+    backward): the step they belong to is discarded once its owner takes the failure."""
+
+    def __init__(self, generation: _Generation, parent: ElasticProcessGroup, tolerating: Callable[[], bool]) -> None:
+        super().__init__(generation, parent)
+        self._tolerating = tolerating
+        self._failure: BaseException | None = None
+
+    def take_failure(self) -> BaseException | None:
+        """The first collective failure tolerated since the last call (None: none)."""
+        failure, self._failure = self._failure, None
+        return failure
+
+    def _tolerate(self, error: BaseException) -> None:
+        if self._failure is None:
+            log.debug("a collective of a sharded model failed (%s); its step is discarded", error)
+            self._failure = error
+
+    def _guarded(self, start: Callable[[], dist.Work]) -> dist.Work:
+        if not self._tolerating():
+            return super()._guarded(start)
+        try:
+            work = super()._guarded(start)
+        except Exception as error:
+            self._tolerate(error)
+            return _Tolerated(None, self._tolerate)
+        return _Tolerated(work, self._tolerate)
+
+
+class _Tolerated(dist.Work):
+    """A collective's work whose failure goes to ``tolerate`` instead of raising (``inner`` None: it never started)."""
+
+    def __init__(self, inner: dist.Work | None, tolerate: Callable[[BaseException], None]) -> None:
+        super().__init__()
+        self._inner, self._tolerate_error = inner, tolerate
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._inner is not None:
+            try:
+                self._inner.wait()
+            except Exception as error:
+                self._tolerate_error(error)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._inner is None or self._inner.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        if self._inner is None:
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(None)
+            return done
+        return self._inner.get_future().then(self._value_or_tolerated)
+
+    def _value_or_tolerated(self, future: torch.futures.Future) -> Any:
+        try:
+            return future.value()
+        except Exception as error:
+            self._tolerate_error(error)
+            return None
 
 
 class StaleGroupError(RuntimeError):

@@ -274,6 +274,11 @@ class ElasticWorker:
         size and must be released when a member dies."""
         return self._group().generation_view()
 
+    def tolerant_generation_group(self, tolerating: Callable[[], bool]) -> dist.ProcessGroup:
+        """The current generation as :attr:`generation_group`, its collectives' failures kept instead of raised while
+        ``tolerating()`` (``process_group.TolerantGenerationGroup``: a sharded model's collectives in user code)."""
+        return self._group().generation_view(tolerating)
+
     @property
     def hosts(self) -> list[str]:
         """The host name of each member of the current generation, by rank."""

@@ -65,12 +65,31 @@ def test_strong_scaling_keeps_the_batch_and_the_lr():
     assert decision.global_batch == 12 and scaling.lr_scale_at(100) == 1.0
 
 
-@pytest.mark.parametrize("plugin", ["fsdp_plugin", "deepspeed_plugin", "parallelism_config"])
+@pytest.mark.parametrize("plugin", ["deepspeed_plugin", "parallelism_config"])
 def test_sharded_training_is_refused_before_anything_starts(plugin):
     from lightning_elan.accelerate import ElasticAccelerator
 
     with pytest.raises(NotImplementedError, match="data-parallel training"):
         ElasticAccelerator(**{plugin: object()})
+
+
+@pytest.mark.parametrize(("options", "refusal"), [
+    ({"fsdp_version": 1}, "FSDP2 only: pass FullyShardedDataParallelPlugin\\(fsdp_version=2"),
+    ({"fsdp_version": 2, "cpu_ram_efficient_loading": True}, "cpu_ram_efficient_loading is not supported"),
+    ({"fsdp_version": 2, "cpu_offload": True}, "cpu_offload is not supported"),
+])
+def test_fsdp1_and_the_fsdp2_options_a_resize_cannot_keep_are_refused(options, refusal, monkeypatch):
+    """FSDP2 is elastic (tests/integration/test_accelerate_fsdp.py); FSDP1 and these options are refused, saying why,
+    before anything starts."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    for variable in ("FSDP_CPU_RAM_EFFICIENT_LOADING", "FSDP_SYNC_MODULE_STATES"):  # the plugin writes them
+        monkeypatch.setenv(variable, "false")
+
+    from lightning_elan.accelerate import ElasticAccelerator
+
+    with pytest.raises(NotImplementedError, match=refusal):
+        ElasticAccelerator(fsdp_plugin=FullyShardedDataParallelPlugin(**options))
 
 
 class _World:

@@ -1,0 +1,131 @@
+"""Elastic FSDP2 under Accelerate (issue 24 item 4): ``ElasticAccelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
+fsdp_version=2))`` with an ordinary Accelerate FSDP2 loop (``user_scripts/accelerate_fsdp2.py``: float64 MLP, Adam,
+``accelerator.prepare(model, optimizer, loader)``, ``backward``, ``step``, ``get_state_dict`` at the end), real
+`elan run` processes on gloo.
+
+Plain Accelerate cannot be the reference on a CPU: ``AcceleratorState`` keeps an ``fsdp_plugin`` only for the GPU-like
+distributed types, so a CPU job with the plugin silently trains with DDP (``MULTI_CPU``; tried: ``torchrun
+--nproc_per_node 2`` of such a script prints ``DistributedType.MULTI_CPU`` and a ``DistributedDataParallel`` model).
+The reference is the same loop without the plugin under `elan run` at 2 workers (the elastic DDP, the same global
+batches); FSDP2's reduce-scatter averages as DDP's all-reduce does, so every run must end within 1e-9 of it.
+
+Each run: exit 0, every sample trained once per epoch (the batches whose step stood), the final full model within 1e-9
+of the reference; the members end with DTensor parameters sharded over the final world.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.integration.elastic_runs import TOLERANCE, RunResult, assert_counted_once, assert_states_close, elan_env
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).parent / "user_scripts" / "accelerate_fsdp2.py"
+SAMPLES, EPOCHS, STEPS = 96, 3, 24
+
+
+def fsdp_run(tmp: Path, name: str, *script_args: str, nproc: int = 2, schedule: str | None = None) -> RunResult:
+    """``elan run --nproc N [--schedule S] -- python accelerate_fsdp2.py tmp/name ARGS`` to its end."""
+    command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
+               "--coordinate-every", "1", "--state-dir", str(tmp / f"{name}-state"),
+               *(["--schedule", schedule] if schedule else []), "--", sys.executable, str(SCRIPT), str(tmp / name),
+               *script_args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=420, env=elan_env(tmp))
+    output = proc.stdout + proc.stderr
+    (tmp / f"{name}.log").write_text(output)
+    return RunResult(tmp / name, tmp / f"{name}-state", proc.returncode, output)
+
+
+def trained_per_epoch(run: RunResult) -> dict[int, Counter]:
+    """``{epoch: Counter(sample)}`` over every worker's batches whose step stood (a discarded step writes none)."""
+    per_epoch: dict[int, Counter] = {}
+    for path in run.out.glob("batches-*.jsonl"):
+        for line in map(json.loads, path.read_text().splitlines()):
+            per_epoch.setdefault(line["epoch"], Counter()).update(line["indices"])
+    return per_epoch
+
+
+def check_exact(run: RunResult, reference: RunResult, final_world: int) -> list[dict]:
+    """Exit 0, each sample once per epoch, the reference's final model within 1e-9, the final members sharded over
+    ``final_world`` (every row of every parameter held by exactly one of them); returns the job's records."""
+    assert run.returncode == 0, run.excerpt()
+    assert "Traceback" not in run.output, run.excerpt()
+    assert_counted_once(trained_per_epoch(run), SAMPLES, EPOCHS)
+    assert_states_close(run.final_state(), reference.final_state(), TOLERANCE)
+    records = run.records()
+    members = [record for record in records if not record["left"]]
+    assert len(members) == final_world and all(record["optimizer_steps"] == STEPS for record in members), records
+    assert all(record["parameters"] == ["DTensor"] for record in members), records
+    rows = [sum(shares) for shares in zip(*(record["local_rows"] for record in members), strict=True)]
+    assert rows == [32, 32, 16, 16, 1, 1], rows  # each parameter's rows once across the members
+    return records
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> RunResult:
+    """The same loop with the elastic DDP (no plugin), 2 workers, nothing changing."""
+    run = fsdp_run(tmp_path_factory.mktemp("ddp"), "ddp", "--ddp")
+    assert run.returncode == 0, run.excerpt()
+    return run
+
+
+def test_a_static_fsdp2_job_equals_the_data_parallel_run(tmp_path, reference):
+    check_exact(fsdp_run(tmp_path, "static"), reference, final_world=2)
+
+
+def test_grow_shrink_and_migrate_reshard_live_and_stay_exact(tmp_path, reference):
+    """2 -> 3 after step 3 (w2 receives only its shard), 3 -> 2 after step 9 (w2's rows go to the stayers), a
+    migration after step 14 (w1's rows to the joiner w3)."""
+    run = fsdp_run(tmp_path, "elastic", "--hold", schedule="3:add=1,9:remove=1,14:migrate=1")
+    records = check_exact(run, reference, final_world=2)
+    grow, shrink, migrate = run.adjustments()
+    assert (grow["step"], len(grow["members"]), grow["joiners"]) == (3, 3, ["w2"]), grow
+    assert (shrink["step"], len(shrink["members"]), shrink["leavers"]) == (9, 2, ["w2"]), shrink
+    assert (migrate["step"], migrate["joiners"], migrate["leavers"]) == (14, ["w3"], ["w1"]), migrate
+    assert sorted(record["worker"] for record in records if record["left"]) == ["w1", "w2"]
+
+
+def test_a_member_killed_in_its_forward_loses_no_step(tmp_path, reference):
+    """3 workers (grown after step 3); w1 SIGKILLs itself in the forward of its 7th step, where the survivors are in
+    FSDP2's all-gather: the step is discarded, w1's shard comes from its mirror (w2), the step is redone by the two
+    survivors."""
+    run = fsdp_run(tmp_path, "killed", "--hold", "--kill", "w1:6", schedule="3:add=1")
+    check_exact(run, reference, final_world=2)
+    _grow, failure = run.adjustments()
+    assert failure["action"] == "failure" and failure["failure"]["dead"] == ["w1"], failure
+    assert failure["failure"]["step_redone"] == 7, failure
+    assert "restores the shard of dead rank 1 from its mirror" in run.output, run.excerpt()
+
+
+def test_a_member_sigtermed_leaves_with_its_shard_moved(tmp_path, reference):
+    """3 workers (grown after step 3); w0, rank 0, receives SIGTERM (a preemption notice) in its 6th step: it
+    finishes the step, its rows move to the two others at the next boundary, it exits 0; nothing is redone."""
+    run = fsdp_run(tmp_path, "sigterm", "--hold", "--sigterm", "w0:5", schedule="3:add=1")
+    records = check_exact(run, reference, final_world=2)
+    _grow, leave = run.adjustments()
+    assert leave["leavers"] == ["w0"] and "failure" not in leave, leave
+    assert [record["worker"] for record in records if record["left"]] == ["w0"]
+
+
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_a_checkpoint_saved_at_2_resumes_at_3(tmp_path, reference, state_dict_type):
+    """``save_state`` after epoch 1 at 2 workers (the plugin's state dict type), ``load_state`` of it in a job of 3:
+    epoch 2 trains once, and the job ends equal to the uninterrupted run."""
+    saved = fsdp_run(tmp_path, "saved", "--save", "--state-dict-type", state_dict_type)
+    assert saved.returncode == 0, saved.excerpt()
+    assert_states_close(saved.final_state(), reference.final_state(), TOLERANCE)
+    resumed = fsdp_run(tmp_path, "resumed", "--resume", str(saved.out / "checkpoint"), "--state-dict-type",
+                       state_dict_type, nproc=3)
+    assert resumed.returncode == 0, resumed.excerpt()
+    per_epoch = trained_per_epoch(resumed)
+    assert sorted(per_epoch) == [2], sorted(per_epoch)
+    assert_counted_once({0: per_epoch[2]}, SAMPLES, 1)
+    assert_states_close(resumed.final_state(), reference.final_state(), TOLERANCE)
+    assert all(record["parameters"] == ["DTensor"] for record in resumed.records())
