@@ -216,6 +216,7 @@ class ElasticAccelerator(Accelerator):
         epoch: int | None = None
         self._refuse_a_loop_after_the_training(num_epochs)
         self._epoch_loops += 1
+        self._seed_shard_mirrors()
         self._pre_loop.loop_started()
         self.engine.training_loop_started()
         while not self.has_left:
@@ -237,6 +238,14 @@ class ElasticAccelerator(Accelerator):
                 self._loop_epoch = None
         self._loop_ran_out = not self.has_left
         self._training_over()
+
+    def _seed_shard_mirrors(self) -> None:
+        """Sharded, a launch member: the shard mirrors are seeded as the training loop starts (the last collective
+        before it, recovered from as the others), so a death in the first step loses no step either."""
+        if self._sharding is None or not self.engine.is_member:
+            return
+        sharding, model, optimizers = self._sharding, self._sharded_model(), self._torch_optimizers()
+        self._pre_loop.run(lambda: sharding.seed_mirror(model, optimizers, self.engine.generation_group))
 
     def _refuse_a_loop_after_the_training(self, num_epochs: int) -> None:
         """An ``epochs()`` loop after one ran out: the job's training is over (its data position is at the end of the
@@ -717,9 +726,10 @@ class ElasticAccelerator(Accelerator):
         """A collective before the training loop raised: recover if a member died (see ``elastic/pre_loop.py``);
         sharded, no step was mirrored yet: :class:`LostShard`."""
         self.engine.confirm_peer_failure(error)
-        if self._sharding is not None:
+        if self._sharding is not None and not self._sharding.mirrored:
             raise LostShard(f"worker {self.engine.worker_id}: a member of this FSDP2 job died before the training "
                             "loop, when no shard is mirrored yet; restart the job") from error
+        self._check_shards_recoverable()
         log.warning("worker %s: a member died before the training loop; its collective runs again without it",
                     self.engine.worker_id)
         self.recoveries += 1

@@ -204,6 +204,16 @@ class FSDP2Sharding:
         index = list(optimizers).index(optimizer) if optimizer in optimizers else 0
         self._mirroring.before_vote(model, optimizers, index, group, self.unmirrored(optimizers))
 
+    def seed_mirror(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], group: Any) -> None:
+        """As the launch generation's training loop starts: every member's shard copied into its mirror holder, so a
+        death in the first step is covered too (a later generation's mirrors are seeded by its reshard: no-op)."""
+        self._mirroring.seed(model, optimizers, group, self.unmirrored(optimizers))
+
+    @property
+    def mirrored(self) -> bool:
+        """Whether this member's mirror is seeded in the current generation."""
+        return self._mirroring.seeded
+
     def after_step(self) -> None:
         """The committed step was applied here: apply it to the mirror too."""
         self._mirroring.after_step()

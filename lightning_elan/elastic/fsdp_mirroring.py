@@ -53,6 +53,11 @@ class StepMirroring:
         self._moving = False  # a reshard is under way: a death now leaves the shards half moved
         self.step_seconds: list[float] = []  # the mirror's own time per step (seed, exchange, advance)
 
+    @property
+    def seeded(self) -> bool:
+        """Whether this member's mirror of its ward's shard is seeded in the current generation."""
+        return self._mirror.seeded
+
     def before_vote(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], index: int,
                     group: Any, unmirrored: str | None) -> None:
         """After the step's backward: seed the mirror if this generation has none, send the gradients to it

@@ -104,6 +104,15 @@ def test_a_member_killed_in_its_forward_loses_no_step(tmp_path, reference):
     assert "restores the shard of dead rank 1 from its mirror" in run.output, run.excerpt()
 
 
+def test_a_member_killed_in_the_first_step_loses_no_step(tmp_path, reference):
+    """2 workers; w1 SIGKILLs itself in the forward of the job's first step: the mirrors were seeded as the training
+    loop started, so w0 restores w1's shard from its mirror and trains on alone, step 1 redone."""
+    run = fsdp_run(tmp_path, "first", "--kill", "w1:0")
+    check_exact(run, reference, final_world=1)
+    (failure,) = run.adjustments()
+    assert failure["failure"]["dead"] == ["w1"] and failure["failure"]["step_redone"] == 1, failure
+
+
 def test_a_member_sigtermed_leaves_with_its_shard_moved(tmp_path, reference):
     """3 workers (grown after step 3); w0, rank 0, receives SIGTERM (a preemption notice) in its 6th step: it
     finishes the step, its rows move to the two others at the next boundary, it exits 0; nothing is redone."""
