@@ -113,6 +113,26 @@ def test_a_member_killed_in_the_first_step_loses_no_step(tmp_path, reference):
     assert failure["failure"]["dead"] == ["w1"] and failure["failure"]["step_redone"] == 1, failure
 
 
+def test_a_shard_killed_with_its_mirror_fails_the_job_clearly(tmp_path):
+    """3 workers; w1 and w2 (rank 1's mirror holder) SIGKILL themselves in the same forward: the survivor stops the
+    job, naming the lost shard and its mirror, never hanging."""
+    run = fsdp_run(tmp_path, "double", "--hold", "--kill", "w1:6,w2:6", schedule="3:add=1")
+    assert run.returncode != 0
+    assert "still running after" not in run.output, run.excerpt()
+    assert "died with their mirrors: shard 1 (worker w1) and its mirror (worker w2)" in run.output, run.excerpt()
+
+
+def test_the_auto_wrap_policys_units_reshard_too(tmp_path, reference):
+    """The plugin's size-based auto-wrap policy makes the two larger Linear layers units of their own; the recorded
+    wrapping is applied again at each resize: 2 -> 3 after step 3, rank 0 (the main process) removed after step 9."""
+    run = fsdp_run(tmp_path, "units", "--hold", "--units", schedule="3:add=1,9:remove=rank:0")
+    records = check_exact(run, reference, final_world=2)
+    assert all(record["units"] == ["FSDPLinear", "FSDPLinear", "FSDPSequential"]
+               for record in records if not record["left"]), records
+    _grow, leave = run.adjustments()
+    assert leave["leavers"] == ["w0"], leave
+
+
 def test_a_member_sigtermed_leaves_with_its_shard_moved(tmp_path, reference):
     """3 workers (grown after step 3); w0, rank 0, receives SIGTERM (a preemption notice) in its 6th step: it
     finishes the step, its rows move to the two others at the next boundary, it exits 0; nothing is redone."""

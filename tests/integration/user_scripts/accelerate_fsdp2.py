@@ -6,12 +6,13 @@ its Adam optimizer prepared together with the training DataLoader, ``accelerator
 ``save_state`` after epoch 1 into ``OUT/checkpoint`` (``--save``; ``--state-dict-type``: the plugin's, default
 ``SHARDED_STATE_DICT``), and at the end the full model gathered with ``accelerator.get_state_dict`` and written by the
 main process (``OUT/final.pt``). ``--ddp``: the same loop without the plugin (the data-parallel reference with the
-same global batches). ``--resume DIR``: ``load_state(DIR)`` before the loop.
+same global batches). ``--resume DIR``: ``load_state(DIR)`` before the loop. ``--units``: the plugin's size-based
+auto-wrap policy (``min_num_params=100``: the two larger ``Linear`` layers are FSDP2 units of their own).
 
 Test instrumentation, not part of the loop a user writes: ``--hold`` makes the main process wait before each step until
 the workers of the scale requests due then are ready (so a resize lands at its scheduled step); ``--kill W:STEP``
-makes worker ``W`` SIGKILL itself in the forward of its batch after ``STEP`` optimizer steps, ``--sigterm W:STEP``
-send itself SIGTERM there. Each worker appends one line per trained batch whose step stood
+(a comma list) makes worker ``W`` SIGKILL itself in the forward of its batch after ``STEP`` optimizer steps,
+``--sigterm W:STEP`` send itself SIGTERM there. Each worker appends one line per trained batch whose step stood
 (``optimizer_step_was_skipped`` false) to ``OUT/batches-<worker>.jsonl``, and writes ``OUT/record-<worker>.json`` at the
 end (whether it left, its steps, its parameters' type and local rows).
 """
@@ -79,14 +80,17 @@ def main() -> None:
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
+    parser.add_argument("--units", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     worker = os.environ.get("ELAN_WORKER_ID", "alone")
-    kill_worker, kill_step = (args.kill.split(":")[0], int(args.kill.split(":")[1])) if args.kill else (None, -1)
+    kills = {kill.split(":")[0]: int(kill.split(":")[1]) for kill in (args.kill or "").split(",") if kill}
     term_worker, term_step = (args.sigterm.split(":")[0], int(args.sigterm.split(":")[1])) if args.sigterm else \
         (None, -1)
 
-    plugin = None if args.ddp else FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=args.state_dict_type)
+    units = {"auto_wrap_policy": "size_based_wrap", "min_num_params": 100} if args.units else {}
+    plugin = None if args.ddp else FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=args.state_dict_type,
+                                                                  **units)
     accelerator = ElasticAccelerator(cpu=True, fsdp_plugin=plugin)
     model = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -100,7 +104,7 @@ def main() -> None:
             for index, x, y in data:
                 if args.hold:
                     hold_for_joiners(accelerator)
-                if worker == kill_worker and accelerator.optimizer_steps == kill_step:
+                if kills.get(worker) == accelerator.optimizer_steps:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if worker == term_worker and accelerator.optimizer_steps == term_step:
                     os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice: the worker leaves the job
@@ -118,6 +122,8 @@ def main() -> None:
     if accelerator.is_main_process:
         torch.save({name: value.detach().clone() for name, value in state.items()}, args.out / "final.pt")
     record = {"worker": worker, "left": accelerator.has_left, "optimizer_steps": accelerator.optimizer_steps,
+              "units": sorted(type(module).__name__ for module in model.modules()
+                              if type(module).__name__.startswith("FSDP")),
               "parameters": sorted({type(parameter).__name__ for parameter in model.parameters()}),
               "local_rows": [parameter.to_local().shape[0] for parameter in model.parameters()
                              if hasattr(parameter, "to_local")]}
