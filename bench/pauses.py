@@ -68,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="WARNING", help="the workers' lightning_elan log level")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     parser.add_argument("--phases", action="store_true", help="print every rank's step phases around each adjustment")
+    parser.add_argument("--strategy", choices=("elan", "elan_fsdp"), default="elan",
+                        help="elan_fsdp: the model sharded with FSDP2, resharded live at each adjustment")
     return parser.parse_args(argv)
 
 
@@ -80,7 +82,8 @@ def job_command(args: argparse.Namespace, job: str, run_dir: Path) -> list[str]:
     return [
         sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "2", "--job", job,
         "--state-dir", str(run_dir / "state"), "--schedule", args.schedule, "--",
-        *train_command("--launcher", "elan", "--model", args.model, "--global-batch", str(args.global_batch),
+        *train_command("--launcher", "elan", "--strategy", args.strategy, "--model", args.model, "--global-batch",
+                       str(args.global_batch),
                        "--max-steps", str(max_steps), "--steps-dir", str(run_dir / "steps"), "--label", "elan"),
     ]
 
@@ -178,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"run {run + 1}, {item.action} after step {item.step}:")
             print("\n".join(phase_lines(work / f"run{run}" / "steps", item.step)))
         pauses += found
-    print(f"model {args.model}, schedule {args.schedule}, {args.runs} runs, load average now {load_average()}")
+    print(f"model {args.model} ({args.strategy}), schedule {args.schedule}, {args.runs} runs, load average now "
+          f"{load_average()}")
     print("\n".join(summary(pauses)))
     if args.json is not None:
         args.json.write_text(json.dumps([p.as_dict() for p in pauses], indent=1))

@@ -50,10 +50,10 @@ class RestartJob:
 
 def launch_ddp_set(
     children: Children, world: int, args: list[str], label: str, out: Path, accelerator: str,
-    module: str = TRAIN_MODULE,
+    module: str = TRAIN_MODULE, launcher: str = "ddp",
 ) -> list[subprocess.Popen]:
-    """Start ``world`` plain DDP processes (Lightning's, or a plain Accelerator) that rendezvous on a fresh loopback
-    port."""
+    """Start ``world`` plain DDP processes (Lightning's, or a plain Accelerator; ``launcher="model_parallel"``:
+    Lightning's FSDP2 ``ModelParallelStrategy``) that rendezvous on a fresh loopback port."""
     port = str(free_port())
     procs = []
     for rank in range(world):
@@ -62,16 +62,18 @@ def launch_ddp_set(
             "LOCAL_RANK": str(rank), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(world),
             "BENCH_SPAWN_TIME": repr(time.time()),
         })
-        command = train_command(*args, "--launcher", "ddp", "--label", f"{label}-r{rank}", "--accelerator", accelerator,
-                                module=module)
+        command = train_command(*args, "--launcher", launcher, "--label", f"{label}-r{rank}", "--accelerator",
+                                accelerator, module=module)
         procs.append(children.start(command, env, out / "logs" / f"{label}-r{rank}.log"))
     return procs
 
 
 def run_restart_job(
-    scenario: Scenario, schedule: list[tuple[str, int, int]], final_step: int, out: Path, children: Children
+    scenario: Scenario, schedule: list[tuple[str, int, int]], final_step: int, out: Path, children: Children,
+    launcher: str = "ddp",
 ) -> RestartJob:
-    """Replay ``schedule`` — (action, step, new world size) — by stopping and restarting; train to ``final_step``."""
+    """Replay ``schedule`` — (action, step, new world size) — by stopping and restarting; train to ``final_step``
+    (``launcher="model_parallel"``: through a sharded DCP checkpoint directory, resharded on load)."""
     out.mkdir(parents=True, exist_ok=True)
     steps_dir, checkpoint = out / "steps", out / "checkpoint" / "restart.ckpt"
     checkpoint.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +90,7 @@ def run_restart_job(
             args += ["--resume", str(checkpoint)]
         relaunched.append(time.time())
         procs = launch_ddp_set(children, world, args, f"seg{index:02d}", out, scenario.accelerator,
-                               scenario.workload)
+                               scenario.workload, launcher)
         try:
             codes = wait_all(procs, scenario.timeout_s)
         finally:

@@ -29,5 +29,6 @@ MODEL_SIZES: dict[str, ModelSize] = {
         ModelSize("1m", 576, 4),
         ModelSize("11m", 1664, 5),
         ModelSize("25m", 2048, 7),
+        ModelSize("100m", 4096, 7),
     )
 }

@@ -1,10 +1,14 @@
 """The benchmark's training script: one Lightning script, started by ``elan run``, plain DDP processes or torchrun.
 
-    --launcher elan      strategy="elan" (an ``ElanStrategy`` with a fixed global batch); started by ``elan run``
+    --launcher elan      strategy="elan" (an ``ElanStrategy`` with a fixed global batch; ``--strategy elan_fsdp``: an
+                         ``ElanFSDPStrategy``, the model one FSDP2 unit); started by ``elan run``
     --launcher ddp       Lightning's strategy="ddp", processes started by the harness with MASTER_ADDR/PORT, RANK,
                          WORLD_SIZE; ``--stop-at-step S`` saves a full checkpoint (fsync) at step S and stops,
                          ``--resume PATH`` loads one (stop-and-restart); with ``--ckpt-dir`` it checkpoints every
                          ``--ckpt-every`` steps and resumes from the latest, as under torchrun (bench/goodput.py)
+    --launcher model_parallel  Lightning's ``ModelParallelStrategy`` (FSDP2 over the data-parallel mesh), started as
+                         ``ddp``; its ``--stop-at-step`` checkpoint is a sharded (DCP) directory that ``--resume``
+                         loads at another world size: stop-and-restart for ``elan_fsdp`` (bench/fsdp_reshard.py)
     --launcher torchrun  strategy="ddp" under torchrun elastic: a checkpoint every ``--ckpt-every`` steps, resumed
                          from at start, as torchrun's documentation prescribes
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -27,19 +32,18 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 import lightning_elan
-from bench.workload import BenchModel, RepeatedDataset, StepTimes, skip_teardown
+from bench.workload import BenchModel, RepeatedDataset, ShardedBenchModel, StepTimes, skip_teardown
 
 log = logging.getLogger("bench.train")
 CHECKPOINT_NAME = "last.ckpt"
 
 
 def fsync_path(path: Path) -> None:
-    """Flush ``path``'s data and its directory entry to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Flush ``path``'s data (a file, or every file of a checkpoint directory) and its directory entry to disk."""
+    for part in sorted(path.rglob("*")) if path.is_dir() else []:
+        if part.is_file():
+            _fsync_one(part)
+    _fsync_one(path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -47,13 +51,23 @@ def fsync_path(path: Path) -> None:
         os.close(dir_fd)
 
 
+def _fsync_one(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_durably(trainer: pl.Trainer, path: Path) -> float:
     """A full Lightning checkpoint (weights, Adam state, loops), written, fsynced and renamed into place."""
     started = time.perf_counter()
     tmp = path.with_suffix(".tmp")
-    trainer.save_checkpoint(tmp)  # rank 0 writes; every rank waits at Lightning's barrier
+    trainer.save_checkpoint(tmp)  # rank 0 writes (a sharded directory: every rank its part); all wait at a barrier
     if trainer.is_global_zero:
         fsync_path(tmp)
+        if path.is_dir():
+            shutil.rmtree(path)
         os.replace(tmp, path)
         fsync_path(path)
     trainer.strategy.barrier("bench-checkpoint")
@@ -119,7 +133,8 @@ def _exit_now(signum: int, frame: Any) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--launcher", choices=("elan", "ddp", "torchrun"), required=True)
+    parser.add_argument("--launcher", choices=("elan", "ddp", "model_parallel", "torchrun"), required=True)
+    parser.add_argument("--strategy", choices=("elan", "elan_fsdp"), default="elan", help="with --launcher elan")
     parser.add_argument("--model", default="tiny", help="tiny, 1m, 11m or 25m")
     parser.add_argument("--global-batch", type=int, default=48, help="samples per step over all workers")
     parser.add_argument("--max-steps", type=int, required=True)
@@ -157,8 +172,16 @@ def world_size() -> int:
 
 
 def build_strategy(args: argparse.Namespace) -> Any:
+    if args.launcher == "elan" and args.strategy == "elan_fsdp":
+        from lightning_elan.strategy.fsdp import ElanFSDPStrategy
+
+        return ElanFSDPStrategy(global_batch_size=args.global_batch)
     if args.launcher == "elan":
         return lightning_elan.ElanStrategy(global_batch_size=args.global_batch)
+    if args.launcher == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=world_size(), tensor_parallel_size=1)
     return "ddp"
 
 
@@ -194,7 +217,7 @@ def build_callbacks(args: argparse.Namespace) -> tuple[list[Callback], Path | No
     resume = args.resume
     if args.stop_file is not None:
         callbacks.append(StopFile(args.stop_file))
-    if args.launcher == "ddp" and args.stop_at_step is not None:
+    if args.launcher in ("ddp", "model_parallel") and args.stop_at_step is not None:
         if args.checkpoint is None:
             raise SystemExit("--stop-at-step needs --checkpoint")
         callbacks.append(StopAtStep(args.stop_at_step, args.checkpoint))
@@ -220,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     initial_world = 2 if args.launcher == "elan" else world_size()
     dataset = RepeatedDataset(args.global_batch * args.epoch_steps)
     loader = DataLoader(dataset, batch_size=max(1, args.global_batch // initial_world), shuffle=True)
-    model = BenchModel(args.model, **model_options(args))
+    model = (ShardedBenchModel if args.launcher == "model_parallel" else BenchModel)(args.model, **model_options(args))
     trainer = build_trainer(args, callbacks)
     trainer.fit(model, loader, ckpt_path=str(resume) if resume else None)
     if args.accelerator == "gpu":

@@ -77,6 +77,16 @@ class BenchModel(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
 
 
+class ShardedBenchModel(BenchModel):
+    """The benchmark MLP for Lightning's own ``ModelParallelStrategy``: sharded with FSDP2 in ``configure_model``
+    over the data-parallel mesh, as Lightning's guide does (the stop-and-restart baseline of ``elan_fsdp``)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+
 class StepFile:
     """Appends one JSON line per optimizer step (``time.time()`` after the step) to this process's own file.
 
