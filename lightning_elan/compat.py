@@ -5,6 +5,7 @@ Each function names the upstream behaviour it depends on (lightning 2.4–2.6, `
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import signal
@@ -14,12 +15,13 @@ from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import _TunerExitException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from packaging.version import Version
 from torchmetrics import Metric
 
@@ -462,15 +464,27 @@ def _redo_open_window(trainer: pl.Trainer) -> None:
     raise _WindowRedone
 
 
+_VALIDATION_HOOKS = ("on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
+                     "on_validation_batch_end", "on_validation_epoch_end", "on_validation_end")
+"""The callback hooks a validation run of the training loop calls (``_EvaluationLoop.run``)."""
+
+
 def _validation_start(trainer: pl.Trainer) -> dict[str, Any]:
     """What a validation run changes and an abandoned run must give back: the loop's ``batch_progress`` (``reset``
     keeps its totals), the logged results (``val_loop._results``: a ``_ResultMetric`` per key, wrapping the
     torchmetrics ``Metric`` logged as such) and the LightningModule's torchmetrics (updated by ``validation_step``),
     each submodule's ``training`` flag (``on_run_start``'s ``_on_evaluation_model_eval``), the logger connector's
-    ``_first_loop_iter`` (which ``on_advance_end`` saves around the run) and the metrics it hands on."""
+    ``_first_loop_iter`` (which ``on_advance_end`` saves around the run) and the metrics it hands on; the state of the
+    callbacks with validation hooks (``EarlyStopping``'s ``wait_count`` and ``best_score``, ``ModelCheckpoint``'s top k,
+    through their ``state_dict``, what a checkpoint keeps of them) and ``trainer.should_stop``: a death in
+    ``on_validation_end`` (in ``ModelCheckpoint``'s save barrier, after ``EarlyStopping`` counted the run) made the redo
+    count the run twice, and the job stopped early."""
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     connector = trainer._logger_connector
     return {
+        "callbacks": [(callback, copy.deepcopy(callback.state_dict())) for callback in trainer.callbacks
+                      if any(is_overridden(hook, callback, parent=Callback) for hook in _VALIDATION_HOOKS)],
+        "should_stop": trainer.should_stop,
         "progress": val_loop.batch_progress.state_dict(),
         "metrics": _metric_states(trainer, val_loop._results),
         "modes": {module: module.training for module in trainer.lightning_module.modules()},
@@ -498,6 +512,9 @@ def _abandon_validation(trainer: pl.Trainer, start: dict[str, Any]) -> None:
     connector._first_loop_iter, connector._current_fx = start["first_loop_iter"], None
     for name, metrics in start["connector"].items():
         setattr(connector, name, metrics)
+    for callback, state in start["callbacks"]:
+        callback.load_state_dict(copy.deepcopy(state))
+    trainer.should_stop = start["should_stop"]
     trainer.training = True
 
 

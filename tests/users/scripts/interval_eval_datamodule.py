@@ -6,7 +6,7 @@ metrics as module attributes, ``self.log_dict(..., sync_dist=True)``, ``on_train
 save_top_k=2)``, then ``trainer.test(ckpt_path="best")`` and ``trainer.predict(ckpt_path="best")`` with a
 ``BasePredictionWriter`` writing every batch.
 
-    python interval_eval_datamodule.py OUT
+    python interval_eval_datamodule.py OUT [--limit-val-batches 3]
 
 Outputs under OUT: ``data/`` (what ``prepare_data`` wrote), ``logs/`` (CSVLogger), ``checkpoints/``,
 ``predictions/batch-<rank>-<i>.pt`` (each predicted batch with its sample indices), ``teardown-<pid>.txt`` (the stages
@@ -15,9 +15,9 @@ each process tore down), and from rank 0 ``results.json`` (the test metrics, the
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -151,13 +151,14 @@ class BatchWriter(BasePredictionWriter):
                    self.out / f"batch-{trainer.global_rank}-{batch_idx}.pt")
 
 
-def main(out: Path) -> None:
+def main(out: Path, limit_val_batches: float) -> None:
     pl.seed_everything(23)
     checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", monitor="val_loss", mode="min", save_top_k=2,
                                  filename="{epoch}-{step}-{val_loss:.5f}")
     trainer = pl.Trainer(
         strategy="elan", accelerator="cpu", max_epochs=6, val_check_interval=0.25, check_val_every_n_epoch=2,
-        limit_val_batches=3, num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=limit_val_batches, num_sanity_val_steps=0, enable_progress_bar=False,
+        enable_model_summary=False,
         logger=CSVLogger(out, name="logs", version=0),
         callbacks=[EarlyStopping(monitor="val_loss", patience=6), LearningRateMonitor(logging_interval="step"),
                    checkpoint, BatchWriter(out / "predictions")],
@@ -175,4 +176,8 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--limit-val-batches", type=float, default=3)
+    args = parser.parse_args()
+    main(args.out, int(args.limit_val_batches) if args.limit_val_batches > 1 else args.limit_val_batches)
