@@ -233,7 +233,8 @@ class ElanFSDPStrategy(ElanStrategy):
         step and set up the backward's reduce-scatter. Called directly, a step that uses a submodule (``self.net(x)``,
         not ``self(x)``) found the parameters sharded (``aten.addmm.default got mixed torch.Tensor and DTensor``).
         FSDP2 never reshards the root unit after its forward, so a ``self(x)`` inside the step (a nested call) leaves
-        them gathered too."""
+        them gathered too. A step cut before its forward ran (a member's death in the root unit's all-gather) leaves
+        the redirection's patched ``forward`` behind: it is undone, so the redone step's ``self(x)`` is the forward."""
         sharded = self.model
         if sharded is None or not _is_sharded(sharded):
             yield
@@ -243,6 +244,7 @@ class ElanFSDPStrategy(ElanStrategy):
             yield
         finally:
             self.model = sharded
+            compat.undo_an_interrupted_forward_redirection(sharded)
 
     # ------------------------------------------------------------------ a resize: the live reshard
 
