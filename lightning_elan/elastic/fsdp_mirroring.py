@@ -1,13 +1,13 @@
 """``elan_fsdp``'s shard mirror in the training step, and the recovery of a dead member's shard from it (issue 24).
 
 :class:`StepMirroring` is what :class:`~lightning_elan.strategy.fsdp.ElanFSDPStrategy` does around each optimizer step
-(``replication.shard_mirror``: seed the mirror at the end of a reshard or the launch generation's first step, exchange
-the reduced gradients before the commit vote, advance the mirror once the step committed) and at a recovery
+(``replication.shard_mirror``: seed the mirror at the end of a reshard or as the launch generation's loop starts,
+exchange the reduced gradients before the commit vote, advance the mirror once the step committed) and at a recovery
 (``replication.fsdp_recover``: every survivor gives its own shard and, if its ward died, the ward's from the mirror; the
 rows go to the new layout). A member's death that no mirror covers — the job has a single member, an optimizer that
 cannot be replayed on a shard, manual optimization or gradient clipping (:func:`unmirrored_because`), the mirror of the
-generation was not seeded yet (seeded at the end of a resize or recovery, and at the launch generation's first step), a
-member died while shards moved — stops the job with :class:`LostShard`, naming why.
+generation was not seeded yet (seeded at the end of a resize or recovery, and as the launch generation's training loop
+starts), a member died while shards moved — stops the job with :class:`LostShard`, naming why.
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ class StepMirroring:
         if _any_member(reshard.group, missing):
             raise LostShard(f"worker {self._worker_id}: a member of this strategy='elan_fsdp' job died before its "
                             "shard was mirrored in this generation (the mirrors are seeded at the end of a resize, or "
-                            "at the launch generation's first step); restart the job from its last checkpoint")
+                            "as the launch generation's training loop starts); restart the job from its last "
+                            "checkpoint")
         mirrored = {ward: self._mirror.rows()} if needs_mirror else {}
         if mirrored:
             log.warning("worker %s restores the shard of dead rank %d from its mirror", self._worker_id, ward)

@@ -2,7 +2,7 @@
 
 Each member mirrors, in its host memory, the shard of the previous rank of the ring (``mirror_plan.mirror_ward``): its
 rows of every parameter and of every optimizer state sharded like them. The mirror is seeded with a full copy at the end
-of a resize's or recovery's reshard (at the launch generation's first step); from then on each step costs one message
+of a resize's or recovery's reshard (at the launch generation's loop start); from then on each step costs one message
 per member, its reduced gradient rows, sent to its mirror holder after the backward and **before** the step's commit
 vote (a member votes only once its exchange is complete, so a committed step's gradients are in every mirror). Once the
 step commits, the holder applies the optimizer's update to the mirror itself (a hook-free copy of the optimizer with the

@@ -347,9 +347,23 @@ class ElanFSDPStrategy(ElanStrategy):
                                   bool(trainer.gradient_clip_val))
 
     @override
+    def training_loop_started(self) -> None:
+        """The launch generation's mirrors are seeded as its training loop starts (a checkpoint it resumed from is
+        restored by then), so a death in its first step is covered as in any other step; a resize's or recovery's
+        generation has its mirrors already (seeded at the end of its reshard: this is a no-op there). The seed is the
+        last collective before the loop, recovered from as the others are."""
+        self._pre_loop.run(lambda: self._mirroring.seed(self.lightning_module, self._torch_optimizers(),
+                                                        self.engine.generation_group, self._unmirrored()))
+        super().training_loop_started()
+
+    @override
     def _recover_before_the_loop(self, error: BaseException) -> None:
-        """No step was mirrored before the training loop: a death there stops the job with :class:`LostShard`."""
+        """A death once the mirrors were seeded (in their seed, or in a collective after it) is recovered from as in
+        the loop; before, no shard is mirrored yet: the job stops with :class:`LostShard`."""
         self.engine.confirm_peer_failure(error)
+        if self._mirroring.seeded:
+            super()._recover_before_the_loop(error)
+            return
         raise LostShard(f"worker {self.engine.worker_id}: a member of this strategy='elan_fsdp' job died before the "
                         "training loop, when no shard is mirrored yet; restart the job") from error
 

@@ -68,6 +68,17 @@ def test_a_member_killed_in_the_first_step_after_a_resize_loses_no_step(tmp_path
     assert "grows after step 2" in run.output, run.excerpt()
 
 
+@pytest.mark.parametrize("phase", ["start", "backward"])
+def test_a_member_killed_in_the_launch_generations_first_step_loses_no_step(tmp_path: Path, static_fsdp: FsdpRun,
+                                                                             phase: str) -> None:
+    """Rank 1 of the 2 launch workers SIGKILLs itself in step 0, the job's first, as its batch starts or in its
+    backward (the survivor in the reduce-scatter): the launch generation's mirrors are seeded as its training loop
+    starts, so rank 0 restores rank 1's shard from its mirror and trains on alone; the result is the static run's."""
+    run = run_fsdp_job(tmp_path, f"fsdpkilllaunch{phase}", "--kill-step", "0", "--kill-at", phase)
+
+    assert_recovered_exactly(run, static_fsdp, [("failure", 1)], recorded=("failure",))
+
+
 def test_rank_0_killed_loses_no_step(tmp_path: Path, static_fsdp: FsdpRun) -> None:
     """Rank 0 (the one that asks the AM and writes checkpoints) SIGKILLs itself in step 5's forward."""
     run = run_fsdp_job(tmp_path, "fsdpkill0", "--kill-step", KILL_STEP, "--kill-at", "forward", "--kill-rank", "0",
