@@ -914,9 +914,10 @@ class ElasticAccelerator(Accelerator):
         if self._train_loader is not None:
             self._train_loader.rebuild()
 
-    def reshard_live(self, reshard: ReshardGroup) -> None:
-        """Sharded (``LiveResharding``, through :class:`_ShardedFrontEnd`): move this member's shards to their new
-        holders; a leaver's model is left with empty CPU tensors (its shards went)."""
+    def _reshard_shards_live(self, reshard: ReshardGroup) -> None:
+        """Sharded (``LiveResharding``, through :class:`_ShardedFrontEnd`; not a method named ``reshard_live``, which
+        would make every accelerator a ``LiveResharding`` front-end): move this member's shards to their new holders;
+        a leaver's model is left with empty CPU tensors (its shards went)."""
         assert self._sharding is not None
         model, receiving = self._sharded_model(), reshard.rank in reshard.receivers
         group = self.engine.generation_group if receiving else None  # a leaver is in no generation now
@@ -1265,7 +1266,7 @@ class _ShardedFrontEnd:
         return getattr(self._accelerator, name)
 
     def reshard_live(self, reshard: ReshardGroup) -> None:
-        self._accelerator.reshard_live(reshard)
+        self._accelerator._reshard_shards_live(reshard)
 
 
 def _close_at_exit(reference: weakref.ref[ElasticAccelerator]) -> None:

@@ -117,3 +117,13 @@ def test_prepared_loaders_read_the_users_loader():
         train.num_workers  # noqa: B018
     with pytest.raises(AttributeError):
         elastic._private  # noqa: B018
+
+
+def test_only_an_fsdp2_job_reshards_live():
+    """The engine reshards live with a front-end that is ``LiveResharding``: the accelerator itself is not (a
+    data-parallel job's joiners would wait in a reshard of shards nobody holds), only the front-end of an FSDP2 job."""
+    from lightning_elan.accelerate.accelerator import ElasticAccelerator, _ShardedFrontEnd
+    from lightning_elan.elastic.live_reshard import LiveResharding
+
+    assert not issubclass(ElasticAccelerator, LiveResharding)
+    assert isinstance(_ShardedFrontEnd(object()), LiveResharding)  # type: ignore[arg-type]
