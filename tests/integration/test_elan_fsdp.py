@@ -95,9 +95,13 @@ def static_fsdp(tmp_path_factory: pytest.TempPathFactory) -> FsdpRun:
 @pytest.mark.parametrize("units", ["whole", "blocks"])
 def test_elastic_elan_fsdp_equals_the_static_run(tmp_path: Path, static_fsdp: FsdpRun, units: str) -> None:
     """2 workers grow to 3 at step 3, rank 0 leaves at 6, one worker migrates at 9: each resize reshards live (the
-    joiners receive only their shards), and the job computes what the static 2-worker elan_fsdp run computes."""
-    run = run_fsdp_job(tmp_path, f"fsdpel{units}", *(["--shard-blocks"] if units == "blocks" else []),
-                       schedule=SCHEDULE)
+    joiners receive only their shards), and the job computes what the static 2-worker elan_fsdp run computes.
+
+    ``blocks``: each block a unit, and ``training_step`` calls the network itself (``self.net(x)``, as most modules
+    do) rather than ``self(x)``: before ea5c1b1 its first step failed with ``aten.addmm.default got mixed
+    torch.Tensor and DTensor`` (the step ran outside the root unit's call, the root's parameters still sharded)."""
+    options = ["--shard-blocks", "--net-in-step"] if units == "blocks" else []
+    run = run_fsdp_job(tmp_path, f"fsdpel{units}", *options, schedule=SCHEDULE)
 
     assert_ok(run)
     assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("remove", 2),
@@ -107,19 +111,6 @@ def test_elastic_elan_fsdp_equals_the_static_run(tmp_path: Path, static_fsdp: Fs
     assert_each_sample_once(run)
     assert_states_close(run.final_state(), static_fsdp.final_state())
     assert_checkpoints_alike(run, static_fsdp)
-
-
-def test_a_training_step_that_calls_its_network_directly(tmp_path: Path, static_fsdp: FsdpRun) -> None:
-    """``training_step`` calls ``self.net(x)``, not ``self(x)`` (most modules do): before, the first step failed with
-    ``aten.addmm.default got mixed torch.Tensor and DTensor`` (the parameters were still sharded: the step ran outside
-    the root unit's call); now it trains through the same resizes as the static run, equal within 1e-9."""
-    run = run_fsdp_job(tmp_path, "fsdpnetinstep", "--net-in-step", schedule=SCHEDULE)
-
-    assert_ok(run)
-    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("remove", 2),
-                                                                            ("migrate", 2)], run.adjustments()
-    assert_each_sample_once(run)
-    assert_states_close(run.final_state(), static_fsdp.final_state())
 
 
 def test_a_joiner_builds_its_module_on_the_meta_device(tmp_path: Path) -> None:
