@@ -568,7 +568,12 @@ class ElasticAccelerator(Accelerator):
             self._skip_step_after_cut()
             return False, None
         scale = self.elastic_scaling.lr_scale_at(self.optimizer_steps)
-        return True, None if scale == 1.0 else ScaledParamGroups(optimizer, scale)
+        if scale == 1.0:
+            return True, None
+        scaled = ScaledParamGroups(optimizer, scale)
+        if self._sharding is not None:  # the mirror took the step's hyperparameters before the vote, unscaled
+            self._sharding.hyperparameters_changed(self._torch_optimizers())
+        return True, scaled
 
     def _absorb_tolerated_failure(self) -> None:
         """Sharded: a collective of the model failed inside the user's calls (its forward, or a backward) and was

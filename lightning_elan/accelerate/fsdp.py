@@ -214,6 +214,10 @@ class FSDP2Sharding:
         """Whether this member's mirror is seeded in the current generation."""
         return self._mirroring.seeded
 
+    def hyperparameters_changed(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """The LR ramp scaled the step's learning rate after the commit vote: the mirror replays it with that."""
+        self._mirroring.hyperparameters_changed(optimizers)
+
     def after_step(self) -> None:
         """The committed step was applied here: apply it to the mirror too."""
         self._mirroring.after_step()

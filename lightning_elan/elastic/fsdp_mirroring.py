@@ -81,6 +81,12 @@ class StepMirroring:
         received = self._mirror.seed(model, optimizers, group)
         log.info("worker %s mirrors the shard of rank %d (%.1f MB)", self._worker_id, self._mirror.ward, received / 1e6)
 
+    def hyperparameters_changed(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """The step's hyperparameters were set after its gradients went to the mirror (a front-end that scales the
+        learning rate by the LR ramp after the commit vote): the mirror replays the step with these."""
+        if self._exchanged:
+            self._mirror.capture_hyperparameters(optimizers)
+
     def after_step(self) -> None:
         """The step committed and applied here: apply it to the mirror too."""
         if self._exchanged:

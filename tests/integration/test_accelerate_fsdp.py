@@ -133,6 +133,20 @@ def test_the_auto_wrap_policys_units_reshard_too(tmp_path, reference):
     assert leave["leavers"] == ["w0"], leave
 
 
+def test_a_member_killed_during_an_lr_ramp_is_restored_exactly(tmp_path):
+    """Weak scaling (``ElasticPlugin(scaling="weak", lr_ramp_steps=8)``): the growth 2 -> 3 after step 3 scales the
+    global batch and ramps the LR over the next 8 steps; w1 SIGKILLed in its 7th step, inside the ramp. The recovery
+    keeps the global batch and the ramp, so the job must end as the same growth without the kill does: the mirror
+    replays each step with the ramp's scaled learning rate (it took the unscaled one before: 1.4e-3 off)."""
+    calm = fsdp_run(tmp_path, "weak", "--hold", "--weak", schedule="3:add=1")
+    killed = fsdp_run(tmp_path, "weak_killed", "--hold", "--weak", "--kill", "w1:6", schedule="3:add=1")
+    for run in (calm, killed):
+        assert run.returncode == 0, run.excerpt()
+        assert_counted_once(trained_per_epoch(run), SAMPLES, EPOCHS)
+    assert killed.adjustments()[-1]["failure"]["dead"] == ["w1"]
+    assert_states_close(killed.final_state(), calm.final_state(), TOLERANCE)
+
+
 def test_a_member_sigtermed_leaves_with_its_shard_moved(tmp_path, reference):
     """3 workers (grown after step 3); w0, rank 0, receives SIGTERM (a preemption notice) in its 6th step: it
     finishes the step, its rows move to the two others at the next boundary, it exits 0; nothing is redone."""

@@ -8,6 +8,7 @@ its Adam optimizer prepared together with the training DataLoader, ``accelerator
 main process (``OUT/final.pt``). ``--ddp``: the same loop without the plugin (the data-parallel reference with the
 same global batches). ``--resume DIR``: ``load_state(DIR)`` before the loop. ``--units``: the plugin's size-based
 auto-wrap policy (``min_num_params=100``: the two larger ``Linear`` layers are FSDP2 units of their own).
+``--weak``: ``ElasticPlugin(scaling="weak", lr_ramp_steps=8)`` (a resize scales the global batch, the LR ramps).
 
 Test instrumentation, not part of the loop a user writes: ``--hold`` makes the main process wait before each step until
 the workers of the scale requests due then are ready (so a resize lands at its scheduled step); ``--kill W:STEP``
@@ -30,7 +31,7 @@ import torch
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_elan.accelerate import ElasticAccelerator
+from lightning_elan.accelerate import ElasticAccelerator, ElasticPlugin
 
 SAMPLES, BATCH, EPOCHS = 96, 6, 3  # global batch 12 at 2 workers: 8 global batches per epoch
 
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
     parser.add_argument("--units", action="store_true")
+    parser.add_argument("--weak", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     worker = os.environ.get("ELAN_WORKER_ID", "alone")
@@ -91,7 +93,8 @@ def main() -> None:
     units = {"auto_wrap_policy": "size_based_wrap", "min_num_params": 100} if args.units else {}
     plugin = None if args.ddp else FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=args.state_dict_type,
                                                                   **units)
-    accelerator = ElasticAccelerator(cpu=True, fsdp_plugin=plugin)
+    elastic = ElasticPlugin(scaling="weak", lr_ramp_steps=8) if args.weak else None
+    accelerator = ElasticAccelerator(cpu=True, fsdp_plugin=plugin, elastic_plugin=elastic)
     model = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = DataLoader(Regression(), batch_size=BATCH)
