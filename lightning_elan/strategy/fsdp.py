@@ -126,7 +126,13 @@ class ElanFSDPStrategy(ElanStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """A joiner sets up unsharded (no mesh yet; its optimizers over its own parameters), then joins: the live
-        reshard shards its module and rebinds its optimizers (Lightning restores loops and schedulers after this)."""
+        reshard shards its module and rebinds its optimizers (Lightning restores loops and schedulers after this). A
+        member's ``validate``/``test``/``predict`` after its fit keeps the shards as they are: DDP's evaluation setup
+        would broadcast rank 0's module state, which over DTensor parameters fails ("Sharding propagation failed for
+        aten.view.default")."""
+        if trainer.state.fn != TrainerFn.FITTING and self.engine.is_member and _is_sharded(self.lightning_module):
+            self._setup_alone(trainer)  # the device and precision set up, no state sync: the shards are the job's
+            return
         super().setup(trainer)
         if self._training_fit and not self.engine.is_member and not self.engine.has_left:
             _materialize_meta_buffers(self.lightning_module, self.root_device)

@@ -8,9 +8,11 @@ rank 0), with each sample trained once per epoch.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -97,10 +99,11 @@ def test_elastic_elan_fsdp_equals_the_static_run(tmp_path: Path, static_fsdp: Fs
     """2 workers grow to 3 at step 3, rank 0 leaves at 6, one worker migrates at 9: each resize reshards live (the
     joiners receive only their shards), and the job computes what the static 2-worker elan_fsdp run computes.
 
-    ``blocks``: each block a unit, and ``training_step`` calls the network itself (``self.net(x)``, as most modules
-    do) rather than ``self(x)``: before ea5c1b1 its first step failed with ``aten.addmm.default got mixed
-    torch.Tensor and DTensor`` (the step ran outside the root unit's call, the root's parameters still sharded)."""
-    options = ["--shard-blocks", "--net-in-step"] if units == "blocks" else []
+    ``blocks``: each block a unit, and the steps call the network itself (``self.net(x)``, as most modules do) rather
+    than ``self(x)``: before ea5c1b1 the first training step failed with ``aten.addmm.default got mixed torch.Tensor
+    and DTensor`` (the step ran outside the root unit's call, the root's parameters still sharded); after the fit the
+    members validate, test and predict (``--evaluate``)."""
+    options = ["--shard-blocks", "--net-in-step", "--evaluate"] if units == "blocks" else []
     run = run_fsdp_job(tmp_path, f"fsdpel{units}", *options, schedule=SCHEDULE)
 
     assert_ok(run)
@@ -111,6 +114,35 @@ def test_elastic_elan_fsdp_equals_the_static_run(tmp_path: Path, static_fsdp: Fs
     assert_each_sample_once(run)
     assert_states_close(run.final_state(), static_fsdp.final_state())
     assert_checkpoints_alike(run, static_fsdp)
+    if units == "blocks":
+        assert_evaluated_with(run, static_fsdp.final_state())
+
+
+def assert_evaluated_with(run: FsdpRun, final: dict[str, torch.Tensor]) -> None:
+    """``--evaluate``'s validate, test and predict ran on the members after the resizes: the logged MSEs and every
+    sample's prediction (each predicted once) are the static run's final model's, within 1e-9."""
+    user = _user_script()
+    net = user.network()
+    net.load_state_dict({name.removeprefix("net."): value for name, value in final.items() if name.startswith("net.")})
+    data = user.Indexed()
+    with torch.no_grad():
+        expected = net(data.x)
+    mse = torch.nn.functional.mse_loss(expected, data.y).item()
+    logged = json.loads((run.out / "evaluation.json").read_text())
+    assert abs(logged["val_mse"] - mse) <= TOLERANCE and abs(logged["test_mse"] - mse) <= TOLERANCE, (logged, mse)
+    parts = [torch.load(path) for path in run.out.glob("predicted-*.pt")]
+    indices = torch.cat([part["indices"] for part in parts])
+    assert sorted(indices.tolist()) == list(range(SAMPLES)), sorted(indices.tolist())
+    outputs = torch.cat([part["outputs"] for part in parts])
+    assert (outputs - expected[indices]).abs().max().item() <= TOLERANCE
+
+
+def _user_script() -> Any:
+    spec = importlib.util.spec_from_file_location("fsdp_mlp_user", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_a_joiner_builds_its_module_on_the_meta_device(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """A float64 MLP of a few Linear blocks trained with Adam, under ``strategy="elan"`` or ``"elan_fsdp"`` (issue 24).
 
 python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N] [--kill-step S [--kill-rank R]...
-    [--kill-at start|forward|backward|optimizer]] [--configure-model] [--net-in-step]
+    [--kill-at start|forward|backward|optimizer]] [--configure-model] [--net-in-step] [--evaluate]
 
 Every process appends the samples it trained to ``OUT/trained-<pid>.jsonl`` (one line per batch: epoch, step, the
 dataset indices, without a rank's weight-0 stand-in sample). ``ModelCheckpoint`` saves every 3 steps into
@@ -15,6 +15,10 @@ gradient hook on that block's output: the later units' reduce-scatters are under
 (``on_before_optimizer_step``: the step was committed, the update not applied; the batch's samples are recorded first,
 as the step stands). Only processes of the generation that first reaches the kill die (``OUT/killed`` says which), so a
 survivor that takes a killed rank, or a replacement, does not kill itself in the redo.
+
+``--evaluate``: after ``fit`` the members run ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` over the
+dataset in order (their steps call the network as ``training_step`` does); rank 0 writes the logged ``val_mse`` and
+``test_mse`` to ``OUT/evaluation.json`` and every member its predictions to ``OUT/predicted-<pid>.pt``.
 """
 
 from __future__ import annotations
@@ -86,11 +90,25 @@ class MLP(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         _, x, y = batch
-        prediction = self.net(x) if self.net_in_step else self(x)
-        return nn.functional.mse_loss(prediction, y)
+        return nn.functional.mse_loss(self._predict(x), y)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def _predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) if self.net_in_step else self(x)
+
+    def validation_step(self, batch, batch_idx):
+        _, x, y = batch
+        self.log("val_mse", nn.functional.mse_loss(self._predict(x), y), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        _, x, y = batch
+        self.log("test_mse", nn.functional.mse_loss(self._predict(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        index, x, _ = batch
+        return index, self._predict(x)
 
 
 class RecordTrained(Callback):
@@ -172,6 +190,7 @@ def main() -> None:
     parser.add_argument("--kill-at", choices=["start", "forward", "backward", "optimizer"], default="start")
     parser.add_argument("--configure-model", action="store_true")
     parser.add_argument("--net-in-step", action="store_true")
+    parser.add_argument("--evaluate", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     global OUT
@@ -183,7 +202,7 @@ def main() -> None:
     strategy = ElanFSDPStrategy(shard_modules={Block}) if args.shard_blocks else args.strategy
     model = MLP(in_configure_model=args.configure_model, net_in_step=args.net_in_step)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", max_epochs=args.epochs, logger=False, limit_val_batches=0,
+        strategy=strategy, accelerator="cpu", max_epochs=args.epochs, logger=False,
         enable_progress_bar=False, enable_model_summary=False,
         callbacks=[RecordTrained(args.out, args.kill_step, args.kill_rank or [1], args.kill_at),
                    ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=3, save_top_k=-1,
@@ -195,6 +214,21 @@ def main() -> None:
     state = full_state(trainer, model)
     if trainer.is_global_zero:
         torch.save(state, args.out / "final.pt")
+    if args.evaluate:
+        evaluate(trainer, model, args.out)
+
+
+def evaluate(trainer: pl.Trainer, model: MLP, out: Path) -> None:
+    """Validate, test and predict over the whole dataset in order; write what they logged and predicted."""
+    loader = DataLoader(Indexed(), batch_size=6)
+    validated = trainer.validate(model, loader, verbose=False)
+    tested = trainer.test(model, loader, verbose=False)
+    predicted = trainer.predict(model, loader)
+    indices = torch.cat([index for index, _ in predicted])
+    outputs = torch.cat([output for _, output in predicted])
+    torch.save({"indices": indices, "outputs": outputs}, out / f"predicted-{os.getpid()}.pt")
+    if trainer.is_global_zero:
+        (out / "evaluation.json").write_text(json.dumps({**validated[0], **tested[0]}))
 
 
 if __name__ == "__main__":
