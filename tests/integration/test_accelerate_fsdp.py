@@ -70,8 +70,8 @@ def check_exact(run: RunResult, reference: RunResult, final_world: int) -> list[
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> RunResult:
-    """The same loop with the elastic DDP (no plugin), 2 workers, nothing changing."""
-    run = fsdp_run(tmp_path_factory.mktemp("ddp"), "ddp", "--ddp")
+    """The same loop with the elastic DDP (no plugin), 2 workers, nothing changing; it evaluates after each epoch."""
+    run = fsdp_run(tmp_path_factory.mktemp("ddp"), "ddp", "--ddp", "--evaluate")
     assert run.returncode == 0, run.excerpt()
     return run
 
@@ -90,6 +90,20 @@ def test_grow_shrink_and_migrate_reshard_live_and_stay_exact(tmp_path, reference
     assert (shrink["step"], len(shrink["members"]), shrink["leavers"]) == (9, 2, ["w2"]), shrink
     assert (migrate["step"], migrate["joiners"], migrate["leavers"]) == (14, ["w3"], ["w1"]), migrate
     assert sorted(record["worker"] for record in records if record["left"]) == ["w1", "w2"]
+
+
+def test_an_evaluation_pass_per_epoch_follows_the_resizes(tmp_path, reference):
+    """The loop evaluates after each epoch (a second prepared loader, ``model.eval()``, FSDP2's forward,
+    ``gather_for_metrics``): epoch 0 ends at 3 workers (grown after step 3), epoch 1 at 2 (shrunk after step 12); every
+    epoch's MSE on every member equals the data-parallel run's."""
+    run = fsdp_run(tmp_path, "evaluated", "--hold", "--evaluate", schedule="3:add=1,12:remove=1")
+    records = check_exact(run, reference, final_world=2)
+    expected = next(record["val_mse"] for record in reference.records())
+    assert sorted(expected) == ["0", "1", "2"], expected
+    for record in records:
+        if not record["left"]:
+            assert record["val_mse"].keys() == expected.keys(), record
+            assert all(abs(record["val_mse"][epoch] - mse) <= TOLERANCE for epoch, mse in expected.items()), record
 
 
 def test_a_member_killed_in_its_forward_loses_no_step(tmp_path, reference):

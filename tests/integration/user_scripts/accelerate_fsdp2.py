@@ -1,14 +1,16 @@
 """An ordinary Accelerate FSDP2 training loop (``python accelerate_fsdp2.py OUT [options]``), launched by
 ``test_accelerate_fsdp.py`` through `elan run`.
 
-The loop is Accelerate's FSDP2 recipe, float64: ``FullyShardedDataParallelPlugin(fsdp_version=2)``, the model and
-its Adam optimizer prepared together with the training DataLoader, ``accelerator.backward``, ``optimizer.step()``,
+The loop is Accelerate's FSDP2 recipe, float64: ``FullyShardedDataParallelPlugin(fsdp_version=2)``, the model and its
+Adam optimizer prepared together with the training DataLoader, ``accelerator.backward``, ``optimizer.step()``,
 ``save_state`` after epoch 1 into ``OUT/checkpoint`` (``--save``; ``--state-dict-type``: the plugin's, default
 ``SHARDED_STATE_DICT``), and at the end the full model gathered with ``accelerator.get_state_dict`` and written by the
-main process (``OUT/final.pt``). ``--ddp``: the same loop without the plugin (the data-parallel reference with the
-same global batches). ``--resume DIR``: ``load_state(DIR)`` before the loop. ``--units``: the plugin's size-based
-auto-wrap policy (``min_num_params=100``: the two larger ``Linear`` layers are FSDP2 units of their own).
-``--weak``: ``ElasticPlugin(scaling="weak", lr_ramp_steps=8)`` (a resize scales the global batch, the LR ramps).
+main process (``OUT/final.pt``). ``--ddp``: the same loop without the plugin (the data-parallel reference with the same
+global batches). ``--resume DIR``: ``load_state(DIR)`` before the loop. ``--evaluate``: after each epoch, the MSE over
+the dataset through a second prepared loader (``model.eval()``, ``gather_for_metrics``), recorded per epoch.
+``--units``: the plugin's size-based auto-wrap policy (``min_num_params=100``: the two larger ``Linear`` layers are
+FSDP2 units of their own). ``--weak``: ``ElasticPlugin(scaling="weak", lr_ramp_steps=8)`` (a resize scales the global
+batch, the LR ramps).
 
 Test instrumentation, not part of the loop a user writes: ``--hold`` makes the main process wait before each step until
 the workers of the scale requests due then are ready (so a resize lands at its scheduled step); ``--kill W:STEP``
@@ -71,6 +73,17 @@ def hold_for_joiners(accelerator: ElasticAccelerator, timeout_s: float = 240.0) 
     raise TimeoutError(f"the joiners due at step {step} are not ready after {timeout_s} s")
 
 
+def evaluate(accelerator: ElasticAccelerator, model: torch.nn.Module, loader: DataLoader) -> float:
+    """The mean squared error over the whole evaluation set (Accelerate's ``gather_for_metrics`` idiom)."""
+    model.eval()
+    errors = []
+    with torch.no_grad():
+        for _index, x, y in loader:
+            errors.append(accelerator.gather_for_metrics((model(x) - y) ** 2))
+    model.train()
+    return torch.cat(errors).mean().item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -83,6 +96,7 @@ def main() -> None:
     parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
     parser.add_argument("--units", action="store_true")
     parser.add_argument("--weak", action="store_true")
+    parser.add_argument("--evaluate", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     worker = os.environ.get("ELAN_WORKER_ID", "alone")
@@ -99,6 +113,8 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = DataLoader(Regression(), batch_size=BATCH)
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    evaluation = accelerator.prepare(DataLoader(Regression(), batch_size=5)) if args.evaluate else None
+    val_mse: dict[int, float] = {}
     if args.resume:
         accelerator.load_state(args.resume)
 
@@ -119,12 +135,15 @@ def main() -> None:
                     batches.write(json.dumps({"epoch": epoch, "step": accelerator.optimizer_steps,
                                               "indices": index.tolist(), "world": accelerator.num_processes}) + "\n")
                     batches.flush()
+            if evaluation is not None:
+                val_mse[epoch] = evaluate(accelerator, model, evaluation)
             if args.save and epoch == 1:
                 accelerator.save_state(str(args.out / "checkpoint"))
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         torch.save({name: value.detach().clone() for name, value in state.items()}, args.out / "final.pt")
     record = {"worker": worker, "left": accelerator.has_left, "optimizer_steps": accelerator.optimizer_steps,
+              "val_mse": val_mse,
               "units": sorted(type(module).__name__ for module in model.modules()
                               if type(module).__name__.startswith("FSDP")),
               "parameters": sorted({type(parameter).__name__ for parameter in model.parameters()}),
