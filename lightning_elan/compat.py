@@ -15,7 +15,7 @@ from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
@@ -382,6 +382,7 @@ def _retry_after_recovery(owner: Any, name: str, recover: Callable[[BaseExceptio
         return
 
     def run_again_after_recovery(*args: Any, **kwargs: Any) -> Any:
+        before = _deciding_state(owner)
         while True:
             try:
                 return hook(*args, **kwargs)
@@ -389,11 +390,39 @@ def _retry_after_recovery(owner: Any, name: str, recover: Callable[[BaseExceptio
                 if not when():
                     raise
                 recover(error, None)
+                if before is not None:
+                    _give_back_deciding_state(owner, before, args[0])
                 log.warning("a member died during %s.%s: it runs again in the new generation",
                             type(owner).__name__, name)
 
     run_again_after_recovery._elan_retried_by = recover  # type: ignore[attr-defined]
     setattr(owner, name, run_again_after_recovery)
+
+
+def _deciding_state(owner: Any) -> dict[str, Any] | None:
+    """What Lightning's deciding callbacks keep (their ``state_dict``), taken before a hook that may be cut by a death:
+    ``ModelCheckpoint`` drops the k-th best file from its top k and records the new one before its save's barrier, and
+    removes the dropped file only after it, so a hook run again on that state dropped another file and left the first
+    on disk (three files kept for ``save_top_k=2``); ``EarlyStopping`` counts a check once. None for other owners."""
+    return copy.deepcopy(owner.state_dict()) if isinstance(owner, ModelCheckpoint | EarlyStopping) else None
+
+
+def _give_back_deciding_state(callback: Any, before: dict[str, Any], trainer: pl.Trainer) -> None:
+    """Put back what a deciding callback kept before a hook a death cut short (:func:`_deciding_state`). A checkpoint
+    that ``ModelCheckpoint`` recorded in the interrupted run (a file rank 0 wrote before the others met the death in
+    the save's barrier) is removed first (``Strategy.remove_checkpoint``: rank 0, a missing file is no error): run
+    again, the hook writes it anew under the same name, where an existing file would make it take a ``-v1`` name."""
+    if isinstance(callback, ModelCheckpoint):
+        for path in _checkpoint_paths(callback.state_dict()) - _checkpoint_paths(before):
+            trainer.strategy.remove_checkpoint(path)
+    callback.load_state_dict(copy.deepcopy(before))
+
+
+def _checkpoint_paths(state: dict[str, Any]) -> set[str]:
+    """The checkpoint files a ``ModelCheckpoint.state_dict()`` names."""
+    paths = {*state.get("best_k_models", {}), state.get("best_model_path"), state.get("kth_best_model_path"),
+             state.get("last_model_path")}
+    return {str(path) for path in paths if path}
 
 
 def redo_validation_cut_by_a_death(
@@ -527,7 +556,7 @@ def _abandon_validation(trainer: pl.Trainer, start: dict[str, Any]) -> None:
     for name, metrics in start["connector"].items():
         setattr(connector, name, metrics)
     for callback, state in start["callbacks"]:
-        callback.load_state_dict(copy.deepcopy(state))
+        _give_back_deciding_state(callback, state, trainer)
     trainer.should_stop = start["should_stop"]
     trainer.training = True
 

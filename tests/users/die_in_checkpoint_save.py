@@ -1,8 +1,11 @@
-"""``scripts/interval_eval_datamodule.py`` whose rank 0 SIGKILLs itself in its second ``ModelCheckpoint`` save, just
-before it writes the file (``python die_in_checkpoint_save.py OUT [script arguments]``), for
-``test_kill_in_checkpoint_save.py``: the others are then in ``Trainer.save_checkpoint``'s barrier at the end of a
-validation run, after ``EarlyStopping`` counted that run. The script itself is unchanged; this harness wraps
-``Trainer.save_checkpoint`` (``OUT/died-in-save`` names the checkpoint the victim did not write)."""
+"""A corpus script whose rank 0 SIGKILLs itself in its N-th ``ModelCheckpoint`` save (``last.ckpt`` not counted),
+just before it writes the file, for ``test_kill_in_checkpoint_save.py``:
+
+    python die_in_checkpoint_save.py N SCRIPT OUT [script arguments]
+
+The others are then in ``Trainer.save_checkpoint``'s barrier, at the end of a validation run or of a training batch.
+The script (``scripts/SCRIPT``) is unchanged; this harness wraps ``Trainer.save_checkpoint``. ``OUT/died-in-save``
+names the checkpoint the victim did not write."""
 
 from __future__ import annotations
 
@@ -15,8 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-SCRIPT = Path(__file__).parent / "scripts" / "interval_eval_datamodule.py"
-VICTIM_RANK, VICTIM_SAVE = 0, 2
+VICTIM_RANK = 0
 
 save_checkpoint = pl.Trainer.save_checkpoint
 saves = 0
@@ -24,7 +26,8 @@ saves = 0
 
 def dying_save_checkpoint(trainer: pl.Trainer, filepath: Any, *args: Any, **kwargs: Any) -> None:
     global saves
-    if trainer.global_rank == VICTIM_RANK and Path(filepath).parent.name == "checkpoints":
+    path = Path(filepath)
+    if trainer.global_rank == VICTIM_RANK and path.parent.name == "checkpoints" and path.name != "last.ckpt":
         saves += 1
         marker = Path(sys.argv[1]) / "died-in-save"
         if saves == VICTIM_SAVE and not marker.exists():
@@ -34,6 +37,8 @@ def dying_save_checkpoint(trainer: pl.Trainer, filepath: Any, *args: Any, **kwar
 
 
 if __name__ == "__main__":
+    VICTIM_SAVE = int(sys.argv.pop(1))
+    script = Path(__file__).parent / "scripts" / sys.argv.pop(1)
     pl.Trainer.save_checkpoint = dying_save_checkpoint
-    sys.argv[0] = str(SCRIPT)
-    runpy.run_path(str(SCRIPT), run_name="__main__")
+    sys.argv[0] = str(script)
+    runpy.run_path(str(script), run_name="__main__")
