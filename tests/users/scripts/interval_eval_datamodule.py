@@ -55,8 +55,9 @@ class SurfaceData(pl.LightningDataModule):
         x = torch.rand(180, 4, generator=generator, dtype=torch.float64) * 2 - 1
         y = (x[:, :1] * 2).sin() + x[:, 1:2] * x[:, 2:3] - 0.5 * x[:, 3:]
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({"x": x, "y": y}, self.data_dir / "surface.pt.tmp")
-        os.replace(self.data_dir / "surface.pt.tmp", self.data_dir / "surface.pt")
+        partial = self.data_dir / f"surface.pt.{os.getpid()}.tmp"  # under elan run a joiner may prepare meanwhile
+        torch.save({"x": x, "y": y}, partial)
+        os.replace(partial, self.data_dir / "surface.pt")
 
     def setup(self, stage: str) -> None:
         data = torch.load(self.data_dir / "surface.pt")
