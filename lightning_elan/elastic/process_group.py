@@ -211,6 +211,44 @@ def _unwrap_result(source: torch.futures.Future) -> Any:
     return value
 
 
+class _ReducedChunk(dist.Work):
+    """A reduce-scatter done as an all-reduce of a copy of the input: complete when the all-reduce is, this rank's
+    chunk of the sum copied into the output.
+
+    gloo's reduce-scatter work has no future, so it could not be an :class:`AbortableWork`: when a member died, a
+    survivor that waited in it on a live peer (gloo's ring: any rank not next to the dead one) stayed there until a
+    connection closed — the AM declared it dead 60 s later. An all-reduce's work can be failed at once. It moves twice
+    a reduce-scatter's bytes (and holds a copy of the input meanwhile): on CPU only, where a member's death must not
+    hang the others."""
+
+    def __init__(self, allreduce: dist.Work, summed: torch.Tensor, output: torch.Tensor, rank: int) -> None:
+        super().__init__()
+        self._allreduce, self._summed, self._output, self._rank = allreduce, summed, output, rank
+        self._copied = False
+
+    def _copy_out(self) -> None:
+        if not self._copied:
+            chunk = self._output.numel()
+            self._output.copy_(self._summed.reshape(-1).narrow(0, self._rank * chunk, chunk).view_as(self._output))
+            self._copied = True
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._allreduce.wait()  # raises the generation's failure, if it was failed
+        self._copy_out()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        def copied(_: torch.futures.Future) -> list[torch.Tensor]:
+            _.value()
+            self._copy_out()
+            return [self._output]
+
+        return self._allreduce.get_future().then(copied)
+
+    def is_completed(self) -> bool:
+        return self._allreduce.is_completed()
+
+
 class _Generation:
     """One generation's backend group and the work outstanding on it, failed as a whole."""
 
@@ -336,10 +374,22 @@ class _ForwardingCollectives:
         target = self._target()
         return self._guarded(lambda: target.all_gather_single_coalesced(*args))
 
-    def reduce_scatter_single(self, *args: Any) -> Any:
-        """torch 2.13's ``dist.reduce_scatter_single`` (FSDP2's reduce-scatter) calls this method of the group."""
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        """torch 2.13's ``dist.reduce_scatter_single`` (FSDP2's reduce-scatter) calls this method of the group. On
+        CPU tensors (gloo) it is an all-reduce (see :class:`_ReducedChunk`)."""
         target = self._target()
-        return self._guarded(lambda: target.reduce_scatter_single(*args))
+        if input.device.type == "cpu":
+            return self._reduce_scatter_by_allreduce(target, output, input, opts)
+        return self._guarded(lambda: target.reduce_scatter_single(output, input, opts))
+
+    def _reduce_scatter_by_allreduce(self, target: ProcessGroup, output: torch.Tensor, input: torch.Tensor,
+                                     opts: Any) -> dist.Work:
+        summed = input.detach().clone()
+        allreduce_opts = dist.AllreduceOptions()
+        if opts is not None:
+            allreduce_opts.reduceOp = opts.reduceOp
+        work = self._guarded(lambda: target.allreduce([summed], allreduce_opts))
+        return _ReducedChunk(work, summed, output, self.rank())
 
     def reduce_scatter_single_coalesced(self, *args: Any) -> Any:
         target = self._target()

@@ -87,6 +87,19 @@ def test_rank_0_killed_loses_no_step(tmp_path: Path, static_fsdp: FsdpRun) -> No
     assert_recovered_exactly(run, static_fsdp, [("add", 3), ("failure", 2)])
 
 
+def test_a_member_killed_in_the_reduce_scatter_of_4_releases_every_survivor(tmp_path: Path,
+                                                                          static_fsdp: FsdpRun) -> None:
+    """2 workers grown to 4; rank 3 SIGKILLs itself in step 5's backward. In gloo's ring a survivor that is not the
+    dead rank's neighbour waits in the reduce-scatter on a live peer; gloo's reduce-scatter work has no future, so the
+    failure could not release it: it sat there until a connection closed and the AM declared it dead 60 s later (then
+    ShardsLost). Every survivor is released at once and the step is redone exactly."""
+    run = run_fsdp_job(tmp_path, "fsdpkillrs4", "--kill-step", KILL_STEP, "--kill-at", "backward", "--kill-rank", "3",
+                       schedule="2:add=2")
+
+    assert "did not check in after the failure" not in run.output, run.excerpt()
+    assert_recovered_exactly(run, static_fsdp, [("add", 4), ("failure", 3)])
+
+
 def test_a_killed_member_is_replaced(tmp_path: Path, static_fsdp: FsdpRun) -> None:
     """``--replace-failed --min-workers 2``, 2 workers: rank 1 dies in step 5's backward; the recovery waits for the
     replacement, and its reshard gives the replacement only its new shard: its rows from the survivor's own shard and
