@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
 
@@ -736,28 +737,51 @@ def no_checkpoint_selected_after_leaving(trainer: pl.Trainer, left: Callable[[],
     connector._select_ckpt_path = select_unless_left
 
 
-def no_data_prepared_after_leaving(trainer: pl.Trainer, left: Callable[[], bool]) -> None:
-    """A ``trainer.validate/test/predict/fit`` on a worker that ``left()`` the job prepares no data.
+def prepare_data_as_the_job(trainer: pl.Trainer, left: Callable[[], bool],
+                            in_turn: Callable[[], AbstractContextManager[Any]]) -> None:
+    """``prepare_data`` of a worker of an elastic job: none on a worker that ``left()`` it, and the user's hooks one
+    process of the host at a time (``in_turn()``: a context held while one runs).
 
     Lightning's ``Trainer._run`` calls ``trainer._data_connector.prepare_data()`` after the strategy's
     ``setup_environment`` and before its ``setup`` (which skips the stage on a leaver); ``_DataConnector.prepare_data``
     wraps an overridden ``prepare_data`` of the datamodule or the LightningModule in ``_InfiniteBarrier``, which makes a
     gloo group with ``torch.distributed.new_group``: a leaver is in no generation, and that raised (a traceback and
     exit 1 of a leaver whose script runs ``trainer.test(datamodule=...)`` after ``fit``). A leaver evaluates and trains
-    nothing, so it needs no data. The connector lives as long as the trainer, so an instance attribute replaces the
-    method for this trainer only."""
+    nothing, so it needs no data. Inside the barrier the connector calls each hook by ``getattr`` on the instance
+    (``call._call_lightning_datamodule_hook`` / ``_call_lightning_module_hook``) on the local rank 0 only, so an
+    instance attribute wrapping an overridden hook runs that hook in turn without holding up the barrier's other ranks
+    (a joiner on a member's host is its own local rank 0: the two ran the hook at once). The connector lives as long as
+    the trainer, so an instance attribute replaces its method for this trainer only."""
     connector = trainer._data_connector
     wrapped = hasattr(connector, "_elan_left")
-    connector._elan_left = left
+    connector._elan_left, connector._elan_in_turn = left, in_turn
     if wrapped:
         return
     prepare = type(connector).prepare_data.__get__(connector)
 
-    def prepare_unless_left() -> None:
-        if not connector._elan_left():
+    def prepare_as_the_job() -> None:
+        if connector._elan_left():
+            return
+        holders = [holder for holder in (trainer.datamodule, trainer.lightning_module)
+                   if holder is not None and is_overridden("prepare_data", holder)]
+        for holder in holders:
+            holder.prepare_data = _in_turn(holder.prepare_data, connector._elan_in_turn)
+        try:
             prepare()
+        finally:
+            for holder in holders:
+                del holder.prepare_data
 
-    connector.prepare_data = prepare_unless_left
+    connector.prepare_data = prepare_as_the_job
+
+
+def _in_turn(hook: Callable[[], Any], in_turn: Callable[[], AbstractContextManager[Any]]) -> Callable[[], Any]:
+    @functools.wraps(hook)  # ``__wrapped__``: Lightning's ``is_overridden`` still sees the user's hook
+    def run_in_turn() -> Any:
+        with in_turn():
+            return hook()
+
+    return run_in_turn
 
 
 def epoch_aggregates(trainer: pl.Trainer) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from lightning_elan.elastic.ddp import ElasticDistributedDataParallel, freeze_as
 from lightning_elan.elastic.error_origin import may_be_a_peers_death
 from lightning_elan.elastic.frontend import ScalingParticipant
 from lightning_elan.elastic.gather import even_rows
+from lightning_elan.elastic.host_mutex import HostMutex
 from lightning_elan.elastic.pre_loop import PreLoopCollectives
 from lightning_elan.elastic.pruning import prune_as, pruned_tensors, without_pruned
 from lightning_elan.elastic.rng import LoaderRNG
@@ -178,7 +179,7 @@ class ElanStrategy(DDPStrategy):
             _install_coordinator(trainer, self)
             compat.follow_fit_loop_restores(trainer, self._fit_loop_restored)
             compat.route_lr_find()
-            compat.no_data_prepared_after_leaving(trainer, lambda: self.engine.has_left)
+            compat.prepare_data_as_the_job(trainer, lambda: self.engine.has_left, self._preparing_data_in_turn)
             if not self.engine.environment.standalone:  # SIGTERM = leave the job (elastic/termination.py)
                 compat.keep_sigterm_handler(trainer, lambda: self.engine.sigterm_handler)
                 compat.drop_sigterm_broadcast(trainer)
@@ -205,6 +206,11 @@ class ElanStrategy(DDPStrategy):
             self._collectives_local = not self.engine.is_member  # a joiner warming up
         self._group_view = self.engine.generation_group if self.engine.is_member else None
         self._sync_environment()
+
+    def _preparing_data_in_turn(self) -> HostMutex:
+        """Held while this process runs the user's ``prepare_data``: one process of the job per host at a time (a
+        joiner is local rank 0 of its own world, and ran it while a member's local rank 0 did)."""
+        return HostMutex(f"{self.engine.environment.job}/prepare_data", what="prepare_data")
 
     def _sync_environment(self) -> None:
         """The cluster environment's rank, world size and place on the hosts from the engine (provisional for a
