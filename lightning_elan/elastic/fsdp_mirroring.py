@@ -104,7 +104,7 @@ class StepMirroring:
         why = "a member died while the shards were being moved to a new layout" if self._moving else \
             "the job had a single member" if world_size < 2 else unmirrored
         if why is not None:
-            raise LostShard(f"worker {self._worker_id}: a member of this strategy='elan_fsdp' job died and its shard "
+            raise LostShard(f"worker {self._worker_id}: a member of this sharded (FSDP2) job died and its shard "
                             f"of the model and optimizer state cannot be rebuilt ({why}); restart the job from its "
                             "last checkpoint")
 
@@ -143,7 +143,7 @@ class StepMirroring:
         needs_mirror = ward is not None and reshard.owners[ward] == me and ward != reshard.previous_index
         missing = reshard.previous_index is not None and not self._mirror.seeded and _holds_a_dead_shard(reshard)
         if _any_member(reshard.group, missing):
-            raise LostShard(f"worker {self._worker_id}: a member of this strategy='elan_fsdp' job died before its "
+            raise LostShard(f"worker {self._worker_id}: a member of this sharded (FSDP2) job died before its "
                             "shard was mirrored in this generation (the mirrors are seeded at the end of a resize, or "
                             "as the launch generation's training loop starts); restart the job from its last "
                             "checkpoint")
