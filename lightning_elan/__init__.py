@@ -32,9 +32,13 @@ def _register_strategy(strategy_module: str) -> None:
     registered from its own module beside it (``strategy/fsdp.py``)."""
     module = sys.modules.get(strategy_module)
     if module is not None and not hasattr(module, "register_elan_strategy"):
-        return  # that module is importing Lightning right now and registers itself when it finishes
+        return  # that module is importing Lightning right now: it registers both when it finishes
     importlib.import_module(strategy_module).register_elan_strategy()
-    importlib.import_module(strategy_module.rpartition(".")[0] + ".fsdp").register_elan_fsdp_strategy()
+    fsdp_module = strategy_module.rpartition(".")[0] + ".fsdp"
+    module = sys.modules.get(fsdp_module)
+    if module is not None and not hasattr(module, "register_elan_fsdp_strategy"):
+        return  # the FSDP module is importing Lightning right now: it registers itself when it finishes
+    importlib.import_module(fsdp_module).register_elan_fsdp_strategy()
 
 
 class _RegisterAfterLightningImport(importlib.abc.MetaPathFinder):

@@ -534,3 +534,6 @@ def register_elan_fsdp_strategy() -> None:
 
     if "elan_fsdp" not in StrategyRegistry:
         ElanFSDPStrategy.register_strategies(StrategyRegistry)
+
+
+register_elan_fsdp_strategy()  # when this module was imported first: Lightning's import could not register it

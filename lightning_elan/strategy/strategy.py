@@ -8,6 +8,7 @@ touch goes through :mod:`lightning_elan.compat`.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -837,6 +838,9 @@ def register_elan_strategy() -> None:
 
 
 register_elan_strategy()
+# "elan_fsdp" beside "elan": the FSDP module registers itself as it is imported (when this module was a script's first
+# import, it imported Lightning itself, and Lightning's import could not register the two: lightning_elan/__init__)
+importlib.import_module(f"{__package__}.fsdp")
 
 
 def _copied(value: Any) -> Any:

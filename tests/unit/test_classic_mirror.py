@@ -232,6 +232,20 @@ def test_import_lightning_elan_registers_elan_with_pytorch_lightning_in_either_o
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+@pytest.mark.parametrize("first", ["from lightning_elan.strategy.fsdp import ElanFSDPStrategy",
+                                   "from lightning_elan.strategy.strategy import ElanStrategy"])
+def test_a_strategy_module_imported_before_lightning_registers_both_strategies(first):
+    """A script whose first import is a strategy module (before any Lightning): that module imports Lightning, whose
+    import registers the strategies — before, with the FSDP module first, that registration met it half imported and
+    raised (``partially initialized module 'lightning_elan.strategy.fsdp' has no attribute
+    'register_elan_fsdp_strategy'``, found by the classic probe of test_classic_pytorch_lightning.py)."""
+    code = (f"{first}\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
+            "assert 'elan' in StrategyRegistry and 'elan_fsdp' in StrategyRegistry\nprint('ok')")
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
 def test_import_lightning_elan_alone_imports_no_lightning():
     code = "import sys, lightning_elan; print(sorted(m for m in sys.modules if 'lightning' in m.split('.')[0]))"
     env = {**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)}
