@@ -16,14 +16,13 @@ of the reference; the members end with DTensor parameters sharded over the final
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.integration.elastic_runs import TOLERANCE, RunResult, assert_counted_once, assert_states_close, elan_env
+from tests.integration.accelerate_runs import loop_run
+from tests.integration.elastic_runs import TOLERANCE, RunResult, assert_counted_once, assert_states_close
 
 pytestmark = pytest.mark.integration
 
@@ -33,14 +32,7 @@ SAMPLES, EPOCHS, STEPS = 96, 3, 24
 
 def fsdp_run(tmp: Path, name: str, *script_args: str, nproc: int = 2, schedule: str | None = None) -> RunResult:
     """``elan run --nproc N [--schedule S] -- python accelerate_fsdp2.py tmp/name ARGS`` to its end."""
-    command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", str(nproc), "--job", name,
-               "--coordinate-every", "1", "--state-dir", str(tmp / f"{name}-state"),
-               *(["--schedule", schedule] if schedule else []), "--", sys.executable, str(SCRIPT), str(tmp / name),
-               *script_args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=420, env=elan_env(tmp))
-    output = proc.stdout + proc.stderr
-    (tmp / f"{name}.log").write_text(output)
-    return RunResult(tmp / name, tmp / f"{name}-state", proc.returncode, output)
+    return loop_run(tmp, name, SCRIPT, script_args, nproc=nproc, schedule=schedule)
 
 
 def trained_per_epoch(run: RunResult) -> dict[int, Counter]:
