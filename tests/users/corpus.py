@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -146,10 +147,13 @@ def elan_command(home: Path, job: Job) -> list[str]:
     return [*command, "--", sys.executable, *job.argv(home / "out")]
 
 
-def run_job(home: Path, job: Job, env: dict[str, str] | None = None) -> Run:
+def run_job(home: Path, job: Job, env: dict[str, str] | None = None,
+            during: Callable[[subprocess.Popen], None] | None = None) -> Run:
     """Run ``job`` to its end in ``home`` (its working directory; the script's outputs go to ``home/out``, what
-    ``elan run`` prints to ``home/output.log``), with ``env`` added to its environment. A job that outlives
-    ``RUN_TIMEOUT_S`` or stalls for ``STALL_S`` is killed, with everything it started (one session)."""
+    ``elan run`` prints to ``home/output.log``), with ``env`` added to its environment; ``during(launcher)``, if
+    given, runs in a thread of its own while the job runs (it must return once the launcher has exited). A job that
+    outlives ``RUN_TIMEOUT_S`` or stalls for ``STALL_S`` has the stacks of all its processes written to
+    ``home/stacks.txt`` and is killed, with everything it started (one session)."""
     (home / "observe").mkdir(parents=True, exist_ok=True)
     log = home / "output.log"
     shm = shm_dir(home)  # the job's shared-memory segments: a killed source cannot unlink its own
@@ -157,20 +161,53 @@ def run_job(home: Path, job: Job, env: dict[str, str] | None = None) -> Run:
     with log.open("a") as output:  # appending: the launcher, the AM and the workers share it
         proc = subprocess.Popen(elan_command(home, job), cwd=home, env=environment, stdout=output,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+        watcher = threading.Thread(target=during, args=(proc,), daemon=True) if during else None
+        if watcher is not None:
+            watcher.start()
         try:
             verdict = wait_for_job(proc, home)
+            if verdict:
+                dump_stacks(home, proc.pid)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            if watcher is not None:
+                watcher.join()
             end_every_process_of(home)
             shutil.rmtree(shm, ignore_errors=True)
         if verdict:
             output.write(f"\n[harness] {verdict}: killed\n")
+    return read_run(home, job, proc.returncode)
+
+
+def read_run(home: Path, job: Job, returncode: int) -> Run:
+    """What a finished job in ``home`` left: its output and the observer's records (a process killed while it wrote
+    its last record leaves a torn last line, which is skipped)."""
     records = []
     for path in sorted((home / "observe").glob("observe-*.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines()]
-    return Run(job, home, proc.returncode, log.read_text(), records)
+        text = path.read_text()
+        lines = text.splitlines()
+        if lines and not text.endswith("\n"):
+            lines = lines[:-1]
+        records += [json.loads(line) for line in lines]
+    return Run(job, home, returncode, (home / "output.log").read_text(), records)
+
+
+def dump_stacks(home: Path, launcher: int) -> None:
+    """``py-spy dump`` of every process of the job (the launcher's descendants, and any process naming ``home``),
+    into ``home/stacks.txt``: what a hung job was waiting for."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    pids = sorted({launcher} | processes.descendants(launcher) | processes.mentioning(f"{home}{os.sep}"))
+    with (home / "stacks.txt").open("a") as stacks:
+        for pid in pids:
+            stacks.write(f"===== pid {pid}: {processes.command_line(pid)}\n")
+            stacks.flush()
+            try:
+                subprocess.run([py_spy, "dump", "--pid", str(pid)], stdout=stacks, stderr=subprocess.STDOUT,
+                               timeout=60, check=False)
+            except (OSError, subprocess.TimeoutExpired) as error:
+                stacks.write(f"py-spy: {error}\n")
 
 
 def end_every_process_of(home: Path, grace_s: float = 15.0) -> None:
@@ -250,6 +287,22 @@ def assert_same_samples(run: Run, static: Run) -> None:
         assert not (duplicated or missing or extra), (
             f"epoch {epoch}: duplicated {duplicated}, missing {missing}, not in the static run {extra}"
         )
+
+
+def last_attempts(run: Run) -> dict[int, Counter]:
+    """Each epoch's trained samples, counting a batch redone after a death once: of the records of one
+    (epoch, batch_idx), those of its last attempt (the latest world that trained it). A micro-batch of an accumulation
+    window is recorded before the window's optimizer step, so a window cut by a death is recorded twice."""
+    by_batch: dict[tuple[int, int], list[dict]] = {}
+    for record in run.events("trained"):
+        by_batch.setdefault((record["epoch"], record["batch_idx"]), []).append(record)
+    epochs: dict[int, Counter] = {}
+    for (epoch, _), records in by_batch.items():
+        last = max(records, key=lambda record: record["at"])
+        for record in records:
+            if record["world"] == last["world"]:
+                epochs.setdefault(epoch, Counter()).update(record["samples"])
+    return epochs
 
 
 def assert_members_agree(run: Run) -> list[int]:

@@ -5,7 +5,6 @@ sanity check while the others sync torchmetrics (``scripts/metrics_loggers_profi
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from tests.users.corpus import (
     assert_ok,
     assert_same_samples,
     assert_states_close,
+    last_attempts,
     read_csv,
     run_job,
 )
@@ -31,21 +31,6 @@ COMMAND = ("{scripts}/validate_mid_accumulation.py", "{out}")
 # which began at step 9) is the one cut short.
 KILL = "9:validation"
 STOP_AT_STEP = 14  # the script sets trainer.should_stop from this step
-
-
-def last_attempts(run: Run) -> dict[int, Counter]:
-    """Each epoch's trained samples, counting a batch redone after a death once: of the records of one
-    (epoch, batch_idx), those of its last attempt (the latest world that trained it)."""
-    by_batch: dict[tuple[int, int], list[dict]] = {}
-    for record in run.events("trained"):
-        by_batch.setdefault((record["epoch"], record["batch_idx"]), []).append(record)
-    epochs: dict[int, Counter] = {}
-    for (epoch, _), records in by_batch.items():
-        last = max(records, key=lambda record: record["at"])
-        for record in records:
-            if record["world"] == last["world"]:
-                epochs.setdefault(epoch, Counter()).update(record["samples"])
-    return epochs
 
 
 @pytest.fixture(scope="module")
