@@ -33,6 +33,7 @@ __all__ = [
     "backend_of",
     "backward_alone",
     "check_torch_version",
+    "forget_cut_forward",
     "forget_mesh_group",
     "forget_scaler_step",
     "keep_alive_forever",
@@ -281,6 +282,20 @@ def undo_fully_shard(model: torch.nn.Module) -> None:
         for flag in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
             module.__dict__.pop(flag, None)
     _parameters_to_meta(model)
+
+
+def forget_cut_forward(module: torch.nn.Module) -> None:
+    """Before ``FSDPModule.reshard()`` of a unit whose forward an exception cut (a member's death in a later unit's
+    all-gather): each ``FSDPParamGroup`` is still in ``TrainingState.FORWARD`` (``FSDPState._post_forward`` never ran),
+    and ``FSDPParamGroup.reshard`` returns at once in that state for a group that does not reshard after the forward
+    (the root's), leaving its gathered parameters registered; the group is set back to ``TrainingState.IDLE``."""
+    if not SpecifierSet(FULLY_SHARD_UNDONE_ON).contains(Version(str(torch.__version__)), prereleases=True):
+        raise NotImplementedError(f"resharding an FSDP2 module needs torch{FULLY_SHARD_UNDONE_ON}")
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    for group in module._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
+        if group._training_state == TrainingState.FORWARD:
+            group._training_state = TrainingState.IDLE
 
 
 def _remove_fsdp_hooks(state: Any) -> None:

@@ -54,7 +54,7 @@ from lightning_elan.accelerate.data import (
     refuse_unsupported,
 )
 from lightning_elan.accelerate.evaluation_recovery import EvaluationRecovery, all_tensors, without_padding
-from lightning_elan.accelerate.fsdp import FSDP2Sharding, LostShard, refuse_unsupported_fsdp
+from lightning_elan.accelerate.fsdp import FSDP2Sharding, LostShard, refuse_unsupported_fsdp, retry_calls
 from lightning_elan.accelerate.local_sgd import LocalSGDSteps
 from lightning_elan.accelerate.loop_end import LoopEnded, LoopEndWatch, announce_loop_end
 from lightning_elan.accelerate.objects import CHECKPOINTED, ReplicatedObjects
@@ -293,6 +293,8 @@ class ElasticAccelerator(Accelerator):
         if self._retrying_the_loop(args):
             self._forget_the_failed_loop()
         if self._sharding is not None and any(isinstance(arg, torch.nn.Module) for arg in args):
+            for model in (arg for arg in args if isinstance(arg, torch.nn.Module)):
+                retry_calls(model, self._call_in_evaluation)
             with self._sharding.preparing():  # Accelerate's FSDP2 preparation, on this generation's mesh
                 result = super().prepare(*args, device_placement=device_placement)
         else:
@@ -1071,6 +1073,20 @@ class ElasticAccelerator(Accelerator):
         the epochs, no training step open (its batch would be redone), this process a member."""
         return (self._evaluations.evaluating and self._loop_epoch is not None and not self._step_open
                 and self.engine.is_member and not self._aborted)
+
+    def _call_in_evaluation(self, call: Callable[[], Any]) -> Any:
+        """A call of the sharded model (its forward: FSDP2's all-gathers): when a member dies in it during an
+        evaluation pass, the survivors recover at once and call it again among themselves (the same inputs; the
+        dead member's samples are re-cut into the pass). In a training step the failure is tolerated instead
+        (``FSDP2Sharding.build_mesh``) and the step redone."""
+        while True:
+            try:
+                return call()
+            except Exception as error:
+                if not self._recovers_in_evaluation():
+                    raise
+                self._raise_if_loop_ended(error)
+                self._evaluations.recover(error)
 
     def _recover_mid_evaluation(self) -> None:
         """Survivors of a death inside an evaluation pass recover at once: a training step this batch committed

@@ -10,6 +10,11 @@ rows move from their old holders to their new ones (``replication.fsdp_reshard``
 receives only its shard. Each member's shard is mirrored by the next one (``elastic.fsdp_mirroring``): a SIGKILLed
 member's rows come from its mirror and the interrupted step is redone.
 
+A member's death inside the model's forward during an evaluation pass (FSDP2's all-gather: no training step to discard
+and redo) is recovered from inside the user's call: the model's class gets a ``__call__`` that, when a call fails so,
+lets the accelerator recover (the dead member's shard from its mirror, the pass re-cut) and calls the forward again
+among the survivors (:func:`retry_calls`).
+
 What Accelerate refuses or does differently on a CPU is in ``accelerate/compat.py`` (``AcceleratorState`` drops the
 plugin there; the members' state says ``FSDP`` so ``is_fsdp2``, ``save_state`` and ``load_state`` take the FSDP2 paths).
 """
@@ -17,7 +22,7 @@ plugin there; the members' state says ``FSDP`` so ``is_fsdp2``, ``save_state`` a
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,7 +45,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FSDP2Sharding", "LostShard", "refuse_unsupported_fsdp"]
+__all__ = ["FSDP2Sharding", "LostShard", "refuse_unsupported_fsdp", "retry_calls"]
+
+CallRetry = Callable[[Callable[[], Any]], Any]
+"""Runs a model call (a thunk), recovering from a member's death in it and running it again, or re-raising."""
 
 DEFAULT_RESHARD_CHUNK_BYTES = 64 << 20
 """The largest message of the live reshard at a resize (the fixed buffer beside a member's new shard)."""
@@ -160,8 +168,9 @@ class FSDP2Sharding:
         return {name: value for name, value in model.state_dict().items() if not isinstance(value, DTensor)}
 
     def describe(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
-        """The optimizers' skeleton a joiner receives (hyperparameters, the states that are not sharded)."""
-        return describe_optimizers(model, optimizers)
+        """The optimizers' skeleton a joiner receives (hyperparameters, the states that are not sharded; the old
+        layout's while an abandoned reshard left the shards there)."""
+        return self._mirroring.describe(model, optimizers)
 
     def joined(self, skeleton: list[dict[str, Any]]) -> None:
         self._joined_optimizers = skeleton
@@ -173,17 +182,15 @@ class FSDP2Sharding:
         """A step cut by a member's death: every FSDP2 unit's sharded parameters registered again (a forward whose
         backward never ran leaves the root's gathered parameters on the module: FSDP2 reshards the root only after
         the backward), so the reshard finds the parameters the optimizers hold."""
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        _register_sharded(model)
 
     def reshard_live(self, reshard: ReshardGroup, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                      group: Any) -> None:
         """Move this member's shards to their new holders (after a death: a dead member's from its mirror); a
         receiver ends sharded over the new generation's mesh with its mirror seeded, a leaver holds nothing."""
         holding = reshard.rank in reshard.holders
+        if holding:  # an evaluation's forward (no backward follows) left the root's gathered parameters registered
+            _register_sharded(model)
         skeleton = describe_optimizers(model, optimizers) if holding else self._joined_optimizers
         assert skeleton is not None, "a joiner reshards with its source's optimizer skeleton"
         self._mirroring.move(reshard, model, optimizers, self.shard, self._mesh, skeleton, self.chunk_bytes, group,
@@ -230,3 +237,34 @@ class FSDP2Sharding:
         """Wait for the mirror's replay of the last step."""
         self._mirroring.settle()
 
+
+def _register_sharded(model: nn.Module) -> None:
+    """Every FSDP2 unit's sharded parameters registered on its module (``FSDPModule.reshard``; a no-op on a unit
+    that is sharded already), a forward cut short included: the parameters the optimizers hold."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            torch_compat.forget_cut_forward(module)
+            module.reshard()
+
+
+def retry_calls(model: nn.Module, retry: CallRetry) -> None:
+    """Every later call of ``model`` goes through ``retry``. Its class becomes a subclass of the same name whose
+    ``__call__`` does so, put *under* FSDP2's ``FSDP<Class>`` (applied after this, and taken off and applied again at
+    each resize by ``torch_compat.undo_fully_shard``, which keeps the class below it): an instance attribute cannot
+    replace ``__call__``, and FSDP2's hooks (the all-gathers) run inside ``nn.Module.__call__``."""
+    cls = type(model)
+    if getattr(cls, "_elan_retries_calls", False):
+        model.__dict__["_elan_call_retry"] = retry
+        return
+
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = super(retrying, self).__call__
+        retry_of = self.__dict__.get("_elan_call_retry")
+        return call(*args, **kwargs) if retry_of is None else retry_of(lambda: call(*args, **kwargs))
+
+    retrying = type(cls.__name__, (cls,), {"__call__": __call__, "_elan_retries_calls": True,
+                                           "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    model.__class__ = retrying
+    model.__dict__["_elan_call_retry"] = retry

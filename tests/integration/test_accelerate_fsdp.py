@@ -178,3 +178,22 @@ def test_a_checkpoint_saved_at_2_resumes_at_3(tmp_path, reference, state_dict_ty
     assert_counted_once({0: per_epoch[2]}, SAMPLES, 1)
     assert_states_close(resumed.final_state(), reference.final_state(), TOLERANCE)
     assert all(record["parameters"] == ["DTensor"] for record in resumed.records())
+
+
+@pytest.mark.parametrize("units", [False, True], ids=["root", "units"])
+def test_a_member_killed_in_an_evaluation_pass_loses_nothing(tmp_path, reference, units):
+    """3 workers (grown after step 3) evaluate after each epoch; w1 SIGKILLs itself before the forward of its second
+    evaluation batch after epoch 1. The survivors meet the death in that forward's all-gather (``units``: the
+    auto-wrapped units reshard after each forward) or, the root's parameters still gathered from the first batch, in
+    ``gather_for_metrics``: they recover (the dead member's shard from its mirror) and the pass goes on; every
+    epoch's MSE equals the data-parallel run's and training ends exact on the 2 survivors. (The old code: every
+    survivor died in the recovery's reshard, ``KeyError`` in the optimizers' description.)"""
+    extra = ["--units"] if units else []
+    run = fsdp_run(tmp_path, "eval_killed", "--hold", "--evaluate", "--eval-kill", "w1:1:1", *extra,
+                   schedule="3:add=1")
+    records = check_exact(run, reference, final_world=2)
+    assert run.adjustments()[-1]["failure"]["dead"] == ["w1"]
+    expected = next(record["val_mse"] for record in reference.records())
+    for record in records:
+        if not record["left"]:
+            assert all(abs(record["val_mse"][epoch] - mse) <= TOLERANCE for epoch, mse in expected.items()), record

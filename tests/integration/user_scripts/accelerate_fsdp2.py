@@ -15,9 +15,10 @@ batch, the LR ramps).
 Test instrumentation, not part of the loop a user writes: ``--hold`` makes the main process wait before each step until
 the workers of the scale requests due then are ready (so a resize lands at its scheduled step); ``--kill W:STEP``
 (a comma list) makes worker ``W`` SIGKILL itself in the forward of its batch after ``STEP`` optimizer steps,
-``--sigterm W:STEP`` send itself SIGTERM there. Each worker appends one line per trained batch whose step stood
-(``optimizer_step_was_skipped`` false) to ``OUT/batches-<worker>.jsonl``, and writes ``OUT/record-<worker>.json`` at the
-end (whether it left, its steps, its parameters' type and local rows).
+``--sigterm W:STEP`` send itself SIGTERM there; ``--eval-kill W:EPOCH:BATCH`` makes ``W`` SIGKILL itself before the
+forward of its ``BATCH``-th evaluation batch after epoch ``EPOCH``. Each worker appends one line per trained batch
+whose step stood (``optimizer_step_was_skipped`` false) to ``OUT/batches-<worker>.jsonl``, and writes
+``OUT/record-<worker>.json`` at the end (whether it left, its steps, its parameters' type and local rows).
 """
 
 from __future__ import annotations
@@ -73,12 +74,14 @@ def hold_for_joiners(accelerator: ElasticAccelerator, timeout_s: float = 240.0) 
     raise TimeoutError(f"the joiners due at step {step} are not ready after {timeout_s} s")
 
 
-def evaluate(accelerator: ElasticAccelerator, model: torch.nn.Module, loader: DataLoader) -> float:
+def evaluate(accelerator: ElasticAccelerator, model: torch.nn.Module, loader: DataLoader, die_at: int = -1) -> float:
     """The mean squared error over the whole evaluation set (Accelerate's ``gather_for_metrics`` idiom)."""
     model.eval()
     errors = []
     with torch.no_grad():
-        for _index, x, y in loader:
+        for batch, (_index, x, y) in enumerate(loader):
+            if batch == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
             errors.append(accelerator.gather_for_metrics((model(x) - y) ** 2))
     model.train()
     return torch.cat(errors).mean().item()
@@ -97,12 +100,14 @@ def main() -> None:
     parser.add_argument("--units", action="store_true")
     parser.add_argument("--weak", action="store_true")
     parser.add_argument("--evaluate", action="store_true")
+    parser.add_argument("--eval-kill", default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     worker = os.environ.get("ELAN_WORKER_ID", "alone")
     kills = {kill.split(":")[0]: int(kill.split(":")[1]) for kill in (args.kill or "").split(",") if kill}
     term_worker, term_step = (args.sigterm.split(":")[0], int(args.sigterm.split(":")[1])) if args.sigterm else \
         (None, -1)
+    eval_kill = args.eval_kill.split(":") if args.eval_kill else [None, -1, -1]
 
     units = {"auto_wrap_policy": "size_based_wrap", "min_num_params": 100} if args.units else {}
     plugin = None if args.ddp else FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=args.state_dict_type,
@@ -136,7 +141,8 @@ def main() -> None:
                                               "indices": index.tolist(), "world": accelerator.num_processes}) + "\n")
                     batches.flush()
             if evaluation is not None:
-                val_mse[epoch] = evaluate(accelerator, model, evaluation)
+                die_at = int(eval_kill[2]) if worker == eval_kill[0] and epoch == int(eval_kill[1]) else -1
+                val_mse[epoch] = evaluate(accelerator, model, evaluation, die_at)
             if args.save and epoch == 1:
                 accelerator.save_state(str(args.out / "checkpoint"))
     state = accelerator.get_state_dict(model)
