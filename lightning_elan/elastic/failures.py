@@ -143,11 +143,12 @@ class CommitVote:
     """The per-step commit decision of one generation (see the module docstring)."""
 
     def __init__(self, store: dist.Store, generation: int, rank: int, world_size: int,
-                 failed: Callable[[], bool], hosted_by_rank_0: bool = False) -> None:
+                 failed: Callable[[], bool], hosted_by_rank_0: bool = False, name: str = "commit") -> None:
+        """``name``: what is voted on (the keys ``elan/gen<g>/<name><n>``; a live reshard's commit has its own)."""
         self._store = store
         self._hosted_by_rank_0 = hosted_by_rank_0
         self._generation = generation
-        self._prefix = f"elan/gen{generation}/commit"
+        self._prefix = f"elan/gen{generation}/{name}"
         self._rank, self._world_size = rank, world_size
         self._failed = failed
         self._count = 0

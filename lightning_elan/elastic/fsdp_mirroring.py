@@ -7,7 +7,9 @@ exchange the reduced gradients before the commit vote, advance the mirror once t
 rows go to the new layout). A member's death that no mirror covers — the job has a single member, an optimizer that
 cannot be replayed on a shard, manual optimization or gradient clipping (:func:`unmirrored_because`), the mirror of the
 generation was not seeded yet (seeded at the end of a resize or recovery, and as the launch generation's training loop
-starts), a member died while shards moved — stops the job with :class:`LostShard`, naming why.
+starts) — stops the job with :class:`LostShard`, naming why. A death while the shards move to a new layout abandons
+that reshard: each member keeps its old rows and its mirror until every participant has its new shard (the reshard's
+commit vote), so the recovery starts from the old layout.
 """
 
 from __future__ import annotations
@@ -20,17 +22,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_elan.elastic.live_reshard import ReshardGroup
+from lightning_elan.elastic.live_reshard import ReshardGroup, UnrecoverableShards
 from lightning_elan.replication.fsdp_recover import recover_fsdp
-from lightning_elan.replication.fsdp_reshard import ShardModules, reshard_fsdp
-from lightning_elan.replication.shard_mirror import ShardMirror, mirrorable
+from lightning_elan.replication.fsdp_reshard import ShardModules, describe_optimizers, held_shards, reshard_fsdp
+from lightning_elan.replication.reshard import DEFAULT_CHUNK_BYTES
+from lightning_elan.replication.shard_mirror import Rows, ShardMirror, mirrorable
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LostShard", "StepMirroring", "unmirrored_because"]
 
 
-class LostShard(RuntimeError):
+class LostShard(UnrecoverableShards):
     """A member of an elan_fsdp job died and its shard of the model and optimizer cannot be rebuilt."""
 
 
@@ -50,7 +53,7 @@ class StepMirroring:
         self._worker_id = worker_id
         self._mirror = ShardMirror()
         self._exchanged = False  # this step's gradients are in the mirrors: advance once it committed
-        self._moving = False  # a reshard is under way: a death now leaves the shards half moved
+        self._old: _OldShards | None = None  # the old layout's rows while a reshard has not committed
         self.step_seconds: list[float] = []  # the mirror's own time per step (seed, exchange, advance)
 
     @property
@@ -101,20 +104,16 @@ class StepMirroring:
 
     def check_recoverable(self, world_size: int, unmirrored: str | None) -> None:
         """Before a recovery: :class:`LostShard` when no mirror can cover a dead member."""
-        why = "a member died while the shards were being moved to a new layout" if self._moving else \
-            "the job had a single member" if world_size < 2 else unmirrored
+        why = "the job had a single member" if world_size < 2 else unmirrored
         if why is not None:
             raise LostShard(f"worker {self._worker_id}: a member of this sharded (FSDP2) job died and its shard "
                             f"of the model and optimizer state cannot be rebuilt ({why}); restart the job from its "
                             "last checkpoint")
 
-    def reshard(self, reshard: ReshardGroup, move: Any) -> None:
-        """Run ``move`` (a planned resize's reshard, or :meth:`recover`), marking the shards as moving meanwhile; the
-        mirror is of the old layout: seeded again at the new generation's first step."""
-        self._moving = True
-        move()
-        self._moving = False
-        self._mirror.forget()
+    def describe(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+        """The optimizers as a holder describes them for a reshard (a joiner's skeleton): those of the old layout
+        while an abandoned reshard left the shards there (the optimizers' states are then in the kept rows)."""
+        return self._old.skeleton if self._old is not None else describe_optimizers(model, optimizers)
 
     def move(self, reshard: ReshardGroup, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
              shard_modules: ShardModules, mesh: Any, skeleton: list[dict[str, Any]], chunk_bytes: int,
@@ -122,20 +121,32 @@ class StepMirroring:
         """A front-end's live reshard (``LiveResharding.reshard_live``, both front-ends): a planned resize's rows to
         the new layout, or after a death the recovery from the mirrors; then a receiver seeds the new generation's
         mirrors at once (a death before its first step's vote is covered too). ``mesh``: the new generation's (None
-        on a leaver); ``skeleton``: the optimizers as a holder describes them."""
+        on a leaver); ``skeleton``: the optimizers as a holder describes them.
+
+        Until every participant has its new shard (``reshard.agree``) this member's old rows and its mirror stay: a
+        death before that abandons the reshard, and the recovery starts again from them (the old layout)."""
         receiving = reshard.rank in reshard.receivers
         mesh = mesh if receiving else None
+        holding = reshard.rank in reshard.holders
+        if self._old is None and holding and (reshard.owners is None or reshard.previous_index is not None):
+            self._old = _OldShards(held_shards(model, optimizers), skeleton)
+        if self._old is not None:
+            skeleton = self._old.skeleton
         if reshard.owners is not None:
-            self.reshard(reshard, lambda: self.recover(reshard, model, optimizers, shard_modules, mesh, skeleton))
+            self.recover(reshard, model, optimizers, shard_modules, mesh, skeleton, chunk_bytes)
         else:
-            self.reshard(reshard, lambda: reshard_fsdp(model, optimizers, shard_modules, reshard.holders,
-                                                       reshard.receivers, mesh, group=reshard.group,
-                                                       skeleton=skeleton, chunk_bytes=chunk_bytes))
+            reshard_fsdp(model, optimizers, shard_modules, reshard.holders, reshard.receivers, mesh,
+                         group=reshard.group, skeleton=skeleton, chunk_bytes=chunk_bytes,
+                         held=self._old.rows if self._old is not None else None)
+        reshard.agree()  # every participant has its new shard: the old ones and the mirror of them go
+        self._old = None
+        self._mirror.forget()
         if receiving:
             self.seed(model, optimizers, generation_group, unmirrored)
 
     def recover(self, reshard: ReshardGroup, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                shard_modules: ShardModules, mesh: Any, skeleton: list[dict[str, Any]]) -> None:
+                shard_modules: ShardModules, mesh: Any, skeleton: list[dict[str, Any]],
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         """After a death: the old shards (each survivor's own, a dead ward's from its mirror) to the new layout."""
         assert reshard.owners is not None
         me = reshard.rank
@@ -150,8 +161,16 @@ class StepMirroring:
         mirrored = {ward: self._mirror.rows()} if needs_mirror else {}
         if mirrored:
             log.warning("worker %s restores the shard of dead rank %d from its mirror", self._worker_id, ward)
+        own = self._old.rows if self._old is not None and reshard.previous_index is not None else None
         recover_fsdp(model, optimizers, shard_modules, reshard.owners, reshard.receivers, mesh, reshard.group,
-                     skeleton, reshard.previous_index, mirrored)
+                     skeleton, reshard.previous_index, mirrored, own_rows=own, chunk_bytes=chunk_bytes)
+
+
+class _OldShards:
+    """A holder's rows and optimizer skeleton of the layout a live reshard started from, kept until it commits."""
+
+    def __init__(self, rows: Rows, skeleton: list[dict[str, Any]]) -> None:
+        self.rows, self.skeleton = rows, skeleton
 
 
 def _holds_a_dead_shard(reshard: ReshardGroup) -> bool:

@@ -46,8 +46,8 @@ from lightning_elan.elastic.etcd_rendezvous import EtcdRendezvousStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticProcessGroup", "StaleGroupError", "TolerantGenerationGroup", "UserGroup", "blocked_seconds",
-           "install_default_group", "uninstall_default_group"]
+__all__ = ["ElasticProcessGroup", "SideGroup", "StaleGroupError", "TolerantGenerationGroup", "UserGroup",
+           "blocked_seconds", "install_default_group", "uninstall_default_group"]
 
 BACKEND_NAME = "elan"
 """The name the group is registered under with ``torch.distributed.Backend``."""
@@ -476,6 +476,10 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         self._generation: _Generation | None = None
         self._retired: tuple[ProcessGroup, list[ProcessGroup]] | None = None
         self._forming: _Forming | None = None
+        self._sides: list[_Generation] = []
+        """The failure domains of the side groups in use (:meth:`side_group`)."""
+        self._failed_prefixes: dict[str, BaseException] = {}
+        """Each generation prefix :meth:`fail` was called for, with its failure (a side group made later fails too)."""
 
     # ------------------------------------------------------------------ membership
 
@@ -558,6 +562,8 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         forming = self._forming
         if forming is not None and forming.prefix == prefix:
             forming.failure = failure
+        self._failed_prefixes.setdefault(prefix, failure)
+        self._fail_sides(prefix, failure)
         generation = self._generation
         if generation is None or generation.prefix != prefix:
             return False
@@ -589,6 +595,42 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         generation.user_backends.append(backend)
         log.debug("new_group %s over ranks %s of %s (%s)", group_name, ranks, generation.prefix, group_desc)
         return UserGroup(backend, generation, self, ranks)
+
+    def side_group(self, prefix: str, connect: Callable[[dist.Store], ProcessGroup]) -> SideGroup:
+        """A group built beside the generations by ``connect(store client)`` (a live reshard's transfer group, which
+        a leaver in no generation shares) whose collectives fail with the generation formed under ``prefix``: its work
+        is an :class:`AbortableWork` that :meth:`fail` releases, as a generation's own. gloo's rendezvous runs in a
+        thread while this one watches for that failure (a member that died before it connected holds no one). Only
+        collectives whose backend work has a future are abortable (gloo's send/recv are not: use ``alltoall_base``).
+        Close it once done; a failed one is kept for the life of the process (see :func:`_keep_forever`)."""
+        client = _own_client(self.store)
+        backend = _connect_watching(lambda: connect(client), lambda: self._raise_if_prefix_failed(prefix), client)
+        domain = _Generation(backend, prefix, backend.rank(), backend.size())
+        self._sides.append(domain)
+        failure = self._failed_prefixes.get(prefix)
+        if failure is not None:
+            self._fail_side(domain, failure)
+        return SideGroup(domain, self)
+
+    def _raise_if_prefix_failed(self, prefix: str) -> None:
+        failure = self._failed_prefixes.get(prefix)
+        if failure is not None:
+            raise failure
+
+    def _fail_sides(self, prefix: str, failure: BaseException) -> None:
+        for domain in [side for side in self._sides if side.prefix == prefix]:
+            self._fail_side(domain, failure)
+
+    def _fail_side(self, domain: _Generation, failure: BaseException) -> None:
+        domain.fail(failure)
+        if domain.failure is failure and domain in self._sides:
+            self._sides.remove(domain)
+            _keep_forever(domain)  # its collective may still wait on a peer: never destroyed, disarmed at exit
+
+    def close_side(self, domain: _Generation) -> None:
+        """A side group is done (its collectives completed): it is no longer failed with its generation."""
+        if domain in self._sides:
+            self._sides.remove(domain)
 
     def generation_view(self, tolerating: Callable[[], bool] | None = None) -> ProcessGroup:
         """The current generation as a process group of its own size (for DDP, which reads the C++ size); with
@@ -789,6 +831,34 @@ class _Tolerated(dist.Work):
         except Exception as error:
             self._tolerate_error(error)
             return None
+
+
+class SideGroup(_ForwardingCollectives):
+    """A backend built beside the generations whose collectives fail with one generation (see
+    :meth:`ElasticProcessGroup.side_group`): used through its own methods (``alltoall_base``, ``allreduce``, ...), as a
+    c10d backend is."""
+
+    def __init__(self, domain: _Generation, parent: ElasticProcessGroup) -> None:
+        self._domain, self._parent = domain, parent
+
+    def _target(self) -> ProcessGroup:
+        return self._domain.group
+
+    def _guarded(self, start: Callable[[], dist.Work]) -> dist.Work:
+        return self._domain.guard(start)
+
+    def _check_usable(self) -> None:
+        self._domain.check_usable()
+
+    def rank(self) -> int:
+        return self._domain.rank
+
+    def size(self) -> int:
+        return self._domain.world_size
+
+    def close(self) -> None:
+        """Done with it: a later failure of its generation no longer concerns it."""
+        self._parent.close_side(self._domain)
 
 
 class StaleGroupError(RuntimeError):
@@ -994,6 +1064,8 @@ def _disarm_all() -> None:
     world = dist.group.WORLD if dist.is_initialized() else None
     if isinstance(world, ElasticProcessGroup) and world._generation is not None:
         generations.append(world._generation)
+    if isinstance(world, ElasticProcessGroup):
+        generations.extend(world._sides)
     for generation in generations:
         generation.disarm(DISARM_WAIT_S)
     _await_released_callbacks(DISARM_WAIT_S)

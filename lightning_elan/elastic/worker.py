@@ -36,7 +36,7 @@ from lightning_elan.elastic.error_origin import may_be_a_peers_death
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, UncertainCommit
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
-from lightning_elan.elastic.live_reshard import reshard_live
+from lightning_elan.elastic.live_reshard import ReshardAbandoned, reshard_live
 from lightning_elan.elastic.logged_rows import LoggedRows
 from lightning_elan.elastic.process_group import (
     ElasticProcessGroup,
@@ -213,6 +213,7 @@ class ElasticWorker:
         self._watch: FailureWatch | None = None
         self._vote: CommitVote | None = None
         self._recovered_plan: AdjustmentPlan | None = None  # the plan of the newest recovery
+        self._shard_layout: list[str] | None = None  # a sharded front-end's shards after an abandoned live reshard
         self._vote_server: dist.TCPStore | None = None  # rank 0's fast store of its generation (etcd job store)
         self._recovery_plan: AdjustmentPlan | None = None  # decided while an uncertain commit was resolved
         self._uncommitted: dict[str, Any] | None = None  # the data position before the batch not yet committed
@@ -361,6 +362,11 @@ class ElasticWorker:
                 install_default_group(self._group())
                 phases.mark("group")
                 state, got, route = self._receive(plan)
+                phases.mark("receive")
+                self._in_training_loop = True  # admitted at the members' batch boundary
+                self._spare = None  # taken, or of no use to the route the plan chose: unmapped now
+                self.frontend.load_training_state(state)
+                self._reshard_live(plan)  # a death in it abandons it: this joiner holds no shard, as before it
                 break
             except Exception as error:
                 self._confirm_peer_failure(error)
@@ -368,11 +374,6 @@ class ElasticWorker:
                             plan.generation)
                 self._group().abort()
                 reply = link.recover(plan.generation, None, self.join_timeout_s)
-        phases.mark("receive")
-        self._in_training_loop = True  # admitted at the members' batch boundary
-        self._spare = None  # taken, or of no use to the route the plan chose: unmapped now
-        self.frontend.load_training_state(state)
-        self._reshard_live(plan)
         if not plan.stayers:  # every old member left: their epoch aggregates come to the first joiner
             self._take_aggregates(plan, plan.leavers, self._group().store, plan.step)
         phases.mark("restore")
@@ -458,7 +459,16 @@ class ElasticWorker:
                     committed_step)
         launch = self.in_launch_generation
         plan, sent = self._enter_recovery(failed, committed_step)
-        self._reshard_live(plan)  # a sharded front-end: the dead members' shards from their mirrors (elan_fsdp)
+        while True:
+            try:
+                self._reshard_live(plan)  # a sharded front-end: the dead members' shards from their mirrors (elan_fsdp)
+                break
+            except ReshardAbandoned:  # another death in it: recover from that one, from the same old layout
+                log.warning("worker %s: generation %d failed during the recovery's reshard", self.worker_id,
+                            plan.generation)
+                self._abandon_outgoing()
+                self._group().abort()
+                plan, sent = self._enter_recovery(plan.generation, committed_step)
         self._recovered_plan = plan
         if launch and not plan.joiners:  # no state was replicated into it: it starts as the launch generation did
             self._launch_generation = plan.generation
@@ -517,21 +527,28 @@ class ElasticWorker:
                                f"{reply.reason}")
         return reply.plan
 
-    def _confirm_peer_failure(self, error: BaseException) -> None:
+    def _confirm_peer_failure(self, error: BaseException, generation: int | None = None) -> None:
+        """Return once a member's death in this worker's generation (or ``generation``: a leaver's live reshard is in
+        the plan's) is confirmed, else re-raise ``error``."""
         if isinstance(error, PeerFailure):
             return  # raised because the watch saw a generation fail (one being formed, too)
         own = self._own_failure()
         if own is not None:
             raise own from error  # the generation failed by this process's own decision, not by a death
-        if self._watch is None or not (self.peer_failed or may_be_a_peers_death(error)):
+        if self._watch is None or not (self._peer_failed_in(generation) or may_be_a_peers_death(error)):
             raise error  # the process's own error (a bug, an out-of-memory...), raised outside any communication
-        if self.peer_failure_within(FAILURE_NOTICE_WARNING_S):
+        if self.peer_failure_within(FAILURE_NOTICE_WARNING_S, generation):
             return
         log.warning("worker %s: a collective failed (%s: %s) and the AM has not said that a member died; waiting up "
                     "to %.0f s for it before taking the error as this process's own", self.worker_id,
                     type(error).__name__, str(error)[:200], FAILURE_NOTICE_S)
-        if not self.peer_failure_within(FAILURE_NOTICE_S - FAILURE_NOTICE_WARNING_S):
+        if not self.peer_failure_within(FAILURE_NOTICE_S - FAILURE_NOTICE_WARNING_S, generation):
             raise error
+
+    def _peer_failed_in(self, generation: int | None) -> bool:
+        if generation is None or generation == self.generation:
+            return self.peer_failed
+        return self._watch is not None and self._watch.failed(generation)
 
     def _own_failure(self) -> BaseException | None:
         """What this process failed its generation's collectives with itself (a front-end's decision, e.g. a joiner
@@ -540,10 +557,11 @@ class ElasticWorker:
         failure = None if self.group is None else self.group.failure
         return None if failure is None or isinstance(failure, PeerFailure) else failure
 
-    def peer_failure_within(self, seconds: float) -> bool:
-        """Whether the AM says, within ``seconds``, that a member of this worker's generation died."""
+    def peer_failure_within(self, seconds: float, generation: int | None = None) -> bool:
+        """Whether the AM says, within ``seconds``, that a member of this worker's generation (or ``generation``)
+        died."""
         deadline = time.monotonic() + seconds
-        while not self.peer_failed:
+        while not self._peer_failed_in(generation):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.02)
@@ -823,6 +841,7 @@ class ElasticWorker:
         phases.mark("agree")  # since the batch boundary began: reports, the coordination, the plan's broadcast
         self._timeline.adjustment_started()
         self.frontend.adopt_shared_state(decision.shared)
+        self._shard_layout = self._shard_layout or list(plan.previous_members)  # until the live reshard commits
         self._take_aggregates(plan, plan.leavers, self._aggregate_store(), step)
         self._scaling.apply(self.data, decision.scaling)  # before the snapshot: joiners inherit batch and LR ramp
         snapshot = self._snapshot() if plan.joiners_served_by(self.worker_id) else None
@@ -833,10 +852,17 @@ class ElasticWorker:
             self._enter(plan)
         else:
             self._group().shutdown()
+            if self._watch is not None:
+                self._watch.watch(plan.generation)  # a death in the live reshard it takes part in fails that one
         phases.mark("group")
         sent = self._send(plan, snapshot) if snapshot is not None else 0
         phases.mark("send")
-        self._reshard_live(plan)
+        try:
+            self._reshard_live(plan)
+        except ReshardAbandoned:
+            if staying:
+                raise
+            self._leave_abandoned(plan)
         if not staying:
             self._leave(plan, sent, time.perf_counter() - started)
         self.frontend.after_resize()
@@ -856,6 +882,16 @@ class ElasticWorker:
             self._record_aggregates(plan.step)
         self.frontend.membership_changed(previous)
 
+    def _leave_abandoned(self, plan: AdjustmentPlan) -> None:
+        """A leaver whose live reshard a member's death abandoned: the survivors recover without it (from the old
+        layout, its shard from its mirror holder); it leaves without a report (its plan failed)."""
+        log.warning("worker %s leaves the job: a member died in the live reshard of generation %d", self.worker_id,
+                    plan.generation)
+        self._abandon_outgoing()
+        self.has_left = True
+        step_aside()
+        self.frontend.leave()
+
     def _leave(self, plan: AdjustmentPlan, sent: int, elapsed: float) -> None:
         self._finish_outgoing()
         log.info("worker %s leaves the job at generation %d", self.worker_id, plan.generation)
@@ -868,14 +904,31 @@ class ElasticWorker:
     # ------------------------------------------------------------------ state replication
 
     def _reshard_live(self, plan: AdjustmentPlan) -> None:
-        """A sharded front-end (``LiveResharding``: elan_fsdp) moves its shards, old members and joiners together."""
-        reshard_live(self.frontend, plan, self.worker_id, self._group().store, self.backend, self.timeout)
+        """A sharded front-end (``LiveResharding``: elan_fsdp) moves its shards, old members and joiners together, on
+        a side group failed with the plan's generation; a death before every participant had its new shard abandons
+        it, and the next reshard (the recovery's) starts from the layout it started from (``_shard_layout``: set from
+        the adjustment's start — a death while the generation forms or the state is sent leaves the shards there too —
+        until a reshard commits; a joiner takes its source's)."""
+        group, generation = self._group(), plan.generation
+        try:
+            reshard_live(self.frontend, plan, self.worker_id, group.store, self.backend, self.timeout,
+                         side_group=lambda connect: group.side_group(generation_prefix(generation), connect),
+                         failed=lambda: self._watch is not None and self._watch.failed(generation),
+                         confirm=lambda error: self._confirm_peer_failure(error, generation),
+                         layout=self._shard_layout)
+        except ReshardAbandoned as abandoned:
+            self._shard_layout = abandoned.layout
+            raise
+        except Exception:  # after the reshard committed (the new mirror's seed), or this process's own error
+            self._shard_layout = None
+            raise
+        self._shard_layout = None
 
     def _snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         skeleton, tensors = split_tensors(self.frontend.training_state())
         order = None if self._epoch_order is None else self._epoch_order.state_dict()
         engine = {"data": self.data.state_dict(), "rng": rng_state(), "order": order,
-                  "launch_world_size": self.launch_world_size}
+                  "launch_world_size": self.launch_world_size, "shard_layout": self._shard_layout}
         return {"frontend": skeleton, "engine": engine}, tensors
 
     def _send(self, plan: AdjustmentPlan, snapshot: tuple[dict[str, Any], list[torch.Tensor]]) -> int:
@@ -897,6 +950,7 @@ class ElasticWorker:
         set_rng_state(cpu_state["engine"]["rng"])
         self._received_order = cpu_state["engine"].get("order")
         self.launch_world_size = cpu_state["engine"].get("launch_world_size") or self.launch_world_size
+        self._shard_layout = cpu_state["engine"].get("shard_layout")  # the layout its source's shards are in
         if self._epoch_order is not None:
             self.follow_epoch_order(self._epoch_order)
         return join_tensors(cpu_state["frontend"], got.tensors), got, transport

@@ -13,7 +13,8 @@ other states (Adam's ``step``) and its groups' hyperparameters are the first hol
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_elan.replication.reshard import DEFAULT_CHUNK_BYTES, move_rows
 from lightning_elan.torch_compat import undo_fully_shard
 
-__all__ = ["ShardModules", "describe_optimizers", "reshard_fsdp"]
+__all__ = ["ShardModules", "describe_optimizers", "held_shards", "is_fully_sharded", "reshard_fsdp", "take_fsdp_off"]
 
 ShardModules = Callable[[nn.Module, DeviceMesh], None]
 """Applies ``fully_shard`` to the module's units and the module itself on the given mesh (the user's wrapping)."""
@@ -35,45 +36,101 @@ PARAM = "param"
 
 def reshard_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], shard_modules: ShardModules,
                  holders: Sequence[int], receivers: Sequence[int], mesh: DeviceMesh | None, group: Any | None = None,
-                 skeleton: list[dict[str, Any]] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 skeleton: list[dict[str, Any]] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 held: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
     """Shard ``model`` and ``optimizers`` from the ``holders``' mesh onto ``mesh`` (None on a member that leaves).
 
-    ``holders``/``receivers`` are ranks of ``group`` (default: the default group; else a process group or a c10d
-    backend, see ``move_rows``). ``skeleton``: the optimizers as :func:`describe_optimizers` describes them on a holder
-    (default: the first holder's, broadcast on the default group). Rows move in messages of at most ``chunk_bytes``;
-    each old shard is freed once its rows have gone, and each new parameter shard is loaded as soon as it is whole, so
-    a member's memory grows by at most its new shard, one chunk and one parameter's shard (FSDP2 re-pads a short
-    one)."""
+    ``holders``/``receivers`` are ranks of ``group`` (default: the default group; else a process group, a c10d
+    backend or a side group, see ``move_rows``). ``skeleton``: the optimizers as :func:`describe_optimizers` describes
+    them on a holder (default: the first holder's, broadcast on the default group). ``held``: this holder's old rows
+    (:func:`held_shards`) when the caller keeps them to start again from should the reshard be abandoned (a member's
+    death); then they are only read. Without it each old shard is freed once its rows have gone. Rows move in pieces
+    of at most ``chunk_bytes``, and each new parameter shard is loaded as soon as it is whole, so a member's memory
+    grows by at most its new shard, one chunk and one parameter's shard (FSDP2 re-pads a short one). On an error the
+    optimizers' groups point at the module's parameters again, their states empty (the caller's rows hold them)."""
     me = group.rank() if group is not None else dist.get_rank()
     names = {id(parameter): name for name, parameter in model.named_parameters()}
     like = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in model.named_parameters()}
     skeleton = skeleton if skeleton is not None else _skeleton(optimizers, names, holders[0])
-    held = _held_shards(model, optimizers, names) if me in holders else {}
+    keep = held is not None
+    olds = (held if keep else _held_shards(model, optimizers, names)) if me in holders else {}
     group_names = [_release(optimizer, names) for optimizer in optimizers]
-    if me in holders:
-        undo_fully_shard(model)
-    gc.collect()  # FSDP2's states (reference cycles) go now: ``held`` is then the only owner of the old shards
-    if me in receivers:
-        if mesh is None:
-            raise ValueError("a receiver of the reshard needs the new mesh")
-        shard_modules(model, mesh)  # on the meta parameters: allocates nothing
-    tags = iter(range(1 << 30))  # one per tensor, the same on every member (the same names and kinds, in order)
+    with _groups_restored_on_failure(model, optimizers, group_names):
+        if is_fully_sharded(model):
+            undo_fully_shard(model)
+        gc.collect()  # FSDP2's states (reference cycles) go now: ``olds`` is then the only owner of the old shards
+        if me in receivers:
+            if mesh is None:
+                raise ValueError("a receiver of the reshard needs the new mesh")
+            shard_modules(model, mesh)  # on the meta parameters: allocates nothing
+        moved = _move_all(model, like, skeleton, olds, keep, holders, receivers, mesh, group, chunk_bytes)
+        if me not in receivers:
+            return
+        parameters = dict(model.named_parameters())
+        for index, (optimizer, described) in enumerate(zip(optimizers, skeleton, strict=True)):
+            _rebind(optimizer, described, group_names[index],
+                    lambda name, key, index=index: moved[name][f"o{index}/{key}"], parameters)
+
+
+def _move_all(model: nn.Module, like: dict[str, torch.Tensor], skeleton: list[dict[str, Any]],
+              olds: dict[str, dict[str, torch.Tensor]], keep: bool, holders: Sequence[int], receivers: Sequence[int],
+              mesh: DeviceMesh | None, group: Any | None, chunk_bytes: int) -> dict[str, dict[str, DTensor]]:
+    """Every tensor's rows to the new layout; a receiver loads each parameter once it is whole. Returns the moved
+    optimizer states (``keep``: the old rows are left in ``olds``; else each is freed once sent)."""
+    me = group.rank() if group is not None else dist.get_rank()
     moved: dict[str, dict[str, DTensor]] = {}
     for name, shape in like.items():
-        olds = held.pop(name, {})
+        rows_of = olds.get(name, {}) if keep else olds.pop(name, {})
         for kind in _sharded_kinds(skeleton, name):
-            rows = move_rows(olds.pop(kind, None), shape.shape[0], holders, receivers, like=shape, group=group,
-                             tag=next(tags), chunk_bytes=chunk_bytes)  # the old shard freed here
+            old = rows_of.get(kind) if keep else rows_of.pop(kind, None)
+            rows = move_rows(old, shape.shape[0], holders, receivers, like=shape, group=group,
+                             chunk_bytes=chunk_bytes)
+            del old  # without ``keep``: the old shard freed here
             if rows is not None:
                 moved.setdefault(name, {})[kind] = _as_shard(rows, mesh, shape)
         if me in receivers:
             _load_parameter(model, name, moved[name].pop(PARAM))
-    if me not in receivers:
-        return
+    return moved
+
+
+def is_fully_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 is applied to ``model`` (a holder's; a reshard abandoned after it re-applied FSDP2, too)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def _groups_restored_on_failure(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                                group_names: list[list[str]]) -> Iterator[None]:
+    """On an error (a member's death abandons the reshard) each optimizer's groups point at the module's parameters
+    again, by name, so that a later reshard (the recovery) can release and rebind them; their states stay empty."""
+    try:
+        yield
+    except BaseException:
+        parameters = dict(model.named_parameters())
+        for optimizer, names in zip(optimizers, group_names, strict=True):
+            for group, param_names in zip(optimizer.param_groups, names, strict=True):
+                group["params"] = [parameters[name] for name in param_names]
+            optimizer.state.clear()
+        raise
+
+
+def take_fsdp_off(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """FSDP2 taken off ``model`` (its parameters become meta tensors of their full shape), each optimizer's groups
+    pointing at the new parameters (a joiner again after a death abandoned the reshard that had sharded it)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    undo_fully_shard(model)
     parameters = dict(model.named_parameters())
-    for index, (optimizer, described) in enumerate(zip(optimizers, skeleton, strict=True)):
-        _rebind(optimizer, described, group_names[index], lambda name, key, index=index: moved[name][f"o{index}/{key}"],
-                parameters)
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [parameters[names[id(parameter)]] for parameter in group["params"]]
+
+
+def held_shards(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, dict[str, torch.Tensor]]:
+    """This holder's local rows of every parameter and optimizer state sharded like it (``reshard_fsdp``'s ``held``)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    return _held_shards(model, optimizers, names)
 
 
 def _release(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[list[str]]:

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_elan.replication.mirror_plan import mirror_holder, mirror_ward
+from lightning_elan.replication.reshard import exchange
 from lightning_elan.replication.shard_layout import shard_rows
 
 log = logging.getLogger(__name__)
@@ -177,20 +178,16 @@ def _empty_rows(parameter: torch.Tensor, world: int, index: int) -> torch.Tensor
 
 def _exchange(group: Any, outgoing: Rows, incoming: Rows, holder: int, ward: int) -> None:
     """Every tensor of ``outgoing`` to ``holder``, those of ``incoming`` received from ``ward`` (the same names and
-    kinds in the same order on every member), copied to the host."""
-    works = []
-    for tag, (name, kind) in enumerate((name, kind) for name, kinds in incoming.items() for kind in kinds):
-        target = incoming[name][kind]
-        if target.numel():
-            works.append(group.recv([target], ward, tag))
-    staged = []
-    for tag, (name, kind) in enumerate((name, kind) for name, kinds in outgoing.items() for kind in kinds):
+    kinds in the same order on every member), copied to the host: one all-to-all per tensor (``reshard.exchange``;
+    abortable on a generation's group, where gloo's send and receive were not: a member's death left a survivor
+    waiting in the mirror's exchange)."""
+    keys = [(name, kind) for name, kinds in outgoing.items() for kind in kinds]
+    for name, kind in keys:
         rows = outgoing[name][kind].detach().to("cpu").contiguous()
-        if rows.numel():
-            staged.append(rows)
-            works.append(group.send([rows], holder, tag))
-    for work in works:
-        work.wait()
+        target = incoming.get(name, {}).get(kind)
+        sends = [(holder, rows)] if rows.numel() else []
+        receives = [(ward, target)] if target is not None and target.numel() else []
+        exchange(group, sends, receives)
 
 
 def _shadow(optimizer: torch.optim.Optimizer, model: nn.Module, index: int, rows: Rows) -> torch.optim.Optimizer:

@@ -43,7 +43,7 @@ from typing_extensions import override
 from lightning_elan import compat, sharded_checkpoint, torch_compat
 from lightning_elan.elastic.fsdp_mirroring import LostShard, StepMirroring, unmirrored_because
 from lightning_elan.elastic.live_reshard import ReshardGroup
-from lightning_elan.replication.fsdp_reshard import describe_optimizers
+from lightning_elan.replication.fsdp_reshard import describe_optimizers, take_fsdp_off
 from lightning_elan.replication.reception import tensor_nbytes
 from lightning_elan.strategy.strategy import ElanStrategy
 
@@ -272,7 +272,7 @@ class ElanFSDPStrategy(ElanStrategy):
         finally:
             self._snapshotting = False
         state["checkpoint"][LIVE_RESHARD_KEY] = True
-        state["fsdp_optimizers"] = describe_optimizers(self.lightning_module, self._torch_optimizers())
+        state["fsdp_optimizers"] = self._mirroring.describe(self.lightning_module, self._torch_optimizers())
         return state
 
     @override
@@ -280,6 +280,8 @@ class ElanFSDPStrategy(ElanStrategy):
         """As an ``"elan"`` joiner, but the model state of the checkpoint (buffers only) is not loaded strictly."""
         self._joined_optimizers = state["fsdp_optimizers"]
         module = self.lightning_module
+        if _is_sharded(module):  # a joiner again: a death abandoned the live reshard that had sharded it
+            take_fsdp_off(module, self._torch_optimizers())
         strict = module.strict_loading
         module.strict_loading = False
         try:
@@ -293,12 +295,14 @@ class ElanFSDPStrategy(ElanStrategy):
         receiving, holding = reshard.rank in reshard.receivers, reshard.rank in reshard.holders
         skeleton = describe_optimizers(self.lightning_module, self._torch_optimizers()) if holding else \
             self._joined_optimizers
-        self._mirroring.move(reshard, self.lightning_module, self._torch_optimizers(), self._shard,
-                             self.device_mesh if receiving else None, skeleton, self.reshard_chunk_bytes,
-                             self.engine.generation_group if receiving else None, self._unmirrored())
+        try:
+            self._mirroring.move(reshard, self.lightning_module, self._torch_optimizers(), self._shard,
+                                 self.device_mesh if receiving else None, skeleton, self.reshard_chunk_bytes,
+                                 self.engine.generation_group if receiving else None, self._unmirrored())
+        finally:  # a leaver (its reshard done or abandoned): meta tensors in its module; teardown moves it to the CPU
+            if not receiving and _has_meta_tensors(self.lightning_module):
+                self.lightning_module.to_empty(device=self.root_device)
         self._joined_optimizers = None
-        if not receiving:  # a leaver: its module's tensors are on the meta device; teardown moves them to the CPU
-            self.lightning_module.to_empty(device=self.root_device)
 
     def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
         return [_torch_optimizer(optimizer) for optimizer in self.optimizers]
@@ -353,14 +357,22 @@ class ElanFSDPStrategy(ElanStrategy):
                                   bool(trainer.gradient_clip_val))
 
     @override
+    def fit_started(self) -> None:
+        """The launch generation's mirrors are seeded as the fit starts (a checkpoint it resumes from is restored by
+        then), so a death in the sanity check, or in any hook or collective before the first step, is covered as one
+        in a step is; a resize's or recovery's generation has its mirrors already (seeded at the end of its reshard:
+        this is a no-op there). The seed is a collective before the loop, recovered from as the others are."""
+        self._seed_mirrors()
+
+    @override
     def training_loop_started(self) -> None:
-        """The launch generation's mirrors are seeded as its training loop starts (a checkpoint it resumed from is
-        restored by then), so a death in its first step is covered as in any other step; a resize's or recovery's
-        generation has its mirrors already (seeded at the end of its reshard: this is a no-op there). The seed is the
-        last collective before the loop, recovered from as the others are."""
+        """The mirrors seeded (a no-op after :meth:`fit_started`: the sanity check changes no state)."""
+        self._seed_mirrors()
+        super().training_loop_started()
+
+    def _seed_mirrors(self) -> None:
         self._pre_loop.run(lambda: self._mirroring.seed(self.lightning_module, self._torch_optimizers(),
                                                         self.engine.generation_group, self._unmirrored()))
-        super().training_loop_started()
 
     @override
     def _recover_before_the_loop(self, error: BaseException) -> None:

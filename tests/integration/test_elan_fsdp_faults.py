@@ -120,3 +120,46 @@ def test_a_shard_killed_with_its_mirror_fails_the_job_clearly(tmp_path: Path) ->
     assert "still running after" not in run.output, run.excerpt()
     text = run.output.replace("\n", " ")
     assert "died with their mirrors: shard 1 (worker" in text, run.excerpt()
+
+
+def assert_released_and_recovered(run: FsdpRun, static: FsdpRun, adjustments: list[tuple[str, int]]) -> None:
+    """A death in a live reshard: every survivor released at once (none declared dead for not checking in), the
+    reshard abandoned, the recovery from the old layout (a shard restored from its mirror), exact."""
+    assert "did not check in after the failure" not in run.output, run.excerpt()
+    assert "abandons the live reshard" in run.output, run.excerpt()
+    assert_recovered_exactly(run, static, adjustments, recorded=("failure",))
+
+
+def test_a_member_killed_in_a_scale_out_reshard_releases_every_survivor(tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """2 workers grow to 4 after step 2; rank 1 SIGKILLs itself at its third transfer of the live reshard (some rows
+    moved). gloo's point-to-point transfers could not be released: a survivor waited on a live peer until the AM
+    declared it dead 60 s later, and the job failed. Every participant is released at once, the reshard is abandoned
+    (no one has let its old shard go), and the recovery takes rank 0's shard and rank 1's from rank 0's mirror to the
+    3 survivors (the joiners included); the result is the static run's."""
+    run = run_fsdp_job(tmp_path, "fsdpkillgrow", "--kill-step", "2", "--kill-at", "reshard", "--kill-rank", "1",
+                       schedule="2:add=2")
+
+    assert_released_and_recovered(run, static_fsdp, [("failure", 3)])
+
+
+def test_a_member_killed_in_a_scale_in_reshard_releases_every_survivor(tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """2 workers grown to 4 after step 2, rank 3 removed after step 4; rank 1 SIGKILLs itself in that reshard: the
+    leaver leaves, the survivors 0 and 2 recover from the 4-member layout (rank 1's shard from rank 2's mirror, the
+    leaver's from rank 0's)."""
+    run = run_fsdp_job(tmp_path, "fsdpkillshrink", "--kill-step", "4", "--kill-at", "reshard", "--kill-rank", "1",
+                       schedule="2:add=2,4:remove=rank:3")
+
+    assert_released_and_recovered(run, static_fsdp, [("failure", 2)])
+    assert "leaves the job: a member died in the live reshard" in run.output, run.excerpt()
+
+
+def test_a_member_killed_in_a_recovery_reshard_recovers_from_the_same_old_layout(tmp_path: Path,
+                                                                                 static_fsdp: FsdpRun) -> None:
+    """2 workers grown to 4; rank 3 dies in step 5's backward and rank 1 in the reshard of the recovery from that
+    death (its third transfer): that reshard is abandoned too, and the second recovery starts from the same 4-member
+    layout (rank 3's shard from rank 0's mirror, rank 1's from rank 2's); the result is the static run's."""
+    run = run_fsdp_job(tmp_path, "fsdpkillrecovery", "--kill-step", KILL_STEP, "--kill-at", "backward",
+                       "--kill-rank", "3", "--reshard-kill-rank", "1", schedule="2:add=2")
+
+    assert_released_and_recovered(run, static_fsdp, [("failure", 2)])
+    assert "failed during the recovery's reshard" in run.output, run.excerpt()

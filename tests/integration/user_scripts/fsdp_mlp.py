@@ -1,7 +1,8 @@
 """A float64 MLP of a few Linear blocks trained with Adam, under ``strategy="elan"`` or ``"elan_fsdp"`` (issue 24).
 
 python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N] [--kill-step S [--kill-rank R]...
-    [--kill-at start|forward|backward|optimizer]] [--configure-model] [--net-in-step] [--evaluate]
+    [--kill-at start|forward|backward|optimizer|reshard]] [--reshard-kill-rank R] [--configure-model] [--net-in-step]
+    [--evaluate]
 
 Every process appends the samples it trained to ``OUT/trained-<pid>.jsonl`` (one line per batch: epoch, step, the
 dataset indices, without a rank's weight-0 stand-in sample). ``ModelCheckpoint`` saves every 3 steps into
@@ -13,8 +14,11 @@ are logged (``resharded live``). ``--kill-step S``: rank 1 (or each ``--kill-ran
 step S: as it starts (``--kill-at start``), in the forward (a forward pre-hook of the second block), in the backward (a
 gradient hook on that block's output: the later units' reduce-scatters are under way) or in the optimizer step
 (``on_before_optimizer_step``: the step was committed, the update not applied; the batch's samples are recorded first,
-as the step stands). Only processes of the generation that first reaches the kill die (``OUT/killed`` says which), so a
-survivor that takes a killed rank, or a replacement, does not kill itself in the redo.
+as the step stands) or, ``--kill-at reshard``, in the live reshard of the first adjustment after step S (at its
+``RESHARD_KILL_AT``-th transfer: some rows have moved). Only processes of the generation that first reaches the kill die
+(``OUT/killed`` says which), so a survivor that takes a killed rank, or a replacement, does not kill itself in the redo.
+``--reshard-kill-rank R``: rank R (as step S starts) also SIGKILLs itself in the reshard of the recovery from that
+first death, at its ``RESHARD_KILL_AT``-th transfer (``OUT/killed-in-recovery``).
 
 ``--evaluate``: after ``fit`` the members run ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` over the
 dataset in order (their steps call the network as ``training_step`` does); rank 0 writes the logged ``val_mse`` and
@@ -41,6 +45,8 @@ from lightning_elan.strategy.fsdp import ElanFSDPStrategy
 
 SAMPLES, FEATURES, WIDTH = 96, 6, 16
 OUT = "."  # set from the command line
+RESHARD_KILL_AT = 3
+"""``--kill-at reshard``: the transfer (all-to-all round of ``replication.reshard.carry``) a process dies in."""
 
 
 class Indexed(Dataset):
@@ -115,15 +121,20 @@ class RecordTrained(Callback):
     """One line per trained batch: the samples this process trained (a stand-in sample of weight 0 left out); the
     kills of ``--kill-step``."""
 
-    def __init__(self, out: Path, kill_step: int | None, kill_ranks: list[int], kill_at: str) -> None:
+    def __init__(self, out: Path, kill_step: int | None, kill_ranks: list[int], kill_at: str,
+                 reshard_kill_rank: int | None = None) -> None:
         self.out = out
         self.path = out / f"trained-{os.getpid()}.jsonl"
         self.kill_step, self.kill_ranks, self.kill_at = kill_step, kill_ranks, kill_at
+        self.reshard_kill_rank = reshard_kill_rank
         self.hooks: list = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.batch = batch
-        if not self._kills_here(trainer):
+        if trainer.global_step == self.kill_step and trainer.global_rank == self.reshard_kill_rank and \
+                not (self.out / "killed-in-recovery").exists():
+            _die_in_a_reshard(self.out / "killed-in-recovery", lambda: (self.out / "killed").exists())
+        if not self._kills_here(trainer) or self.kill_at == "reshard":
             return
         if self.kill_at == "start":
             self._die(trainer)
@@ -145,6 +156,9 @@ class RecordTrained(Callback):
             hook.remove()
         self.hooks = []
         self._record(trainer, batch)
+        if self.kill_at == "reshard" and self._kills_here(trainer):  # the batch boundary's adjustment follows
+            marker, generation = self.out / "killed", str(trainer.strategy.generation)
+            _die_in_a_reshard(marker, lambda: not marker.exists() or marker.read_text() == generation, generation)
 
     def _record(self, trainer, batch) -> None:
         samples = [] if trainer.strategy.sample_weight == 0 else batch[0].tolist()
@@ -162,6 +176,24 @@ class RecordTrained(Callback):
     def _die(self, trainer) -> None:
         (self.out / "killed").write_text(str(trainer.strategy.generation))
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_in_a_reshard(marker: Path, armed, text: str = "") -> None:
+    """SIGKILL this process at its ``RESHARD_KILL_AT``-th transfer of a live reshard while ``armed()`` (writing
+    ``marker`` first)."""
+    from lightning_elan.replication import reshard
+
+    exchange, calls = reshard.exchange, [0]
+
+    def exchange_or_die(*args, **kwargs):
+        if armed():
+            calls[0] += 1
+            if calls[0] == RESHARD_KILL_AT:
+                marker.write_text(text)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return exchange(*args, **kwargs)
+
+    reshard.exchange = exchange_or_die
 
 
 def full_state(trainer: pl.Trainer, model: MLP) -> dict[str, torch.Tensor]:
@@ -187,7 +219,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--kill-step", type=int, default=None)
     parser.add_argument("--kill-rank", type=int, action="append", default=None)
-    parser.add_argument("--kill-at", choices=["start", "forward", "backward", "optimizer"], default="start")
+    parser.add_argument("--kill-at", choices=["start", "forward", "backward", "optimizer", "reshard"], default="start")
+    parser.add_argument("--reshard-kill-rank", type=int, default=None)
     parser.add_argument("--configure-model", action="store_true")
     parser.add_argument("--net-in-step", action="store_true")
     parser.add_argument("--evaluate", action="store_true")
@@ -204,7 +237,7 @@ def main() -> None:
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_epochs=args.epochs, logger=False,
         enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[RecordTrained(args.out, args.kill_step, args.kill_rank or [1], args.kill_at),
+        callbacks=[RecordTrained(args.out, args.kill_step, args.kill_rank or [1], args.kill_at, args.reshard_kill_rank),
                    ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=3, save_top_k=-1,
                                    filename="{step}")],
     )
