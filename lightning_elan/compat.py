@@ -1098,6 +1098,18 @@ def logger_versions(trainer: pl.Trainer) -> list[Any]:
     return [getattr(logger, "_version", None) if hasattr(logger, "_version") else None for logger in trainer.loggers]
 
 
+def resolved_logger_versions(trainer: pl.Trainer) -> list[Any]:
+    """Each logger's version, resolved now where it names a directory: ``CSVLogger`` and ``TensorBoardLogger`` take
+    the next free ``version_N`` of their directory at first use, which is rank 0's (it creates the directory when it
+    first logs). Lightning resolves it on every rank for the first logger only (``Trainer.log_dir``,
+    ``ModelCheckpoint``'s directory); other loggers keep ``_version`` None on the other ranks. Other loggers: their
+    cached version, if any."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    return [logger.version if isinstance(logger, CSVLogger | TensorBoardLogger) else getattr(logger, "_version", None)
+            for logger in trainer.loggers]
+
+
 def set_logger_versions(trainer: pl.Trainer, versions: list[Any]) -> None:
     for logger, version in zip(trainer.loggers, versions, strict=False):
         if version is not None and hasattr(logger, "_version"):
@@ -1154,6 +1166,16 @@ def move_progress_bar(trainer: pl.Trainer, loop_started: bool = True) -> None:
             callback.train_progress_bar = callback.init_train_tqdm()
             callback.train_progress_bar.reset(total=trainer.num_training_batches)
             callback.train_progress_bar.initial = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def move_profiler(trainer: pl.Trainer) -> None:
+    """The profiler prints its report on local rank 0 only: ``Profiler._rank_zero_info`` tests the ``_local_rank``
+    that ``Trainer.__setup_profiler`` gave it at the start (None in a one-process world). A member that became local
+    rank 0 after a resize or a death (rank 0 killed) takes the old one's place: without it, no process printed the
+    ``FIT Profiler Report``."""
+    profiler = trainer.profiler
+    if getattr(profiler, "_local_rank", None) is not None:
+        profiler._local_rank = trainer.local_rank
 
 
 def move_throughput_monitors(trainer: pl.Trainer, loop_started: bool = True) -> None:

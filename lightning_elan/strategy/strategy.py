@@ -257,6 +257,15 @@ class ElanStrategy(DDPStrategy):
             raise compat.LeaveFit
         if self._training_fit and self.engine.is_member and self.engine.training_fits:
             self.engine.start_later_fit(trainer.fit_loop.epoch_progress.current.processed)
+        if self.engine.is_member:
+            self._share_logger_versions(trainer)
+
+    def _share_logger_versions(self, trainer: pl.Trainer) -> None:
+        """Every member takes rank 0's logger versions before anything is logged, so a member that becomes rank 0
+        after rank 0's death continues each logger in its version directory (it had resolved the first logger's only:
+        a second ``CSVLogger`` of the new rank 0 opened ``version_1`` beside the rows rank 0 wrote in ``version_0``).
+        Each rank gives its own resolution: a broadcast run again after rank 0's death takes the new rank 0's."""
+        compat.set_logger_versions(trainer, self.broadcast(compat.resolved_logger_versions(trainer)))
 
     def _setup_alone(self, trainer: pl.Trainer) -> None:
         """The model set up as DDP's ``setup`` does for an evaluation, without the state sync that needs the job.
@@ -414,6 +423,7 @@ class ElanStrategy(DDPStrategy):
         self._reshard_evaluation(trainer)
         compat.move_progress_bar(trainer, loop_started=not self._pre_loop.recording)
         compat.move_throughput_monitors(trainer, loop_started=not self._pre_loop.recording)
+        compat.move_profiler(trainer)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

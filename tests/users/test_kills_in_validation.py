@@ -22,6 +22,7 @@ from tests.users.corpus import (
     read_csv,
     run_job,
 )
+from tests.users.test_corpus import check_metrics_loggers_profiler
 
 pytestmark = pytest.mark.integration
 
@@ -86,3 +87,23 @@ def test_a_member_killed_in_the_sanity_check_while_torchmetrics_syncs(tmp_path_f
                        "grad_norm", "weight_norm"):
             assert_logged_alike(rows, static_rows, column, exact=True)
     assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
+
+
+def test_rank0_killed_in_a_validation_leaves_every_logger_in_its_version(tmp_path_factory: pytest.TempPathFactory
+                                                                          ) -> None:
+    """Rank 0 — the process that writes both ``CSVLogger``\\ s — dies in the validation after the batch that started
+    at step 3 (found by ``random_kills.py``, seed 10): the new rank 0 continues both loggers in ``version_0``, as the
+    static run wrote them. (It knew the first logger's version only, which Lightning resolves on every rank; its second
+    logger opened ``version_1`` and ``metrics.csv`` of ``version_0`` stopped at the death.)"""
+    static = run_job(tmp_path_factory.mktemp("rank0-static"), Job("static", SANITY_COMMAND))
+    assert_ok(static)
+    run = run_job(tmp_path_factory.mktemp("rank0-killed"), Job("killed", SANITY_COMMAND, kill="3:validation"),
+                  {"USERS_KILL_RANK": "0"})
+    assert_ok(run)
+    assert [kill["phase"] for kill in run.kills()] == ["validation"]
+    assert [a["action"] for a in run.adjustments()] == ["failure"]
+    for logger in ("csv_a", "csv_b"):
+        assert sorted(path.name for path in (run.out / logger).iterdir()) == ["version_0"], logger
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    check_metrics_loggers_profiler(run, static)

@@ -27,11 +27,12 @@ SIGKILLs itself (once per job, written first to ``$USERS_OBSERVE/kills.log``). `
 starts, so the others meet its death inside ``training_step`` (the forward's collectives, the gradient all-reduce) and
 redo the step without it; ``optimizer``: at the batch's first optimizer step, after every member committed it (with
 two optimizers, the others apply the first step and meet the death in the second); ``end``: after the batch's step is
-applied and its samples recorded, so the others meet it at the batch boundary. ``$USERS_KILL=setup``: the process
-that is rank 1 SIGKILLs itself in the callbacks' ``setup`` hook, before the training loop (the others meet its death in
-``ModelCheckpoint``'s directory broadcast or Lightning's ``post_setup`` barrier); ``$USERS_KILL=sanity``: in the
-callbacks' ``on_validation_epoch_end`` of the sanity check (the others meet its death in the LightningModule's hook of
-the same name, a torchmetrics ``compute()`` say).
+applied and its samples recorded, so the others meet it at the batch boundary. ``$USERS_KILL_RANK``: another rank
+than 1 is the victim (0: the job loses its rank 0, which writes the logs and checkpoints).
+``$USERS_KILL=setup``: the process that is rank 1 SIGKILLs itself in the callbacks' ``setup`` hook, before the
+training loop (the others meet its death in ``ModelCheckpoint``'s directory broadcast or Lightning's ``post_setup``
+barrier); ``$USERS_KILL=sanity``: in the callbacks' ``on_validation_epoch_end`` of the sanity check (the others meet
+its death in the LightningModule's hook of the same name, a torchmetrics ``compute()`` say).
 """
 
 from __future__ import annotations
@@ -149,9 +150,10 @@ def _hold_for_joiners(step: int) -> None:
 
 
 def _kill_if_due(step: int, rank: int, phase: str) -> None:
-    """SIGKILL this process if ``$USERS_KILL`` names this batch's step and ``phase``, and it is rank 1."""
+    """SIGKILL this process if ``$USERS_KILL`` names this batch's step and ``phase``, and it is rank 1 (or the rank
+    ``$USERS_KILL_RANK`` names)."""
     plan = os.environ.get("USERS_KILL")
-    if not plan or rank != 1 or "ELAN_WORKER_ID" not in os.environ:
+    if not plan or rank != int(os.environ.get("USERS_KILL_RANK", "1")) or "ELAN_WORKER_ID" not in os.environ:
         return
     kill_step, _, kill_phase = plan.partition(":")
     before_loop = ("setup", "sanity")
