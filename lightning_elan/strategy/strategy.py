@@ -663,6 +663,10 @@ class ElanStrategy(DDPStrategy):
                     self.engine.worker_id)
         self.engine.recover(self.lightning_module.trainer.global_step)
 
+    def fit_started(self) -> None:
+        """The fit's ``on_fit_start``: the model set up, a checkpoint it resumes from restored, the sanity check
+        next (a sharded strategy seeds its mirrors here)."""
+
     def training_loop_started(self) -> None:
         """The fit loop's ``on_train_start``: from here a member's death redoes the interrupted batch."""
         self._refuse_several_train_loaders()
@@ -805,6 +809,7 @@ class _ElanCoordinator(Callback):
         engine.follow_logged_rows(compat.keep_logged_rows(trainer, engine.rows_closed))
         compat.redo_end_hooks_cut_by_a_death(trainer, self._strategy.recover_from)
         compat.redo_validation_cut_by_a_death(trainer, self._strategy.recover_from)
+        self._strategy.fit_started()
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
