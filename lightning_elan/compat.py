@@ -125,6 +125,21 @@ def user_wants_distributed_sampler(trainer: pl.Trainer) -> bool:
     return bool(getattr(trainer._accelerator_connector, "_elan_user_distributed_sampler", True))
 
 
+def evaluation_sampler(dataloader: Any, world_size: int, rank: int) -> Any:
+    """The sampler of an evaluation loader's shard, as Lightning's DDP injects it (``_get_distributed_sampler`` in
+    ``lightning/pytorch/trainer/connectors/data_connector.py``; unshuffled): a ``DistributedSampler`` of the dataset
+    where the loader's sampler is a ``RandomSampler``/``SequentialSampler``, else Lightning's
+    ``DistributedSamplerWrapper`` around the user's sampler, sharding what it yields (a ``SubsetRandomSampler`` of the
+    validation indices keeps to them; a ``DistributedSampler`` of the whole dataset evaluated the training samples
+    too)."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
+
+    if isinstance(dataloader.sampler, (RandomSampler, SequentialSampler)):
+        return DistributedSampler(dataloader.dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    return DistributedSamplerWrapper(dataloader.sampler, num_replicas=world_size, rank=rank, shuffle=False)
+
+
 def with_sampler(dataloader: Any, sampler: Any, stage: Any) -> Any:
     """The user's loader re-built around ``sampler`` (``lightning.pytorch.utilities.data._update_dataloader``, what
     Lightning's own sampler injection uses: it re-runs the loader's constructor with the captured arguments)."""

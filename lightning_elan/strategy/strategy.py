@@ -517,8 +517,7 @@ class ElanStrategy(DDPStrategy):
             or trainer.state.stage == RunningStage.PREDICTING
         ):
             return dataloader
-        sampler = DistributedSampler(dataloader.dataset, num_replicas=self.world_size, rank=self.global_rank,
-                                     shuffle=False)
+        sampler = compat.evaluation_sampler(dataloader, self.world_size, self.global_rank)
         self._warn_of_repeated_evaluation_samples(trainer, sampler)
         return compat.with_sampler(dataloader, sampler, trainer.state.stage)
 

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,9 @@ def epochs(count: int, samples: int) -> dict[int, int]:
     return dict.fromkeys(range(count), samples)
 
 
+CURRICULUM_SAMPLES = {0: 48, 1: 72, 2: 96, 3: 120}
+"""``curriculum_reload``: epoch e trains on the 48 + 24·e easiest samples; its callback stops training after epoch 3."""
+
 CORPUS: dict[str, Script] = {
     "datamodule_callbacks": Script(("{scripts}/datamodule_callbacks.py", "{out}", "--prepare-per-node"), True,
                                    epochs(4, 96), tuple(range(32))),
@@ -123,6 +127,18 @@ CORPUS: dict[str, Script] = {
                                "--trainer.enable_progress_bar=false", "--trainer.default_root_dir={out}",
                                "--model.vocab_size=64"), False,
                               epochs(2, WIKITEXT_SAMPLES), tuple(range(2 * -(-WIKITEXT_SAMPLES // 2)))),
+    # probe round 10
+    "lbfgs_closure": Script(("{scripts}/lbfgs_closure.py", "{out}"), True, epochs(2, 96), tuple(range(16)),
+                            kill_phase="optimizer"),  # after the first closure's commit, inside L-BFGS's step
+    "fit_again_hparams": Script(("{scripts}/fit_again_hparams.py", "{out}"), True,
+                                {**epochs(2, 96), FIT_OFFSET + 2: 96, FIT_OFFSET + 3: 96},
+                                (*range(16), *range(FIT_OFFSET + 16, FIT_OFFSET + 32))),
+    "overfit_batch_hooks": Script(("{scripts}/overfit_batch_hooks.py", "{out}"), True, epochs(8, 24),
+                                  tuple(range(16))),
+    "curriculum_reload": Script(("{scripts}/curriculum_reload.py", "{out}"), True, CURRICULUM_SAMPLES,
+                                tuple(range(sum(CURRICULUM_SAMPLES.values()) // 12))),
+    "subset_split_samplers": Script(("{scripts}/subset_split_samplers.py", "{out}"), True, epochs(2, 96),
+                                    tuple(range(16))),
 }
 XFAIL_ELASTIC = {  # script: (the bug, the symptom its elastic run prints)
 }
@@ -573,6 +589,81 @@ def check_split_barriers_resume(run: Run, static: Run | None) -> None:
         assert len(saved) == 3, sorted(saved)
 
 
+def check_lbfgs_closure(run: Run, static: Run | None) -> None:
+    """L-BFGS evaluates the closure up to 5 times a step: every step's loss logged once, the static run's."""
+    _, rows = read_csv(run.out / "logs" / "lbfgs" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(16))
+    if static is not None:
+        _, static_rows = read_csv(static.out / "logs" / "lbfgs" / "version_0" / "metrics.csv")
+        assert_logged_alike(rows, static_rows, "train_loss", exact=True)
+
+
+def check_fit_again_hparams(run: Run, static: Run | None) -> None:
+    """The second ``fit`` of the same Trainer continued from epoch 2 to 4 (16 steps each); the best checkpoint reloads
+    with its hyperparameters; with the static run: every step's loss and validation loss, the checkpoint, the reloaded
+    model's validation, equal."""
+    result = json.loads((run.out / "result.json").read_text())
+    assert (result["first_fit_steps"], result["steps"], result["epoch"]) == (16, 32, 4), result
+    assert result["hparams"] == {"hidden": 16, "lr": 0.02, "head_clip": 0.05}, result
+    _, rows = read_csv(run.out / "logs" / "again" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(32))
+    if static is not None:
+        expected = json.loads((static.out / "result.json").read_text())
+        assert result["best"] == expected["best"]
+        value, reference = result["validate"][0]["val_loss"], expected["validate"][0]["val_loss"]
+        assert abs(value - reference) <= TOLERANCE, (value, reference)
+        _, static_rows = read_csv(static.out / "logs" / "again" / "version_0" / "metrics.csv")
+        for column in ("train_loss", "val_loss"):
+            assert_logged_alike(rows, static_rows, column, exact=True)
+        assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
+
+
+def check_overfit_batch_hooks(run: Run, static: Run | None) -> None:
+    """``overfit_batches=2``: 2 training and 2 validation batches per epoch, the first 24 samples in order; every step
+    and validation logged once; the batch hooks ran for every batch (rank 0's count, static run)."""
+    _, rows = read_csv(run.out / "logs" / "overfit" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(16))
+    assert sorted(logged(rows, "val_loss")) == list(range(1, 16, 2))
+    for epoch, samples in run.samples_per_epoch().items():
+        assert sorted(samples) == list(range(24)), f"epoch {epoch}: {sorted(samples)}"
+    hooks = json.loads((run.out / "hooks.json").read_text())
+    assert hooks["steps"] == 16
+    if static is None:
+        assert hooks["before_transfer"] == hooks["transfer"] == hooks["after_transfer"] == 16 + 16 + 2, hooks
+        return
+    _, static_rows = read_csv(static.out / "logs" / "overfit" / "version_0" / "metrics.csv")
+    for column in ("train_loss", "val_loss"):
+        assert_logged_alike(rows, static_rows, column, exact=True)
+
+
+def check_curriculum_reload(run: Run, static: Run | None) -> None:
+    """The loader rebuilt at every epoch from ``current_epoch`` (a joiner builds the members' epoch's), the callback's
+    ``should_stop`` after epoch 3; with the static run: every step's loss and epoch loss equal."""
+    result = json.loads((run.out / "curriculum.json").read_text())
+    assert result["stopped_at"] == max(CURRICULUM_SAMPLES), result
+    assert result["steps"] == sum(CURRICULUM_SAMPLES.values()) // 12, result
+    _, rows = read_csv(run.out / "logs" / "curriculum" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss_step")) == list(range(result["steps"]))
+    if static is not None:
+        _, static_rows = read_csv(static.out / "logs" / "curriculum" / "version_0" / "metrics.csv")
+        for column in ("train_loss_step", "train_loss_epoch"):
+            assert_logged_alike(rows, static_rows, column, exact=True)
+
+
+def check_subset_split_samplers(run: Run, static: Run | None) -> None:
+    """Validation through the loader's own ``SubsetRandomSampler``: each of the 24 validation samples seen once per
+    validation (at 2 and 3 workers alike: 24 divides), none of the training ones; with the static run, every step's
+    loss and every validation's summed error equal."""
+    _, rows = read_csv(run.out / "logs" / "subset" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(16))
+    assert set(logged(rows, "val_seen").values()) == {24.0}, logged(rows, "val_seen")
+    assert set(logged(rows, "val_foreign").values()) == {0.0}, logged(rows, "val_foreign")
+    if static is not None:
+        _, static_rows = read_csv(static.out / "logs" / "subset" / "version_0" / "metrics.csv")
+        for column in ("train_loss", "val_sse"):
+            assert_logged_alike(rows, static_rows, column, exact=True)
+
+
 OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "datamodule_callbacks": check_datamodule_callbacks,
     "cli_classifier": check_cli_classifier,
@@ -594,6 +685,11 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "prune_weights": check_prune_weights,
     "metrics_loggers_profiler": check_metrics_loggers_profiler,
     "split_barriers_resume": check_split_barriers_resume,
+    "lbfgs_closure": check_lbfgs_closure,
+    "fit_again_hparams": check_fit_again_hparams,
+    "overfit_batch_hooks": check_overfit_batch_hooks,
+    "curriculum_reload": check_curriculum_reload,
+    "subset_split_samplers": check_subset_split_samplers,
 }
 
 
@@ -631,3 +727,31 @@ def test_resume_from_a_checkpoint_of_another_world_size(tmp_path: Path) -> None:
     assert sorted(later) == ["epoch=2-step=24.ckpt", "epoch=3-step=32.ckpt"]
     for name, checkpoint in later.items():
         assert_states_close(checkpoint["state_dict"], reference[name]["state_dict"])
+
+
+# ---------------------------------------------------------------------- what is refused at start (probe round 10)
+
+
+@pytest.mark.parametrize(("command", "message"), [
+    (("{scripts}/two_sources_combined.py", "{out}"), "NotImplementedError: ElanStrategy trains on one training "
+                                                      "DataLoader (exactly once per epoch is kept for one dataset); "
+                                                      "got 2, which Lightning combines"),
+    (("{scripts}/two_sources_combined.py", "{out}", "--mode", "min_size"), "got 2, which Lightning combines"),
+    (("{scripts}/bucketed_batches.py", "{out}"), "NotImplementedError: ElanStrategy's training DataLoader needs a "
+                                                 "batch_size: it cuts each global batch from the epoch's order of "
+                                                 "samples, and a batch_sampler (LengthBuckets)"),
+    (("{scripts}/streaming_iterable.py", "{out}"), "NotImplementedError: ElanStrategy's training DataLoader needs a "
+                                                   "map-style dataset (exactly once per epoch is kept by sample "
+                                                   "index); an IterableDataset is not supported yet"),
+], ids=["dict_of_loaders", "combined_min_size", "batch_sampler", "iterable_dataset"])
+def test_a_training_loader_elan_cannot_make_elastic_stops_the_job_at_start(tmp_path: Path, command: tuple[str, ...],
+                                                                           message: str) -> None:
+    """Several training loaders (a dict, ``CombinedLoader``), a loader with its own ``batch_sampler`` and a streamed
+    ``IterableDataset`` are refused before the first batch, on every worker, with what to do: the job ends at once
+    with a failure, nothing trained."""
+    started = time.monotonic()
+    run = run_job(tmp_path, Job("refused", command))
+    assert run.returncode != 0
+    assert message in run.output, run.excerpt()
+    assert not run.events("trained") and not run.events("start")
+    assert time.monotonic() - started < 60, "the job ended at once"

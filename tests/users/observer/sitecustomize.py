@@ -68,7 +68,6 @@ def _write(record: dict[str, Any]) -> None:
 
 def _tensors(module: Any, optimizers: list[Any], buffers: bool = True) -> dict[str, Any]:
     """The parameters (and buffers) by name, then every optimizer's per-parameter state (``opt<i>.<slot>.<key>``)."""
-    import torch
 
     if buffers:
         tensors = {name: value.detach() for name, value in module.state_dict().items()}
@@ -78,8 +77,29 @@ def _tensors(module: Any, optimizers: list[Any], buffers: bool = True) -> dict[s
         state = optimizer.state_dict()["state"]
         for slot in sorted(state):
             for key, value in sorted(state[slot].items()):
-                tensors[f"opt{number}.{slot}.{key}"] = value.detach() if torch.is_tensor(value) else torch.tensor(value)
+                if key not in PER_PROCESS_STATE:
+                    tensors[f"opt{number}.{slot}.{key}"] = _as_tensor(value)
     return tensors
+
+
+PER_PROCESS_STATE = ("prev_loss",)
+"""Optimizer state that is each process's own by construction, as under DDP: L-BFGS keeps the last loss its closure
+returned, the process's loss over its share of the batch."""
+
+
+def _as_tensor(value: Any) -> Any:
+    """An optimizer state's value as one tensor: L-BFGS keeps lists of tensors (its history) and None (before its
+    first step) beside tensors and numbers."""
+    import torch
+
+    if torch.is_tensor(value):
+        return value.detach()
+    if value is None:
+        return torch.zeros(0)
+    if isinstance(value, (list, tuple)):
+        parts = [_as_tensor(part).reshape(-1).double() for part in value]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+    return torch.tensor(value)
 
 
 def _digest(module: Any, optimizers: list[Any], schedulers: list[str]) -> str:
