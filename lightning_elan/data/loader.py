@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from lightning_elan.data.sampler import DataPosition, ElasticBatchSampler, ElasticSampler, EpochOrder, WorldView
@@ -101,7 +102,7 @@ class ElasticDataLoader:
         self._active: _ElasticIterator | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        self._active = _ElasticIterator(self._loader)
+        self._active = _ElasticIterator(self._loader, draws_seed=self.sampler.data.position == 0)
         return self._active
 
     def __len__(self) -> int:
@@ -120,11 +121,18 @@ class ElasticDataLoader:
 
 
 class _ElasticIterator:
-    """Creates the torch iterator lazily, so it starts from the position current at the first ``next``."""
+    """Creates the torch iterator lazily, so it starts from the position current at the first ``next``.
 
-    def __init__(self, loader: DataLoader) -> None:
+    torch's iterator draws its base seed from the loader's generator (the global one where the loader has none) when it
+    is made (``_BaseDataLoaderIter.__init__``): a static run draws once per epoch, at its start. An iterator made
+    later in the epoch (rebuilt after a resize or a death, a joiner's first) keeps that generator's state, so the
+    job's random streams, and what depends on them (a user's ``SubsetRandomSampler`` without a generator drew another
+    order for the next epoch), are the static run's."""
+
+    def __init__(self, loader: DataLoader, draws_seed: bool = True) -> None:
         self._loader = loader
         self._inner: Iterator[Any] | None = None
+        self._draws_seed = draws_seed
 
     def __iter__(self) -> _ElasticIterator:
         return self
@@ -134,8 +142,22 @@ class _ElasticIterator:
             init = self._loader.worker_init_fn
             if isinstance(init, EndWithParent):  # PR_SET_PDEATHSIG follows the forking thread: the main one only
                 init.main_thread_forks = threading.current_thread() is threading.main_thread()
-            self._inner = iter(self._loader)
+            self._inner = iter(self._loader) if self._draws_seed else _iterator_keeping_seed(self._loader)
         return next(self._inner)
 
     def restart(self) -> None:
         self._inner = None
+        self._draws_seed = False
+
+
+def _iterator_keeping_seed(loader: DataLoader) -> Iterator[Any]:
+    """``iter(loader)`` with the generator it draws its base seed from put back as it was."""
+    generator = loader.generator
+    state = torch.random.get_rng_state() if generator is None else generator.get_state()
+    try:
+        return iter(loader)
+    finally:
+        if generator is None:
+            torch.random.set_rng_state(state)
+        else:
+            generator.set_state(state)
