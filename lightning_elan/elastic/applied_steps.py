@@ -3,7 +3,9 @@
 With ``automatic_optimization = False`` a ``training_step`` may step several optimizers (a GAN's discriminator, then
 its generator) or one several times. Each step is voted on by itself, but a batch is redone whole: when a member dies
 after the batch's first step was committed and applied, the survivors put the parameters and optimizer state back to
-the batch's start before they redo it, or the first step would be applied twice.
+the batch's start before they redo it, or the first step would be applied twice. An optimizer that evaluates its
+closure several times in one step (``torch.optim.LBFGS``: forward, backward and a gradient all-reduce per evaluation,
+the parameters updated between them) is kept the same way until its step returns (:class:`ClosureReevaluations`).
 """
 
 from __future__ import annotations
@@ -50,3 +52,18 @@ class AppliedSteps:
                 parameter.copy_(value)
             saved.optimizer.load_state_dict(saved.state)
         self._saved.clear()
+
+
+class ClosureReevaluations:
+    """Which optimizers evaluate the closure more than once per step: ``torch.optim.LBFGS`` from the start, any other
+    from the first step it was seen doing so (its closure evaluations counted by the strategy)."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+
+    def expected(self, optimizer: torch.optim.Optimizer) -> bool:
+        return isinstance(optimizer, torch.optim.LBFGS) or id(optimizer) in self._seen
+
+    def seen(self, optimizer: torch.optim.Optimizer, evaluations: int) -> None:
+        if evaluations > 1:
+            self._seen.add(id(optimizer))

@@ -34,7 +34,7 @@ from lightning_elan import compat, sharded_checkpoint, torch_compat
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition
-from lightning_elan.elastic.applied_steps import AppliedSteps
+from lightning_elan.elastic.applied_steps import AppliedSteps, ClosureReevaluations
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel, freeze_as, frozen_parameters
 from lightning_elan.elastic.error_origin import may_be_a_peers_death
 from lightning_elan.elastic.frontend import ScalingParticipant
@@ -105,6 +105,7 @@ class ElanStrategy(DDPStrategy):
         self._evaluation_limits_warned: set[str] = set()
         self._current_share: LocalShare | None = None
         self._applied_steps = AppliedSteps()  # manual optimization: the batch's steps, until it stands
+        self._reevaluations = ClosureReevaluations()  # optimizers that evaluate the closure again in a step
         self._loader_rng = LoaderRNG()  # the random state the data-loader hooks were called with
         self._ddp: ElasticDistributedDataParallel | None = None
         self._group_view: torch.distributed.ProcessGroup | None = None
@@ -616,19 +617,34 @@ class ElanStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """The optimizer applies a step only when every member committed it (the vote runs after the closure's
-        backward, before the update); an aborted vote raises out of the closure, so nothing is applied."""
+        backward, before the update); an aborted vote raises out of the closure, so nothing is applied.
 
+        An optimizer that evaluates the closure again inside its step (``torch.optim.LBFGS``, or one seen doing so
+        in an earlier step) updates the parameters between its evaluations, each voted on: the batch stays open
+        until the step returns, with the parameters and optimizer state it began with kept, so a member's death in a
+        later evaluation undoes the step and the batch is redone whole (as a batch of manual optimization)."""
         manual = not self.lightning_module.automatic_optimization
+        torch_optimizer = _torch_optimizer(optimizer)
+        held_open = manual or self._reevaluations.expected(torch_optimizer)
+        evaluations = 0
 
         def committed_closure() -> Any:
+            nonlocal evaluations
+            evaluations += 1
             result = closure()
-            self.engine.commit_step(self.lightning_module.trainer.global_step, closes_batch=not manual)
+            self.engine.commit_step(self.lightning_module.trainer.global_step, closes_batch=not held_open)
             self._pre_loop.step_committed()
-            if manual:
-                self._applied_steps.before_update(_torch_optimizer(optimizer))
+            if held_open:
+                self._applied_steps.before_update(torch_optimizer)
             return result
 
-        return super().optimizer_step(optimizer, committed_closure, model, **kwargs)
+        output = super().optimizer_step(optimizer, committed_closure, model, **kwargs)
+        if not manual:
+            self._reevaluations.seen(torch_optimizer, evaluations)
+            if held_open:
+                self._applied_steps.batch_stands()
+                self.engine.batch_trained(self.lightning_module.trainer.global_step + 1)
+        return output
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

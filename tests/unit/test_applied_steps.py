@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_elan.elastic.applied_steps import AppliedSteps
+from lightning_elan.elastic.applied_steps import AppliedSteps, ClosureReevaluations
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: AppliedSteps | None = None) -> None:
@@ -53,3 +53,40 @@ def test_a_batch_that_stands_keeps_its_steps() -> None:
     steps.batch_stands()
     steps.undo()
     assert all(torch.equal(a, b) for a, b in zip(_state(model, optimizer), stepped, strict=True))
+
+
+def test_an_lbfgs_step_is_undone_to_its_start_after_several_closure_evaluations() -> None:
+    """L-BFGS updates the parameters between its closure's evaluations: the state kept before the first update puts
+    the parameters and its history back, so that the redone step is the step a static run takes."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).double()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=3)
+    inputs = torch.randn(6, 4, dtype=torch.float64)
+    steps, evaluations = AppliedSteps(), []
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(inputs).pow(2).mean()
+        loss.backward()
+        evaluations.append(loss.item())
+        steps.before_update(optimizer)
+        return loss
+
+    optimizer.step(closure)
+    steps.batch_stands()
+    before = _state(model, optimizer)
+    optimizer.step(closure)
+    assert len(evaluations) > 2, "L-BFGS evaluated the closure several times in a step"
+    steps.undo()
+    assert all(torch.equal(a, b) for a, b in zip(_state(model, optimizer), before, strict=True))
+
+
+def test_optimizers_that_evaluate_the_closure_again_are_known() -> None:
+    model = torch.nn.Linear(4, 1)
+    lbfgs, sgd = torch.optim.LBFGS(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)
+    reevaluations = ClosureReevaluations()
+    assert reevaluations.expected(lbfgs) and not reevaluations.expected(sgd)
+    reevaluations.seen(sgd, 1)
+    assert not reevaluations.expected(sgd)
+    reevaluations.seen(sgd, 2)
+    assert reevaluations.expected(sgd)

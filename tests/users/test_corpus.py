@@ -128,8 +128,9 @@ CORPUS: dict[str, Script] = {
                                "--model.vocab_size=64"), False,
                               epochs(2, WIKITEXT_SAMPLES), tuple(range(2 * -(-WIKITEXT_SAMPLES // 2)))),
     # probe round 10
-    "lbfgs_closure": Script(("{scripts}/lbfgs_closure.py", "{out}"), True, epochs(2, 96), tuple(range(16)),
-                            kill_phase="optimizer"),  # after the first closure's commit, inside L-BFGS's step
+    # after the first closure's commit, inside L-BFGS's step; its final state is compared relatively (check_...)
+    "lbfgs_closure": Script(("{scripts}/lbfgs_closure.py", "{out}"), False, epochs(2, 96), tuple(range(16)),
+                            kill_phase="optimizer"),
     "fit_again_hparams": Script(("{scripts}/fit_again_hparams.py", "{out}"), True,
                                 {**epochs(2, 96), FIT_OFFSET + 2: 96, FIT_OFFSET + 3: 96},
                                 (*range(16), *range(FIT_OFFSET + 16, FIT_OFFSET + 32))),
@@ -141,6 +142,10 @@ CORPUS: dict[str, Script] = {
                                     tuple(range(16))),
 }
 XFAIL_ELASTIC = {  # script: (the bug, the symptom its elastic run prints)
+    "fit_again_hparams": ("a worker that left the job runs the script's code after fit with its ModelCheckpoint as it "
+                          "was when it left: MyModel.load_from_checkpoint(checkpoint.best_model_path) fails there "
+                          "('' before the first checkpoint, or a file the job's save_top_k deleted since)",
+                          "exited with code 1 (after it left the job"),
 }
 
 
@@ -589,11 +594,22 @@ def check_split_barriers_resume(run: Run, static: Run | None) -> None:
         assert len(saved) == 3, sorted(saved)
 
 
+LBFGS_RELATIVE = 1e-8
+"""L-BFGS amplifies rounding (its ``ro`` is 1/(y·s), about 100 here): the elastic run's final parameters were 3e-10
+from the static run's and ``ro`` 6e-8 (6e-10 relative) — a mean of 2 shares against 1 whole share in the last steps."""
+
+
 def check_lbfgs_closure(run: Run, static: Run | None) -> None:
-    """L-BFGS evaluates the closure up to 5 times a step: every step's loss logged once, the static run's."""
+    """L-BFGS evaluates the closure up to 5 times a step: every step's loss logged once; with the static run, its
+    losses and the final parameters and L-BFGS state equal within ``LBFGS_RELATIVE`` of each tensor's largest value."""
     _, rows = read_csv(run.out / "logs" / "lbfgs" / "version_0" / "metrics.csv")
     assert sorted(logged(rows, "train_loss")) == list(range(16))
     if static is not None:
+        final, reference = run.final_state(), static.final_state()
+        assert final.keys() == reference.keys()
+        for key, value in reference.items():
+            scale = max(1.0, value.double().abs().max().item()) if value.numel() else 1.0
+            assert_states_close({key: final[key]}, {key: value}, atol=LBFGS_RELATIVE * scale)
         _, static_rows = read_csv(static.out / "logs" / "lbfgs" / "version_0" / "metrics.csv")
         assert_logged_alike(rows, static_rows, "train_loss", exact=True)
 
@@ -632,8 +648,15 @@ def check_overfit_batch_hooks(run: Run, static: Run | None) -> None:
         assert hooks["before_transfer"] == hooks["transfer"] == hooks["after_transfer"] == 16 + 16 + 2, hooks
         return
     _, static_rows = read_csv(static.out / "logs" / "overfit" / "version_0" / "metrics.csv")
-    for column in ("train_loss", "val_loss"):
-        assert_logged_alike(rows, static_rows, column, exact=True)
+    assert_logged_alike(rows, static_rows, "train_loss", exact=True)
+    # overfit_batches=2 is limit_val_batches=2 per process: 4 batches at the launch world, 6 at the 3 workers of
+    # steps 3-5 (elan warns: "limit_val_batches=2 per process at 2 workers is 4 batches; at 3 workers each evaluates
+    # 2 (6 in all)"), so those validations differ; the others are the static run's
+    worlds = {record["step"]: record["world"] for record in run.events("start")}
+    divided = {str(step) for step, world in worlds.items() if 4 % world == 0}
+    assert len(divided) < len(worlds), "validations at 3 workers"
+    assert_logged_alike([row for row in rows if row.get("step") in divided],
+                        [row for row in static_rows if row.get("step") in divided], "val_loss", exact=True)
 
 
 def check_curriculum_reload(run: Run, static: Run | None) -> None:

@@ -75,7 +75,7 @@ class Curriculum(pl.LightningModule):
 
 def main(out: Path) -> None:
     pl.seed_everything(37)
-    model, stopper = Curriculum(), StopWhenGoodEnough(threshold=0.09)
+    model, stopper = Curriculum(), StopWhenGoodEnough(threshold=0.141)
     trainer = pl.Trainer(strategy="elan", accelerator="cpu", max_epochs=6, reload_dataloaders_every_n_epochs=1,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          log_every_n_steps=1, logger=CSVLogger(out / "logs", name="curriculum"),
