@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 SCRIPT = "evaluate_after_fit"
 PLANS = {  # name: (the step the moments count from, seconds after it, signals, schedule)
     "kill-after-a-join-then-term": (4, (0.0, 0.7), ("KILL", "TERM"), GROW_SCHEDULE),
-    "kill-late-in-training": (12, (0.2,), ("KILL",), None),
+    "kill-late-in-training": (10, (0.0,), ("KILL",), None),
 }
 
 
