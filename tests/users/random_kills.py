@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
@@ -94,6 +94,14 @@ def plan_for(seed: int, span_s: float, signal_name: str, schedule: str | None = 
     moments = tuple(sorted(round(rng.uniform(0.0, span_s), 2) for _ in range(count)))
     signals = tuple(rng.choice(sorted(SIGNALS)) if signal_name == "MIXED" else signal_name for _ in range(count))
     return Plan(seed, schedule if grow else None, moments, signals, tuple(rng.random() for _ in range(count)))
+
+
+def training_span(static: Run) -> float:
+    """Seconds from the static run's first training batch start to its last trained batch (``--in-training``: the
+    moments are drawn there, counted from the first batch, instead of over the whole job, whose start-up and exit
+    take most of its wall time on a small machine)."""
+    times = [record["at"] for record in static.events("start") + static.events("trained")]
+    return max(times) - min(times)
 
 
 def plan_at(label: int, anchor_step: int, moments: tuple[float, ...], signals: tuple[str, ...],
@@ -463,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--signal", choices=[*SIGNALS, "MIXED"], default="KILL")
     parser.add_argument("--dir", type=Path, default=None, help="the jobs' files (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the files of trials that held too")
+    parser.add_argument("--in-training", action="store_true",
+                        help="draw the moments over the training loop (from the first batch), not over the whole job")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a job under way is stopped by run_job's cleanup
     root = args.dir or Path(tempfile.mkdtemp(prefix="elan-random-kills-"))
@@ -471,9 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     static, span_s = static_run(root, args.script, env)
     held, failed = 0, []
     for seed in range(args.seed, args.seed + args.seeds):
-        plan = plan_for(seed, span_s * SPAN_FACTOR, args.signal, GROW_SCHEDULES.get(args.script, GROW_SCHEDULE))
+        plan = plan_for(seed, (training_span(static) if args.in_training else span_s) * SPAN_FACTOR, args.signal,
+                        GROW_SCHEDULES.get(args.script, GROW_SCHEDULE))
+        plan = replace(plan, anchor_step=0) if args.in_training else plan
         ok, took_s = one(root, args.script, plan, static, env, args.keep)
-        span_s = max(span_s, took_s)  # a loaded machine runs the job longer than its static run took
+        span_s = max(span_s, took_s) if not args.in_training else span_s  # a loaded machine runs a job longer
         held += ok
         failed += [] if ok else [seed]
     print(f"held: {held} of {args.seeds}" + (f"; failed seeds: {failed}" if failed else ""), flush=True)
