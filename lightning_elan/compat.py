@@ -592,8 +592,10 @@ class _WindowLogs:
     """Holds what the training batches of an open step send to the loggers (``Logger.log_metrics``:
     ``LearningRateMonitor`` logs in ``on_train_batch_start``, the logger connector the step's metrics at the end of
     ``_TrainingEpochLoop.advance``) until the step stands: a step discarded by a member's death and redone logs once.
-    What is logged between batches (validation, the epoch's end) goes straight through. Each logger's ``log_metrics``
-    is replaced by an instance attribute, for this trainer's loggers only.
+    What is logged between batches (validation, the epoch's end, ``LearningRateMonitor`` at an epoch's start) goes
+    straight through and is saved at once: a callback logs without the logger connector's ``save``, and rank 0 killed
+    in the next batch took the row in its ``CSVLogger``'s buffer with it. Each logger's ``log_metrics`` is replaced by
+    an instance attribute, for this trainer's loggers only.
 
     ``_LoggerConnector.log_metrics`` calls each logger's ``save`` right after its ``log_metrics`` (``CSVLogger``
     writes its buffered rows to ``metrics.csv`` there): that save came while the rows were held, so the loggers that
@@ -618,7 +620,9 @@ class _WindowLogs:
 
         def log_metrics(*args: Any, **kwargs: Any) -> None:
             if not self.holding:
-                return send(*args, **kwargs)
+                send(*args, **kwargs)
+                logger.save()  # a callback's row between batches (LearningRateMonitor's at an epoch's start)
+                return None
             self._held.append((logger, send, args, kwargs))
             return None
 

@@ -22,7 +22,7 @@ from tests.users.corpus import (
     read_csv,
     run_job,
 )
-from tests.users.test_corpus import check_metrics_loggers_profiler
+from tests.users.test_corpus import check_metrics_loggers_profiler, check_split_barriers_resume
 
 pytestmark = pytest.mark.integration
 
@@ -107,3 +107,22 @@ def test_rank0_killed_in_a_validation_leaves_every_logger_in_its_version(tmp_pat
     assert_same_samples(run, static)
     assert_states_close(run.final_state(), static.final_state())
     check_metrics_loggers_profiler(run, static)
+
+
+def test_rank0_killed_in_an_epochs_first_batch_keeps_the_epochs_learning_rate_row(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``split_barriers_resume.py`` loses its rank 0 as the first batch of epoch 1 starts (found by ``random_kills.py
+    --in-training``, seed 203): ``LearningRateMonitor`` logged that epoch's learning rate in ``on_train_epoch_start``,
+    straight to the logger, which rank 0 had not saved yet. The row is in ``metrics.csv`` (it was lost: ``lr-SGD``
+    logged at step 0 only) and the run is the static run's."""
+    command = ("{scripts}/split_barriers_resume.py", "{out}")
+    static = run_job(tmp_path_factory.mktemp("lr-static"), Job("static", command))
+    assert_ok(static)
+    run = run_job(tmp_path_factory.mktemp("lr-killed"), Job("killed", command, kill="8:start"),
+                  {"USERS_KILL_RANK": "0"})
+    assert_ok(run)
+    assert [(kill["step"], kill["phase"]) for kill in run.kills()] == [(8, "start")]
+    assert [a["action"] for a in run.adjustments()] == ["failure"]
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    check_split_barriers_resume(run, static)
