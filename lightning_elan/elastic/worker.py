@@ -36,7 +36,7 @@ from lightning_elan.elastic.error_origin import may_be_a_peers_death
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, UncertainCommit
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
-from lightning_elan.elastic.live_reshard import ReshardAbandoned, reshard_live
+from lightning_elan.elastic.live_reshard import LiveResharding, ReshardAbandoned, reshard_live
 from lightning_elan.elastic.logged_rows import LoggedRows
 from lightning_elan.elastic.process_group import (
     ElasticProcessGroup,
@@ -821,6 +821,7 @@ class ElasticWorker:
             self.worker_id, self.generation, step, epoch=self.data.epoch, position=self.data.position,
             global_batch=self.data.global_batch, scaling=self._scaling.summary_if_due(),
             remaining_samples=self.remaining_samples(),
+            live_reshard=isinstance(self.frontend, LiveResharding) or None,
         )
         link = self._require_link()
         reply = link.coordinate(request)

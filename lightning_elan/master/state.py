@@ -158,6 +158,7 @@ class Adjustment:
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
     failure: dict[str, Any] | None = None  # a recovery plan's: who died, when it was detected, the step redone
     cause: dict[str, Any] | None = None  # the AM's own decision that requested it (``ScaleRequest.cause``)
+    live_reshard: bool = False  # the members hold shards: the leavers take part in the plan until they report
 
     def all_members_reported(self) -> bool:
         return self.committed_at is not None and all(worker in self.reports for worker in self.plan.members)

@@ -452,6 +452,7 @@ class CoordinateRequest:
         "global_batch": Field(_INT),
         "scaling": Field((dict,), schema=SCALING_SUMMARY),
         "remaining_samples": Field(_INT),
+        "live_reshard": Field((bool,)),
     }
 
     worker_id: str
@@ -462,6 +463,7 @@ class CoordinateRequest:
     global_batch: int | None = None
     scaling: dict[str, Any] | None = None  # SCALING_SUMMARY
     remaining_samples: int | None = None  # samples left to train (None: the loop's length is unknown)
+    live_reshard: bool | None = None  # the members hold shards: a plan's leavers take part until its reshard commits
 
     def to_body(self) -> dict[str, Any]:
         return _wire(self)

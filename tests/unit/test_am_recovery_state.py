@@ -326,3 +326,42 @@ def test_a_replacement_that_trained_starts_the_count_again() -> None:
     assert state.unjoined_replacements == {"w3": 1}
     restored = JobState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert restored.unjoined_replacements == {"w3": 1}
+
+
+def _scale_in_decided(live_reshard: bool, **policy: object) -> JobState:
+    """3 members, one removed (w2 leaves): rank 0 coordinates with ``live_reshard`` and the AM decides the plan."""
+    state = started(3, **policy)
+    requests.scale(state, "remove", count=1)
+    reply = adjustments.coordinate(state, CoordinateRequest("w0", 0, 4, live_reshard=live_reshard or None))
+    assert reply.plan is not None and reply.plan.leavers == ["w2"]
+    return state
+
+
+def test_a_leaver_killed_in_a_live_reshard_fails_the_plan() -> None:
+    """elan_fsdp: the leaver's rows go to the stayers in the live reshard; its death before it reported fails the plan
+    (the stayers recover from the old layout) and, a leaver, it is not replaced under --replace-failed."""
+    state = _scale_in_decided(True, replace_failed=True)
+
+    reply = exited(state, "w2", -9)
+
+    assert reply == WorkerExitReply(False, recovering=True, failed_generations=[0, 1])
+    recovery = status_view.status(state).recovery
+    assert recovery["dead"] == ["w2"] and recovery["survivors"] == ["w0", "w1"]
+    assert not state.pending
+    check_in(state, "w0")
+    check_in(state, "w1")
+    plan = adjustments.wait_plan(state, "w0").plan
+    assert plan is not None and (plan.action, plan.members, plan.previous_members) == (ACTION_FAILURE, ["w0", "w1"],
+                                                                                       ["w0", "w1"])
+
+
+def test_a_leaver_killed_after_it_reported_or_without_a_live_reshard_is_gone() -> None:
+    """A leaver that reported (its reshard committed), or whose members hold no shard, is not needed: its death is
+    not a failure."""
+    reported = _scale_in_decided(True)
+    adjustments.report(reported, AdjustmentReport("w2", 1, "leaver", pause_s=0.0))
+    unsharded = _scale_in_decided(False)
+
+    for state in (reported, unsharded):
+        assert exited(state, "w2", -9) == WorkerExitReply(False, left=True)
+        assert state.recovery is None

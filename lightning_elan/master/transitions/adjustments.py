@@ -72,7 +72,7 @@ def coordinate(state: JobState, request: CoordinateRequest, now: float | None = 
         return CoordinateReply.adjust(state.in_flight.plan)
     if state.recovery is not None:  # the members are about to learn that the generation failed
         return CoordinateReply.none()
-    plan = None if state.finished else _decide_head(state, request.step, now)
+    plan = None if state.finished else _decide_head(state, request.step, now, bool(request.live_reshard))
     return CoordinateReply.none(requests.joiners_coming(state)) if plan is None else CoordinateReply.adjust(plan)
 
 
@@ -164,9 +164,10 @@ def _note_progress(state: JobState, request: CoordinateRequest, now: float) -> N
     state.measured.observe_coordinate(request.generation, state.world_size, request.step, request.global_batch, now)
 
 
-def _decide_head(state: JobState, step: int, now: float | None) -> AdjustmentPlan | None:
+def _decide_head(state: JobState, step: int, now: float | None, live_reshard: bool = False) -> AdjustmentPlan | None:
     """Decide the head request if its step has come and, resolved against the members now (``resolving.py``), its
-    new workers are ready."""
+    new workers are ready. ``live_reshard``: the members hold shards (the plan's leavers take part until they
+    report)."""
     while state.pending:
         head = state.pending[0]
         if head.at_step is not None and step < head.at_step:
@@ -182,7 +183,7 @@ def _decide_head(state: JobState, step: int, now: float | None) -> AdjustmentPla
             continue
         state.pending.pop(0)
         state.in_flight = Adjustment(plan, head.requested_at, head.all_reported_at, decided_at=now_or_clock(now),
-                                     cause=head.cause)
+                                     cause=head.cause, live_reshard=live_reshard)
         return plan
     return None
 

@@ -60,9 +60,9 @@ def _judge_exit(state: JobState, request: WorkerExitRequest) -> WorkerExitReply:
     if leaver:
         if clean:
             return WorkerExitReply(expected=True)
-        if not _serves_a_joiner(state, worker_id):
+        if not _serves_a_joiner(state, worker_id) and not _reshards_with_the_stayers(state, worker_id):
             return WorkerExitReply(expected=False, left=True)  # killed after it left: the job goes on
-        return _member_failed(state, worker_id, returncode, time.time())
+        return _member_failed(state, worker_id, returncode, time.time(), replace=False)
     if not clean and not state.finished and _takes_part(state, worker_id):
         if state.training_over():
             logger.warning("member %s exited with code %s after a member of generation %s finished training: "
@@ -187,14 +187,16 @@ def set_failure_policy(state: JobState, replace_failed: bool, min_workers: int |
     state.join_timeout_s = float(join_timeout_s or DEFAULT_JOIN_TIMEOUT_S)
 
 
-def _member_failed(state: JobState, worker_id: str, returncode: int, now: float) -> WorkerExitReply:
-    """A member (or a joiner of the plan in flight) died: recover without it, unless nobody is left."""
+def _member_failed(state: JobState, worker_id: str, returncode: int, now: float,
+                   replace: bool = True) -> WorkerExitReply:
+    """A member (or a joiner of the plan in flight, or a leaver the plan still needs) died: recover without it,
+    unless nobody is left (``replace``: a joiner replaces it under ``--replace-failed``; not a leaver's)."""
     logger.warning("worker %s of generation %s died (exit code %s)", worker_id, state.generation, returncode)
     recovery = state.recovery or _begin_recovery(state, now)
     recovery.mark_dead(worker_id)
     state.record_failure({"kind": "worker", "outcome": "died", "worker_id": worker_id, "returncode": returncode,
                           "generation": state.generation, "failure_id": recovery.failure_id}, now)
-    if state.replace_failed:
+    if state.replace_failed and replace:
         _queue_replacement(state, worker_id, now)
     if not recovery.survivors:
         fail_job(state, f"every worker of generation {state.generation} died", now)
@@ -288,6 +290,14 @@ def _take_replacements(state: JobState, replacements: list[str]) -> None:
 def _serves_a_joiner(state: JobState, worker_id: str) -> bool:
     """A leaver of the plan in flight that is a joiner's replication source (a migration): its joiner needs it."""
     return state.in_flight is not None and worker_id in state.in_flight.plan.sources.values()
+
+
+def _reshards_with_the_stayers(state: JobState, worker_id: str) -> bool:
+    """A leaver of the plan in flight whose members hold shards (a live reshard, elan_fsdp) and that has not reported:
+    its rows may not have reached the stayers yet, so they wait for it in the reshard."""
+    in_flight = state.in_flight
+    return in_flight is not None and in_flight.live_reshard and worker_id in in_flight.plan.leavers and \
+        worker_id not in in_flight.reports
 
 
 def _takes_part(state: JobState, worker_id: str) -> bool:
