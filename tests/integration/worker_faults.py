@@ -19,6 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from tests.faults.checks import assert_each_sample_once
 from tests.integration.elastic_runs import (
     EPOCHS,
     PROBE,
@@ -26,7 +27,6 @@ from tests.integration.elastic_runs import (
     SAMPLES,
     TOLERANCE,
     RunResult,
-    assert_counted_once,
     assert_ranks_agree,
     assert_states_close,
     elan_env,
@@ -76,7 +76,9 @@ def completed_per_epoch(out: Path) -> dict[int, Counter]:
 
 
 def assert_completed_once(out: Path) -> None:
-    assert_counted_once(completed_per_epoch(out), SAMPLES, EPOCHS)
+    """Each sample once per epoch in the completed logs; with ``--progress`` a killed worker's batch whose step stood
+    before it logged the batch counts too (``tests/faults/checks.py``: a kill at a moment no hold point picked)."""
+    assert_each_sample_once(out, SAMPLES, EPOCHS)
 
 
 def failure_records(run: RunResult) -> list[dict]:
