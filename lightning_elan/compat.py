@@ -51,6 +51,32 @@ class LeaveFit(_TunerExitException):
     teardown runs, loggers finalise with "success", ``fit()`` returns, no ``on_exception`` hooks."""
 
 
+def end_the_script_after_a_leavers_fit() -> None:
+    """Call ``trainer.strategy.fit_returned()`` (when the strategy has it) each time ``Trainer.fit`` has returned.
+
+    A leaver's ``fit`` ends with ``LeaveFit``, which ``_call_and_handle_interrupt`` takes as a normal end (teardown,
+    loggers finalised with "success", ``fit()`` returns). Any other ``BaseException`` raised inside ``fit`` (a
+    ``SystemExit`` included) goes to its ``except BaseException``: ``_interrupt`` runs the ``on_exception`` hooks and
+    ``logger.finalize("failed")``. So the leaver's end of its script (``fit_returned`` raises ``SystemExit(0)``) is
+    raised outside ``Trainer.fit``'s own code, once it returned: ``Trainer.fit`` is wrapped, once per class tree (the
+    call ``Trainer.fit`` makes is its last statement in lightning 2.4–2.6)."""
+    from lightning.pytorch import Trainer
+
+    fit = Trainer.fit
+    if getattr(fit, "_elan_ends_leavers", False):
+        return
+
+    @functools.wraps(fit)
+    def fit_then_end_a_leaver(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        fit(trainer, *args, **kwargs)
+        fit_returned: Callable[[], None] | None = getattr(trainer.strategy, "fit_returned", None)
+        if fit_returned is not None:
+            fit_returned()
+
+    fit_then_end_a_leaver._elan_ends_leavers = True  # type: ignore[attr-defined]
+    Trainer.fit = fit_then_end_a_leaver  # type: ignore[method-assign]
+
+
 def keep_sigterm_handler(trainer: pl.Trainer, handler: Callable[[], Any]) -> None:
     """Keep elan's SIGTERM handler (``handler()``; None: none installed) once Lightning has installed its own.
 

@@ -99,6 +99,7 @@ class ElanStrategy(DDPStrategy):
             global_batch=global_batch_size, send_ahead=send_ahead,
         )
         self.engine.attach(self)
+        compat.end_the_script_after_a_leavers_fit()
         self._collectives_local = False
         self._training_fit = False  # from setup to teardown of a fit that trains (not Tuner.lr_find's)
         self._evaluation_limits: dict[str, int | float] = {}  # the user's limit_*_batches
@@ -443,6 +444,19 @@ class ElanStrategy(DDPStrategy):
 
     def leave(self) -> NoReturn:
         raise compat.LeaveFit
+
+    def fit_returned(self) -> None:
+        """``trainer.fit`` returned (``compat.end_the_script_after_a_leavers_fit``): a worker that left the job during
+        it ends its script here, exit 0, as if the job had been launched at its final size. Its fit finished cleanly
+        (teardown done, loggers finalised as a non-member); the code after ``fit`` (a ``trainer.test``, a reload of the
+        best checkpoint, a result file) would see its state as it was when it left, so it runs on the job's members
+        only. The user's ``finally:`` blocks and ``atexit`` hooks still run (``SystemExit``), and the launcher counts
+        the exit 0 as the leave it waited for."""
+        if not self.engine.has_left:
+            return
+        log.info("worker %s left the job during fit: its script ends here, after trainer.fit (the code after fit runs "
+                 "on the job's workers)", self.engine.worker_id)
+        raise SystemExit(0)
 
     # ------------------------------------------------------------------ data: elastic training loader
 

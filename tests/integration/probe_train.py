@@ -435,8 +435,21 @@ def main() -> None:
         limit_val_batches=1.0 if config.val else 0,
         num_sanity_val_steps=2 if config.val else 0,
     )
-    trainer.fit(model, train, val)
+    try:
+        trainer.fit(model, train, val)
+    except SystemExit as end:  # a worker that left the job ends its script after fit (exit 0): its record first
+        if not end.code:
+            write_record(config, trainer, model)
+        raise
+    write_record(config, trainer, model)
+    if config.strategy not in ("elan", "elan_fsdp") and torch.distributed.is_initialized():
+        # a plain Lightning comparison run: rank 0 hosts the store, so no rank may exit while another still uses it
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
+
+def write_record(config: ProbeConfig, trainer: pl.Trainer, model: ProbeModel) -> None:
+    """``OUT/record-<worker>.json``: what this worker trained and saw."""
     worker = os.environ.get("ELAN_WORKER_ID", "w0")
     record = {
         "worker": worker,
@@ -455,10 +468,6 @@ def main() -> None:
         "ended_samples": model.ended_samples,
     }
     (config.out / f"record-{worker}.json").write_text(json.dumps(record))
-    if config.strategy not in ("elan", "elan_fsdp") and torch.distributed.is_initialized():
-        # a plain Lightning comparison run: rank 0 hosts the store, so no rank may exit while another still uses it
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -141,12 +141,7 @@ CORPUS: dict[str, Script] = {
     "subset_split_samplers": Script(("{scripts}/subset_split_samplers.py", "{out}"), True, epochs(2, 96),
                                     tuple(range(16))),
 }
-XFAIL_ELASTIC = {  # script: (the bug, the symptom its elastic run prints)
-    "fit_again_hparams": ("a worker that left the job runs the script's code after fit with its ModelCheckpoint as it "
-                          "was when it left: MyModel.load_from_checkpoint(checkpoint.best_model_path) fails there "
-                          "('' before the first checkpoint, or a file the job's save_top_k deleted since)",
-                          "exited with code 1 (after it left the job"),
-}
+XFAIL_ELASTIC: dict[str, tuple[str, str]] = {}  # script: (the bug, the symptom its elastic run prints)
 
 
 def known_bug(reason: str) -> pytest.MarkDecorator:
