@@ -554,7 +554,7 @@ _VALIDATION_HOOKS = ("on_validation_start", "on_validation_epoch_start", "on_val
 """The callback hooks a validation run of the training loop calls (``_EvaluationLoop.run``)."""
 
 
-def _validation_start(trainer: pl.Trainer) -> dict[str, Any]:
+def _validation_start(trainer: pl.Trainer, loop: Any = None) -> dict[str, Any]:
     """What a validation run changes and an abandoned run must give back: the loop's ``batch_progress`` (``reset``
     keeps its totals), the logged results (``val_loop._results``: a ``_ResultMetric`` per key, wrapping the
     torchmetrics ``Metric`` logged as such) and the LightningModule's torchmetrics (updated by ``validation_step``),
@@ -563,15 +563,16 @@ def _validation_start(trainer: pl.Trainer) -> dict[str, Any]:
     callbacks with validation hooks (``EarlyStopping``'s ``wait_count`` and ``best_score``, ``ModelCheckpoint``'s top k,
     through their ``state_dict``, what a checkpoint keeps of them) and ``trainer.should_stop``: a death in
     ``on_validation_end`` (in ``ModelCheckpoint``'s save barrier, after ``EarlyStopping`` counted the run) made the redo
-    count the run twice, and the job stopped early."""
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    count the run twice, and the job stopped early. ``loop``: another evaluation loop than the fit's validation
+    (``trainer.validate_loop``, ``test_loop``, ``predict_loop``, which has no logged results)."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop if loop is None else loop
     connector = trainer._logger_connector
     return {
         "callbacks": [(callback, copy.deepcopy(callback.state_dict())) for callback in trainer.callbacks
                       if any(is_overridden(hook, callback, parent=Callback) for hook in _VALIDATION_HOOKS)],
         "should_stop": trainer.should_stop,
         "progress": val_loop.batch_progress.state_dict(),
-        "metrics": _metric_states(trainer, val_loop._results),
+        "metrics": _metric_states(trainer, getattr(val_loop, "_results", None) or {}),
         "modes": {module: module.training for module in trainer.lightning_module.modules()},
         "first_loop_iter": connector._first_loop_iter,
         "connector": {name: dict(getattr(connector, name))
@@ -579,19 +580,20 @@ def _validation_start(trainer: pl.Trainer) -> dict[str, Any]:
     }
 
 
-def _abandon_validation(trainer: pl.Trainer, start: dict[str, Any]) -> None:
+def _abandon_validation(trainer: pl.Trainer, start: dict[str, Any], loop: Any = None) -> None:
     """Give back what the interrupted validation run changed (:func:`_validation_start`), stop its loader's iterator
     (``_DataFetcher.teardown`` resets the ``CombinedLoader``, shutting its workers down) and make its loaders be
     requested again at the next run (:func:`reset_evaluation_dataloaders`). ``trainer.training`` is set as between
-    two batches while the job recovers (``on_advance_end`` resets it only after ``val_loop.run()`` returns)."""
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    two batches while the job recovers (``on_advance_end`` resets it only after ``val_loop.run()`` returns); another
+    ``loop`` (:func:`_validation_start`) keeps the trainer's stage, and requests its loaders at every run."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop if loop is None else loop
     connector = trainer._logger_connector
     if val_loop._data_fetcher is not None:
         val_loop._data_fetcher.teardown()
         val_loop._data_fetcher = None
-    reset_evaluation_dataloaders(trainer)
+    val_loop._combined_loader = None
     val_loop.batch_progress.load_state_dict(start["progress"])
-    _restore_metric_states(val_loop._results, start["metrics"])
+    _restore_metric_states(getattr(val_loop, "_results", None) or {}, start["metrics"])
     for module, training in start["modes"].items():
         module.training = training
     connector._first_loop_iter, connector._current_fx = start["first_loop_iter"], None
@@ -600,7 +602,65 @@ def _abandon_validation(trainer: pl.Trainer, start: dict[str, Any]) -> None:
     for callback, state in start["callbacks"]:
         _give_back_deciding_state(callback, state, trainer)
     trainer.should_stop = start["should_stop"]
-    trainer.training = True
+    if loop is None:
+        trainer.training = True
+
+
+def redo_evaluations_cut_by_a_death(trainer: pl.Trainer, recover: Callable[[BaseException], None],
+                                    pass_done: Callable[[], None]) -> None:
+    """A member's death during ``trainer.validate``, ``trainer.test`` or ``trainer.predict`` (after ``fit``, or
+    without one): the survivors abandon the pass, recover (``recover`` re-raises what is not a member's death) and run
+    it again from its first batch among themselves, its loaders sharded over them, so each sample is evaluated once, as
+    a static run of their size would (exact where the dataset divides among both worlds: ``DistributedSampler`` pads).
+
+    ``Trainer._run_stage`` calls ``self._evaluation_loop.run()`` (``validate_loop``, ``test_loop``) or
+    ``self.predict_loop.run()``, looked up on the loop at call time: an instance attribute replaces it for this
+    trainer only. Outside ``fit`` these loops request their loaders at every run (``_EvaluationLoop.setup_data`` returns
+    early only while fitting; ``_PredictionLoop.setup_data`` always requests them), so the run again reshards them; the
+    prediction loop's ``reset`` clears its predictions. A prediction makes no collective, and a validation without
+    ``sync_dist`` none either: ``pass_done()`` (every member finished the pass, or none did: it raises once a member
+    died) runs after each run, inside the retry. What the run logs is held until then, so a pass run again logs
+    once."""
+    logs = getattr(trainer, "_elan_evaluation_logs", None)
+    if logs is None:
+        logs = trainer._elan_evaluation_logs = _WindowLogs(trainer)
+    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        if getattr(loop, "_elan_recover", None) != recover:  # a bound method: equal, not the same object
+            _redo_evaluation_pass(trainer, loop, logs, recover, pass_done)
+
+
+def _redo_evaluation_pass(trainer: pl.Trainer, loop: Any, logs: _WindowLogs, recover: Callable[[BaseException], None],
+                          pass_done: Callable[[], None]) -> None:
+    run = type(loop).run  # wrapped in Lightning's ``_no_grad_context``
+
+    def run_again_after_recovery() -> Any:
+        while True:
+            start = _validation_start(trainer, loop)
+            logs.holding = loop._elan_in_pass = True
+            try:
+                outputs = run(loop)
+                pass_done()
+            except Exception as error:
+                loop._elan_in_pass = False
+                logs.window_done(discarded=True, closed=True)
+                _abandon_validation(trainer, start, loop)
+                recover(error)
+                log.warning("a member died during trainer.%s: the survivors run it again from its first batch",
+                            trainer.state.fn.value if trainer.state.fn is not None else "evaluation")
+                continue
+            loop._elan_in_pass = False
+            logs.window_done(discarded=False, closed=True)
+            return outputs
+
+    loop.run = run_again_after_recovery
+    loop._elan_recover = recover
+
+
+def evaluation_pass_running(trainer: pl.Trainer) -> bool:
+    """A pass of ``trainer.validate/test/predict`` is running (:func:`redo_evaluations_cut_by_a_death`): a death in it
+    runs the whole pass again, not the collective that met it."""
+    loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
+    return any(getattr(loop, "_elan_in_pass", False) for loop in loops)
 
 
 def _rewind_window(trainer: pl.Trainer, data_fetcher: Any, saved: dict[str, Any]) -> None:

@@ -222,6 +222,7 @@ class ElasticWorker:
         self._boundary_started: float | None = None  # when the last batch boundary began (the adjustment's log line)
         self._aggregates: AggregateHandover | None = None  # the front-end's epoch aggregates, once attached
         self._rows = LoggedRows()  # the logger rows of the last step that stood (elastic/logged_rows.py)
+        self._evaluating = False  # recovering from a death in an evaluation outside the training loop
 
     # ------------------------------------------------------------------ wiring
 
@@ -478,6 +479,42 @@ class ElasticWorker:
                  ", ".join(plan.members), time.perf_counter() - started)
         self._pending_report = AdjustmentReport(self.worker_id, plan.generation, "stayer", bytes_sent=sent)
 
+    def recover_evaluation(self, committed_step: int) -> None:
+        """A member died during an evaluation outside the training loop (the front-end's ``validate``, ``test`` or
+        ``predict`` after its training, or without one): the survivors form the next generation as for any death
+        (:meth:`recover`), with no joiner admitted (there is no training state to give one), and report it at once: no
+        batch boundary follows. The AM link, closed when the training ended (:meth:`close`), is opened for it."""
+        reopened = self._link is None and not self.environment.standalone
+        if reopened:
+            self._link = AMLink(self.environment)
+        started = time.perf_counter()
+        self._evaluating = True
+        try:
+            self.recover(committed_step)
+            if self._pending_report is not None:
+                report = replace(self._pending_report, pause_s=time.perf_counter() - started,
+                                 global_batch=self.data.global_batch, step=committed_step)
+                self._require_link().report(report, wait=True)
+                self._pending_report = None
+        finally:
+            self._evaluating = False
+            if reopened and self._link is not None:
+                self._link.close()
+                self._link = None
+
+    def agree_evaluation_pass(self) -> None:
+        """Every member finished an evaluation pass outside the training loop, or none did: one commit vote, as a
+        step's, aborted once a member of the generation is known dead (a pass may make no collective at all: a
+        prediction's). Raises :class:`PeerFailure` when it is aborted (the survivors run the pass again)."""
+        if self._vote is None or not self.is_member:
+            return
+        try:
+            committed = self._vote.commit()
+        except UncertainCommit as uncertain:
+            raise PeerFailure(self.generation or 0, "the vote on an evaluation pass was lost") from uncertain
+        if not committed:
+            raise PeerFailure(self.generation or 0, "a member died during an evaluation pass")
+
     def _enter_recovery(self, failed: int, committed_step: int) -> tuple[AdjustmentPlan, int]:
         """Enter the recovery plan's generation and serve its joiners; returns the plan and the bytes sent. A member
         that dies meanwhile (while the generation forms, or a joiner while it receives) fails that generation too:
@@ -521,7 +558,7 @@ class ElasticWorker:
 
     def _recovery_plan_for(self, failed: int, committed_step: int) -> AdjustmentPlan:
         reply = self._require_link().recover(failed, committed_step, self.join_timeout_s,
-                                             before_loop=not self._in_training_loop)
+                                             before_loop=self._evaluating or not self._in_training_loop)
         if reply.plan is None:
             raise RuntimeError(f"worker {self.worker_id} cannot recover from the failure of generation {failed}: "
                                f"{reply.reason}")

@@ -81,6 +81,7 @@ class ElanFSDPStrategy(ElanStrategy):
     """
 
     strategy_name = "elan_fsdp"
+    recovers_evaluations = False  # a death in validate/test/predict after fit: its shards are not rebuilt there yet
 
     def __init__(self, shard_modules: Iterable[type[nn.Module]] | None = None, reshard_after_forward: bool = True,
                  mp_policy: Any | None = None, hsdp_group_size: int | None = None, reshard_chunk_mb: float = 64,

@@ -80,6 +80,9 @@ class ElanStrategy(DDPStrategy):
     """
 
     strategy_name = "elan"
+    recovers_evaluations = True
+    """A member's death during ``trainer.validate/test/predict`` outside ``fit`` is recovered from (the pass runs
+    again among the survivors); a sharded subclass, whose shards the survivors would have to rebuild, says no."""
 
     def __init__(
         self,
@@ -188,6 +191,13 @@ class ElanStrategy(DDPStrategy):
                 compat.drop_sigterm_broadcast(trainer)
         self._warn_of_unlaunched_devices()
         super().setup_environment()
+        if trainer is not None and self._recovering_evaluation(trainer):
+            compat.redo_evaluations_cut_by_a_death(trainer, self._recover_evaluation, self._evaluation_pass_done)
+
+    def _recovering_evaluation(self, trainer: pl.Trainer) -> bool:
+        """``trainer.validate/test/predict`` outside ``fit`` on a member of the job: a member's death in it is
+        recovered from (before its first collective, the ``log_dir`` broadcast of Lightning's profiler setup)."""
+        return self.recovers_evaluations and trainer.state.fn in _EVALUATION_CALLS and self.engine.is_member
 
     def _warn_of_unlaunched_devices(self) -> None:
         """``Trainer(devices=N)`` outside ``elan run``: one process trains (``elan run --nproc N`` starts N; there is
@@ -243,6 +253,8 @@ class ElanStrategy(DDPStrategy):
             self._setup_as_leaver(trainer)
         elif not self.engine.is_member:
             self._setup_alone(trainer)
+        elif self.recovers_evaluations:
+            self._again_after_a_death(lambda: super(ElanStrategy, self).setup(trainer))  # DDP's state broadcast
         else:
             super().setup(trainer)
 
@@ -414,6 +426,9 @@ class ElanStrategy(DDPStrategy):
         """Stayers after a resize: DDP on the new group, data from the same serial position, eval shards rebuilt. A
         recovery before Lightning set the model up leaves DDP to its ``setup``, which builds it on the new group."""
         trainer = self.lightning_module.trainer
+        if trainer.state.fn != TrainerFn.FITTING:  # validate/test/predict: its pass runs again on the new shards
+            compat.move_progress_bar(trainer, loop_started=False)
+            return
         if self._ddp is not None:
             self.configure_ddp()
         loader = self._elastic_train_loader()
@@ -430,17 +445,19 @@ class ElanStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """An error ended ``trainer.validate/test/predict`` (outside ``fit``): when a member died meanwhile, say so in
-        one error line. A death is recovered from during ``fit`` only; the evaluations around it are not, and the
-        survivors' error is gloo's ("Connection reset by peer"), which does not name the death."""
+        one error line. A death during the call's pass is recovered from (the pass runs again among the survivors:
+        ``compat.redo_evaluations_cut_by_a_death``), and so is one in Lightning's barriers and broadcast around it (they
+        run again); one met in another collective around the pass (a user's ``all_gather`` in a ``setup`` hook) is
+        not, and the survivors' error is gloo's ("Connection reset by peer"), which does not name the death."""
         super().on_exception(exception)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn == TrainerFn.FITTING or not self.engine.is_member:
             return
         maybe_a_death = self.world_size > 1 and may_be_a_peers_death(exception)
         if maybe_a_death and self.engine.peer_failure_within(_DEATH_NOTICE_S):
-            log.error("worker %s: a member of the job died during trainer.%s after fit; elan recovers from a death "
-                      "during fit only, so this %s stops here with the error below", self.engine.worker_id,
-                      trainer.state.fn.value, trainer.state.fn.value)
+            log.error("worker %s: a member of the job died during trainer.%s, in a collective outside its pass over "
+                      "the data that elan does not run again; this %s stops here with the error below",
+                      self.engine.worker_id, trainer.state.fn.value, trainer.state.fn.value)
 
     def leave(self) -> NoReturn:
         raise compat.LeaveFit
@@ -692,6 +709,21 @@ class ElanStrategy(DDPStrategy):
                     self.engine.worker_id)
         self.engine.recover(self.lightning_module.trainer.global_step)
 
+    def _recover_evaluation(self, error: BaseException) -> None:
+        """An error escaped a pass of ``trainer.validate/test/predict`` outside ``fit``: if a member died, the
+        survivors form the next generation (the pass then runs again among them); anything else is re-raised."""
+        if self.engine.has_left or self._alone() or isinstance(error, (compat.LeaveFit, StopIteration)):
+            raise error
+        self.engine.confirm_peer_failure(error)
+        log.warning("worker %s: a member died during trainer.%s; the survivors run it again without it",
+                    self.engine.worker_id, self.lightning_module.trainer.state.fn.value)
+        self.engine.recover_evaluation(self.lightning_module.trainer.global_step)
+
+    def _evaluation_pass_done(self) -> None:
+        """Every member finished the pass of ``trainer.validate/test/predict``, or a member died in it (raises)."""
+        if self.engine.is_member and not self._alone():
+            self.engine.agree_evaluation_pass()
+
     def fit_started(self) -> None:
         """The fit's ``on_fit_start``: the model set up, a checkpoint it resumes from restored, the sanity check
         next (a sharded strategy seeds its mirrors here)."""
@@ -732,18 +764,40 @@ class ElanStrategy(DDPStrategy):
         """Collectives stay in this process: a joiner starting up, or a worker that left the job."""
         return self._collectives_local or self.engine.has_left
 
+    def _collective(self, collective: Callable[[], Any], again_after_a_death: bool = False) -> Any:
+        """A collective of the strategy: one before the training loop is recovered inside itself (``_pre_loop``); one
+        of ``trainer.validate/test/predict`` outside ``fit`` is not kept there: a death in its pass runs the whole pass
+        again among the survivors (``compat.redo_evaluations_cut_by_a_death``), and one around the pass that can run
+        again with the same inputs (``again_after_a_death``: Lightning's barriers before the setup hooks, its
+        ``log_dir`` broadcast) runs again in the survivors' generation."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn not in _EVALUATION_CALLS:
+            return self._pre_loop.run(collective)
+        if again_after_a_death and self._recovering_evaluation(trainer) and not compat.evaluation_pass_running(trainer):
+            return self._again_after_a_death(collective)
+        return collective()
+
+    def _again_after_a_death(self, call: Callable[[], Any]) -> Any:
+        """``call`` (one that can run again: a barrier, the evaluation's setup) in ``trainer.validate/test/predict``:
+        when a member died in it, again in the survivors' generation."""
+        while True:
+            try:
+                return call()
+            except Exception as error:
+                self._recover_evaluation(error)
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not self._alone():
             barrier = super().barrier
-            self._pre_loop.run(lambda: barrier(*args, **kwargs))
+            self._collective(lambda: barrier(*args, **kwargs), again_after_a_death=True)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._alone():
             return obj
         broadcast = super().broadcast
-        return self._pre_loop.run(lambda: broadcast(obj, src))
+        return self._collective(lambda: broadcast(obj, src), again_after_a_death=True)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -751,7 +805,7 @@ class ElanStrategy(DDPStrategy):
         if self._alone():
             return tensor
         reduce, given = super().reduce, _copied(tensor)
-        return self._pre_loop.run(lambda: reduce(_copied(given), group, reduce_op))
+        return self._collective(lambda: reduce(_copied(given), group, reduce_op))
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
@@ -760,7 +814,7 @@ class ElanStrategy(DDPStrategy):
         if self._alone():
             return tensor.unsqueeze(0)
         all_gather = super().all_gather
-        return self._pre_loop.run(lambda: all_gather(even_rows(tensor, group), group, sync_grads))
+        return self._collective(lambda: all_gather(even_rows(tensor, group), group, sync_grads))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -864,6 +918,7 @@ def _install_coordinator(trainer: pl.Trainer, strategy: ElanStrategy) -> None:
 _DEATH_NOTICE_S = 10.0
 """How long an evaluation's collective error waits for the AM's notice of a member's death before it is taken as
 the process's own."""
+_EVALUATION_CALLS = (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING)
 _EVALUATION_LIMITED = (RunningStage.SANITY_CHECKING, RunningStage.VALIDATING, RunningStage.TESTING)
 _LIMIT_OF_STAGE = {TrainerFn.VALIDATING: "limit_val_batches", TrainerFn.TESTING: "limit_test_batches",
                    TrainerFn.PREDICTING: "limit_predict_batches"}
