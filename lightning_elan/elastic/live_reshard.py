@@ -19,6 +19,8 @@ After a member's death the recovery plan's survivors and its joiners (``--replac
 dead members left out: the group is the survivors in old rank order, then the joiners, and ``owners`` says which of
 them holds each old shard (a dead member's is held by its mirror holder, ``replication.mirror_plan``); a shard that
 died with its mirror raises :class:`~lightning_elan.replication.mirror_plan.ShardsLost` on every participant alike.
+The living leavers of an abandoned scale-in are the recovery plan's leavers: they hold their shards (and their mirrors)
+of the old layout, so they are holders of the recovery's reshard, then leave.
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ def reshard_live(frontend: object, plan: AdjustmentPlan, worker_id: str, store: 
     started = time.perf_counter()
     recovering = plan.action == ACTION_FAILURE
     previous = list(layout) if layout is not None else list(plan.previous_members)
-    holding = [member for member in previous if member in plan.stayers] if recovering else previous
+    holding = [member for member in previous if member in plan.stayers or member in plan.leavers] if recovering \
+        else previous  # a recovery's leavers: those of the reshard it abandoned, which still hold their shards
     owners = shard_owners(previous, holding) if recovering else None  # ShardsLost: on every member alike
     order = [*holding, *[joiner for joiner in plan.joiners if joiner not in holding]]
     rank, prefix = order.index(worker_id), f"elan/gen{plan.generation}/reshard"

@@ -900,7 +900,8 @@ class ElasticWorker:
         except ReshardAbandoned:
             if staying:
                 raise
-            self._leave_abandoned(plan)
+            self._leave_abandoned(plan, step)
+            return
         if not staying:
             self._leave(plan, sent, time.perf_counter() - started)
         self.frontend.after_resize()
@@ -920,15 +921,45 @@ class ElasticWorker:
             self._record_aggregates(plan.step)
         self.frontend.membership_changed(previous)
 
-    def _leave_abandoned(self, plan: AdjustmentPlan) -> None:
-        """A leaver whose live reshard a member's death abandoned: the survivors recover without it (from the old
-        layout, its shard from its mirror holder); it leaves without a report (its plan failed)."""
+    def _leave_abandoned(self, plan: AdjustmentPlan, step: int) -> None:
+        """A leaver whose live reshard a member's death abandoned: the survivors recover without it, from the old
+        layout, in which it still holds its shard and its mirror: it is a leaver of the recovery plan and gives them in
+        the recovery's reshard (a shard whose mirror died with a stayer comes from it), then leaves; it leaves at once
+        when the recovery plan does not list it."""
         log.warning("worker %s leaves the job: a member died in the live reshard of generation %d", self.worker_id,
                     plan.generation)
         self._abandon_outgoing()
-        self.has_left = True
+        started, failed = time.perf_counter(), plan.generation
+        while (recovery := self._recovery_leaving(failed, step)) is not None:
+            try:
+                self._hand_over(recovery)
+            except ReshardAbandoned:  # another death in the recovery's reshard: the next recovery, same old layout
+                failed = recovery.generation
+                continue
+            self._leave(recovery, 0, time.perf_counter() - started)
+            return
+        self.has_left = True  # not in the recovery plan: it leaves without a report (its plan failed)
         step_aside()
         self.frontend.leave()
+
+    def _recovery_leaving(self, failed: int, step: int) -> AdjustmentPlan | None:
+        """The recovery plan from the failure of ``failed`` if it lists this worker as a leaver (else None)."""
+        reply = self._require_link().recover(failed, step, self.join_timeout_s)
+        if reply.plan is None or self.worker_id not in reply.plan.leavers:
+            log.warning("worker %s is not in the recovery from the failure of generation %d (%s)", self.worker_id,
+                        failed, reply.reason or "another plan")
+            return None
+        return reply.plan
+
+    def _hand_over(self, recovery: AdjustmentPlan) -> None:
+        """A leaver's part in a recovery's live reshard: its old shard (and a dead ward's from its mirror) to the
+        survivors."""
+        log.warning("worker %s gives its shard to the recovery into generation %d before it leaves", self.worker_id,
+                    recovery.generation)
+        if self._watch is not None:
+            self._watch.watch(recovery.generation)  # a death in the recovery's reshard fails that one
+        self.frontend.before_resize()
+        self._reshard_live(recovery)
 
     def _leave(self, plan: AdjustmentPlan, sent: int, elapsed: float) -> None:
         self._finish_outgoing()

@@ -55,6 +55,9 @@ class Recovery:
     checked_in: dict[str, CheckIn] = field(default_factory=dict)
     interrupted_request: str | None = None
     waiting_logged: bool = False  # the "waiting for joiners below --min-workers" line was logged
+    leavers: list[str] = field(default_factory=list)
+    """The living leavers of an interrupted live reshard (elan_fsdp): they hold shards of the layout the survivors
+    recover from, so they take part in the recovery's reshard as its leavers (not members, not waited for)."""
 
     @property
     def next_generation(self) -> int:
@@ -65,6 +68,8 @@ class Recovery:
             self.dead.append(worker_id)
         if worker_id in self.survivors:
             self.survivors.remove(worker_id)
+        if worker_id in self.leavers:
+            self.leavers.remove(worker_id)
         self.checked_in.pop(worker_id, None)
 
     def missing(self) -> list[str]:
@@ -127,7 +132,7 @@ def recovery_plan(
         members=holders + joiners,
         previous_members=list(recovery.previous_members),
         joiners=joiners,
-        leavers=[],
+        leavers=list(recovery.leavers),
         sources=sources,
         hosts={worker: hosts.get(worker) for worker in holders + joiners},
         transfers=routes,

@@ -302,7 +302,7 @@ class ElanFSDPStrategy(ElanStrategy):
                                  self.engine.generation_group if receiving else None, self._unmirrored())
         finally:  # a leaver (its reshard done or abandoned): meta tensors in its module; teardown moves it to the CPU
             if not receiving and _has_meta_tensors(self.lightning_module):
-                self.lightning_module.to_empty(device=self.root_device)
+                _materialize(self.lightning_module, self._torch_optimizers(), self.root_device)
         self._joined_optimizers = None
 
     def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -503,6 +503,17 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, unit_classes: frozenset[type
 
 def _has_meta_tensors(model: nn.Module) -> bool:
     return any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()])
+
+
+def _materialize(model: nn.Module, optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
+    """A leaver's module (meta tensors once its shards went) given memory for its teardown; the optimizers' groups
+    point at its new parameters (after an abandoned reshard the recovery's reshard still finds them by name)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    model.to_empty(device=device)
+    parameters = dict(model.named_parameters())
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [parameters[names[id(parameter)]] for parameter in group["params"]]
 
 
 def _materialize_meta_buffers(model: nn.Module, device: torch.device) -> None:

@@ -30,3 +30,20 @@ def test_the_leaver_killed_in_a_scale_in_reshard_releases_every_stayer(tmp_path:
                        schedule="2:add=2,4:remove=rank:3")
 
     assert_released_and_recovered(run, static_fsdp, [("failure", 3)])
+
+
+@pytest.mark.parametrize("stayer", [0, 1])
+def test_a_stayer_killed_in_a_3_to_2_scale_in_reshard_takes_the_leavers_rows(tmp_path: Path, static_fsdp: FsdpRun,
+                                                                             stayer: int) -> None:
+    """2 workers grown to 3 after step 2, rank 2 removed after step 4 (3 -> 2); stayer 0 or 1 SIGKILLs itself at its
+    third transfer of that reshard. In a ring of 3 the leaver holds rank 1's mirror and rank 0 holds the leaver's: the
+    shards were taken from the survivors only, so either death lost a shard with its mirror (``ShardsLost``). The
+    living leaver takes part in the recovery's reshard (its own shard, and rank 1's from its mirror) and then leaves;
+    the lone survivor trains on; the result is the static run's."""
+    run = run_fsdp_job(tmp_path, f"fsdpkillstayer{stayer}", "--kill-step", "4", "--kill-at", "reshard",
+                       "--kill-rank", str(stayer), schedule="2:add=1,4:remove=rank:2")
+
+    assert "ShardsLost" not in run.output and "died with their mirrors" not in run.output, run.excerpt()
+    assert_released_and_recovered(run, static_fsdp, [("failure", 1)])
+    assert "leaves the job: a member died in the live reshard" in run.output, run.excerpt()
+

@@ -329,10 +329,14 @@ def test_a_replacement_that_trained_starts_the_count_again() -> None:
 
 
 def _scale_in_decided(live_reshard: bool, **policy: object) -> JobState:
-    """3 members, one removed (w2 leaves): rank 0 coordinates with ``live_reshard`` and the AM decides the plan."""
-    state = started(3, **policy)
+    """2 members grown to 3 (w2 joins), then one removed (w2 leaves): rank 0 coordinates with ``live_reshard`` and
+    the AM decides the plan."""
+    state = started(2, **policy)
+    requests.scale(state, "add", count=1)
+    ready(state, "w2")
+    commit(state, decide(state, step=2), step=3)
     requests.scale(state, "remove", count=1)
-    reply = adjustments.coordinate(state, CoordinateRequest("w0", 0, 4, live_reshard=live_reshard or None))
+    reply = adjustments.coordinate(state, CoordinateRequest("w0", 1, 4, live_reshard=live_reshard or None))
     assert reply.plan is not None and reply.plan.leavers == ["w2"]
     return state
 
@@ -344,12 +348,12 @@ def test_a_leaver_killed_in_a_live_reshard_fails_the_plan() -> None:
 
     reply = exited(state, "w2", -9)
 
-    assert reply == WorkerExitReply(False, recovering=True, failed_generations=[0, 1])
+    assert reply == WorkerExitReply(False, recovering=True, failed_generations=[1, 2])
     recovery = status_view.status(state).recovery
     assert recovery["dead"] == ["w2"] and recovery["survivors"] == ["w0", "w1"]
     assert not state.pending
-    check_in(state, "w0")
-    check_in(state, "w1")
+    check_in(state, "w0", generation=1)
+    check_in(state, "w1", generation=1)
     plan = adjustments.wait_plan(state, "w0").plan
     assert plan is not None and (plan.action, plan.members, plan.previous_members) == (ACTION_FAILURE, ["w0", "w1"],
                                                                                        ["w0", "w1"])
@@ -359,9 +363,49 @@ def test_a_leaver_killed_after_it_reported_or_without_a_live_reshard_is_gone() -
     """A leaver that reported (its reshard committed), or whose members hold no shard, is not needed: its death is
     not a failure."""
     reported = _scale_in_decided(True)
-    adjustments.report(reported, AdjustmentReport("w2", 1, "leaver", pause_s=0.0))
+    adjustments.report(reported, AdjustmentReport("w2", 2, "leaver", pause_s=0.0))
     unsharded = _scale_in_decided(False)
 
     for state in (reported, unsharded):
         assert exited(state, "w2", -9) == WorkerExitReply(False, left=True)
         assert state.recovery is None
+
+
+def test_a_stayer_killed_in_a_live_reshard_keeps_the_living_leaver_in_the_recovery_plan() -> None:
+    """elan_fsdp, 3 -> 2 (w2 leaves) and w1 dies in the reshard: the living leaver still holds its shard (and w1's
+    mirror) of the old layout, so the recovery plan lists it as a leaver (not a member, not waited for); its report
+    completes the plan with the survivor's."""
+    state = _scale_in_decided(True)
+
+    exited(state, "w1", -9)
+    assert state.recovery is not None and state.recovery.leavers == ["w2"]
+    assert check_in(state, "w2", generation=2).status == "wait"  # not a survivor: its check-in only waits
+    assert adjustments.wait_plan(state, "w2") is None  # not the plan it joined by (w2 joined in generation 0's)
+    check_in(state, "w0", generation=1)
+
+    plan = adjustments.wait_plan(state, "w2").plan
+    assert plan is not None and (plan.members, plan.leavers) == (["w0"], ["w2"])
+    adjustments.report(state, AdjustmentReport("w2", plan.generation, "leaver", pause_s=0.0))
+    record = adjustments.report(state, AdjustmentReport("w0", plan.generation, "stayer", pause_s=0.1, step=5))
+    assert record is not None and record["action"] == ACTION_FAILURE and record["leavers"] == ["w2"]
+    assert state.member_ids == ["w0"] and "w2" in state.left_workers
+
+
+def test_a_leaver_that_dies_before_the_recovery_plan_forms_leaves_it_and_is_not_replaced() -> None:
+    state = _scale_in_decided(True, replace_failed=True)
+    exited(state, "w1", -9)
+    pending = list(state.pending)
+
+    exited(state, "w2", -9)
+    check_in(state, "w0", generation=1)
+
+    plan = adjustments.wait_plan(state, "w0").plan
+    assert plan is not None and (plan.members, plan.leavers) == (["w0"], [])
+    assert len(state.pending) == len(pending)  # w1's replacement only
+
+
+def test_a_leaver_of_a_live_reshard_that_exits_0_before_it_reported_fails_the_plan() -> None:
+    """Its rows never reached the stayers (it left without its part of the reshard): they must not wait for it."""
+    state = _scale_in_decided(True)
+
+    assert exited(state, "w2", 0) == WorkerExitReply(False, recovering=True, failed_generations=[1, 2])

@@ -123,8 +123,8 @@ def wait_plan(state: JobState, worker_id: str) -> WaitPlanReply | None:
     recovery = state.recovery
     if recovery is not None and worker_id in recovery.dead:
         return WaitPlanReply.cancelled(f"worker {worker_id} was declared dead ({recovery.failure_id})")
-    if recovery is not None and worker_id in recovery.survivors:
-        return None  # the recovery plan is not formed yet
+    if recovery is not None and (worker_id in recovery.survivors or worker_id in recovery.leavers):
+        return None  # the recovery plan is not formed yet (a leaver of an abandoned live reshard is in it too)
     if state.in_flight is not None and state.in_flight.plan.involves(worker_id):
         return WaitPlanReply.with_plan(state.in_flight.plan)
     last = state.last_plan

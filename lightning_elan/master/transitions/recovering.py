@@ -58,9 +58,10 @@ def _judge_exit(state: JobState, request: WorkerExitRequest) -> WorkerExitReply:
     leaver = worker_id in state.left_workers or (in_flight is not None and worker_id in in_flight.plan.leavers)
     _record_exit(state, request, left=leaver and clean)
     if leaver:
-        if clean:
+        needed = _reshards_with_the_stayers(state, worker_id)  # even exiting 0: its rows never reached the stayers
+        if clean and not needed:
             return WorkerExitReply(expected=True)
-        if not _serves_a_joiner(state, worker_id) and not _reshards_with_the_stayers(state, worker_id):
+        if not _serves_a_joiner(state, worker_id) and not needed:
             return WorkerExitReply(expected=False, left=True)  # killed after it left: the job goes on
         return _member_failed(state, worker_id, returncode, time.time(), replace=False)
     if not clean and not state.finished and _takes_part(state, worker_id):
@@ -159,7 +160,8 @@ def form_plan_if_ready(state: JobState, now: float) -> None:
                "recovered_at": now, "step_redone": plan.step + 1,
                "interrupted_request": recovery.interrupted_request}
     checked = max(c.at for c in recovery.checked_in.values())
-    state.in_flight = Adjustment(plan, recovery.detected_at, checked, decided_at=now, failure=failure)
+    state.in_flight = Adjustment(plan, recovery.detected_at, checked, decided_at=now, failure=failure,
+                                 live_reshard=bool(recovery.leavers))
     state.recovery = None
     logger.info("job %s recovers from %s (%s died): generation %d will train with %s", state.job,
                 recovery.failure_id, workers_phrase(recovery.dead), plan.generation, workers_phrase(plan.members))
@@ -193,6 +195,7 @@ def _member_failed(state: JobState, worker_id: str, returncode: int, now: float,
     unless nobody is left (``replace``: a joiner replaces it under ``--replace-failed``; not a leaver's)."""
     logger.warning("worker %s of generation %s died (exit code %s)", worker_id, state.generation, returncode)
     recovery = state.recovery or _begin_recovery(state, now)
+    replace = replace and worker_id not in recovery.leavers
     recovery.mark_dead(worker_id)
     state.record_failure({"kind": "worker", "outcome": "died", "worker_id": worker_id, "returncode": returncode,
                           "generation": state.generation, "failure_id": recovery.failure_id}, now)
@@ -208,7 +211,7 @@ def _member_failed(state: JobState, worker_id: str, returncode: int, now: float,
 def _begin_recovery(state: JobState, now: float) -> Recovery:
     """Fail the current generation and the plan in flight (its joiners survive without state)."""
     failed, survivors, previous = [state.generation], list(state.member_ids), list(state.member_ids)
-    interrupted, dead = state.in_flight, []
+    interrupted, dead, leavers = state.in_flight, [], []
     if interrupted is not None:
         dead = list(interrupted.failure["dead"]) if interrupted.failure else []  # a recovery's, not carried out
         plan = interrupted.plan
@@ -216,15 +219,25 @@ def _begin_recovery(state: JobState, now: float) -> Recovery:
         # the plan's members: not its leavers, nor members that died before it (a recovery plan in flight)
         survivors = [w for w in survivors if w in plan.members and w not in plan.leavers] + list(plan.joiners)
         previous = list(plan.members)
+        leavers = _leavers_holding_shards(state, interrupted)
         state.record_failure(adjustment_failure(interrupted, plan.request_id, "interrupted by a worker's death"))
         state.in_flight = None
     state.recovery = Recovery(
         failure_id=f"f{state.next_failure}", failed_generations=failed, previous_members=previous,
         survivors=survivors, detected_at=now, deadline=now + DEFAULT_RECOVERY_TIMEOUT_S, dead=dead,
-        interrupted_request=None if interrupted is None else interrupted.plan.request_id,
+        interrupted_request=None if interrupted is None else interrupted.plan.request_id, leavers=leavers,
     )
     state.next_failure += 1
     return state.recovery
+
+
+def _leavers_holding_shards(state: JobState, interrupted: Adjustment) -> list[str]:
+    """The leavers of an interrupted live reshard that still hold their shards (they had not reported, nor exited):
+    the recovery's reshard takes their rows from them (a shard whose mirror died with a stayer, too)."""
+    if not interrupted.live_reshard:
+        return []
+    return [worker for worker in interrupted.plan.leavers
+            if worker not in interrupted.reports and worker not in state.exits]
 
 
 def _queue_replacement(state: JobState, dead: str, now: float) -> None:
