@@ -6,10 +6,11 @@ exchange the reduced gradients before the commit vote, advance the mirror once t
 (``replication.fsdp_recover``: every survivor gives its own shard and, if its ward died, the ward's from the mirror; the
 rows go to the new layout). A member's death that no mirror covers — the job has a single member, an optimizer that
 cannot be replayed on a shard, manual optimization or gradient clipping (:func:`unmirrored_because`), the mirror of the
-generation was not seeded yet (seeded at the end of a resize or recovery, and as the launch generation's training loop
-starts) — stops the job with :class:`LostShard`, naming why. A death while the shards move to a new layout abandons
-that reshard: each member keeps its old rows and its mirror until every participant has its new shard (the reshard's
-commit vote), so the recovery starts from the old layout.
+generation was not seeded yet (seeded at the end of a resize's or recovery's reshard, before its commit vote, and as
+the launch generation's training loop starts) — stops the job with :class:`LostShard`, naming why. A death while the
+shards move to a new layout abandons that reshard: each member keeps its old rows and its mirror until every
+participant has its new shard and the new mirrors are seeded (the reshard's commit vote), so the recovery starts from
+the old layout.
 """
 
 from __future__ import annotations
@@ -79,10 +80,19 @@ class StepMirroring:
              unmirrored: str | None) -> None:
         """At a step boundary (the end of a reshard, or a generation's first step): the full copy of the shards into
         the mirrors, if this generation has none yet."""
-        if self._mirror.seeded or group.size() < 2 or unmirrored is not None:
-            return
-        received = self._mirror.seed(model, optimizers, group)
-        log.info("worker %s mirrors the shard of rank %d (%.1f MB)", self._worker_id, self._mirror.ward, received / 1e6)
+        if not self._mirror.seeded:
+            self._mirror = self._seeded_mirror(model, optimizers, group, unmirrored) or self._mirror
+
+    def _seeded_mirror(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], group: Any,
+                       unmirrored: str | None) -> ShardMirror | None:
+        """A new mirror of this member's ward in ``group``'s layout, seeded (a collective: the full copy of every
+        member's shard into its holder); None when the steps cannot be mirrored."""
+        if group is None or group.size() < 2 or unmirrored is not None:
+            return None
+        mirror = ShardMirror()
+        received = mirror.seed(model, optimizers, group)
+        log.info("worker %s mirrors the shard of rank %d (%.1f MB)", self._worker_id, mirror.ward, received / 1e6)
+        return mirror
 
     def hyperparameters_changed(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """The step's hyperparameters were set after its gradients went to the mirror (a front-end that scales the
@@ -119,12 +129,14 @@ class StepMirroring:
              shard_modules: ShardModules, mesh: Any, skeleton: list[dict[str, Any]], chunk_bytes: int,
              generation_group: Any, unmirrored: str | None) -> None:
         """A front-end's live reshard (``LiveResharding.reshard_live``, both front-ends): a planned resize's rows to
-        the new layout, or after a death the recovery from the mirrors; then a receiver seeds the new generation's
-        mirrors at once (a death before its first step's vote is covered too). ``mesh``: the new generation's (None
-        on a leaver); ``skeleton``: the optimizers as a holder describes them.
+        the new layout, or after a death the recovery from the mirrors; then the receivers seed the new generation's
+        mirrors, before the commit vote, so a death at any moment after the vote is covered (before, they were seeded
+        after it: a death between the two lost a shard, ``LostShard``). ``mesh``: the new generation's (None on a
+        leaver); ``skeleton``: the optimizers as a holder describes them.
 
-        Until every participant has its new shard (``reshard.agree``) this member's old rows and its mirror stay: a
-        death before that abandons the reshard, and the recovery starts again from them (the old layout)."""
+        Until every participant has its new shard and the new mirrors are seeded (``reshard.agree``) this member's old
+        rows and its old mirror stay: a death before that abandons the reshard, and the recovery starts again from
+        them (the old layout). For that while a receiver holds both mirrors (its memory grows by one more shard)."""
         receiving = reshard.rank in reshard.receivers
         mesh = mesh if receiving else None
         holding = reshard.rank in reshard.holders
@@ -138,11 +150,11 @@ class StepMirroring:
             reshard_fsdp(model, optimizers, shard_modules, reshard.holders, reshard.receivers, mesh,
                          group=reshard.group, skeleton=skeleton, chunk_bytes=chunk_bytes,
                          held=self._old.rows if self._old is not None else None)
-        reshard.agree()  # every participant has its new shard: the old ones and the mirror of them go
+        mirror = self._seeded_mirror(model, optimizers, generation_group, unmirrored) if receiving else None
+        reshard.agree()  # every participant has its new shard, mirrored: the old ones and the mirror of them go
         self._old = None
         self._mirror.forget()
-        if receiving:
-            self.seed(model, optimizers, generation_group, unmirrored)
+        self._mirror = mirror or self._mirror
 
     def recover(self, reshard: ReshardGroup, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                 shard_modules: ShardModules, mesh: Any, skeleton: list[dict[str, Any]],

@@ -10,12 +10,23 @@ hung run is killed after ``RUN_TIMEOUT_S`` and fails.
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_elan_fsdp import FsdpRun, run_fsdp_job
-from tests.integration.test_elan_fsdp_faults import assert_released_and_recovered, static_fsdp
+from tests.integration.elastic_runs import elan_env
+from tests.integration.fsdp_runs import elan_command, run_to_end
+from tests.integration.test_elan_fsdp import RUN_TIMEOUT_S, SCRIPT, FsdpRun, run_fsdp_job
+from tests.integration.test_elan_fsdp_faults import (
+    assert_recovered_exactly,
+    assert_released_and_recovered,
+    static_fsdp,
+)
+from tests.integration.worker_faults import FAULT_KILL_DIR
+from tests.users.corpus import shm_dir
 
 pytestmark = pytest.mark.integration
 
@@ -47,3 +58,40 @@ def test_a_stayer_killed_in_a_3_to_2_scale_in_reshard_takes_the_leavers_rows(tmp
     assert_released_and_recovered(run, static_fsdp, [("failure", 1)])
     assert "leaves the job: a member died in the live reshard" in run.output, run.excerpt()
 
+
+def run_with_a_library_kill(home: Path, name: str, kill: str, schedule: str) -> FsdpRun:
+    """``run_fsdp_job`` with ``kill`` (``WORKER:PHASE``): that worker SIGKILLs itself at a point inside the library
+    (``fault_kill/sitecustomize.py``)."""
+    shm = shm_dir(home)
+    env = {**elan_env(home), "ELAN_SHM_DIR": str(shm), "ELAN_TEST_KILL": kill, "ELAN_PRELOAD_SITECUSTOMIZE": "worker",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_KILL_DIR), os.environ.get("PYTHONPATH")]))}
+    command = [*elan_command(home, name, 2, schedule), "--", sys.executable, str(SCRIPT), str(home / "out")]
+    try:
+        return run_to_end(command, home, RUN_TIMEOUT_S, env)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.parametrize("victim", ["w1", "w2"])
+def test_a_member_killed_right_after_a_reshard_committed_is_restored_from_the_new_mirrors(
+        tmp_path: Path, static_fsdp: FsdpRun, victim: str) -> None:
+    """2 workers grow to 3 after step 2; w1 (a holder) or w2 (the joiner) SIGKILLs itself as soon as the reshard's
+    commit vote decided that it stands. The new layout's mirrors were seeded only after the vote, so its shard was in
+    no mirror: the job stopped with ``LostShard``. They are seeded before the vote (a death in the seed abandons the
+    reshard), so the survivors restore its shard from its mirror in the new layout; the result is the static run's."""
+    run = run_with_a_library_kill(tmp_path, f"fsdpkillcommitted{victim}", f"{victim}:reshard_committed", "2:add=1")
+
+    assert (tmp_path / "elan-home" / "fault-kills.log").read_text().split()[:2] == [victim, "reshard_committed"]
+    assert "LostShard" not in run.output, run.excerpt()
+    assert_recovered_exactly(run, static_fsdp, [("failure", 2)], recorded=("failure",))
+
+
+def test_a_member_killed_while_the_new_mirrors_are_seeded_abandons_the_reshard(tmp_path: Path,
+                                                                              static_fsdp: FsdpRun) -> None:
+    """2 workers grow to 3 after step 2; w1 SIGKILLs itself as it seeds the new layout's mirrors (its rows moved,
+    before the commit vote): the reshard is abandoned, and the survivors recover from the 2-member layout (w1's shard
+    from w0's old mirror; the joiner joins again); the result is the static run's."""
+    run = run_with_a_library_kill(tmp_path, "fsdpkillseed", "w1:reshard_seed", "2:add=1")
+
+    assert (tmp_path / "elan-home" / "fault-kills.log").read_text().split()[:2] == ["w1", "reshard_seed"]
+    assert_released_and_recovered(run, static_fsdp, [("failure", 2)])

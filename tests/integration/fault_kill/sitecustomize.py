@@ -25,7 +25,11 @@
 * ``preparing`` — an Accelerate member as it calls ``accelerator.prepare`` (before its training loop): the others meet
   its death in ``prepare``'s collectives (the DDP's broadcast of rank 0's weights) or their first step;
 * ``connecting`` — such a survivor once it has arrived in the recovery's generation (every member has), before its
-  backend connects: the others meet its death inside their backend's rendezvous.
+  backend connects: the others meet its death inside their backend's rendezvous;
+* ``reshard_committed`` — an ``elan_fsdp`` participant of a live reshard once its commit vote decided that the reshard
+  stands (``ReshardCommit``), before it lets its old shards and mirror go: the others meet its death after the commit;
+* ``reshard_seed`` — an ``elan_fsdp`` receiver of a live reshard as it seeds the new layout's mirrors (its rows moved,
+  before the commit vote): the others meet its death in that seed.
 
 Each kill is written to ``$ELAN_HOME/fault-kills.log`` first. Only the first matching event of the job kills (none
 once that log exists: the source that serves the joiner after the recovery lives), and only workers (processes
@@ -46,8 +50,9 @@ _FRONT_ENDS = {"train_end": ("lightning_elan.strategy.strategy", "_ElanCoordinat
                "broadcast": ("lightning_elan.strategy.strategy", "ElanStrategy", "broadcast"),
                "ddp_broadcast": ("lightning_elan.elastic.ddp", "ElasticDistributedDataParallel",
                                  "broadcast_module_state"),
-               "preparing": ("lightning_elan.accelerate.accelerator", "ElasticAccelerator", "prepare")}
-_AFTER = {"recovering", "trained", "loop_over"}  # killed when the method returns, not when it is called
+               "preparing": ("lightning_elan.accelerate.accelerator", "ElasticAccelerator", "prepare"),
+               "reshard_committed": ("lightning_elan.elastic.live_reshard", "ReshardCommit", "__call__")}
+_AFTER = {"recovering", "trained", "loop_over", "reshard_committed"}  # killed when the method returns, not when called
 
 
 def _kill(phase: str) -> None:
@@ -80,6 +85,9 @@ def _install(phase: str, step: int | None) -> None:
     if phase == "connecting":
         _install_connecting(worker)
         return
+    if phase == "reshard_seed":
+        _install_reshard_seed()
+        return
     if phase in _FRONT_ENDS:
         import importlib
 
@@ -110,6 +118,29 @@ def _install_connecting(worker) -> None:
 
     worker.ElasticWorker._recovery_plan_for = recovery_plan_for
     process_group.ElasticProcessGroup._create = created
+
+
+def _install_reshard_seed() -> None:
+    """Kill at a mirror's seed inside a live reshard (not the launch generation's)."""
+    from lightning_elan.elastic.fsdp_mirroring import StepMirroring
+    from lightning_elan.replication.shard_mirror import ShardMirror
+
+    resharding = []
+    move, seed = StepMirroring.move, ShardMirror.seed
+
+    def moving(*args, **kwargs):
+        resharding.append(True)
+        try:
+            return move(*args, **kwargs)
+        finally:
+            resharding.pop()
+
+    def seeding(*args, **kwargs):
+        if resharding:
+            _kill("reshard_seed")
+        return seed(*args, **kwargs)
+
+    StepMirroring.move, ShardMirror.seed = moving, seeding
 
 
 _plan = os.environ.get("ELAN_TEST_KILL", "")
