@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -342,6 +343,25 @@ def mesh_of_group(group: dist.ProcessGroup, device_type: str, name: str) -> Any:
                       _init_backend=False, _rank=group.rank())
     mesh._dim_group_names = [name]
     mesh._pg_registry[name] = group
+    return mesh
+
+
+def mesh_of_groups(groups: list[dist.ProcessGroup], shape: tuple[int, ...], device_type: str, names: list[str],
+                   rank: int) -> Any:
+    """A ``DeviceMesh`` of ranks ``0..n-1`` laid out as ``shape`` (row-major), whose dimension ``d`` runs its
+    collectives on ``groups[d]`` (this rank's group of that dimension), registered as ``names[d]`` (an HSDP mesh:
+    ``(replicas, shard group)``). What ``DeviceMesh.from_group`` builds for several groups, for groups torch did not
+    record (see :func:`mesh_of_group`); ``rank``: this member's rank in the generation."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for group, name in zip(groups, names, strict=True):
+        group._set_group_name(name)
+        torch._C._distributed_c10d._register_process_group(name, group)
+    mesh = DeviceMesh(device_type, torch.arange(math.prod(shape), dtype=torch.int).view(shape),
+                      mesh_dim_names=tuple(names), _init_backend=False, _rank=rank)
+    mesh._dim_group_names = list(names)
+    for group, name in zip(groups, names, strict=True):
+        mesh._pg_registry[name] = group
     return mesh
 
 

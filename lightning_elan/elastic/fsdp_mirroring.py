@@ -55,6 +55,7 @@ class StepMirroring:
         self._mirror = ShardMirror()
         self._exchanged = False  # this step's gradients are in the mirrors: advance once it committed
         self._old: _OldShards | None = None  # the old layout's rows while a reshard has not committed
+        self.replicated = False  # HSDP with replica groups: a dead member's shard is held by its replicas, no mirror
         self.step_seconds: list[float] = []  # the mirror's own time per step (seed, exchange, advance)
 
     @property
@@ -62,12 +63,17 @@ class StepMirroring:
         """Whether this member's mirror of its ward's shard is seeded in the current generation."""
         return self._mirror.seeded
 
+    @property
+    def covers_a_death(self) -> bool:
+        """Whether a member's death now loses no shard: the mirrors are seeded, or every shard has replicas."""
+        return self.replicated or self._mirror.seeded
+
     def before_vote(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], index: int,
                     group: Any, unmirrored: str | None) -> None:
         """After the step's backward: seed the mirror if this generation has none, send the gradients to it
         (nothing when ``unmirrored`` says why the steps cannot be mirrored)."""
         self._exchanged = False
-        if group.size() < 2 or unmirrored is not None:
+        if group.size() < 2 or unmirrored is not None or self.replicated:
             return
         started = time.perf_counter()
         self.seed(model, optimizers, group, unmirrored)
@@ -87,7 +93,7 @@ class StepMirroring:
                        unmirrored: str | None) -> ShardMirror | None:
         """A new mirror of this member's ward in ``group``'s layout, seeded (a collective: the full copy of every
         member's shard into its holder); None when the steps cannot be mirrored."""
-        if group is None or group.size() < 2 or unmirrored is not None:
+        if group is None or group.size() < 2 or unmirrored is not None or self.replicated:
             return None
         mirror = ShardMirror()
         received = mirror.seed(model, optimizers, group)
@@ -113,7 +119,9 @@ class StepMirroring:
         self._mirror.settle()
 
     def check_recoverable(self, world_size: int, unmirrored: str | None) -> None:
-        """Before a recovery: :class:`LostShard` when no mirror can cover a dead member."""
+        """Before a recovery: :class:`LostShard` when no mirror (nor replica) can cover a dead member."""
+        if self.replicated:
+            return  # a shard that died with all its replicas: ShardsLost, when the recovery's holders are known
         why = "the job had a single member" if world_size < 2 else unmirrored
         if why is not None:
             raise LostShard(f"worker {self._worker_id}: a member of this sharded (FSDP2) job died and its shard "
@@ -163,7 +171,7 @@ class StepMirroring:
         assert reshard.owners is not None
         me = reshard.rank
         ward = self._mirror.ward
-        needs_mirror = ward is not None and reshard.owners[ward] == me and ward != reshard.previous_index
+        needs_mirror = ward is not None and reshard.owners[ward] == [me] and ward != reshard.previous_index
         missing = reshard.previous_index is not None and not self._mirror.seeded and _holds_a_dead_shard(reshard)
         if _any_member(reshard.group, missing):
             raise LostShard(f"worker {self._worker_id}: a member of this sharded (FSDP2) job died before its "
@@ -175,7 +183,8 @@ class StepMirroring:
             log.warning("worker %s restores the shard of dead rank %d from its mirror", self._worker_id, ward)
         own = self._old.rows if self._old is not None and reshard.previous_index is not None else None
         recover_fsdp(model, optimizers, shard_modules, reshard.owners, reshard.receivers, mesh, reshard.group,
-                     skeleton, reshard.previous_index, mirrored, own_rows=own, chunk_bytes=chunk_bytes)
+                     skeleton, reshard.previous_index, mirrored, own_rows=own, chunk_bytes=chunk_bytes,
+                     shards=reshard.new_shards)
 
 
 class _OldShards:
@@ -188,7 +197,8 @@ class _OldShards:
 def _holds_a_dead_shard(reshard: ReshardGroup) -> bool:
     """Whether this survivor is the owner of a shard that is not its own (it must have a mirror)."""
     assert reshard.owners is not None
-    return any(owner == reshard.rank and index != reshard.previous_index for index, owner in enumerate(reshard.owners))
+    return any(reshard.rank in holders and index != reshard.previous_index
+               for index, holders in enumerate(reshard.owners))
 
 
 def _any_member(group: Any, flag: bool) -> bool:

@@ -21,6 +21,12 @@ them holds each old shard (a dead member's is held by its mirror holder, ``repli
 died with its mirror raises :class:`~lightning_elan.replication.mirror_plan.ShardsLost` on every participant alike.
 The living leavers of an abandoned scale-in are the recovery plan's leavers: they hold their shards (and their mirrors)
 of the old layout, so they are holders of the recovery's reshard, then leave.
+
+A front-end whose layout is not one shard per member (HSDP: shard groups, replicated) says how many shards a world of
+a given size has (``shard_count``); whenever either layout is replicated, ``owners`` lists every holder of each old
+shard (its replicas; after a death, the living ones), so each receiver takes its rows from itself when it holds them
+and else from one replica — a joining shard group is healed shard for shard from a replica, a leaving one moves
+nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import torch.distributed as dist
 from lightning_elan.elastic.failures import CommitVote, PeerFailure
 from lightning_elan.elastic.process_group import SideGroup
 from lightning_elan.protocol.contract import ACTION_FAILURE, AdjustmentPlan
-from lightning_elan.replication.mirror_plan import shard_owners
+from lightning_elan.replication.mirror_plan import shard_holders
 from lightning_elan.replication.transports.collective import make_transfer_group
 
 log = logging.getLogger(__name__)
@@ -92,8 +98,12 @@ class ReshardGroup:
     group: Any  # a c10d backend or a side group, used through its own methods (alltoall_base, allreduce)
     holders: list[int]
     receivers: list[int]
-    owners: list[int] | None = None  # after a death: for each old shard, the rank holding it (its own or a mirror)
-    previous_index: int | None = None  # after a death: this member's old shard (None on a joiner)
+    owners: list[list[int]] | None = None
+    """After a death, or with a replicated layout: for each old shard, the ranks holding it (its own, a mirror's or its
+    replicas')."""
+    previous_index: int | None = None  # with ``owners``: this member's old shard (None on a joiner)
+    new_shards: int | None = None
+    """The new layout's shards: receiver ``p`` takes shard ``p % new_shards`` (None: one per receiver)."""
     agree: Callable[[], None] = field(default=lambda: None)
     """Once this participant has its new shard, before it lets the old one go: the reshard's commit vote (raises
     :class:`PeerFailure` when a death aborted it)."""
@@ -131,17 +141,25 @@ def reshard_live(frontend: object, plan: AdjustmentPlan, worker_id: str, store: 
     previous = list(layout) if layout is not None else list(plan.previous_members)
     holding = [member for member in previous if member in plan.stayers or member in plan.leavers] if recovering \
         else previous  # a recovery's leavers: those of the reshard it abandoned, which still hold their shards
-    owners = shard_owners(previous, holding) if recovering else None  # ShardsLost: on every member alike
+    shards_of = getattr(frontend, "shard_count", len_of_world)
+    old_shards, new_shards = shards_of(len(previous)), shards_of(len(plan.members))
+    replicated = old_shards != len(previous) or new_shards != len(plan.members)
+    # ShardsLost: on every member alike
+    owners = shard_holders(previous, holding, old_shards) if recovering or replicated else None
     order = [*holding, *[joiner for joiner in plan.joiners if joiner not in holding]]
+    if recovering and old_shards < len(previous):
+        _log_replicas_of_the_dead(worker_id, previous, holding, old_shards)
     rank, prefix = order.index(worker_id), f"elan/gen{plan.generation}/reshard"
     commit = ReshardCommit(store, plan.generation, rank, len(order), failed)
     group: Any = None
     try:
         group = _transfer_group(store, prefix, rank, len(order), backend, timeout, side_group)
         reshard = ReshardGroup(group, list(range(len(holding))), [order.index(member) for member in plan.members],
-                               owners=None if owners is None else [order.index(owner) for owner in owners],
-                               previous_index=previous.index(worker_id) if recovering and worker_id in holding
-                               else None, agree=commit)
+                               owners=None if owners is None else [[order.index(one) for one in shard]
+                                                                   for shard in owners],
+                               previous_index=previous.index(worker_id) % old_shards
+                               if owners is not None and worker_id in holding else None,
+                               new_shards=new_shards, agree=commit)
         frontend.reshard_live(reshard)
         commit()
     except Exception as error:
@@ -155,6 +173,20 @@ def reshard_live(frontend: object, plan: AdjustmentPlan, worker_id: str, store: 
         group.close()
     log.info("worker %s resharded live for generation %d (%d holders -> %d receivers) in %.1f ms", worker_id,
              plan.generation, len(reshard.holders), len(reshard.receivers), (time.perf_counter() - started) * 1e3)
+
+
+def _log_replicas_of_the_dead(worker_id: str, previous: list[str], holding: list[str], shards: int) -> None:
+    """One line per dead member whose shard this member holds as its replica (HSDP: no mirror needed)."""
+    for index, member in enumerate(previous):
+        replica = index % shards == previous.index(worker_id) % shards if worker_id in previous else False
+        if member not in holding and replica:
+            log.warning("worker %s holds the shard of dead worker %s as its replica (HSDP shard %d of %d)", worker_id,
+                        member, index % shards, shards)
+
+
+def len_of_world(world: int) -> int:
+    """One shard per member (FSDP): a front-end's ``shard_count`` when it has none."""
+    return world
 
 
 def _transfer_group(store: dist.Store, prefix: str, rank: int, size: int, backend: str, timeout: timedelta,

@@ -276,6 +276,12 @@ class ElasticWorker:
         size and must be released when a member dies."""
         return self._group().generation_view()
 
+    def generation_subgroup(self, ranks: list[int]) -> dist.ProcessGroup | None:
+        """A group of some ranks of the current generation, abortable with it and valid in it only
+        (``ElasticProcessGroup.new_group``): every member makes the same groups in the same order; None when this
+        member is not in ``ranks``."""
+        return self._group().new_group(ranks)
+
     def tolerant_generation_group(self, tolerating: Callable[[], bool]) -> dist.ProcessGroup:
         """The current generation as :attr:`generation_group`, its collectives' failures kept instead of raised while
         ``tolerating()`` (``process_group.TolerantGenerationGroup``: a sharded model's collectives in user code)."""

@@ -2,9 +2,10 @@
 
 As ``fsdp_reshard.reshard_fsdp`` at a planned resize, but a survivor may hold two old shards — its own and, from its
 shard mirror (``shard_mirror.ShardMirror``), the shard of its dead ward — so the old layout is given as ``owners``
-(for each old shard, the rank of the group that holds its rows: ``mirror_plan.shard_owners``). Each tensor's rows go
-straight from their owner to their new holder (``mirror_plan.owned_row_moves``), in the all-to-all rounds of
-``reshard.carry`` (abortable).
+(for each old shard, the ranks of the group that hold its rows: ``mirror_plan.shard_holders``). Each tensor's rows go
+straight from one owner to their new holder (``mirror_plan.owned_row_moves``), in the all-to-all rounds of
+``reshard.carry`` (abortable). Either layout may be HSDP's (shards replicated over replica groups, 2-D mesh): the old
+one has then several owners per shard, the new one ``shards`` shards, receiver ``p`` taking shard ``p % shards``.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ from lightning_elan.torch_compat import undo_fully_shard
 __all__ = ["recover_fsdp"]
 
 def recover_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], shard_modules: ShardModules,
-                 owners: Sequence[int], receivers: Sequence[int], mesh: DeviceMesh | None, group: Any,
+                 owners: Sequence[Sequence[int]], receivers: Sequence[int], mesh: DeviceMesh | None, group: Any,
                  skeleton: list[dict[str, Any]], own_index: int | None, mirrored: dict[int, Rows],
-                 own_rows: Rows | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-    """Shard ``model`` and ``optimizers`` from the old layout (shard ``i`` held by ``owners[i]``) onto ``mesh``.
+                 own_rows: Rows | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 shards: int | None = None) -> None:
+    """Shard ``model`` and ``optimizers`` from the old layout (shard ``i`` held by ``owners[i]``) onto ``mesh``
+    (``shards`` shards; default one per receiver).
 
     ``own_index``: this member's old shard (None on a joiner); ``mirrored``: the old shards it holds from its mirror,
     by index; ``own_rows``: its old shard's rows when the module no longer holds them (a reshard abandoned after a
@@ -67,7 +70,7 @@ def recover_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
         for name, shape in like.items():
             for kind in _sharded_kinds(skeleton, name):
                 olds = {index: rows[name][kind] for index, rows in held.items() if kind in rows.get(name, {})}
-                rows = _move_owned(olds, shape, owners, receivers, group, chunk_bytes)
+                rows = _move_owned(olds, shape, owners, receivers, group, chunk_bytes, shards)
                 if rows is not None:
                     moved.setdefault(name, {})[kind] = _as_shard(rows, mesh, shape)
             if receiving:
@@ -80,21 +83,22 @@ def recover_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
                     lambda name, key, index=index: moved[name][f"o{index}/{key}"], parameters)
 
 
-def _move_owned(olds: dict[int, torch.Tensor], like: torch.Tensor, owners: Sequence[int], receivers: Sequence[int],
-                group: Any, chunk_bytes: int) -> torch.Tensor | None:
+def _move_owned(olds: dict[int, torch.Tensor], like: torch.Tensor, owners: Sequence[Sequence[int]],
+                receivers: Sequence[int], group: Any, chunk_bytes: int, shards: int | None) -> torch.Tensor | None:
     """This member's new shard of one tensor (None if it receives none), from the old shards it and others own."""
     me = group.rank()
     length, old_world = like.shape[0], len(owners)
+    shards = len(receivers) if shards is None else shards
     new_shard, new_start = None, 0
     if me in receivers:
-        new_start, end = shard_rows(length, len(receivers), list(receivers).index(me))
+        new_start, end = shard_rows(length, shards, list(receivers).index(me) % shards)
         new_shard = torch.empty((end - new_start, *like.shape[1:]), dtype=like.dtype, device="cpu")
 
     def source_rows(move: OwnedMove, start: int, end: int) -> torch.Tensor:
         old_start = shard_rows(length, old_world, move.old_index)[0]
         return olds[move.old_index][start - old_start : end - old_start]
 
-    carry(group, owned_row_moves(length, owners, receivers), source_rows,
+    carry(group, owned_row_moves(length, owners, receivers, shards), source_rows,
           lambda _move, start, end: new_shard[start - new_start : end - new_start],  # type: ignore[index]
           like, chunk_bytes)
     return new_shard

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_elan.replication.reshard import DEFAULT_CHUNK_BYTES, move_rows
 from lightning_elan.torch_compat import undo_fully_shard
@@ -144,8 +144,10 @@ def _release(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[li
 
 
 def _as_shard(rows: torch.Tensor, mesh: DeviceMesh | None, like: torch.Tensor) -> DTensor:
-    """This receiver's rows as its shard of ``mesh``."""
-    return DTensor.from_local(rows, mesh, [Shard(0)], shape=like.shape, stride=like.stride(), run_check=False)
+    """This receiver's rows as its shard of ``mesh`` (a 2-D HSDP mesh: replicated over its first dimension, as
+    ``fully_shard`` places a parameter on it)."""
+    placements = [*[Replicate()] * (mesh.ndim - 1), Shard(0)] if mesh is not None else [Shard(0)]
+    return DTensor.from_local(rows, mesh, placements, shape=like.shape, stride=like.stride(), run_check=False)
 
 
 def _load_parameter(model: nn.Module, name: str, shard: DTensor) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["RowMove", "row_moves", "shard_rows"]
+__all__ = ["RowMove", "row_moves", "shard_count", "shard_rows"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,17 @@ class RowMove:
     target: int
     start: int
     end: int
+
+
+def shard_count(world: int, group_size: int | None) -> int:
+    """How many shards a generation of ``world`` members cuts each tensor into: ``group_size`` under HSDP when it
+    divides the world into two or more replica groups (member ``p`` then holds shard ``p % group_size``, as a 2-D
+    mesh's shard dimension does), else one per member (FSDP over all of them, a size that is not a multiple too)."""
+    if world < 1 or (group_size is not None and group_size < 1):
+        raise ValueError(f"no layout of {world} members in shard groups of {group_size}")
+    if group_size is None or world % group_size or world == group_size:
+        return world
+    return group_size
 
 
 def shard_rows(length: int, world: int, index: int) -> tuple[int, int]:

@@ -43,6 +43,7 @@ from typing_extensions import override
 from lightning_elan import compat, sharded_checkpoint, torch_compat
 from lightning_elan.elastic.fsdp_mirroring import LostShard, StepMirroring, unmirrored_because
 from lightning_elan.elastic.live_reshard import ReshardGroup
+from lightning_elan.replication import shard_layout
 from lightning_elan.replication.fsdp_reshard import describe_optimizers, take_fsdp_off
 from lightning_elan.replication.reception import tensor_nbytes
 from lightning_elan.strategy.strategy import ElanStrategy
@@ -71,7 +72,10 @@ class ElanFSDPStrategy(ElanStrategy):
             default: the whole model is one unit.
         reshard_after_forward: FSDP2's option of the same name (free the gathered parameters after the forward).
         mp_policy: an FSDP2 ``MixedPrecisionPolicy``, passed to every ``fully_shard``.
-        hsdp_group_size: HSDP (shard within groups of this size): not supported yet, refused at the start of fit.
+        hsdp_group_size: HSDP: shard within groups of this many consecutive ranks, replicate across the groups (a
+            2-D mesh ``(replicate, shard)``); a member's death is then covered by its shard's replicas, no mirror.
+            A world that is not a multiple of it, or no larger, is sharded over all its members (FSDP, mirrored);
+            the live reshard moves between the two layouts.
         reshard_chunk_mb: the largest message of the live reshard at a resize, in MB (the fixed buffer beside a
             member's new shard: its memory grows by at most its new shard, one chunk and one parameter's shard).
         state_dict_type: Lightning ``FSDPStrategy``'s knob: ``"full"`` (default) gathers the whole state and rank 0
@@ -93,12 +97,14 @@ class ElanFSDPStrategy(ElanStrategy):
         self.shard_modules = frozenset(shard_modules or ())
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
+        if hsdp_group_size is not None and (not isinstance(hsdp_group_size, int) or hsdp_group_size < 1):
+            raise ValueError(f"hsdp_group_size must be a positive integer (or None for FSDP), got {hsdp_group_size!r}")
         self.hsdp_group_size = hsdp_group_size
         if reshard_chunk_mb <= 0:
             raise ValueError(f"reshard_chunk_mb must be positive, got {reshard_chunk_mb}")
         self.reshard_chunk_bytes = max(1, int(reshard_chunk_mb * (1 << 20)))
         self._device_mesh: DeviceMesh | None = None
-        self._mesh_name: str | None = None
+        self._mesh_names: list[str] = []
         self._snapshotting = False  # a source dumps a joiner's state: no model or optimizer tensors in it
         self._joined_optimizers: list[dict[str, Any]] | None = None  # a joiner: its source's optimizer skeleton
 
@@ -109,7 +115,8 @@ class ElanFSDPStrategy(ElanStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The current generation's 1-D mesh (what ``LightningModule.device_mesh`` reads in ``configure_model``)."""
+        """The current generation's mesh (what ``LightningModule.device_mesh`` reads in ``configure_model``): 1-D, or
+        ``(replicate, shard)`` under HSDP."""
         if self._device_mesh is None:
             raise RuntimeError("the device mesh of strategy='elan_fsdp' exists once the worker is in the job")
         return self._device_mesh
@@ -162,25 +169,46 @@ class ElanFSDPStrategy(ElanStrategy):
         return fitting and self.engine.environment.joiner and not self.engine.is_member and not self.engine.has_left
 
     def _refuse_unsupported(self) -> None:
-        if self.hsdp_group_size is not None:
-            raise NotImplementedError(NOT_YET.format(what="hsdp_group_size (HSDP)", instead="leave it unset (FSDP)"))
         for unsupported in ("process_group", "static_graph", "find_unused_parameters"):
             if self._ddp_kwargs.get(unsupported):
                 raise NotImplementedError(NOT_YET.format(what=f"DDP's {unsupported!r}", instead="leave it unset"))
 
+    def shard_count(self, world: int) -> int:
+        """How many shards a generation of ``world`` members has (the live reshard's layouts): ``hsdp_group_size``
+        when it divides the world into replica groups, else one per member."""
+        return shard_layout.shard_count(world, self.hsdp_group_size)
+
     def _build_mesh(self) -> None:
-        """A mesh over the generation's group (the elastic view: fixed size, abortable collectives)."""
+        """A mesh over the generation's group (the elastic view: fixed size, abortable collectives); under HSDP, over
+        its shard and replica subgroups (abortable with it)."""
         self._forget_mesh()
-        self._mesh_name = f"elan_fsdp_gen{self.engine.generation}"
-        self._device_mesh = torch_compat.mesh_of_group(self.engine.generation_group, self.root_device.type,
-                                                       self._mesh_name)
+        world, name = self.engine.world_size, f"elan_fsdp_gen{self.engine.generation}"
+        shards = self.shard_count(world)
+        self._mirroring.replicated = shards < world
+        if shards == world:
+            self._mesh_names = [name]
+            self._device_mesh = torch_compat.mesh_of_group(self.engine.generation_group, self.root_device.type, name)
+        else:
+            self._mesh_names = [f"{name}_replicate", f"{name}_shard"]
+            groups = self._hsdp_groups(world, shards)
+            self._device_mesh = torch_compat.mesh_of_groups(groups, (world // shards, shards), self.root_device.type,
+                                                            self._mesh_names, self.engine.rank)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._device_mesh
 
+    def _hsdp_groups(self, world: int, shards: int) -> list[Any]:
+        """This member's replica group (the ranks holding its shard) and shard group (its ``shards`` consecutive
+        ranks); every member makes all of them, in the same order."""
+        subgroup = self.engine.generation_subgroup
+        made = [subgroup(list(range(first, first + shards))) for first in range(0, world, shards)]
+        made += [subgroup(list(range(index, world, shards))) for index in range(shards)]
+        mine = [group for group in made if group is not None]
+        return [mine[1], mine[0]]
+
     def _forget_mesh(self) -> None:
-        if self._mesh_name is not None:
-            torch_compat.forget_mesh_group(self._mesh_name)
-            self._mesh_name = None
+        for name in self._mesh_names:
+            torch_compat.forget_mesh_group(name)
+        self._mesh_names = []
 
     # ------------------------------------------------------------------ FSDP2 instead of the elastic DDP
 
@@ -380,7 +408,7 @@ class ElanFSDPStrategy(ElanStrategy):
         """A death once the mirrors were seeded (in their seed, or in a collective after it) is recovered from as in
         the loop; before, no shard is mirrored yet: the job stops with :class:`LostShard`."""
         self.engine.confirm_peer_failure(error)
-        if self._mirroring.seeded:
+        if self._mirroring.covers_a_death:
             super()._recover_before_the_loop(error)
             return
         raise LostShard(f"worker {self.engine.worker_id}: a member of this strategy='elan_fsdp' job died before the "

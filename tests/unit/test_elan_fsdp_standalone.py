@@ -81,7 +81,17 @@ def test_trains_sharded_and_saves_a_full_checkpoint(tmp_path: Path) -> None:
     assert set(checkpoint["optimizer_states"][0]["state"]) == set(checkpoint["state_dict"])
 
 
-def test_hsdp_is_refused_at_the_start_of_fit(tmp_path: Path) -> None:
+def test_hsdp_over_a_world_smaller_than_its_group_is_fsdp(tmp_path: Path) -> None:
+    """``hsdp_group_size=2`` in a 1-member world: no two replica groups, so FSDP over the one member (1-D mesh)."""
+    model = _Model()
     trainer = _trainer(ElanFSDPStrategy(hsdp_group_size=2), tmp_path)
-    with pytest.raises(NotImplementedError, match=r"elan_fsdp' does not support hsdp_group_size \(HSDP\) yet"):
-        trainer.fit(_Model(), _data())
+    trainer.fit(model, _data())
+
+    assert model.mesh_seen.ndim == 1 and model.mesh_seen.size() == 1
+    assert all(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+@pytest.mark.parametrize("size", [0, -2, 1.5, "2"])
+def test_an_invalid_hsdp_group_size_is_refused(size: object) -> None:
+    with pytest.raises(ValueError, match="hsdp_group_size must be a positive integer"):
+        ElanFSDPStrategy(hsdp_group_size=size)  # type: ignore[arg-type]

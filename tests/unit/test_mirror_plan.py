@@ -10,8 +10,10 @@ from lightning_elan.replication.mirror_plan import (
     mirror_holder,
     mirror_ward,
     owned_row_moves,
+    shard_holders,
     shard_owners,
 )
+from lightning_elan.replication.shard_layout import shard_count
 
 
 def test_each_shard_is_mirrored_by_the_next_rank_of_the_ring() -> None:
@@ -50,3 +52,51 @@ def test_owned_moves_cover_every_row_once_from_its_owner() -> None:
                      OwnedMove(2, 1, 1, 8, 10)]
     rows = sorted((move.start, move.end) for move in moves)
     assert [row for start, end in rows for row in range(start, end)] == list(range(10))
+
+
+def test_shard_count_is_the_group_size_only_with_two_or_more_replica_groups() -> None:
+    assert [shard_count(world, 2) for world in (1, 2, 3, 4, 5, 6)] == [1, 2, 3, 2, 5, 2]
+    assert shard_count(6, 3) == 3 and shard_count(6, None) == 6 and shard_count(4, 1) == 1
+    with pytest.raises(ValueError):
+        shard_count(4, 0)
+
+
+def test_hsdp_shard_holders_are_the_living_replicas() -> None:
+    members = ["w0", "w1", "w2", "w3"]  # shard 0: w0, w2; shard 1: w1, w3
+    assert shard_holders(members, members, 2) == [["w0", "w2"], ["w1", "w3"]]
+    assert shard_holders(members, ["w0", "w2", "w3"], 2) == [["w0", "w2"], ["w3"]]
+    assert shard_holders(["w0", "w1", "w2"], ["w0", "w2"], 3) == [["w0"], ["w2"], ["w2"]]  # FSDP: the mirror holder
+    lost = r"died with their replicas: shard 1 \(worker w1\) and its replica \(worker w3\)"
+    with pytest.raises(ShardsLost, match=lost):
+        shard_holders(members, ["w0", "w2"], 2)
+
+
+def test_a_leaving_replica_group_moves_nothing() -> None:
+    """HSDP over 4 (2 shards of a 10-row tensor) to FSDP over the first 2: each keeps its shard, a local copy."""
+    moves = owned_row_moves(10, [[0, 2], [1, 3]], [0, 1], shards=2)
+    assert all(move.source == move.target for move in moves)
+    assert moves == [OwnedMove(0, 0, 0, 0, 5), OwnedMove(1, 1, 1, 5, 10)]
+
+
+def test_a_joining_shard_group_is_healed_shard_for_shard_from_a_replica() -> None:
+    """FSDP over 2 to HSDP over 4 (shards of 2): the joiners 2 and 3 take shard 0 from rank 0 and shard 1 from
+    rank 1, whole; HSDP 4 to 6: the third replica group's sources are spread over the replicas."""
+    moves = owned_row_moves(10, [[0], [1]], [0, 1, 2, 3], shards=2)
+    assert [move for move in moves if move.source != move.target] == [OwnedMove(0, 0, 2, 0, 5),
+                                                                          OwnedMove(1, 1, 3, 5, 10)]
+    grown = owned_row_moves(10, [[0, 2], [1, 3]], [0, 1, 2, 3, 4, 5], shards=2)
+    assert [(move.source, move.target) for move in grown if move.source != move.target] == [(0, 4), (1, 5)]
+    for target in range(6):
+        rows = sorted((move.start, move.end) for move in grown if move.target == target)
+        start = 0 if target % 2 == 0 else 5
+        assert [row for low, high in rows for row in range(low, high)] == list(range(start, start + 5))
+
+
+def test_replicated_receivers_of_a_shard_spread_over_its_holders() -> None:
+    """FSDP over 3 to HSDP over 4: every receiver gets each row of its new shard once, from a holder of it."""
+    moves = owned_row_moves(12, [[0], [1], [2]], [0, 1, 2, 3], shards=2)
+    for target in range(4):
+        rows = sorted((move.start, move.end) for move in moves if move.target == target)
+        start = 0 if target % 2 == 0 else 6
+        assert [row for low, high in rows for row in range(low, high)] == list(range(start, start + 6))
+    assert all(move.source == move.old_index for move in moves)

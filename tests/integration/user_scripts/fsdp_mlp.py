@@ -2,7 +2,7 @@
 
 python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N] [--kill-step S [--kill-rank R]...
     [--kill-at start|forward|backward|optimizer|reshard]] [--reshard-kill-rank R] [--configure-model] [--net-in-step]
-    [--evaluate]
+    [--evaluate] [--hsdp K]
 
 Every process appends the samples it trained to ``OUT/trained-<pid>.jsonl`` (one line per batch: epoch, step, the
 dataset indices, without a rank's weight-0 stand-in sample). ``ModelCheckpoint`` saves every 3 steps into
@@ -47,6 +47,12 @@ SAMPLES, FEATURES, WIDTH = 96, 6, 16
 OUT = "."  # set from the command line
 RESHARD_KILL_AT = 3
 """``--kill-at reshard``: the transfer (all-to-all round of ``replication.reshard.carry``) a process dies in."""
+
+
+def _mesh_shape(trainer) -> list[int] | None:
+    """The shape of the device mesh the batch was trained on (``elan_fsdp``; None under ``elan``)."""
+    mesh = getattr(trainer.strategy, "device_mesh", None) if trainer.strategy.strategy_name == "elan_fsdp" else None
+    return list(mesh.shape) if mesh is not None else None
 
 
 class Indexed(Dataset):
@@ -164,7 +170,7 @@ class RecordTrained(Callback):
         samples = [] if trainer.strategy.sample_weight == 0 else batch[0].tolist()
         with self.path.open("a") as file:
             file.write(json.dumps({"epoch": trainer.current_epoch, "step": trainer.global_step,
-                                   "samples": samples}) + "\n")
+                                   "samples": samples, "mesh": _mesh_shape(trainer)}) + "\n")
 
     def _kills_here(self, trainer) -> bool:
         if trainer.global_step != self.kill_step or trainer.global_rank not in self.kill_ranks:
@@ -224,6 +230,7 @@ def main() -> None:
     parser.add_argument("--configure-model", action="store_true")
     parser.add_argument("--net-in-step", action="store_true")
     parser.add_argument("--evaluate", action="store_true")
+    parser.add_argument("--hsdp", type=int, default=None, help="ElanFSDPStrategy(hsdp_group_size=...)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     global OUT
@@ -232,7 +239,9 @@ def main() -> None:
     reshards.setLevel(logging.INFO)
     reshards.addHandler(logging.StreamHandler())
     pl.seed_everything(1)
-    strategy = ElanFSDPStrategy(shard_modules={Block}) if args.shard_blocks else args.strategy
+    strategy = args.strategy
+    if args.shard_blocks or args.hsdp:
+        strategy = ElanFSDPStrategy(shard_modules={Block} if args.shard_blocks else None, hsdp_group_size=args.hsdp)
     model = MLP(in_configure_model=args.configure_model, net_in_step=args.net_in_step)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_epochs=args.epochs, logger=False,
