@@ -5,8 +5,8 @@ python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N]
     [--evaluate] [--hsdp K]
 
 Every process appends the samples it trained to ``OUT/trained-<pid>.jsonl`` (one line per batch: epoch, step, the
-dataset indices, without a rank's weight-0 stand-in sample). ``ModelCheckpoint`` saves every 3 steps into
-``OUT/checkpoints``. ``--configure-model``: the network is built in ``configure_model``, which writes
+dataset indices, without a rank's weight-0 stand-in sample, and the device mesh's shape). ``ModelCheckpoint`` saves
+every 3 steps into ``OUT/checkpoints``. ``--configure-model``: the network is built in ``configure_model``, which writes
 ``OUT/built-<pid>.json`` (whether it was built on the meta device). ``--net-in-step``: ``training_step`` calls the
 network itself (``self.net(x)``, as most modules do) instead of ``self(x)``. At the end every member gathers the full
 state (parameters and Adam's states, by parameter name) and rank 0 writes ``OUT/final.pt``. Each member's live reshards
@@ -22,7 +22,8 @@ first death, at its ``RESHARD_KILL_AT``-th transfer (``OUT/killed-in-recovery``)
 
 ``--evaluate``: after ``fit`` the members run ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` over the
 dataset in order (their steps call the network as ``training_step`` does); rank 0 writes the logged ``val_mse`` and
-``test_mse`` to ``OUT/evaluation.json`` and every member its predictions to ``OUT/predicted-<pid>.pt``.
+``test_mse`` to ``OUT/evaluation.json`` and every member its predictions to ``OUT/predicted-<pid>.pt``. ``--hsdp K``:
+``ElanFSDPStrategy(hsdp_group_size=K)``.
 """
 
 from __future__ import annotations
