@@ -23,6 +23,11 @@ commit vote, and the mirror holder applies the committed update itself); the sur
 member's rows come from its mirror holder and move with everyone's to the new layout (and to a ``--replace-failed``
 joiner), and the interrupted step is redone as under ``"elan"``. A shard that died with its mirror, or a death no mirror
 covers, stops the job with :class:`LostShard`, naming what was lost.
+
+HSDP (``hsdp_group_size=k``): a generation whose size is a multiple of ``k`` with two or more replica groups shards
+within groups of ``k`` consecutive ranks and replicates across them (a 2-D mesh over abortable subgroups of the
+generation); its shards need no mirror, a dead member's is taken from a living replica. Any other size is FSDP over all
+members. The live reshard moves between the layouts (``shard_count``; docs/architecture.md, *HSDP layouts*).
 """
 
 from __future__ import annotations
@@ -85,7 +90,6 @@ class ElanFSDPStrategy(ElanStrategy):
     """
 
     strategy_name = "elan_fsdp"
-    recovers_evaluations = False  # a death in validate/test/predict after fit: its shards are not rebuilt there yet
 
     def __init__(self, shard_modules: Iterable[type[nn.Module]] | None = None, reshard_after_forward: bool = True,
                  mp_policy: Any | None = None, hsdp_group_size: int | None = None, reshard_chunk_mb: float = 64,
@@ -379,6 +383,21 @@ class ElanFSDPStrategy(ElanStrategy):
         except LostShard as lost:
             raise lost from error
         return super().recover_from(error, rollback)
+
+    @override
+    def _recover_evaluation(self, error: BaseException) -> None:
+        """A member died in ``trainer.validate/test/predict`` (after ``fit``, or without one): as in a step, its shard
+        comes from its mirror (kept at the state after the last committed step: an evaluation changes none) or a
+        replica in the recovery's reshard, then the pass runs again among the survivors; :class:`LostShard` when none
+        covers it (no mirror was ever seeded: a job that only evaluates, or a single member)."""
+        if not (self.engine.has_left or self._alone() or isinstance(error, (compat.LeaveFit, StopIteration))):
+            self.engine.confirm_peer_failure(error)
+            if not self._mirroring.covers_a_death:
+                raise LostShard(f"worker {self.engine.worker_id}: a member of this strategy='elan_fsdp' job died in "
+                                f"trainer.{self.lightning_module.trainer.state.fn.value} when no shard is mirrored "
+                                "(no training step ran in this process); restart the job") from error
+            self._mirroring.check_recoverable(self.engine.world_size, self._unmirrored())
+        super()._recover_evaluation(error)
 
     def _unmirrored(self) -> str | None:
         trainer = self.lightning_module.trainer

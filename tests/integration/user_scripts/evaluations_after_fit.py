@@ -1,8 +1,8 @@
 """An ordinary user's Lightning script that trains, then calls ``trainer.validate``, ``trainer.test`` and
 ``trainer.predict`` (or only evaluates, ``--no-fit``), writing what each call returned. It knows nothing of
-lightning_elan's internals; only ``strategy="elan"``. float64 throughout.
+lightning_elan's internals; only ``strategy="elan"`` (or ``"elan_fsdp"``). float64 throughout.
 
-python evaluations_after_fit.py OUT [--no-fit] [--hold CALL:BATCH:RANK]
+python evaluations_after_fit.py OUT [--no-fit] [--hold CALL:BATCH:RANK] [--strategy elan|elan_fsdp]
 
 Rank 0 writes ``OUT/results.json`` after each call (the metrics ``validate``/``test`` returned, the world size it ran
 on); every process writes the predictions it returned, with their sample indices, to ``OUT/predictions/rank-<r>.pt``.
@@ -100,11 +100,12 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--no-fit", action="store_true")
     parser.add_argument("--hold", type=lambda text: (text.split(":")[0], *map(int, text.split(":")[1:])))
+    parser.add_argument("--strategy", default="elan", choices=["elan", "elan_fsdp"])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(3)
-    trainer = pl.Trainer(strategy="elan", accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(strategy=args.strategy, accelerator="cpu", max_epochs=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     model = Model(args.out, args.hold)
     results: dict[str, Any] = {}
     if not args.no_fit:

@@ -125,9 +125,12 @@ def _scheduler_states(trainer: Any) -> list[str]:
 
 
 def _raw_bytes(tensor: Any) -> bytes:
+    """A tensor's bytes; a DTensor's (``elan_fsdp``) are its local shard's: no collective in a hook, and the digests of
+    a sharded job's members differ (compare its gathered state instead)."""
     import torch
 
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _sample_ids(batch: Any) -> list[Any]:
