@@ -261,3 +261,24 @@ def test_a_lightning_model_parallel_full_file_loads_into_elan_fsdp_and_elan(tmp_
         loaded = run_elan(tmp_path / strategy, strategy, nproc, batch_size, 2, resume=written)
         assert_ok(loaded)
         assert_same_checkpoint(loaded.out / "final.ckpt", written)
+
+
+def test_sharded_checkpoints_of_an_hsdp_job_and_resuming_one_as_hsdp(tmp_path: Path, static: Run, sharded: Run) -> None:
+    """``hsdp_group_size=2``: a sharded 2-worker job grows to 4 after step 3 (HSDP: each shard on two replicas) and
+    shrinks to 2 after step 9; the checkpoints of steps 6 and 9, written in the HSDP layout (DCP keeps one copy of a
+    replicated shard), are whole directories equal to the static run's. Then the FSDP job's ``last.ckpt`` (step 15)
+    resumed by 4 workers in the HSDP layout ends where the uninterrupted run ends."""
+    run = run_elan(tmp_path / "grown", "elan_hsdp_sharded", 2, 6, 2, schedule="3:add=2,9:remove=2")
+
+    assert_ok(run)
+    assert [(a["action"], a["step"], len(a["members"])) for a in run.adjustments()] == [
+        ("add", 3, 4), ("remove", 9, 2)], run.adjustments()
+    assert_each_sample_once(run, [0, 1])
+    for name in ["step=3.ckpt", "step=6.ckpt", "step=9.ckpt", "step=12.ckpt"]:
+        assert is_sharded_directory(run.out / "steps" / name), name
+        assert_same_checkpoint(run.out / "steps" / name, static.out / "steps" / name)
+
+    resumed = run_elan(tmp_path / "resumed", "elan_hsdp_sharded", 4, 3, 4, resume=sharded.out / "top" / "last.ckpt")
+    assert_ok(resumed)
+    assert resumed.samples_per_epoch()[2] == Counter(range(SAMPLES))
+    assert_same_checkpoint(resumed.out / "final.ckpt", static.out / "final.ckpt")

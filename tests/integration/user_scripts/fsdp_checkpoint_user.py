@@ -91,6 +91,8 @@ class RecordTrained(Callback):
 def strategy_of(name: str, devices: int):
     if name == "elan_fsdp_sharded":
         return ElanFSDPStrategy(state_dict_type="sharded")
+    if name == "elan_hsdp_sharded":  # HSDP whenever the job has 4 (or 6, 8...) members
+        return ElanFSDPStrategy(state_dict_type="sharded", hsdp_group_size=2)
     if name.startswith("model_parallel"):  # model_parallel_full: its checkpoints one file
         return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
                                      save_distributed_checkpoint=name != "model_parallel_full")
