@@ -68,8 +68,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="WARNING", help="the workers' lightning_elan log level")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     parser.add_argument("--phases", action="store_true", help="print every rank's step phases around each adjustment")
-    parser.add_argument("--strategy", choices=("elan", "elan_fsdp"), default="elan",
-                        help="elan_fsdp: the model sharded with FSDP2, resharded live at each adjustment")
+    parser.add_argument("--strategy", choices=("elan", "elan_fsdp", "elan_hsdp"), default="elan",
+                        help="elan_fsdp: the model sharded with FSDP2, resharded live at each adjustment; elan_hsdp: "
+                             "ElanFSDPStrategy(hsdp_group_size=2), HSDP at 4, 6... workers")
     return parser.parse_args(argv)
 
 

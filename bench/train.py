@@ -1,7 +1,8 @@
 """The benchmark's training script: one Lightning script, started by ``elan run``, plain DDP processes or torchrun.
 
     --launcher elan      strategy="elan" (an ``ElanStrategy`` with a fixed global batch; ``--strategy elan_fsdp``: an
-                         ``ElanFSDPStrategy``, the model one FSDP2 unit); started by ``elan run``
+                         ``ElanFSDPStrategy``, the model one FSDP2 unit; ``elan_hsdp``: with ``hsdp_group_size=2``);
+                         started by ``elan run``
     --launcher ddp       Lightning's strategy="ddp", processes started by the harness with MASTER_ADDR/PORT, RANK,
                          WORLD_SIZE; ``--stop-at-step S`` saves a full checkpoint (fsync) at step S and stops,
                          ``--resume PATH`` loads one (stop-and-restart); with ``--ckpt-dir`` it checkpoints every
@@ -134,7 +135,8 @@ def _exit_now(signum: int, frame: Any) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--launcher", choices=("elan", "ddp", "model_parallel", "torchrun"), required=True)
-    parser.add_argument("--strategy", choices=("elan", "elan_fsdp"), default="elan", help="with --launcher elan")
+    parser.add_argument("--strategy", choices=("elan", "elan_fsdp", "elan_hsdp"), default="elan",
+                        help="with --launcher elan (elan_hsdp: elan_fsdp with hsdp_group_size=2)")
     parser.add_argument("--model", default="tiny", help="tiny, 1m, 11m or 25m")
     parser.add_argument("--global-batch", type=int, default=48, help="samples per step over all workers")
     parser.add_argument("--max-steps", type=int, required=True)
@@ -172,10 +174,11 @@ def world_size() -> int:
 
 
 def build_strategy(args: argparse.Namespace) -> Any:
-    if args.launcher == "elan" and args.strategy == "elan_fsdp":
+    if args.launcher == "elan" and args.strategy in ("elan_fsdp", "elan_hsdp"):
         from lightning_elan.strategy.fsdp import ElanFSDPStrategy
 
-        return ElanFSDPStrategy(global_batch_size=args.global_batch)
+        hsdp_group_size = 2 if args.strategy == "elan_hsdp" else None
+        return ElanFSDPStrategy(global_batch_size=args.global_batch, hsdp_group_size=hsdp_group_size)
     if args.launcher == "elan":
         return lightning_elan.ElanStrategy(global_batch_size=args.global_batch)
     if args.launcher == "model_parallel":

@@ -1,6 +1,7 @@
-"""Seeded failure storms: ``python -m tests.faults.storm --storms N --seed S [--strategy elan_fsdp]``.
+"""Seeded failure storms: ``python -m tests.faults.storm --storms N --seed S [--strategy elan_fsdp|elan_hsdp]``.
 
-One storm is one 3-worker float64 probe job (``strategy="elan"``, or ``"elan_fsdp"``: the model sharded by FSDP2)
+One storm is one 3-worker float64 probe job (``strategy="elan"``, or ``"elan_fsdp"``: the model sharded by FSDP2, or
+``"elan_hsdp"``: ``ElanFSDPStrategy(hsdp_group_size=2)``, HSDP whenever the job has 4 members)
 under ``elan run --replace-failed --coordinate-every 1`` (98 steps) that receives a random event every 1.5–4 s until it
 ends: SIGKILL of a worker, SIGTERM of a worker, SIGKILL of the AM, ``elan scale add 1``, ``elan scale remove 1``.
 Events are real signals to real processes and real CLI requests; nothing waits for an earlier event to settle, so
@@ -38,7 +39,7 @@ WORKERS = 3
 SAMPLES, EPOCHS, BATCH, GLOBAL_BATCH = 240, 7, 6, 18  # 14 steps per epoch, 98 steps
 STORM_ARGS = ["--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
               "--global-batch", str(GLOBAL_BATCH), "--step-sleep", "0.1", "--progress"]
-STRATEGIES = ("elan", "elan_fsdp")
+STRATEGIES = ("elan", "elan_fsdp", "elan_hsdp")
 EVENTS = ("kill_worker", "term_worker", "kill_am", "add", "remove")
 GAP_S = (1.5, 4.0)
 JOB_TIMEOUT_S = 900.0
@@ -251,7 +252,7 @@ def check(storm: Storm, static: RunResult, strategy: str = "elan") -> StormCheck
     """The storm's invariants (raises AssertionError naming the first that failed)."""
     assert storm.error is None, storm.error
     assert storm.run is not None
-    return check_storm(storm.run, static, SAMPLES, EPOCHS, sharded=strategy == "elan_fsdp")
+    return check_storm(storm.run, static, SAMPLES, EPOCHS, sharded=strategy != "elan")
 
 
 def main(argv: list[str] | None = None) -> int:

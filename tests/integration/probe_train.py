@@ -324,7 +324,9 @@ class ProbeConfig:
     global_batch: int | None = None  # ElanStrategy(global_batch_size=...)
     no_shuffle: bool = False
     val: bool = False
-    strategy: str = "elan"  # 'elan', 'elan_fsdp' (the model sharded by FSDP2), or a Lightning strategy for comparisons
+    strategy: str = "elan"
+    """'elan', 'elan_fsdp' (the model sharded by FSDP2), 'elan_hsdp' (``ElanFSDPStrategy(hsdp_group_size=2)``: HSDP at
+    4 workers, FSDP at 3 or 5), or a Lightning strategy for comparisons."""
     devices: str = "auto"
     accelerator: str = "cpu"  # 'gpu' for the CUDA runs of tests/gpu
     backend: str | None = None  # process group backend of the elan strategy (e.g. gloo)
@@ -410,8 +412,9 @@ def main() -> None:
     train = DataLoader(dataset, batch_size=config.batch_size, shuffle=not config.no_shuffle, **loader_kwargs)
     val = DataLoader(IndexedDataset(30), batch_size=5) if config.val else None
     strategy = config.strategy
-    elastic = {"elan": lightning_elan.ElanStrategy, "elan_fsdp": ElanFSDPStrategy}
-    if strategy in elastic and (config.global_batch or config.backend):
+    elastic = {"elan": lightning_elan.ElanStrategy, "elan_fsdp": ElanFSDPStrategy,
+               "elan_hsdp": lambda **kwargs: ElanFSDPStrategy(hsdp_group_size=2, **kwargs)}
+    if strategy in elastic and (config.global_batch or config.backend or strategy == "elan_hsdp"):
         strategy = elastic[strategy](global_batch_size=config.global_batch, process_group_backend=config.backend)
     full = config.full_lightning
     callbacks = [ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)] if full else []
@@ -442,7 +445,7 @@ def main() -> None:
             write_record(config, trainer, model)
         raise
     write_record(config, trainer, model)
-    if config.strategy not in ("elan", "elan_fsdp") and torch.distributed.is_initialized():
+    if config.strategy not in ("elan", "elan_fsdp", "elan_hsdp") and torch.distributed.is_initialized():
         # a plain Lightning comparison run: rank 0 hosts the store, so no rank may exit while another still uses it
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
