@@ -152,3 +152,14 @@ def test_a_member_killed_in_a_recovery_from_the_hsdp_layout(tmp_path: Path, stat
     assert [(a["action"], len(a["members"])) for a in run.adjustments() if a["action"] == "failure"] == [("failure", 2)]
     assert_each_sample_once(run)
     assert_states_close(run.final_state(), static_fsdp.final_state())
+
+
+def test_shard_groups_of_one_replicate_the_whole_state(tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """``hsdp_group_size=1``: every member of 2 or 3 holds the whole state (a mesh ``(n, 1)``, DDP's layout through
+    FSDP2); 2 → 3 → 2 heals the joiner from one replica and moves nothing at the shrink; exact."""
+    run = run_fsdp_job(tmp_path, "hsdpone", "--hsdp", "1", schedule="3:add=1,6:remove=1")
+
+    assert_ok(run)
+    assert_meshes(run, {range(1, 4): (2, 1), range(4, 7): (3, 1), range(7, 17): (2, 1)})
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())
