@@ -116,7 +116,11 @@ class ElasticAccelerator(Accelerator):
                                     join_timeout_s=plugin.join_timeout_s, replication=plugin.replication,
                                     global_batch=plugin.global_batch_size, send_ahead=plugin.send_ahead)
         fsdp_plugin = kwargs.get("fsdp_plugin")
-        self._sharding = None if fsdp_plugin is None else FSDP2Sharding(fsdp_plugin, self.engine.worker_id)
+        self._sharding = None if fsdp_plugin is None else FSDP2Sharding(fsdp_plugin, self.engine.worker_id,
+                                                                        hsdp_group_size=plugin.hsdp_group_size)
+        if plugin.hsdp_group_size is not None and fsdp_plugin is None:
+            raise ValueError("ElasticPlugin(hsdp_group_size=...) shards the model: pass an FSDP2 plugin too "
+                             "(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...))")
         self.engine.attach(self if self._sharding is None else _ShardedFrontEnd(self))
         self.optimizer_steps = 0
         self.elastic_scaling = AccelerateScaling(plugin, lambda: self.optimizer_steps)
@@ -937,6 +941,11 @@ class ElasticAccelerator(Accelerator):
         self._finish_trackers()
         raise LeftTheJob
 
+    def _in_an_open_step(self) -> bool:
+        """A step is open and not committed: a failed collective of the sharded model is tolerated (kept for the
+        step's end) rather than raised inside the user's forward or backward."""
+        return self._step_open and not self._committed
+
     def _refresh_membership(self) -> None:
         """This process's place in the job, written into Accelerate's state singletons."""
         engine, device = self.engine, self.engine.device
@@ -949,8 +958,9 @@ class ElasticAccelerator(Accelerator):
             compat.set_process_state(True, device, engine.backend, engine.world_size, engine.rank,
                                      sharded=self._sharding is not None)
             if self._sharding is not None:
-                group = engine.tolerant_generation_group(lambda: self._step_open and not self._committed)
-                self._sharding.build_mesh(group, device, engine.generation)
+                tolerating = self._in_an_open_step
+                self._sharding.build_mesh(engine.tolerant_generation_group(tolerating), device, engine.generation,
+                                          lambda ranks: engine.generation_subgroup(ranks, tolerating))
         else:  # a joiner warming up: local collectives, not the main process
             world = max(self.launch_world_size, _LEAST_PROVISIONAL_WORLD)
             compat.set_process_state(False, device, None, world, _PROVISIONAL_RANK, outside_the_job=True)
@@ -1288,6 +1298,11 @@ class _ShardedFrontEnd:
 
     def reshard_live(self, reshard: ReshardGroup) -> None:
         self._accelerator._reshard_shards_live(reshard)
+
+    def shard_count(self, world: int) -> int:
+        """The live reshard's layouts: HSDP's shards when ``ElasticPlugin.hsdp_group_size`` divides the world."""
+        assert self._accelerator._sharding is not None
+        return self._accelerator._sharding.shard_count(world)
 
 
 def _close_at_exit(reference: weakref.ref[ElasticAccelerator]) -> None:

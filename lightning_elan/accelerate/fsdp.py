@@ -33,7 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_elan import torch_compat
 from lightning_elan.accelerate import compat
+from lightning_elan.elastic.device_mesh import GenerationMesh, Subgroup, generation_mesh
 from lightning_elan.elastic.fsdp_mirroring import LostShard, StepMirroring, unmirrored_because
+from lightning_elan.replication import shard_layout
 from lightning_elan.replication.fsdp_reshard import describe_optimizers
 
 if TYPE_CHECKING:
@@ -100,14 +102,15 @@ class FSDP2Sharding:
     """One process's FSDP2 state across the generations of an elastic Accelerate job: the wrapping, the mesh, the
     live reshard and the shard mirror."""
 
-    def __init__(self, plugin: Any, worker_id: str, chunk_bytes: int = DEFAULT_RESHARD_CHUNK_BYTES) -> None:
+    def __init__(self, plugin: Any, worker_id: str, chunk_bytes: int = DEFAULT_RESHARD_CHUNK_BYTES,
+                 hsdp_group_size: int | None = None) -> None:
         refuse_unsupported_fsdp(plugin)
         self.plugin = plugin
         self.chunk_bytes = chunk_bytes
+        self.hsdp_group_size = hsdp_group_size
         self._wrapping = _Wrapping()
         self._mesh: DeviceMesh | None = None
-        self._mesh_name: str | None = None
-        self._mesh_group: Any = None
+        self._generation_mesh: GenerationMesh | None = None
         self._mirroring = StepMirroring(worker_id)
         self._joined_optimizers: list[dict[str, Any]] | None = None  # a joiner: its source's optimizer skeleton
 
@@ -115,26 +118,36 @@ class FSDP2Sharding:
 
     @property
     def mesh(self) -> DeviceMesh | None:
-        """The current generation's 1-D mesh (None on a process outside the job)."""
+        """The current generation's mesh: 1-D, or ``(replicate, shard)`` under HSDP (None outside the job)."""
         return self._mesh
 
-    def build_mesh(self, group: Any, device: torch.device, generation: int | None) -> None:
+    def shard_count(self, world: int) -> int:
+        """How many shards a generation of ``world`` members has (``replication.shard_layout.shard_count``)."""
+        return shard_layout.shard_count(world, self.hsdp_group_size)
+
+    def build_mesh(self, group: Any, device: torch.device, generation: int | None, subgroup: Subgroup) -> None:
         """A mesh over the generation's group (the elastic view: fixed size, abortable collectives; a
         ``TolerantGenerationGroup``, so a member's death in the model's forward or backward, inside the user's calls,
-        is kept for :meth:`take_failure` instead of raised there)."""
+        is kept for :meth:`take_failure` instead of raised there); under HSDP over its shard and replica subgroups
+        (``subgroup`` makes them, tolerant alike)."""
         self.forget_mesh()
-        self._mesh_name = f"elan_accelerate_fsdp_gen{generation}"
-        self._mesh = torch_compat.mesh_of_group(group, device.type, self._mesh_name)
-        self._mesh_group = group
+        shards = self.shard_count(group.size())
+        self._mirroring.replicated = shards < group.size()
+        self._generation_mesh = generation_mesh(group, shards, subgroup, device.type,
+                                                f"elan_accelerate_fsdp_gen{generation}")
+        self._mesh = self._generation_mesh.mesh
 
     def take_failure(self) -> BaseException | None:
-        """A collective of the model that failed, tolerated, since the last call (None: none)."""
-        return None if self._mesh_group is None else self._mesh_group.take_failure()
+        """A collective of the model that failed, tolerated, since the last call (None: none), on any group of the
+        mesh (each one's failure is taken)."""
+        groups = [] if self._generation_mesh is None else self._generation_mesh.groups
+        failures = [group.take_failure() for group in groups]
+        return next((failure for failure in failures if failure is not None), None)
 
     def forget_mesh(self) -> None:
-        if self._mesh_name is not None:
-            torch_compat.forget_mesh_group(self._mesh_name)
-        self._mesh = self._mesh_name = self._mesh_group = None
+        if self._generation_mesh is not None:
+            self._generation_mesh.forget()
+        self._mesh = self._generation_mesh = None
 
     @contextmanager
     def preparing(self) -> Iterator[None]:
@@ -218,8 +231,9 @@ class FSDP2Sharding:
 
     @property
     def mirrored(self) -> bool:
-        """Whether this member's mirror is seeded in the current generation."""
-        return self._mirroring.seeded
+        """Whether a member's death now loses no shard: its mirror is seeded in the current generation, or (HSDP)
+        every shard has replicas."""
+        return self._mirroring.covers_a_death
 
     def hyperparameters_changed(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """The LR ramp scaled the step's learning rate after the commit vote: the mirror replays it with that."""

@@ -31,6 +31,9 @@ class ElasticPlugin:
         lr_ramp_steps: optimizer steps over which the LR reaches its new multiplier after a resize (Elan eq. 2–3).
         min_local_batch, max_local_batch, max_global_batch: the limits of the hybrid policy.
         scaling_profile: a ``ThroughputModel`` JSON to start the hybrid policy from.
+        hsdp_group_size: with an FSDP2 ``fsdp_plugin``: HSDP, sharding within groups of this many consecutive ranks
+            and replicating across them whenever the world holds two or more such groups (else FSDP over all
+            members); ``ElanFSDPStrategy``'s option of the same name.
     """
 
     global_batch_size: int | None = None
@@ -45,8 +48,12 @@ class ElasticPlugin:
     max_local_batch: int | None = None
     max_global_batch: int | None = None
     scaling_profile: str | None = None
+    hsdp_group_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.hsdp_group_size is not None and (not isinstance(self.hsdp_group_size, int) or
+                                                 self.hsdp_group_size < 1):
+            raise ValueError(f"ElasticPlugin.hsdp_group_size must be a positive integer, got {self.hsdp_group_size!r}")
         if self.scaling not in POLICIES:
             raise ValueError(f"ElasticPlugin.scaling must be one of {POLICIES}, got {self.scaling!r}")
         if self.lr_rule not in LR_RULES:

@@ -573,12 +573,14 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         return True
 
     def new_group(self, ranks: list[int], timeout: timedelta | None = None, pg_options: Any = None,
-                  group_name: str | None = None, group_desc: str | None = None) -> ProcessGroup | None:
+                  group_name: str | None = None, group_desc: str | None = None,
+                  tolerating: Callable[[], bool] | None = None) -> ProcessGroup | None:
         """``torch.distributed.new_group`` (and ``new_subgroups``, Lightning's ``_InfiniteBarrier``) on this group.
 
         torch (2.13) hands subgroup creation to a default group that implements it (``_new_group_with_tag``). The
         group is formed among the current generation's ranks on a store key of that generation, and is valid for
-        that generation only: used after a resize it raises :class:`StaleGroupError`. ``None``: not a member."""
+        that generation only: used after a resize it raises :class:`StaleGroupError`. ``None``: not a member.
+        ``tolerating``: a :class:`TolerantUserGroup` (an HSDP mesh's subgroup in user code)."""
         generation = self._generation
         if generation is None:
             raise RuntimeError("torch.distributed.new_group: this worker is not a member of the job right now "
@@ -594,6 +596,8 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
             generation.check_usable, client)
         generation.user_backends.append(backend)
         log.debug("new_group %s over ranks %s of %s (%s)", group_name, ranks, generation.prefix, group_desc)
+        if tolerating is not None:
+            return TolerantUserGroup(backend, generation, self, ranks, tolerating)
         return UserGroup(backend, generation, self, ranks)
 
     def side_group(self, prefix: str, connect: Callable[[dist.Store], ProcessGroup]) -> SideGroup:
@@ -768,16 +772,14 @@ class GenerationGroup(_ForwardingCollectives, ProcessGroup):
         return self._parent.backend
 
 
-class TolerantGenerationGroup(GenerationGroup):
-    """A generation's view whose collectives, while ``tolerating()`` says so, do not raise when they fail: the first
-    failure is kept (:meth:`take_failure`) and the collective returns, its output tensors as they were. For the
-    collectives a sharded model makes inside user code (FSDP2's all-gather in the forward, its reduce-scatter in the
-    backward): the step they belong to is discarded once its owner takes the failure."""
+class _ToleratingCollectives:
+    """Collectives that, while ``tolerating()`` says so, do not raise when they fail: the first failure is kept
+    (:meth:`take_failure`) and the collective returns, its output tensors as they were. For the collectives a sharded
+    model makes inside user code (FSDP2's all-gather in the forward, its reduce-scatter in the backward, HSDP's
+    replica all-reduce): the step they belong to is discarded once its owner takes the failure."""
 
-    def __init__(self, generation: _Generation, parent: ElasticProcessGroup, tolerating: Callable[[], bool]) -> None:
-        super().__init__(generation, parent)
-        self._tolerating = tolerating
-        self._failure: BaseException | None = None
+    _tolerating: Callable[[], bool]
+    _failure: BaseException | None = None
 
     def take_failure(self) -> BaseException | None:
         """The first collective failure tolerated since the last call (None: none)."""
@@ -791,13 +793,23 @@ class TolerantGenerationGroup(GenerationGroup):
 
     def _guarded(self, start: Callable[[], dist.Work]) -> dist.Work:
         if not self._tolerating():
-            return super()._guarded(start)
+            return super()._guarded(start)  # type: ignore[misc]
         try:
-            work = super()._guarded(start)
+            work = super()._guarded(start)  # type: ignore[misc]
         except Exception as error:
             self._tolerate(error)
             return _Tolerated(None, self._tolerate)
         return _Tolerated(work, self._tolerate)
+
+
+class TolerantGenerationGroup(_ToleratingCollectives, GenerationGroup):
+    """A generation's view whose collectives tolerate failures while ``tolerating()`` (see
+    :class:`_ToleratingCollectives`)."""
+
+    def __init__(self, generation: _Generation, parent: ElasticProcessGroup, tolerating: Callable[[], bool]) -> None:
+        super().__init__(generation, parent)
+        self._tolerating = tolerating
+        self._failure = None
 
 
 class _Tolerated(dist.Work):
@@ -906,6 +918,17 @@ class UserGroup(_ForwardingCollectives, ProcessGroup):
 
     def name(self) -> str:
         return "gloo"
+
+
+class TolerantUserGroup(_ToleratingCollectives, UserGroup):
+    """A subgroup of a generation (an HSDP mesh's shard or replica group) whose collectives tolerate failures while
+    ``tolerating()`` (see :class:`_ToleratingCollectives`)."""
+
+    def __init__(self, backend: ProcessGroup, generation: _Generation, parent: ElasticProcessGroup, ranks: list[int],
+                 tolerating: Callable[[], bool]) -> None:
+        super().__init__(backend, generation, parent, ranks)
+        self._tolerating = tolerating
+        self._failure = None
 
 
 def _backend_type(backend: Any) -> ProcessGroup.BackendType:

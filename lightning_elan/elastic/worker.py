@@ -276,11 +276,13 @@ class ElasticWorker:
         size and must be released when a member dies."""
         return self._group().generation_view()
 
-    def generation_subgroup(self, ranks: list[int]) -> dist.ProcessGroup | None:
+    def generation_subgroup(self, ranks: list[int], tolerating: Callable[[], bool] | None = None
+                            ) -> dist.ProcessGroup | None:
         """A group of some ranks of the current generation, abortable with it and valid in it only
         (``ElasticProcessGroup.new_group``): every member makes the same groups in the same order; None when this
-        member is not in ``ranks``."""
-        return self._group().new_group(ranks)
+        member is not in ``ranks``. ``tolerating``: its failures kept while it says so (see
+        :meth:`tolerant_generation_group`)."""
+        return self._group().new_group(ranks, tolerating=tolerating)
 
     def tolerant_generation_group(self, tolerating: Callable[[], bool]) -> dist.ProcessGroup:
         """The current generation as :attr:`generation_group`, its collectives' failures kept instead of raised while

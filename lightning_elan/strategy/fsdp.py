@@ -45,7 +45,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_elan import compat, sharded_checkpoint, torch_compat
+from lightning_elan import compat, sharded_checkpoint
+from lightning_elan.elastic.device_mesh import GenerationMesh, generation_mesh
 from lightning_elan.elastic.fsdp_mirroring import LostShard, StepMirroring, unmirrored_because
 from lightning_elan.elastic.live_reshard import ReshardGroup
 from lightning_elan.replication import shard_layout
@@ -108,7 +109,7 @@ class ElanFSDPStrategy(ElanStrategy):
             raise ValueError(f"reshard_chunk_mb must be positive, got {reshard_chunk_mb}")
         self.reshard_chunk_bytes = max(1, int(reshard_chunk_mb * (1 << 20)))
         self._device_mesh: DeviceMesh | None = None
-        self._mesh_names: list[str] = []
+        self._generation_mesh: GenerationMesh | None = None
         self._snapshotting = False  # a source dumps a joiner's state: no model or optimizer tensors in it
         self._joined_optimizers: list[dict[str, Any]] | None = None  # a joiner: its source's optimizer skeleton
 
@@ -186,33 +187,19 @@ class ElanFSDPStrategy(ElanStrategy):
         """A mesh over the generation's group (the elastic view: fixed size, abortable collectives); under HSDP, over
         its shard and replica subgroups (abortable with it)."""
         self._forget_mesh()
-        world, name = self.engine.world_size, f"elan_fsdp_gen{self.engine.generation}"
-        shards = self.shard_count(world)
-        self._mirroring.replicated = shards < world
-        if shards == world:
-            self._mesh_names = [name]
-            self._device_mesh = torch_compat.mesh_of_group(self.engine.generation_group, self.root_device.type, name)
-        else:
-            self._mesh_names = [f"{name}_replicate", f"{name}_shard"]
-            groups = self._hsdp_groups(world, shards)
-            self._device_mesh = torch_compat.mesh_of_groups(groups, (world // shards, shards), self.root_device.type,
-                                                            self._mesh_names, self.engine.rank)
+        group = self.engine.generation_group
+        shards = self.shard_count(group.size())
+        self._mirroring.replicated = shards < group.size()
+        self._generation_mesh = generation_mesh(group, shards, self.engine.generation_subgroup, self.root_device.type,
+                                                f"elan_fsdp_gen{self.engine.generation}")
+        self._device_mesh = self._generation_mesh.mesh
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._device_mesh
 
-    def _hsdp_groups(self, world: int, shards: int) -> list[Any]:
-        """This member's replica group (the ranks holding its shard) and shard group (its ``shards`` consecutive
-        ranks); every member makes all of them, in the same order."""
-        subgroup = self.engine.generation_subgroup
-        made = [subgroup(list(range(first, first + shards))) for first in range(0, world, shards)]
-        made += [subgroup(list(range(index, world, shards))) for index in range(shards)]
-        mine = [group for group in made if group is not None]
-        return [mine[1], mine[0]]
-
     def _forget_mesh(self) -> None:
-        for name in self._mesh_names:
-            torch_compat.forget_mesh_group(name)
-        self._mesh_names = []
+        if self._generation_mesh is not None:
+            self._generation_mesh.forget()
+            self._generation_mesh = None
 
     # ------------------------------------------------------------------ FSDP2 instead of the elastic DDP
 

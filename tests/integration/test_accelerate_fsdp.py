@@ -197,3 +197,38 @@ def test_a_member_killed_in_an_evaluation_pass_loses_nothing(tmp_path, reference
     for record in records:
         if not record["left"]:
             assert all(abs(record["val_mse"][epoch] - mse) <= TOLERANCE for epoch, mse in expected.items()), record
+
+
+# ---------------------------------------------------------------------------------------------- HSDP
+
+def meshes_by_step(run: RunResult) -> dict[int, set[tuple[int, ...]]]:
+    """The shapes of the meshes each optimizer step's batches were trained on, by the step's index (from 0)."""
+    meshes: dict[int, set[tuple[int, ...]]] = {}
+    for path in run.out.glob("batches-*.jsonl"):
+        for line in map(json.loads, path.read_text().splitlines()):
+            meshes.setdefault(line["step"], set()).add(tuple(line["mesh"]))
+    return meshes
+
+
+def test_hsdp_grows_by_a_shard_group_and_shrinks_back_exactly(tmp_path, reference):
+    """``ElasticPlugin(hsdp_group_size=2)``: 2 -> 4 after step 3 (HSDP, a ``(2, 2)`` mesh: the joining shard group
+    receives shard for shard from the launch members) -> 2 after step 9 (the leaving replica group moves nothing)."""
+    run = fsdp_run(tmp_path, "hsdp", "--hold", "--hsdp", "2", schedule="3:add=2,9:remove=2")
+    check_exact(run, reference, final_world=2)
+    meshes = meshes_by_step(run)
+    assert all(meshes[step] == {(2,)} for step in (0, 1, 2, *range(9, STEPS))), meshes
+    assert all(meshes[step] == {(2, 2)} for step in range(3, 9)), meshes
+
+
+def test_hsdp_a_member_killed_in_its_forward_is_restored_from_its_replica(tmp_path, reference):
+    """4 workers in HSDP (grown after step 3); w1 SIGKILLs itself in the forward of its 7th step (the survivors in
+    the shard group's all-gather, or the replicas' all-reduce of the step before's backward done): the step is
+    discarded, w1's shard comes from its replica w3, and the 3 survivors (FSDP over 3) redo it."""
+    run = fsdp_run(tmp_path, "hsdp_killed", "--hold", "--hsdp", "2", "--kill", "w1:6", schedule="3:add=2")
+    check_exact(run, reference, final_world=3)
+    _grow, failure = run.adjustments()
+    assert failure["action"] == "failure" and failure["failure"]["dead"] == ["w1"], failure
+    assert failure["failure"]["step_redone"] == 7, failure
+    assert "restores the shard of dead rank" not in run.output, run.excerpt()  # no mirror in the HSDP layout
+    meshes = meshes_by_step(run)
+    assert meshes[5] == {(2, 2)} and meshes[6] == {(3,)}, meshes  # the step w1 died in, redone at 3

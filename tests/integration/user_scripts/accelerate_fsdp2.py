@@ -10,7 +10,7 @@ global batches). ``--resume DIR``: ``load_state(DIR)`` before the loop. ``--eval
 the dataset through a second prepared loader (``model.eval()``, ``gather_for_metrics``), recorded per epoch.
 ``--units``: the plugin's size-based auto-wrap policy (``min_num_params=100``: the two larger ``Linear`` layers are
 FSDP2 units of their own). ``--weak``: ``ElasticPlugin(scaling="weak", lr_ramp_steps=8)`` (a resize scales the global
-batch, the LR ramps).
+batch, the LR ramps). ``--hsdp K``: ``ElasticPlugin(hsdp_group_size=K)``.
 
 Test instrumentation, not part of the loop a user writes: ``--hold`` makes the main process wait before each step until
 the workers of the scale requests due then are ready (so a resize lands at its scheduled step); ``--kill W:STEP``
@@ -87,6 +87,13 @@ def evaluate(accelerator: ElasticAccelerator, model: torch.nn.Module, loader: Da
     return torch.cat(errors).mean().item()
 
 
+def mesh_shape(model: torch.nn.Module) -> list[int] | None:
+    """The device mesh the model's parameters are sharded over (a DTensor's), None when they are plain tensors."""
+    parameter = next(model.parameters())
+    mesh = getattr(parameter, "device_mesh", None)
+    return list(mesh.shape) if mesh is not None else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -101,6 +108,7 @@ def main() -> None:
     parser.add_argument("--weak", action="store_true")
     parser.add_argument("--evaluate", action="store_true")
     parser.add_argument("--eval-kill", default=None)
+    parser.add_argument("--hsdp", type=int, default=None, help="ElasticPlugin(hsdp_group_size=...)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     worker = os.environ.get("ELAN_WORKER_ID", "alone")
@@ -112,7 +120,10 @@ def main() -> None:
     units = {"auto_wrap_policy": "size_based_wrap", "min_num_params": 100} if args.units else {}
     plugin = None if args.ddp else FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=args.state_dict_type,
                                                                   **units)
-    elastic = ElasticPlugin(scaling="weak", lr_ramp_steps=8) if args.weak else None
+    options = {"scaling": "weak", "lr_ramp_steps": 8} if args.weak else {}
+    if args.hsdp:
+        options["hsdp_group_size"] = args.hsdp
+    elastic = ElasticPlugin(**options) if options else None
     accelerator = ElasticAccelerator(cpu=True, fsdp_plugin=plugin, elastic_plugin=elastic)
     model = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -138,7 +149,8 @@ def main() -> None:
                 optimizer.zero_grad()
                 if not accelerator.optimizer_step_was_skipped and accelerator.sample_weight > 0:
                     batches.write(json.dumps({"epoch": epoch, "step": accelerator.optimizer_steps,
-                                              "indices": index.tolist(), "world": accelerator.num_processes}) + "\n")
+                                              "indices": index.tolist(), "world": accelerator.num_processes,
+                                              "mesh": mesh_shape(model)}) + "\n")
                     batches.flush()
             if evaluation is not None:
                 die_at = int(eval_kill[2]) if worker == eval_kill[0] and epoch == int(eval_kill[1]) else -1
