@@ -184,7 +184,7 @@ class StepMirroring:
         own = self._old.rows if self._old is not None and reshard.previous_index is not None else None
         recover_fsdp(model, optimizers, shard_modules, reshard.owners, reshard.receivers, mesh, reshard.group,
                      skeleton, reshard.previous_index, mirrored, own_rows=own, chunk_bytes=chunk_bytes,
-                     shards=reshard.new_shards)
+                     shards=reshard.new_shards, hosts=reshard.hosts)
 
 
 class _OldShards:

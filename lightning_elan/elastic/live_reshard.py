@@ -104,6 +104,7 @@ class ReshardGroup:
     previous_index: int | None = None  # with ``owners``: this member's old shard (None on a joiner)
     new_shards: int | None = None
     """The new layout's shards: receiver ``p`` takes shard ``p % new_shards`` (None: one per receiver)."""
+    hosts: list[str | None] | None = None  # each rank's host (a replicated shard is taken from one on the receiver's)
     agree: Callable[[], None] = field(default=lambda: None)
     """Once this participant has its new shard, before it lets the old one go: the reshard's commit vote (raises
     :class:`PeerFailure` when a death aborted it)."""
@@ -159,7 +160,8 @@ def reshard_live(frontend: object, plan: AdjustmentPlan, worker_id: str, store: 
                                                                    for shard in owners],
                                previous_index=previous.index(worker_id) % old_shards
                                if owners is not None and worker_id in holding else None,
-                               new_shards=new_shards, agree=commit)
+                               new_shards=new_shards, hosts=[plan.hosts.get(member) for member in order],
+                               agree=commit)
         frontend.reshard_live(reshard)
         commit()
     except Exception as error:

@@ -42,9 +42,9 @@ def recover_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
                  owners: Sequence[Sequence[int]], receivers: Sequence[int], mesh: DeviceMesh | None, group: Any,
                  skeleton: list[dict[str, Any]], own_index: int | None, mirrored: dict[int, Rows],
                  own_rows: Rows | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 shards: int | None = None) -> None:
+                 shards: int | None = None, hosts: Sequence[str | None] | None = None) -> None:
     """Shard ``model`` and ``optimizers`` from the old layout (shard ``i`` held by ``owners[i]``) onto ``mesh``
-    (``shards`` shards; default one per receiver).
+    (``shards`` shards; default one per receiver; ``hosts``: each rank's, for the nearest of a shard's holders).
 
     ``own_index``: this member's old shard (None on a joiner); ``mirrored``: the old shards it holds from its mirror,
     by index; ``own_rows``: its old shard's rows when the module no longer holds them (a reshard abandoned after a
@@ -70,7 +70,7 @@ def recover_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
         for name, shape in like.items():
             for kind in _sharded_kinds(skeleton, name):
                 olds = {index: rows[name][kind] for index, rows in held.items() if kind in rows.get(name, {})}
-                rows = _move_owned(olds, shape, owners, receivers, group, chunk_bytes, shards)
+                rows = _move_owned(olds, shape, owners, receivers, group, chunk_bytes, shards, hosts)
                 if rows is not None:
                     moved.setdefault(name, {})[kind] = _as_shard(rows, mesh, shape)
             if receiving:
@@ -84,7 +84,8 @@ def recover_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
 
 
 def _move_owned(olds: dict[int, torch.Tensor], like: torch.Tensor, owners: Sequence[Sequence[int]],
-                receivers: Sequence[int], group: Any, chunk_bytes: int, shards: int | None) -> torch.Tensor | None:
+                receivers: Sequence[int], group: Any, chunk_bytes: int, shards: int | None,
+                hosts: Sequence[str | None] | None) -> torch.Tensor | None:
     """This member's new shard of one tensor (None if it receives none), from the old shards it and others own."""
     me = group.rank()
     length, old_world = like.shape[0], len(owners)
@@ -98,7 +99,7 @@ def _move_owned(olds: dict[int, torch.Tensor], like: torch.Tensor, owners: Seque
         old_start = shard_rows(length, old_world, move.old_index)[0]
         return olds[move.old_index][start - old_start : end - old_start]
 
-    carry(group, owned_row_moves(length, owners, receivers, shards), source_rows,
+    carry(group, owned_row_moves(length, owners, receivers, shards, hosts), source_rows,
           lambda _move, start, end: new_shard[start - new_start : end - new_start],  # type: ignore[index]
           like, chunk_bytes)
     return new_shard

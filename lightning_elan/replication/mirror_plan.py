@@ -91,12 +91,13 @@ def shard_holders(previous_members: Sequence[str], survivors: Sequence[str], sha
 
 
 def owned_row_moves(length: int, owners: Sequence[int | Sequence[int]], receivers: Sequence[int],
-                    shards: int | None = None) -> list[OwnedMove]:
+                    shards: int | None = None, hosts: Sequence[str | None] | None = None) -> list[OwnedMove]:
     """Every move that takes the rows of the old layout (shard ``i`` held by ``owners[i]``: a rank, or every rank
     holding a copy of it; a rank may hold two) to the layout of ``shards`` shards (default: one per receiver) over
     the ``receivers``, receiver ``p`` taking shard ``p % shards``. Each receiver gets each row of its new shard in
-    exactly one move: from itself when it holds it, else from one of its holders, the receivers of one new shard
-    spread over them (concurrent sources)."""
+    exactly one move: from itself when it holds it, else from one of its holders — one on its own host when there is
+    one (``hosts``: each rank's host; nearest source) — the receivers of one new shard spread over them (concurrent
+    sources)."""
     copies = [[owner] if isinstance(owner, int) else list(owner) for owner in owners]
     shards = len(receivers) if shards is None else shards
     moves = []
@@ -106,9 +107,17 @@ def owned_row_moves(length: int, owners: Sequence[int | Sequence[int]], receiver
             held_start, held_end = shard_rows(length, len(copies), index)
             low, high = max(start, held_start), min(end, held_end)
             if low < high:
-                source = target if target in holders else holders[(position // shards) % len(holders)]
+                source = target if target in holders else _nearest(holders, target, position // shards, hosts)
                 moves.append(OwnedMove(index, source, target, low, high))
     return moves
+
+
+def _nearest(holders: list[int], target: int, turn: int, hosts: Sequence[str | None] | None) -> int:
+    """One of ``holders`` for ``target``: those on its host if any, the ``turn``-th of them round the list."""
+    local = [holder for holder in holders if hosts is not None and hosts[holder] is not None and
+             hosts[holder] == hosts[target]]
+    candidates = local or holders
+    return candidates[turn % len(candidates)]
 
 
 def _check(rank: int, world: int) -> None:

@@ -100,3 +100,15 @@ def test_replicated_receivers_of_a_shard_spread_over_its_holders() -> None:
         start = 0 if target % 2 == 0 else 6
         assert [row for low, high in rows for row in range(low, high)] == list(range(start, start + 6))
     assert all(move.source == move.old_index for move in moves)
+
+
+def test_a_replicated_shard_is_taken_from_a_holder_on_the_receivers_host() -> None:
+    """HSDP over 4 to 6. Hosts a, b, a, b, b, b: shard 0's holders (ranks 0, 2) are both on a, so joiner 4 (on b) takes
+    it by turn (rank 0); joiner 5 takes shard 1 from rank 1, on its host. Hosts a, b, c, d, c, d: each joiner takes its
+    shard from the holder on its own host (ranks 2 and 3), though the turn would have picked ranks 0 and 1."""
+    hosts = ["a", "b", "a", "b", "b", "b"]
+    moves = owned_row_moves(10, [[0, 2], [1, 3]], [0, 1, 2, 3, 4, 5], shards=2, hosts=hosts)
+    remote = {move.target: move.source for move in moves if move.source != move.target}
+    assert remote == {4: 0, 5: 1}
+    local = owned_row_moves(10, [[0, 2], [1, 3]], [0, 1, 2, 3, 4, 5], shards=2, hosts=["a", "b", "c", "d", "c", "d"])
+    assert {move.target: move.source for move in local if move.source != move.target} == {4: 2, 5: 3}
