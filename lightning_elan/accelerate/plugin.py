@@ -51,8 +51,7 @@ class ElasticPlugin:
     hsdp_group_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.hsdp_group_size is not None and (not isinstance(self.hsdp_group_size, int) or
-                                                 self.hsdp_group_size < 1):
+        if self.hsdp_group_size is not None and (type(self.hsdp_group_size) is not int or self.hsdp_group_size < 1):
             raise ValueError(f"ElasticPlugin.hsdp_group_size must be a positive integer, got {self.hsdp_group_size!r}")
         if self.scaling not in POLICIES:
             raise ValueError(f"ElasticPlugin.scaling must be one of {POLICIES}, got {self.scaling!r}")

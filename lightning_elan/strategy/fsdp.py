@@ -102,7 +102,7 @@ class ElanFSDPStrategy(ElanStrategy):
         self.shard_modules = frozenset(shard_modules or ())
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
-        if hsdp_group_size is not None and (not isinstance(hsdp_group_size, int) or hsdp_group_size < 1):
+        if hsdp_group_size is not None and (type(hsdp_group_size) is not int or hsdp_group_size < 1):
             raise ValueError(f"hsdp_group_size must be a positive integer (or None for FSDP), got {hsdp_group_size!r}")
         self.hsdp_group_size = hsdp_group_size
         if reshard_chunk_mb <= 0:

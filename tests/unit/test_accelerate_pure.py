@@ -23,6 +23,8 @@ from lightning_elan.accelerate.scaling import AccelerateScaling
     ("lr_ramp_steps", -1, "lr_ramp_steps must be >= 0"),
     ("global_batch_size", 0, "global_batch_size must be >= 1"),
     ("coordinate_every", 0, "coordinate_every must be >= 1"),
+    ("hsdp_group_size", 0, "hsdp_group_size must be a positive integer"),
+    ("hsdp_group_size", True, "hsdp_group_size must be a positive integer"),
 ])
 def test_plugin_rejects_bad_options_with_the_field_named(field, value, message):
     with pytest.raises(ValueError, match=message):

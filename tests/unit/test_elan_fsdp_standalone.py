@@ -91,7 +91,7 @@ def test_hsdp_over_a_world_smaller_than_its_group_is_fsdp(tmp_path: Path) -> Non
     assert all(isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
-@pytest.mark.parametrize("size", [0, -2, 1.5, "2"])
+@pytest.mark.parametrize("size", [0, -2, 1.5, "2", True])
 def test_an_invalid_hsdp_group_size_is_refused(size: object) -> None:
     with pytest.raises(ValueError, match="hsdp_group_size must be a positive integer"):
         ElanFSDPStrategy(hsdp_group_size=size)  # type: ignore[arg-type]
