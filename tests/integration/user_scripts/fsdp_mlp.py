@@ -16,7 +16,8 @@ gradient hook on that block's output: the later units' reduce-scatters are under
 (``on_before_optimizer_step``: the step was committed, the update not applied; the batch's samples are recorded first,
 as the step stands) or, ``--kill-at reshard``, in the live reshard of the first adjustment after step S (at its
 ``RESHARD_KILL_AT``-th transfer: some rows have moved). Only processes of the generation that first reaches the kill die
-(``OUT/killed`` says which), so a survivor that takes a killed rank, or a replacement, does not kill itself in the redo.
+(``OUT/killed`` says which; several victims die once all of them are at the kill point, ``OUT/at-kill-<rank>``, or
+after 60 s), so a survivor that takes a killed rank, or a replacement, does not kill itself in the redo.
 ``--reshard-kill-rank R``: rank R (as step S starts) also SIGKILLs itself in the reshard of the recovery from that
 first death, at its ``RESHARD_KILL_AT``-th transfer (``OUT/killed-in-recovery``).
 
@@ -33,6 +34,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -181,7 +183,15 @@ class RecordTrained(Callback):
         return not marker.exists() or marker.read_text() == generation
 
     def _die(self, trainer) -> None:
-        (self.out / "killed").write_text(str(trainer.strategy.generation))
+        """SIGKILL this process; with several victims, once all of them are at their kill point (else the first death
+        could release another from a collective before it gets there, and it would live)."""
+        generation = str(trainer.strategy.generation)
+        (self.out / f"at-kill-{trainer.global_rank}").write_text(generation)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                (self.out / f"at-kill-{rank}").exists() for rank in self.kill_ranks):
+            time.sleep(0.01)
+        (self.out / "killed").write_text(generation)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
