@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from lightning_elan.elastic.store_chores import StoreChores
 from lightning_elan.replication.reception import PrefaultedMemory
 
 log = logging.getLogger(__name__)
@@ -33,15 +34,20 @@ class StateSizeNotice:
     def new_generation(self) -> None:
         self._published = None
 
-    def publish_if_due(self, store: dist.Store, measure: Callable[[], int]) -> None:
-        """Publish ``measure()`` unless a non-zero size was published in this generation."""
+    def publish_if_due(self, store: dist.Store, measure: Callable[[], int], chores: StoreChores) -> None:
+        """Publish ``measure()`` unless a non-zero size was published in this generation (the write off the training
+        thread: a store that does not answer must not hold the step)."""
         if self._published:
             return
         nbytes = max(0, int(measure()))
         if nbytes != self._published:
-            store.set(STATE_NBYTES_KEY, str(nbytes))
-            log.debug("published the state beyond the model: %d bytes", nbytes)
+            chores.submit("the state size a joiner receives", lambda: _publish(store, nbytes))
         self._published = nbytes
+
+
+def _publish(store: dist.Store, nbytes: int) -> None:
+    store.set(STATE_NBYTES_KEY, str(nbytes))
+    log.debug("published the state beyond the model: %d bytes", nbytes)
 
 
 def fault_in_for_joiner(store: dist.Store) -> PrefaultedMemory:

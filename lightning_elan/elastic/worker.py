@@ -49,6 +49,7 @@ from lightning_elan.elastic.scaling import ScalingLink
 from lightning_elan.elastic.script_end import mark_script_end_at_exit, mark_training_ended
 from lightning_elan.elastic.send_ahead import SendAhead
 from lightning_elan.elastic.state_size import StateSizeNotice, fault_in_for_joiner
+from lightning_elan.elastic.store_chores import StoreChores
 from lightning_elan.elastic.termination import TerminationWatch, any_rank_leaving
 from lightning_elan.elastic.timeline import PhaseClock, StepTimeline
 from lightning_elan.protocol.contract import (
@@ -95,6 +96,9 @@ LOOP_STARTED_KEY = "elan/loop_started"
 it (a main process's data preparation behind a barrier), which a joiner's barrier before its admission waits for."""
 LOOP_WAIT_NOTICE_S = 30.0
 """How often a joiner waiting for the job's training loop (or a result of its start) says so."""
+CHORES_DRAIN_S = 5.0
+"""At the end of its training loop a worker waits this long at most for its queued store writes (a store that does
+not answer: the bookkeeping is left behind, not the job)."""
 START_RESULT_PREFIX = "elan/start/"
 """In the job store: what the launch members computed at the script's start and a joiner takes instead of computing
 it alone (the LR finder's range test: ``elan/start/lr_find/<n>``)."""
@@ -128,6 +132,11 @@ def step_aside() -> None:
 def generation_prefix(generation: int) -> str:
     """Store prefix of everything that forms ``generation``: its group's rendezvous and the transfers to joiners."""
     return f"elan/gen{generation}/"
+
+
+def _delete_generation_keys(store: dist.Store, prefix: str) -> None:
+    removed = delete_prefix(store, prefix)
+    log.debug("deleted %d store keys under %s", removed, prefix)
 
 
 @dataclass(frozen=True)
@@ -208,6 +217,7 @@ class ElasticWorker:
         self._timeline = StepTimeline()
         self._compute = ComputeMeter()
         self._state_size = StateSizeNotice()
+        self._chores = StoreChores()  # bookkeeping writes to the job store, off the training thread
         self._spare: PrefaultedMemory | None = None  # a joiner's memory faulted in for its state while it waits
         self._epoch_end: int | None = None  # the sampler's end of the current epoch (its length), for remaining_samples
         self._watch: FailureWatch | None = None
@@ -658,7 +668,8 @@ class ElasticWorker:
         """This member entered its training loop: the job is past its collectives before the loop."""
         self._in_training_loop = True
         if self.is_member and self.group is not None and not self.environment.standalone:
-            self.group.store.set(LOOP_STARTED_KEY, "1")
+            store = self.group.store
+            self._chores.submit("the training loop's start", lambda: store.set(LOOP_STARTED_KEY, "1"))
 
     def wait_for_training_loop(self) -> None:
         """A joiner not admitted yet, in a barrier of the code before its training loop: the members made that barrier
@@ -787,7 +798,8 @@ class ElasticWorker:
         (the first boundary of each generation, or the next ones while it is 0), so that a joiner ready before the
         first coordination faults its memory in before it, not in the pause."""
         if self.is_member and self._link is not None and self.rank == 0:
-            self._state_size.publish_if_due(self._group().store, self.frontend.state_nbytes_beyond_model)
+            self._state_size.publish_if_due(self._group().store, self.frontend.state_nbytes_beyond_model,
+                                            self._chores)
 
     def _prepare_send_at_first_step(self) -> None:
         """A member that learned at its start that joiners are coming: prepare its send path after its first step
@@ -1063,8 +1075,8 @@ class ElasticWorker:
         prefix, self._keys_to_delete = self._keys_to_delete, None
         if prefix is None or self.rank != 0:
             return
-        removed = delete_prefix(self._group().store, prefix)
-        log.debug("deleted %d store keys under %s", removed, prefix)
+        store = self._group().store
+        self._chores.submit(f"deleting the keys under {prefix}", lambda: _delete_generation_keys(store, prefix))
 
     # ------------------------------------------------------------------ reports
 
@@ -1103,6 +1115,7 @@ class ElasticWorker:
         timeout)."""
         self._finish_outgoing()
         self._send_ahead.close()
+        self._chores.drain(CHORES_DRAIN_S)
         if self._termination is not None:
             self._termination.disarm()
         if self._link is not None:

@@ -7,6 +7,8 @@ joins through it, and the job's result equals the static run within 1e-9 with ea
 SIGSTOP etcd for 5 s (longer than the TTL) mid-job, then SIGCONT: every worker goes on training *during* the outage
 (each step's commit vote is in the generation's fast store, a ``TCPStore`` served by its rank 0, not in etcd), one AM
 leads again and a join requested afterwards completes, with the same exact result. Fail-over times are logged.
+SIGSTOP etcd as the training loop starts: the first batch boundary's write to the job store (rank 0's notice of the
+state size a joiner receives) waits off the training thread, and the first steps go on during the outage.
 SIGKILL the training process of rank 0 (the vote store's host) between its all-reduce and its vote (the survivors,
 waiting for the decision, lose the store: uncertain, the recovery discards the step), or right after its commit (every
 member read the decision before rank 0 could apply it: the step stands); the job ends exact. (A death in the backward
@@ -27,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
+from lightning_elan.elastic.worker import LOOP_STARTED_KEY
 from tests.integration.elastic_runs import (
     EPOCHS,
     PROBE,
@@ -146,15 +150,17 @@ def cluster(tmp_path):
             started.stop()
 
 
-def start_job(cluster: StandbyCluster) -> list[subprocess.Popen]:
-    """Both AMs (the first leads), two workers, training under way (each worker completed a step)."""
+def start_job(cluster: StandbyCluster, until_training: bool = True) -> list[subprocess.Popen]:
+    """Both AMs (the first leads), two workers, training under way (each worker completed a step) unless
+    ``until_training`` is False."""
     cluster.am(0)
     cluster.wait_until(lambda: "serving on" in (cluster.tmp / "am0.log").read_text(), "the first AM leading", 60)
     cluster.am(1)
     cluster.wait_until(lambda: "standing by" in (cluster.tmp / "am1.log").read_text(), "the second AM standing by", 60)
     workers = [cluster.worker("w-a"), cluster.worker("w-b")]
-    cluster.wait_until(lambda: len(cluster.progress()) == 2 and min(cluster.progress().values()) >= 1,
-                       "training under way")
+    if until_training:
+        cluster.wait_until(lambda: len(cluster.progress()) == 2 and min(cluster.progress().values()) >= 1,
+                           "training under way")
     return workers
 
 
@@ -192,6 +198,26 @@ def test_sigkill_the_leading_am_mid_job_the_standby_leads_and_a_worker_joins(sta
 
     adjustments = check_result(cluster, workers, "am1")
     assert [(a["action"], len(a["members"])) for a in adjustments] == [("add", 3)], adjustments
+    check_exact(cluster, static_run)
+
+
+def test_etcd_stopped_as_training_starts_the_first_steps_go_on(static_run, cluster):
+    """The outage covers the first batch boundary, where rank 0 tells joiners the size of the state they will receive
+    (a write to the job's store, in etcd): the write waits for etcd off the training thread, the steps go on."""
+    start_job(cluster, until_training=False)
+    loop_started = open_rendezvous_store(f"{cluster.store}?job={JOB}")
+    try:
+        cluster.wait_until(lambda: loop_started.check([LOOP_STARTED_KEY]), "a member in its training loop")
+    finally:
+        loop_started.close()
+    cluster.etcd.pause()
+    time.sleep(5.0)
+    during = cluster.progress()
+    cluster.etcd.resume()
+    log.warning("etcd stopped 5 s from the start of the training loop: each worker's last step %s", during)
+    assert sorted(during) == ["w0", "w1"] and min(during.values()) >= 2, (during, cluster.logs())
+    survivor = "am0" if cluster.procs["am0"].poll() is None else "am1"
+    assert check_result(cluster, [cluster.procs["w-a"], cluster.procs["w-b"]], survivor) == []
     check_exact(cluster, static_run)
 
 
