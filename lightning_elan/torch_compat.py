@@ -285,6 +285,61 @@ def undo_fully_shard(model: torch.nn.Module) -> None:
     _parameters_to_meta(model)
 
 
+def fully_shard_units(model: torch.nn.Module) -> list[tuple[list[torch.nn.Module], dict[str, Any]]]:
+    """Every ``fully_shard`` unit of ``model`` — its modules (several for ``fully_shard([a, b])``) and the options it
+    was called with — children before their parents, so that applying them in this order on another mesh makes the
+    same units.
+
+    Read back from each unit's ``FSDPState`` (``_fully_shard/_fsdp_state.py``): its modules (``_modules``), its
+    ``_mp_policy``, whether ``reshard_after_forward`` was left to FSDP2 (``_auto_reshard_after_forward``, then None);
+    from its first ``FSDPParamGroup`` (``_fsdp_param_group.py``, none when the unit manages no parameter) its
+    ``offload_policy`` and ``post_forward_mesh_info`` (None: ``False``; the shard mesh's size: ``True``; another size:
+    that int). A ``shard_placement_fn``, ``ignored_params`` or ``dp_mesh_dims`` is not read back."""
+    if not SpecifierSet(FULLY_SHARD_UNDONE_ON).contains(Version(str(torch.__version__)), prereleases=True):
+        raise NotImplementedError(f"reading FSDP2 units back needs torch{FULLY_SHARD_UNDONE_ON}")
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    units, seen = [], set()
+    for module in reversed(list(model.modules())):  # post-order enough: a child comes after its parent in modules()
+        state = _get_module_fsdp_state(module)
+        if state is None or id(state) in seen:
+            continue
+        seen.add(id(state))
+        units.append((list(state._modules), _fully_shard_options(state)))
+    return units
+
+
+def _fully_shard_options(state: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {"mp_policy": state._mp_policy}
+    groups = state._fsdp_param_groups
+    if groups:
+        group = groups[0]
+        options["offload_policy"] = group.offload_policy
+        options["reshard_after_forward"] = _reshard_after_forward(group.post_forward_mesh_info, group.mesh_info)
+    if state._auto_reshard_after_forward:
+        options["reshard_after_forward"] = None
+    return options
+
+
+def _reshard_after_forward(after: Any, mesh_info: Any) -> bool | int:
+    if after is None:
+        return False
+    return True if after.shard_mesh_size == mesh_info.shard_mesh_size else after.shard_mesh_size
+
+
+def solo_mesh(device_type: str, name: str) -> Any:
+    """A 1-D ``DeviceMesh`` of this process alone, on a gloo group of its own (an in-process store): a joiner's
+    ``self.device_mesh`` in ``configure_model`` before it has a generation — the units made on it are made again on
+    the job's mesh at its admission. Registered like :func:`mesh_of_group`."""
+    store, kind = dist.HashStore(), dist.ProcessGroup.BackendType.GLOO
+    group = dist.ProcessGroup(store, 0, 1)
+    set_default_backend(group, kind)
+    backend = dist.ProcessGroupGloo(store, 0, 1)
+    for device in {"cpu", device_type}:
+        register_backend(group, device, kind, backend)
+    return mesh_of_group(group, device_type, name)
+
+
 def forget_cut_forward(module: torch.nn.Module) -> None:
     """Before ``FSDPModule.reshard()`` of a unit whose forward an exception cut (a member's death in a later unit's
     all-gather): each ``FSDPParamGroup`` is still in ``TrainingState.FORWARD`` (``FSDPState._post_forward`` never ran),

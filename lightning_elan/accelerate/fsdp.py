@@ -31,12 +31,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_elan import torch_compat
 from lightning_elan.accelerate import compat
 from lightning_elan.elastic.device_mesh import GenerationMesh, Subgroup, generation_mesh
 from lightning_elan.elastic.fsdp_mirroring import LostShard, StepMirroring, unmirrored_because
 from lightning_elan.replication import shard_layout
-from lightning_elan.replication.fsdp_reshard import describe_optimizers
+from lightning_elan.replication.fsdp_reshard import describe_optimizers, register_sharded_parameters
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -195,7 +194,7 @@ class FSDP2Sharding:
         """A step cut by a member's death: every FSDP2 unit's sharded parameters registered again (a forward whose
         backward never ran leaves the root's gathered parameters on the module: FSDP2 reshards the root only after
         the backward), so the reshard finds the parameters the optimizers hold."""
-        _register_sharded(model)
+        register_sharded_parameters(model)
 
     def reshard_live(self, reshard: ReshardGroup, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                      group: Any) -> None:
@@ -203,7 +202,7 @@ class FSDP2Sharding:
         receiver ends sharded over the new generation's mesh with its mirror seeded, a leaver holds nothing."""
         holding = reshard.rank in reshard.holders
         if holding:  # an evaluation's forward (no backward follows) left the root's gathered parameters registered
-            _register_sharded(model)
+            register_sharded_parameters(model)
         skeleton = describe_optimizers(model, optimizers) if holding else self._joined_optimizers
         assert skeleton is not None, "a joiner reshards with its source's optimizer skeleton"
         self._mirroring.move(reshard, model, optimizers, self.shard, self._mesh, skeleton, self.chunk_bytes, group,
@@ -250,17 +249,6 @@ class FSDP2Sharding:
     def settle(self) -> None:
         """Wait for the mirror's replay of the last step."""
         self._mirroring.settle()
-
-
-def _register_sharded(model: nn.Module) -> None:
-    """Every FSDP2 unit's sharded parameters registered on its module (``FSDPModule.reshard``; a no-op on a unit
-    that is sharded already), a forward cut short included: the parameters the optimizers hold."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            torch_compat.forget_cut_forward(module)
-            module.reshard()
 
 
 def retry_calls(model: nn.Module, retry: CallRetry) -> None:

@@ -24,9 +24,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_elan.replication.reshard import DEFAULT_CHUNK_BYTES, move_rows
-from lightning_elan.torch_compat import undo_fully_shard
+from lightning_elan.torch_compat import forget_cut_forward, undo_fully_shard
 
-__all__ = ["ShardModules", "describe_optimizers", "held_shards", "is_fully_sharded", "reshard_fsdp", "take_fsdp_off"]
+__all__ = [
+    "ShardModules",
+    "describe_optimizers",
+    "held_shards",
+    "is_fully_sharded",
+    "register_sharded_parameters",
+    "reshard_fsdp",
+    "take_fsdp_off",
+]
 
 ShardModules = Callable[[nn.Module, DeviceMesh], None]
 """Applies ``fully_shard`` to the module's units and the module itself on the given mesh (the user's wrapping)."""
@@ -94,10 +102,25 @@ def _move_all(model: nn.Module, like: dict[str, torch.Tensor], skeleton: list[di
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 is applied to ``model`` (a holder's; a reshard abandoned after it re-applied FSDP2, too)."""
+    """Whether FSDP2 is applied to ``model`` or any of its modules (a holder's; a reshard abandoned after it re-applied
+    FSDP2; a joiner's units made in ``configure_model`` on its stand-in mesh)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def register_sharded_parameters(model: nn.Module) -> None:
+    """Every FSDP2 unit's sharded parameters registered on its module (``FSDPModule.reshard``; a no-op on a unit
+    that is sharded already), a forward cut short included — the parameters the optimizers hold. A step cut by a
+    member's death leaves gathered parameters registered: the root's after any forward (FSDP2 reshards the root only
+    after the backward), and every unit's whose forward the death cut (the survivors wait in a later unit's
+    all-gather)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            forget_cut_forward(module)
+            module.reshard()
 
 
 @contextmanager

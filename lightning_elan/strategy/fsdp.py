@@ -45,12 +45,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_elan import compat, sharded_checkpoint
+from lightning_elan import compat, sharded_checkpoint, torch_compat
 from lightning_elan.elastic.device_mesh import GenerationMesh, generation_mesh
 from lightning_elan.elastic.fsdp_mirroring import LostShard, StepMirroring, unmirrored_because
 from lightning_elan.elastic.live_reshard import ReshardGroup
 from lightning_elan.replication import shard_layout
-from lightning_elan.replication.fsdp_reshard import describe_optimizers, take_fsdp_off
+from lightning_elan.replication.fsdp_reshard import (
+    describe_optimizers,
+    is_fully_sharded,
+    register_sharded_parameters,
+    take_fsdp_off,
+)
 from lightning_elan.replication.reception import tensor_nbytes
 from lightning_elan.strategy.strategy import ElanStrategy
 
@@ -68,6 +73,9 @@ __all__ = ["ElanFSDPStrategy", "LostShard", "register_elan_fsdp_strategy"]
 NOT_YET = "strategy='elan_fsdp' does not support {what} yet (issue 24); {instead}"
 LIVE_RESHARD_KEY = "elan_fsdp_live_reshard"
 """In a joiner's checkpoint: its model and optimizer states come by the live reshard, not in the checkpoint."""
+ShardUnits = list[tuple[list[str], dict[str, Any]]]
+"""The job's ``fully_shard`` units, children first: each unit's module names (several for ``fully_shard([a, b])``)
+and the options it was made with — the user's own from ``configure_model`` and the strategy's."""
 
 
 class ElanFSDPStrategy(ElanStrategy):
@@ -112,6 +120,7 @@ class ElanFSDPStrategy(ElanStrategy):
         self._generation_mesh: GenerationMesh | None = None
         self._snapshotting = False  # a source dumps a joiner's state: no model or optimizer tensors in it
         self._joined_optimizers: list[dict[str, Any]] | None = None  # a joiner: its source's optimizer skeleton
+        self._units: ShardUnits | None = None  # made again on each new mesh (a joiner: its source's)
 
     @classmethod
     @override
@@ -154,13 +163,24 @@ class ElanFSDPStrategy(ElanStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """A joiner's ``configure_model`` builds on the meta device: its shards arrive in the live reshard."""
+        """A joiner's ``configure_model`` builds on the meta device (its shards arrive in the live reshard), with a
+        stand-in ``self.device_mesh`` of itself alone: the units it makes there are made again on the job's mesh."""
         if self._joiner_fitting():
-            with torch.device("meta"):
+            with self._stand_in_mesh(), torch.device("meta"):  # the mesh built on the CPU
                 yield
         else:
             with super().model_sharded_context():
                 yield
+
+    @contextmanager
+    def _stand_in_mesh(self) -> Generator[None, None, None]:
+        module, name = self.lightning_module, f"elan_fsdp_joiner_{self.engine.worker_id}"
+        module._device_mesh = torch_compat.solo_mesh(self.root_device.type, name)
+        try:
+            yield
+        finally:
+            module._device_mesh = None
+            torch_compat.forget_mesh_group(name)
 
     @override
     def model_to_device(self) -> None:
@@ -211,13 +231,23 @@ class ElanFSDPStrategy(ElanStrategy):
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
-        """Sharded over the mesh; a joiner's stays whole until the live reshard (it has no mesh yet)."""
-        if self._device_mesh is not None and not _is_sharded(model):
-            self._shard(model, self._device_mesh)
+        """Sharded over the mesh — the units the user's ``configure_model`` made kept, the ``shard_modules`` outside
+        them and the LightningModule added — and the units recorded for every later mesh; a joiner's stays whole until
+        the live reshard (it has no mesh yet)."""
+        if self._device_mesh is None:
+            return model
+        if not _is_sharded(model):
+            shard_model(model, self._device_mesh, self.shard_modules, self._fully_shard_options())
+        if self._units is None:
+            self._units = shard_units(model)
         return model
 
     def _shard(self, model: nn.Module, mesh: DeviceMesh) -> None:
-        shard_model(model, mesh, self.shard_modules, self._fully_shard_options())
+        """``model`` (FSDP2 taken off) sharded on ``mesh`` in the job's units."""
+        if self._units is None:
+            shard_model(model, mesh, self.shard_modules, self._fully_shard_options())
+        else:
+            shard_again(model, mesh, self._units)
 
     def _fully_shard_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
@@ -293,15 +323,16 @@ class ElanFSDPStrategy(ElanStrategy):
             self._snapshotting = False
         state["checkpoint"][LIVE_RESHARD_KEY] = True
         state["fsdp_optimizers"] = self._mirroring.describe(self.lightning_module, self._torch_optimizers())
+        state["fsdp_units"] = self._units
         return state
 
     @override
     def load_training_state(self, state: dict[str, Any]) -> None:
         """As an ``"elan"`` joiner, but the model state of the checkpoint (buffers only) is not loaded strictly."""
-        self._joined_optimizers = state["fsdp_optimizers"]
+        self._joined_optimizers, self._units = state["fsdp_optimizers"], state["fsdp_units"]
         module = self.lightning_module
-        if _is_sharded(module):  # a joiner again: a death abandoned the live reshard that had sharded it
-            take_fsdp_off(module, self._torch_optimizers())
+        if is_fully_sharded(module):  # units of configure_model on the stand-in mesh; or a joiner again (a death
+            take_fsdp_off(module, self._torch_optimizers())  # abandoned the live reshard that had sharded it)
         strict = module.strict_loading
         module.strict_loading = False
         try:
@@ -313,6 +344,8 @@ class ElanFSDPStrategy(ElanStrategy):
         """Move this member's shards to their new holders over ``reshard``'s group (``LiveResharding``); after a death,
         a dead member's from its mirror."""
         receiving, holding = reshard.rank in reshard.receivers, reshard.rank in reshard.holders
+        if holding:  # a step or an evaluation cut by a death left gathered parameters registered
+            register_sharded_parameters(self.lightning_module)
         skeleton = describe_optimizers(self.lightning_module, self._torch_optimizers()) if holding else \
             self._joined_optimizers
         try:
@@ -525,14 +558,33 @@ class _RootUnitCall:
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, unit_classes: frozenset[type[nn.Module]],
                 options: dict[str, Any]) -> None:
-    """``fully_shard`` on every instance of ``unit_classes`` (innermost first), then on ``model``."""
-    from torch.distributed.fsdp import fully_shard
+    """``fully_shard`` on every instance of ``unit_classes`` (innermost first) outside the units ``model`` already has
+    (the user's, made in ``configure_model``), then on ``model``."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    units = [module for module in model.modules() if module is not model and isinstance(module, tuple(unit_classes))]
+    within = {id(inner) for unit in model.modules() if isinstance(unit, FSDPModule) for inner in unit.modules()}
+    units = [module for module in model.modules()
+             if module is not model and isinstance(module, tuple(unit_classes)) and id(module) not in within]
     for unit in reversed(units):  # children before their parents
         fully_shard(unit, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
-    log.debug("FSDP2 over %d ranks: %d units and the root", mesh.size(), len(units))
+    log.debug("FSDP2 over %d ranks: %d units of shard_modules and the root", mesh.size(), len(units))
+
+
+def shard_units(model: nn.Module) -> ShardUnits:
+    """``model``'s ``fully_shard`` units by module name, with their options (children first)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return [([names[id(module)] for module in modules], options)
+            for modules, options in torch_compat.fully_shard_units(model)]
+
+
+def shard_again(model: nn.Module, mesh: DeviceMesh, units: ShardUnits) -> None:
+    """``fully_shard`` each of ``units`` again on ``mesh``, in order, with its options."""
+    from torch.distributed.fsdp import fully_shard
+
+    for names, options in units:
+        modules = [model.get_submodule(name) for name in names]
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, **options)
 
 
 def _has_meta_tensors(model: nn.Module) -> bool:

@@ -58,6 +58,17 @@ def test_a_member_killed_in_a_step_loses_no_step(tmp_path: Path, static_fsdp: Fs
     assert_recovered_exactly(run, static_fsdp, [("add", 3), ("failure", 2)])
 
 
+def test_a_member_killed_in_the_forward_of_a_block_unit_loses_no_step(tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """Each block a unit (``shard_modules={Block}``); rank 1 SIGKILLs itself in step 5's forward, in the second block:
+    the survivors wait in the third block's all-gather with the root's and the first block's gathered parameters
+    still registered (before, the recovery's reshard failed on them: ``KeyError`` in ``describe_optimizers``); they are
+    sharded again first, and the result is the static run's."""
+    run = run_fsdp_job(tmp_path, "fsdpkillblock", "--shard-blocks", "--kill-step", KILL_STEP, "--kill-at", "forward",
+                       schedule=GROW)
+
+    assert_recovered_exactly(run, static_fsdp, [("add", 3), ("failure", 2)])
+
+
 def test_a_member_killed_in_the_first_step_after_a_resize_loses_no_step(tmp_path: Path, static_fsdp: FsdpRun) -> None:
     """Rank 1 SIGKILLs itself in the forward of step 2, the first of the generation the growth to 3 formed: the mirrors
     were seeded at the end of the resize's reshard, so its shard is restored all the same."""

@@ -2,12 +2,16 @@
 
 python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N] [--kill-step S [--kill-rank R]...
     [--kill-at start|forward|backward|optimizer|reshard]] [--reshard-kill-rank R] [--configure-model] [--net-in-step]
-    [--evaluate] [--hsdp K]
+    [--evaluate] [--hsdp K] [--own-units]
 
 Every process appends the samples it trained to ``OUT/trained-<pid>.jsonl`` (one line per batch: epoch, step, the
 dataset indices, without a rank's weight-0 stand-in sample, and the device mesh's shape). ``ModelCheckpoint`` saves
 every 3 steps into ``OUT/checkpoints``. ``--configure-model``: the network is built in ``configure_model``, which writes
-``OUT/built-<pid>.json`` (whether it was built on the meta device). ``--net-in-step``: ``training_step`` calls the
+``OUT/built-<pid>.json`` (whether it was built on the meta device). ``--own-units``: ``configure_model`` makes the
+units itself, as under Lightning's ``ModelParallelStrategy``: ``fully_shard(block, mesh=self.device_mesh)`` for each
+block and ``reshard_after_forward=False`` for the last Linear (idempotent: not again once they are units), recording
+the mesh's size there in ``OUT/units-<pid>.json``; each trained batch's record lists the module's units
+(``FSDPModule`` instances, by name). ``--net-in-step``: ``training_step`` calls the
 network itself (``self.net(x)``, as most modules do) instead of ``self(x)``. At the end every member gathers the full
 state (parameters and Adam's states, by parameter name) and rank 0 writes ``OUT/final.pt``. Each member's live reshards
 are logged (``resharded live``). ``--kill-step S``: rank 1 (or each ``--kill-rank``) SIGKILLs itself in the batch of
@@ -41,6 +45,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_elan  # noqa: F401
@@ -56,6 +61,11 @@ def _mesh_shape(trainer) -> list[int] | None:
     """The shape of the device mesh the batch was trained on (``elan_fsdp``; None under ``elan``)."""
     mesh = getattr(trainer.strategy, "device_mesh", None) if trainer.strategy.strategy_name == "elan_fsdp" else None
     return list(mesh.shape) if mesh is not None else None
+
+
+def _units(trainer) -> list[str]:
+    """The names of the LightningModule's FSDP2 units ("" is the module itself)."""
+    return sorted(name for name, module in trainer.lightning_module.named_modules() if isinstance(module, FSDPModule))
 
 
 class Indexed(Dataset):
@@ -89,16 +99,22 @@ def network() -> nn.Sequential:
 class MLP(pl.LightningModule):
     """``in_configure_model``: the network is built in ``configure_model`` (on a joiner: on the meta device)."""
 
-    def __init__(self, in_configure_model: bool = False, net_in_step: bool = False) -> None:
+    def __init__(self, in_configure_model: bool = False, net_in_step: bool = False, own_units: bool = False) -> None:
         super().__init__()
         self.net = None if in_configure_model else network()
         self.net_in_step = net_in_step
+        self.own_units = own_units
 
     def configure_model(self) -> None:
         if self.net is None:
             self.net = network()
             built = {"meta": all(parameter.is_meta for parameter in self.net.parameters())}
             (Path(OUT) / f"built-{os.getpid()}.json").write_text(json.dumps(built))  # a joiner's: meta
+        if self.own_units and not isinstance(self.net[4], FSDPModule):
+            for block in self.net[1:4]:
+                fully_shard(block, mesh=self.device_mesh)
+            fully_shard(self.net[4], mesh=self.device_mesh, reshard_after_forward=False)
+            (Path(OUT) / f"units-{os.getpid()}.json").write_text(json.dumps({"mesh_size": self.device_mesh.size()}))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -173,7 +189,7 @@ class RecordTrained(Callback):
         samples = [] if trainer.strategy.sample_weight == 0 else batch[0].tolist()
         with self.path.open("a") as file:
             file.write(json.dumps({"epoch": trainer.current_epoch, "step": trainer.global_step,
-                                   "samples": samples, "mesh": _mesh_shape(trainer)}) + "\n")
+                                   "samples": samples, "mesh": _mesh_shape(trainer), "units": _units(trainer)}) + "\n")
 
     def _kills_here(self, trainer) -> bool:
         if trainer.global_step != self.kill_step or trainer.global_rank not in self.kill_ranks:
@@ -242,6 +258,7 @@ def main() -> None:
     parser.add_argument("--net-in-step", action="store_true")
     parser.add_argument("--evaluate", action="store_true")
     parser.add_argument("--hsdp", type=int, default=None, help="ElanFSDPStrategy(hsdp_group_size=...)")
+    parser.add_argument("--own-units", action="store_true", help="configure_model calls fully_shard itself")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     global OUT
@@ -253,7 +270,7 @@ def main() -> None:
     strategy = args.strategy
     if args.shard_blocks or args.hsdp:
         strategy = ElanFSDPStrategy(shard_modules={Block} if args.shard_blocks else None, hsdp_group_size=args.hsdp)
-    model = MLP(in_configure_model=args.configure_model, net_in_step=args.net_in_step)
+    model = MLP(in_configure_model=args.configure_model, net_in_step=args.net_in_step, own_units=args.own_units)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_epochs=args.epochs, logger=False,
         enable_progress_bar=False, enable_model_summary=False,

@@ -1,0 +1,78 @@
+"""A LightningModule that makes its FSDP2 units itself, as under Lightning's ``ModelParallelStrategy``:
+``configure_model`` calls ``fully_shard(block, mesh=self.device_mesh)`` for each block and
+``fully_shard(last, mesh=self.device_mesh, reshard_after_forward=False)`` (``user_scripts/fsdp_mlp.py --own-units``,
+float64, Adam, real ``elan run``).
+
+The job keeps the user's units through every live reshard (each unit made again on the new mesh with its options) and
+adds only the LightningModule's; a joiner's ``configure_model`` runs before its admission on a stand-in mesh of itself
+alone (``self.device_mesh`` is never None there), and its units are made again on the job's mesh when it joins. Each
+run must equal the static 2-worker ``elan_fsdp`` run (the whole module one unit: the units do not change the numbers)
+within 1e-9, every sample trained once per epoch, every batch on the user's units.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_elan_fsdp import (
+    FsdpRun,
+    assert_each_sample_once,
+    assert_ok,
+    assert_states_close,
+    run_fsdp_job,
+)
+
+pytestmark = pytest.mark.integration
+
+OWN_UNITS = ("--own-units", "--configure-model")
+UNITS = ["", "net.1", "net.2", "net.3", "net.4"]
+"""The user's four units and the LightningModule (``""``), which the strategy wraps."""
+
+
+@pytest.fixture(scope="module")
+def static_fsdp(tmp_path_factory: pytest.TempPathFactory) -> FsdpRun:
+    run = run_fsdp_job(tmp_path_factory.mktemp("static-fsdp"), "ownstatic")
+    assert_ok(run)
+    assert_each_sample_once(run)
+    return run
+
+
+def units_trained_on(run: FsdpRun) -> set[tuple[str, ...]]:
+    """The unit lists every member's batches were trained with."""
+    return {tuple(json.loads(line)["units"]) for path in run.out.glob("trained-*.jsonl")
+            for line in path.read_text().splitlines()}
+
+
+def mesh_sizes_in_configure_model(run: FsdpRun) -> list[int]:
+    return sorted(json.loads(path.read_text())["mesh_size"] for path in run.out.glob("units-*.json"))
+
+
+def test_own_units_kept_through_a_grow_and_a_shrink(tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """2 → 3 after step 3 (the joiner's configure_model on its stand-in mesh of 1, its units made again on the
+    job's 3) → 2 after step 7: every batch on the user's units, the static run's result."""
+    run = run_fsdp_job(tmp_path, "ownunits", *OWN_UNITS, schedule="3:add=1,7:remove=1")
+
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("remove", 2)]
+    assert run.output.count("resharded live") == 6, run.excerpt()  # every member of both reshards
+    assert mesh_sizes_in_configure_model(run) == [1, 2, 2]  # the joiner's stand-in, the launch members' mesh
+    assert units_trained_on(run) == {tuple(UNITS)}
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())
+
+
+def test_own_units_kept_when_a_member_is_killed_in_its_forward(tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """2 → 3 after step 2 (a joiner with the user's units); rank 1 SIGKILLed in step 5's forward, in the user's unit
+    ``net.2`` — the survivors wait in the next unit's all-gather, the root's and ``net.1``'s gathered parameters still
+    registered: its shard restored from its mirror onto the survivors' mesh in the user's units, the step redone,
+    the static run's result."""
+    run = run_fsdp_job(tmp_path, "ownkill", *OWN_UNITS, "--kill-step", "5", "--kill-at", "forward", schedule="2:add=1")
+
+    assert run.returncode == 0, run.excerpt()
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("failure", 2)]
+    assert units_trained_on(run) == {tuple(UNITS)}
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())
