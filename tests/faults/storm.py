@@ -1,7 +1,8 @@
-"""Seeded failure storms: ``python -m tests.faults.storm --storms N --seed S [--strategy elan_fsdp|elan_hsdp]``.
+"""Seeded failure storms: ``python -m tests.faults.storm --storms N --seed S [--strategy STRATEGY]``.
 
 One storm is one 3-worker float64 probe job (``strategy="elan"``, or ``"elan_fsdp"``: the model sharded by FSDP2, or
-``"elan_hsdp"``: ``ElanFSDPStrategy(hsdp_group_size=2)``, HSDP whenever the job has 4 members)
+``"elan_fsdp_units"``: each Linear its own unit, so a death cuts forwards between units, or ``"elan_hsdp"``:
+``ElanFSDPStrategy(hsdp_group_size=2)``, HSDP whenever the job has 4 members)
 under ``elan run --replace-failed --coordinate-every 1`` (98 steps) that receives a random event every 1.5–4 s until it
 ends: SIGKILL of a worker, SIGTERM of a worker, SIGKILL of the AM, ``elan scale add 1``, ``elan scale remove 1``.
 Events are real signals to real processes and real CLI requests; nothing waits for an earlier event to settle, so
@@ -39,7 +40,7 @@ WORKERS = 3
 SAMPLES, EPOCHS, BATCH, GLOBAL_BATCH = 240, 7, 6, 18  # 14 steps per epoch, 98 steps
 STORM_ARGS = ["--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
               "--global-batch", str(GLOBAL_BATCH), "--step-sleep", "0.1", "--progress"]
-STRATEGIES = ("elan", "elan_fsdp", "elan_hsdp")
+STRATEGIES = ("elan", "elan_fsdp", "elan_fsdp_units", "elan_hsdp")
 EVENTS = ("kill_worker", "term_worker", "kill_am", "add", "remove")
 GAP_S = (1.5, 4.0)
 JOB_TIMEOUT_S = 900.0

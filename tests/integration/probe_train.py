@@ -33,6 +33,8 @@ import lightning_elan
 from lightning_elan.callbacks import HybridScaling, ProgressiveLinearLR
 from lightning_elan.strategy.fsdp import ElanFSDPStrategy
 
+ELASTIC_STRATEGIES = ("elan", "elan_fsdp", "elan_fsdp_units", "elan_hsdp")
+
 
 class IndexedDataset(Dataset):
     def __init__(self, size: int) -> None:
@@ -325,8 +327,9 @@ class ProbeConfig:
     no_shuffle: bool = False
     val: bool = False
     strategy: str = "elan"
-    """'elan', 'elan_fsdp' (the model sharded by FSDP2), 'elan_hsdp' (``ElanFSDPStrategy(hsdp_group_size=2)``: HSDP at
-    4 workers, FSDP at 3 or 5), or a Lightning strategy for comparisons."""
+    """'elan', 'elan_fsdp' (the model sharded by FSDP2), 'elan_fsdp_units' (each Linear its own FSDP2 unit:
+    ``shard_modules={Linear}``), 'elan_hsdp' (``ElanFSDPStrategy(hsdp_group_size=2)``: HSDP at 4 workers, FSDP at 3
+    or 5), or a Lightning strategy for comparisons."""
     devices: str = "auto"
     accelerator: str = "cpu"  # 'gpu' for the CUDA runs of tests/gpu
     backend: str | None = None  # process group backend of the elan strategy (e.g. gloo)
@@ -413,8 +416,9 @@ def main() -> None:
     val = DataLoader(IndexedDataset(30), batch_size=5) if config.val else None
     strategy = config.strategy
     elastic = {"elan": lightning_elan.ElanStrategy, "elan_fsdp": ElanFSDPStrategy,
+               "elan_fsdp_units": lambda **kwargs: ElanFSDPStrategy(shard_modules={torch.nn.Linear}, **kwargs),
                "elan_hsdp": lambda **kwargs: ElanFSDPStrategy(hsdp_group_size=2, **kwargs)}
-    if strategy in elastic and (config.global_batch or config.backend or strategy == "elan_hsdp"):
+    if strategy in elastic and (config.global_batch or config.backend or strategy not in ("elan", "elan_fsdp")):
         strategy = elastic[strategy](global_batch_size=config.global_batch, process_group_backend=config.backend)
     full = config.full_lightning
     callbacks = [ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)] if full else []
@@ -445,7 +449,7 @@ def main() -> None:
             write_record(config, trainer, model)
         raise
     write_record(config, trainer, model)
-    if config.strategy not in ("elan", "elan_fsdp", "elan_hsdp") and torch.distributed.is_initialized():
+    if config.strategy not in ELASTIC_STRATEGIES and torch.distributed.is_initialized():
         # a plain Lightning comparison run: rank 0 hosts the store, so no rank may exit while another still uses it
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

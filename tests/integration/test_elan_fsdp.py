@@ -86,12 +86,17 @@ def test_static_elan_fsdp_equals_static_elan(tmp_path: Path, static_ddp: FsdpRun
 SCHEDULE = "3:add=1,6:remove=rank:0,9:migrate=1"
 
 
-@pytest.fixture(scope="module")
-def static_fsdp(tmp_path_factory: pytest.TempPathFactory) -> FsdpRun:
-    run = run_fsdp_job(tmp_path_factory.mktemp("static-fsdp"), "fsdpstatic")
+def static_fsdp_run(tmp_path_factory: pytest.TempPathFactory, name: str) -> FsdpRun:
+    """The static 2-worker ``elan_fsdp`` run every elastic run of the script must equal (each file's fixture)."""
+    run = run_fsdp_job(tmp_path_factory.mktemp("static-fsdp"), name)
     assert_ok(run)
     assert_each_sample_once(run)
     return run
+
+
+@pytest.fixture(scope="module")
+def static_fsdp(tmp_path_factory: pytest.TempPathFactory) -> FsdpRun:
+    return static_fsdp_run(tmp_path_factory, "fsdpstatic")
 
 
 @pytest.mark.parametrize("units", ["whole", "blocks"])

@@ -17,6 +17,7 @@ from tests.integration.test_elan_fsdp import (
     assert_ok,
     assert_states_close,
     run_fsdp_job,
+    static_fsdp_run,
 )
 
 pytestmark = pytest.mark.integration
@@ -29,10 +30,7 @@ kill at step 5 takes one of 3 members."""
 
 @pytest.fixture(scope="module")
 def static_fsdp(tmp_path_factory: pytest.TempPathFactory) -> FsdpRun:
-    run = run_fsdp_job(tmp_path_factory.mktemp("static-fsdp"), "fsdpfaultstatic")
-    assert_ok(run)
-    assert_each_sample_once(run)
-    return run
+    return static_fsdp_run(tmp_path_factory, "fsdpfaultstatic")
 
 
 def assert_recovered_exactly(run: FsdpRun, static: FsdpRun, adjustments: list[tuple[str, int]],

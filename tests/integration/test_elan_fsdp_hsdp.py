@@ -23,6 +23,7 @@ from tests.integration.test_elan_fsdp import (
     assert_ok,
     assert_states_close,
     run_fsdp_job,
+    static_fsdp_run,
 )
 
 pytestmark = pytest.mark.integration
@@ -34,10 +35,7 @@ GROW = "2:add=2"
 
 @pytest.fixture(scope="module")
 def static_fsdp(tmp_path_factory: pytest.TempPathFactory) -> FsdpRun:
-    run = run_fsdp_job(tmp_path_factory.mktemp("static-fsdp"), "hsdpstatic")
-    assert_ok(run)
-    assert_each_sample_once(run)
-    return run
+    return static_fsdp_run(tmp_path_factory, "hsdpstatic")
 
 
 def meshes_by_step(run: FsdpRun) -> dict[int, set[tuple[int, ...]]]:

@@ -23,6 +23,7 @@ from tests.integration.test_elan_fsdp import (
     assert_ok,
     assert_states_close,
     run_fsdp_job,
+    static_fsdp_run,
 )
 
 pytestmark = pytest.mark.integration
@@ -34,10 +35,7 @@ UNITS = ["", "net.1", "net.2", "net.3", "net.4"]
 
 @pytest.fixture(scope="module")
 def static_fsdp(tmp_path_factory: pytest.TempPathFactory) -> FsdpRun:
-    run = run_fsdp_job(tmp_path_factory.mktemp("static-fsdp"), "ownstatic")
-    assert_ok(run)
-    assert_each_sample_once(run)
-    return run
+    return static_fsdp_run(tmp_path_factory, "ownstatic")
 
 
 def units_trained_on(run: FsdpRun) -> set[tuple[str, ...]]:
