@@ -2,16 +2,17 @@
 
 A cell is a phase of the training at which a member is SIGKILLed (a real signal, sent from outside once every member
 holds at that phase: ``tests/integration/hold_point.py``), a victim (``w1``, rank 0 ``w0``, or ``w1+w2``: a second
-member killed 0.1-1 s after the first, while the survivor recovers) and a front-end (Lightning; Accelerate with gradient
-accumulation 1 and 2). Each trial (seeded by ``--seed``, its number and its cell) jitters the step it holds at and how
-long the members stay held before the kill. The Lightning front-end has cells for kills inside the library too (the
-worker SIGKILLs itself there: ``tests/integration/fault_kill/``): at a coordination point, with an adjustment agreed, as
-a replication source, as a joiner receiving its state and as a joiner still warming up. A trial *held* when the job
-exited 0, every sample counted once per epoch, the survivors stayed bit-identical at every step, the final parameters
-(and optimizer state) equal the static run within 1e-9, the failure was recovered for exactly the dead, and the step
-redone is the one the phase implies. ``--jobs K`` runs K trials at once. Prints one line per trial and a table phase x
-victim: held/trials; exit 0 only if every trial held.
-"""
+member killed 0.1-1 s after the first, while the survivor recovers) and a front-end (Lightning; Lightning's sharded
+``elan_fsdp``, the model one unit or each Linear its own (``fsdp``, ``fsdp_units``), checked against a static
+``elan_fsdp`` run on the full state the members gather at the end; Accelerate with gradient accumulation 1 and 2). Each
+trial (seeded by ``--seed``, its number and its cell) jitters the step it holds at and how long the members stay held
+before the kill. The Lightning front-end has cells for kills inside the library too (the worker SIGKILLs itself there:
+``tests/integration/fault_kill/``): at a coordination point, with an adjustment agreed, as a replication source, as a
+joiner receiving its state and as a joiner still warming up. A trial *held* when the job exited 0, every sample counted
+once per epoch, the survivors stayed bit-identical at every step, the final parameters (and optimizer state) equal the
+static run within 1e-9, the failure was recovered for exactly the dead, and the step redone is the one the phase
+implies. ``--jobs K`` runs K trials at once. Prints one line per trial and a table phase x victim: held/trials; exit 0
+only if every trial held."""
 
 from __future__ import annotations
 
@@ -59,11 +60,13 @@ and a joiner still warming up (its receive buffer prefaulting, before it reporte
 LIBRARY_KILLS = {"coordination": "coordinate", "adjusting": "adjusting", "replication": "send",
                  "receiving": "receive", "warming": "warming"}
 JOINER = "w3"  # the first worker the launcher starts after the 3 it launched with
+SHARDED_FRONTS = {"fsdp": "elan_fsdp", "fsdp_units": "elan_fsdp_units"}
+"""Sharded Lightning front-ends and the probe's strategy: the model one FSDP2 unit, or each Linear its own."""
 
 
 @dataclass(frozen=True)
 class Cell:
-    front: str  # "lightning", "accelerate1", "accelerate2"
+    front: str  # "lightning", "fsdp", "fsdp_units", "accelerate1", "accelerate2"
     phase: str
     victim: str
 
@@ -83,6 +86,12 @@ def lightning_cells() -> list[Cell]:
     phases = ["data", METRIC, *PHASES, "validation", "checkpoint", "epoch_end"]
     return ([Cell("lightning", phase, victim) for phase in phases for victim in VICTIMS[:3]]
             + [Cell("lightning", phase, victim) for phase, victim in LIBRARY_CELLS])
+
+
+def fsdp_cells() -> list[Cell]:
+    """``elan_fsdp``: a step's phases (its forward inside the root unit's call, the reduce-scatter, the vote...)."""
+    return [Cell(front, phase, victim) for front in SHARDED_FRONTS for phase in (METRIC, *PHASES)
+            for victim in VICTIMS[:3]]
 
 
 def accelerate_cells() -> list[Cell]:
@@ -119,11 +128,13 @@ def kill_options(victim: str, rng: random.Random) -> tuple[str, dict]:
 def run_lightning(cell: Cell, tmp: Path, static: RunResult, rng: random.Random) -> str:
     step = lightning_hold_step(cell.phase, rng)
     first, options = kill_options(cell.victim, rng)
+    sharded = cell.front in SHARDED_FRONTS
+    strategy = ("--strategy", SHARDED_FRONTS[cell.front]) if sharded else ()
+    probe_args = (*lightning_probe_args(cell.phase, cell.victim), *strategy)
     run, kill = held_lightning_run(tmp, "held", 3, f"{first}:{step}:{cell.phase}", members=3,
-                                   launcher_args=("--replace-failed",),
-                                   probe_args=lightning_probe_args(cell.phase, cell.victim), **options)
+                                   launcher_args=("--replace-failed",), probe_args=probe_args, **options)
     assert kill.killed_at is not None, f"the members never all held (arrived: {kill.arrived})\n{run.excerpt()}"
-    failures = check_fault_run(run, static, dead=kill.dead)
+    failures = check_fault_run(run, static, dead=kill.dead, sharded=sharded)
     assert failures[0]["failure"]["step_redone"] == expected_redone(cell.phase, step), failures
     return f"step {step}, settle {options['settle_s']:.2f} s"
 
@@ -166,25 +177,31 @@ def run_accelerate(cell: Cell, tmp: Path, plain: dict[int, RunResult], rng: rand
     return f"step {step}, settle {options['settle_s']:.2f} s"
 
 
-def references(root: Path, fronts: set[str]) -> tuple[RunResult | None, dict[int, RunResult]]:
-    """The static runs the trials are compared with."""
+def references(root: Path, fronts: set[str]) -> tuple[dict[str, RunResult], dict[int, RunResult]]:
+    """The static runs the trials are compared with: by Lightning front-end, and Accelerate's by accumulation."""
     for folder in ("static", "plain"):
         (root / folder).mkdir(exist_ok=True)
-    static = check_static_run(elan_run(root / "static", "static", 2, PROBE_ARGS)) if "lightning" in fronts else None
+    static = {}
+    if "lightning" in fronts:
+        static["lightning"] = check_static_run(elan_run(root / "static", "static", 2, PROBE_ARGS))
+    for front in fronts & SHARDED_FRONTS.keys():
+        sharded = elan_run(root / "static", f"static-{front}", 2, [*PROBE_ARGS, "--strategy", SHARDED_FRONTS[front]])
+        assert sharded.returncode == 0, sharded.excerpt()
+        static[front] = sharded
     plain = {accumulation: plain_accelerate_run(root / "plain", f"plain{accumulation}", 2, args)
              for accumulation, args in JOB_ARGS.items() if f"accelerate{accumulation}" in fronts}
     return static, plain
 
 
-def trial(cell: Cell, tmp: Path, static: RunResult | None, plain: dict[int, RunResult],
+def trial(cell: Cell, tmp: Path, static: dict[str, RunResult], plain: dict[int, RunResult],
           rng: random.Random) -> tuple[bool, str]:
     run: Callable[[], str]
     if cell.front == "lightning" and cell.phase in LIBRARY_KILLS:
         def run() -> str:
-            return run_library(cell, tmp, static, rng)
-    elif cell.front == "lightning":
+            return run_library(cell, tmp, static["lightning"], rng)
+    elif cell.front in static:
         def run() -> str:
-            return run_lightning(cell, tmp, static, rng)
+            return run_lightning(cell, tmp, static[cell.front], rng)
     else:
         def run() -> str:
             return run_accelerate(cell, tmp, plain, rng)
@@ -219,14 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--first-trial", type=int, default=0,
                         help="number the trials from this one (their seeds follow): runs of one commit add up")
-    parser.add_argument("--front", action="append", choices=["lightning", "accelerate1", "accelerate2"],
+    parser.add_argument("--front", action="append",
+                        choices=["lightning", *SHARDED_FRONTS, "accelerate1", "accelerate2"],
                         help="only these front-ends (default: all)")
     parser.add_argument("--phase", action="append", help="only these phases (default: all)")
     parser.add_argument("--victim", action="append", choices=VICTIMS, help="only these victims (default: all)")
     parser.add_argument("--dir", type=Path, default=None, help="keep the trials' files here (default: a temp dir)")
     parser.add_argument("--jobs", type=int, default=1, help="trials run at once (each is a job of 3-4 processes)")
     args = parser.parse_args(argv)
-    cells = [cell for cell in lightning_cells() + accelerate_cells()
+    cells = [cell for cell in lightning_cells() + fsdp_cells() + accelerate_cells()
              if (not args.front or cell.front in args.front) and (not args.phase or cell.phase in args.phase)
              and (not args.victim or cell.victim in args.victim)]
     if not cells:

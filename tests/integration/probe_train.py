@@ -70,6 +70,10 @@ class ProbeModel(pl.LightningModule):
         self.batch_step = -1
         self.completed_step = -1  # the batch_step whose samples were logged as completed last
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+        self.sharded = config.strategy.startswith("elan_") and config.strategy != "elan"
+        self.first_output: torch.Tensor | None = None  # sharded: the first layer's output, for the backward's holds
+        if self.sharded:
+            self.net[0].register_forward_hook(lambda _module, _inputs, output: setattr(self, "first_output", output))
         self.consumed: dict[int, list[int]] = {}
         self.digests: list[list] = []
         # [epoch, batch_idx, global_rank, world_size] of every trained batch, seen by training_step and again by
@@ -120,10 +124,17 @@ class ProbeModel(pl.LightningModule):
             self.log_training()        # trained samples it never got to log as completed
         self.hold("forward")  # the forward and its logging are done, the backward is next
         if self.hold_point.due("backward", self.batch_step):  # mid-backward, before any all-reduce
-            self.net[0].weight.register_hook(lambda grad: self.hold("backward"))
+            self.in_backward(lambda: self.hold("backward"))
         if self.hold_point.due("allreduce", self.batch_step):  # the survivors then wait in the all-reduce
-            self.net[0].weight.register_hook(lambda grad: self.hold("allreduce"))
+            self.in_backward(lambda: self.hold("allreduce"))
         return loss
+
+    def in_backward(self, call) -> None:
+        """``call()`` in the backward pass, once the later layers' gradients are computed and before the first
+        layer's weight gradient (so before DDP's all-reduce or FSDP2's reduce-scatter): a hook on that weight, or, for
+        a sharded model (whose registered weight is not the tensor autograd reaches), on the first layer's output."""
+        tensor = self.first_output if self.sharded else self.net[0].weight
+        tensor.register_hook(lambda grad: call())
 
     def hold(self, phase: str, step: int | None = None) -> None:
         """``--hold-at``: at that step and phase, hold while the test SIGKILLs the victim (``hold_point.py``)."""

@@ -85,11 +85,13 @@ def failure_records(run: RunResult) -> list[dict]:
     return [record for record in run.adjustments() if record["action"] == "failure"]
 
 
-def check_fault_run(run: RunResult, static: RunResult, dead: list[str]) -> list[dict]:
-    """The job survived the deaths of ``dead``; returns the failure records (one per recovery)."""
+def check_fault_run(run: RunResult, static: RunResult, dead: list[str], sharded: bool = False) -> list[dict]:
+    """The job survived the deaths of ``dead``; returns the failure records (one per recovery). ``sharded``
+    (``elan_fsdp``): the members hold different shards, so only the full state gathered at the end is compared."""
     assert run.returncode == 0, run.excerpt()
     assert_completed_once(run.out)
-    assert_ranks_agree(run.records())
+    if not sharded:
+        assert_ranks_agree(run.records())
     assert_states_close(run.final_state(), static.final_state(), TOLERANCE)
     survivors = {record["worker"] for record in run.records()}
     assert not survivors & set(dead), f"{sorted(survivors & set(dead))} wrote a record: they were not killed"
