@@ -539,6 +539,7 @@ class ElasticWorker:
         recover from it in turn."""
         plan = self._recovery_plan or self._recovery_plan_for(failed, committed_step)
         self._recovery_plan = None
+        self._pin_shard_layout(plan, failed)
         dead = [worker for worker in plan.previous_members if worker not in plan.members]
         self._take_aggregates(plan, dead, self._aggregate_store(), committed_step)  # before the failed vote goes
         self._rows.check(self._aggregate_store(), failed)
@@ -554,6 +555,13 @@ class ElasticWorker:
                 self._abandon_outgoing()
                 self._group().abort()
                 plan = self._recovery_plan_for(plan.generation, committed_step)
+
+    def _pin_shard_layout(self, plan: AdjustmentPlan, failed: int) -> None:
+        """A survivor whose shards are not in an uncommitted reshard's old layout holds them in the layout of the
+        generation it was in (``failed``): the plan's ``previous_members`` are the newest failed generation's, which
+        may be a resize's that this member never learned of (a death in its plan's broadcast)."""
+        if self._shard_layout is None and plan.layouts and str(failed) in plan.layouts:
+            self._shard_layout = list(plan.layouts[str(failed)])
 
     def earliest_position(self, position: int | None) -> int | None:
         """After a recovery: publish this survivor's ``position`` (a count of the collectives it made before the

@@ -58,6 +58,8 @@ class Recovery:
     leavers: list[str] = field(default_factory=list)
     """The living leavers of an interrupted live reshard (elan_fsdp): they hold shards of the layout the survivors
     recover from, so they take part in the recovery's reshard as its leavers (not members, not waited for)."""
+    layouts: dict[str, list[str]] = field(default_factory=dict)
+    """The members of each failed generation, by generation number (``AdjustmentPlan.layouts``)."""
 
     @property
     def next_generation(self) -> int:
@@ -136,4 +138,5 @@ def recovery_plan(
         sources=sources,
         hosts={worker: hosts.get(worker) for worker in holders + joiners},
         transfers=routes,
+        layouts={generation: list(members) for generation, members in recovery.layouts.items()} or None,
     )

@@ -303,6 +303,10 @@ class AdjustmentPlan:
     sources: dict[str, str]
     hosts: dict[str, str | None]
     transfers: list[Transfer] | None = None
+    layouts: dict[str, list[str]] | None = None
+    """A recovery plan's: the members of each failed generation, by generation number (a string: the wire is JSON).
+    A survivor holds its shards in the layout of the generation it was in (unless a reshard it began had not
+    committed): a death may interrupt a resize before some members learned of its plan."""
 
     @property
     def stayers(self) -> list[str]:
@@ -345,6 +349,8 @@ class AdjustmentPlan:
         }
         if self.transfers is not None:
             data["transfers"] = [transfer.to_dict() for transfer in self.transfers]
+        if self.layouts is not None:
+            data["layouts"] = {generation: list(members) for generation, members in self.layouts.items()}
         return data
 
     @classmethod

@@ -95,3 +95,18 @@ def test_a_member_killed_while_the_new_mirrors_are_seeded_abandons_the_reshard(t
 
     assert (tmp_path / "elan-home" / "fault-kills.log").read_text().split()[:2] == ["w1", "reshard_seed"]
     assert_released_and_recovered(run, static_fsdp, [("failure", 2)])
+
+
+def test_a_member_killed_as_rank_0_got_a_resizes_plan_is_restored_from_its_generations_layout(
+        tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """2 workers, a third added after step 2: w1 SIGKILLs itself at the coordination at which the AM decides the growth
+    (rank 0 has the plan, w1 has not read it): rank 0 meets the death in the plan's broadcast and never enters the
+    resize. The recovery's newest failed generation is the growth's (w0, w1, w2), but the shards are in the 2-member
+    layout: w1's is in w0's mirror. Before, the survivors took the growth's layout and stopped with ``ShardsLost``
+    (``shard 1 (worker w1) and its mirror (worker w2)``: the joiner, which holds nothing); the recovery plan names each
+    failed generation's members, and each survivor reshards from the layout of the generation it was in."""
+    run = run_with_a_library_kill(tmp_path, "fsdpkillplanned", "w1:planned", "2:add=1")
+
+    assert (tmp_path / "elan-home" / "fault-kills.log").read_text().split()[:2] == ["w1", "planned"]
+    assert "ShardsLost" not in run.output, run.excerpt()
+    assert_recovered_exactly(run, static_fsdp, [("failure", 2)], recorded=("failure",))

@@ -143,6 +143,24 @@ def test_a_joiner_of_the_interrupted_plan_survives_without_state_and_is_served()
     assert any(f.get("request_id") == interrupted.request_id for f in status_view.status(state).failures)
 
 
+def test_the_recovery_plan_names_the_members_of_each_failed_generation() -> None:
+    """A death in the broadcast of a resize's plan: a member that never learned of the plan holds its shards in its
+    own generation's layout, which the recovery plan names beside the interrupted plan's (``layouts``)."""
+    state = started(2)
+    new = requests.scale(state, "add", count=1).new_workers
+    requests.register(state, RegisterRequest(new[0], host="h", device="cpu", pid=1))
+    adjustments.coordinate(state, CoordinateRequest("w0", 0, 4))
+    exited(state, "w1", -9)
+    check_in(state, "w0", generation=0, step=4)
+    check_in(state, "w2", generation=1, step=None)
+
+    plan = adjustments.wait_plan(state, "w0").plan
+
+    assert plan.previous_members == ["w0", "w1", "w2"]  # the interrupted plan's generation, the newest failed
+    assert plan.layouts == {"0": ["w0", "w1"], "1": ["w0", "w1", "w2"]}
+    assert type(plan).from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
 def test_a_survivor_that_never_checks_in_is_declared_dead() -> None:
     state = started(3)
     ready(state, "w0", "w1", "w2")  # started: a silent one is hung (one still starting: test_am_recovering.py)

@@ -211,11 +211,13 @@ def _member_failed(state: JobState, worker_id: str, returncode: int, now: float,
 def _begin_recovery(state: JobState, now: float) -> Recovery:
     """Fail the current generation and the plan in flight (its joiners survive without state)."""
     failed, survivors, previous = [state.generation], list(state.member_ids), list(state.member_ids)
+    layouts = {str(state.generation): list(state.member_ids)}
     interrupted, dead, leavers = state.in_flight, [], []
     if interrupted is not None:
         dead = list(interrupted.failure["dead"]) if interrupted.failure else []  # a recovery's, not carried out
         plan = interrupted.plan
         failed.append(plan.generation)
+        layouts[str(plan.generation)] = list(plan.members)
         # the plan's members: not its leavers, nor members that died before it (a recovery plan in flight)
         survivors = [w for w in survivors if w in plan.members and w not in plan.leavers] + list(plan.joiners)
         previous = list(plan.members)
@@ -226,6 +228,7 @@ def _begin_recovery(state: JobState, now: float) -> Recovery:
         failure_id=f"f{state.next_failure}", failed_generations=failed, previous_members=previous,
         survivors=survivors, detected_at=now, deadline=now + DEFAULT_RECOVERY_TIMEOUT_S, dead=dead,
         interrupted_request=None if interrupted is None else interrupted.plan.request_id, leavers=leavers,
+        layouts=layouts,
     )
     state.next_failure += 1
     return state.recovery

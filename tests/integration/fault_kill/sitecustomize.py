@@ -7,6 +7,10 @@
 * ``coordinate`` — a member at the coordination point after step STEP, before the agreement (rank 0 before it asks
   the AM, the others before they wait for rank 0's answer);
 * ``adjusting`` — a member that has the AM's plan (an adjustment agreed), before it re-forms the group;
+* ``planned`` — a member other than rank 0 at a coordination point (after step STEP, or the first at which it
+  happens) at which the AM decides a plan: it watches the AM's status for 1 s and, once a plan is in flight (rank 0
+  asked and got it), dies before it reads the agreement: rank 0 meets its death in the plan's broadcast, and the
+  recovery fails the plan's generation, which only rank 0 and the joiners knew of;
 * ``recovering`` — a survivor of an earlier death, once it has the recovery's plan (it is one of its members),
   before it enters the plan's generation: the other survivors meet its death while that generation forms;
 * ``train_end`` — a member whose training loop ended (Lightning's ``on_train_end``), before it told the launcher;
@@ -88,6 +92,9 @@ def _install(phase: str, step: int | None) -> None:
     if phase == "reshard_seed":
         _install_reshard_seed()
         return
+    if phase == "planned":
+        _install_planned(worker, step)
+        return
     if phase in _FRONT_ENDS:
         import importlib
 
@@ -118,6 +125,31 @@ def _install_connecting(worker) -> None:
 
     worker.ElasticWorker._recovery_plan_for = recovery_plan_for
     process_group.ElasticProcessGroup._create = created
+
+
+def _install_planned(worker, step: int | None) -> None:
+    agree = worker.ElasticWorker._agree
+
+    def agreeing(self, at_step: int):
+        if (step is None or step == at_step) and self.rank != 0 and _a_plan_in_flight_within(1.0):
+            _kill("planned")
+        return agree(self, at_step)
+
+    worker.ElasticWorker._agree = agreeing
+
+
+def _a_plan_in_flight_within(seconds: float) -> bool:
+    import time
+
+    from lightning_elan.protocol.client import AMClient
+
+    deadline = time.monotonic() + seconds
+    with AMClient(os.environ["ELAN_AM_ADDRESS"], os.environ["ELAN_JOB"]) as client:
+        while client.status().get("in_flight") is None:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+    return True
 
 
 def _install_reshard_seed() -> None:
