@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,25 @@ LOOPBACK = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+# Ports the kernel hands out itself (a bind to port 0, every outgoing connection) come from the ephemeral range,
+# /proc/sys/net/ipv4/ip_local_port_range (32768-60999 by default). A port picked there and handed to a server that
+# binds it a moment later races with every connection opened meanwhile; a port picked below that range races only
+# with another picker choosing the same number at random.
+PICKED_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+    """A loopback TCP port free now, below the kernel's ephemeral range (a server started with it seconds later)."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(PICKED_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {PICKED_PORTS.start}-{PICKED_PORTS.stop - 1}")
 
 
 # user-facing settings of the library that pass from the harness's environment to the jobs it starts

@@ -6,28 +6,23 @@ reshard the job trains on and every rank's full parameters equal one process tha
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.procs import free_port
+
 WORKER = Path(__file__).with_name("fsdp2_remesh_worker.py")
 TOLERANCE = 1e-12
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.parametrize(("old", "new"), [("0,1", "0,1,2"), ("0,1,2", "0,1"), ("0,1", "0,2")],
                          ids=["grow-2-to-3", "shrink-3-to-2", "migrate-rank-1"])
 def test_an_fsdp2_module_is_sharded_again_on_other_ranks_and_trains_on_exactly(tmp_path: Path, old: str,
                                                                                 new: str) -> None:
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(port), old, new,
                                str(tmp_path / f"rank{rank}.json")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for rank in range(3)]

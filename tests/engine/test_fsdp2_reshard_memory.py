@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from bench.procs import free_port
 
 WORKER = Path(__file__).with_name("fsdp2_reshard_memory_worker.py")
 CHUNK_MB, MB = 4, 1 << 20
@@ -36,18 +37,12 @@ TOLERANCE = 1e-6  # float32: FSDP2 averages the old mesh's gradients (3 ranks: (
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
 @pytest.mark.parametrize(("old", "new"), [("0,1", "0,1,2"), ("0,1,2", "0,1"), ("0,1", "0,2")],
                          ids=["grow-2-to-3", "shrink-3-to-2", "migrate-rank-1"])
 def test_a_member_grows_by_at_most_its_new_shard_and_a_chunk_during_the_reshard(tmp_path: Path, old: str,
                                                                                  new: str) -> None:
-    port, env = _free_port(), {**os.environ, **MALLOC}
+    port, env = free_port(), {**os.environ, **MALLOC}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(port), old, new, str(CHUNK_MB),
                                str(tmp_path / f"rank{rank}.json")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=env) for rank in range(3)]

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from bench.procs import free_port  # noqa: F401 (the tests import it from here)
+
 PROBE = Path(__file__).with_name("probe_train.py")
 
 # the probe's default job: global batch 12 (6 per worker × 2), 9 steps per epoch, the epoch's last batch 4 samples
@@ -259,14 +261,6 @@ def wait_for_status(env: dict, job: str, predicate: Callable[[dict], object], ti
                 return status
         time.sleep(0.3)
     raise AssertionError(f"status never matched; last: {status} {proc.stderr if proc else ''}")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_metrics_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -14,6 +13,8 @@ from pathlib import Path
 from types import TracebackType
 
 import pytest
+
+from bench.procs import free_port
 
 LOOPBACK = "127.0.0.1"
 
@@ -30,10 +31,8 @@ def require_etcd() -> str:
     return binary
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        return probe.getsockname()[1]
+class PortTaken(RuntimeError):
+    """etcd exited because another process bound one of its ports first."""
 
 
 class EtcdServer:
@@ -47,6 +46,7 @@ class EtcdServer:
         self.client_port = free_port()
         self.peer_port = free_port()
         self.proc: subprocess.Popen | None = None
+        self._log_start = 0
 
     @property
     def endpoint(self) -> str:
@@ -65,11 +65,25 @@ class EtcdServer:
         ]
 
     def start(self, timeout_s: float = 30.0) -> EtcdServer:
+        """Start the member; a new one whose port was taken meanwhile starts again on other ports (twice at most)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        fresh = not self.data_dir.exists()
+        for attempt in range(3):
+            try:
+                self._launch(timeout_s)
+                return self
+            except PortTaken:
+                if not fresh or attempt == 2:
+                    raise
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+                self.client_port, self.peer_port = free_port(), free_port()
+        return self
+
+    def _launch(self, timeout_s: float) -> None:
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready(timeout_s)
-        return self
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -77,7 +91,9 @@ class EtcdServer:
                                          headers={"Content-Type": "application/json"})
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+                tail = self.log_path.read_bytes()[self._log_start:].decode(errors="replace")[-2000:]
+                kind = PortTaken if "address already in use" in tail else RuntimeError
+                raise kind(f"etcd exited with {self.proc.returncode}: {tail}")
             try:
                 with urllib.request.urlopen(request, timeout=1.0):
                     return

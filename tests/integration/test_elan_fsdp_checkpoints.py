@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.procs import free_port
 from tests.integration import fsdp_runs
 from tests.integration.fsdp_runs import FsdpRun as Run
 from tests.integration.fsdp_runs import assert_ok, elan_command, run_to_end
@@ -45,7 +46,7 @@ def run_plain(home: Path, devices: int, batch_size: int, max_epochs: int, resume
               strategy: str = "model_parallel") -> Run:
     """Lightning's own ``ModelParallelStrategy`` over ``devices`` CPU processes (its launcher starts the others)."""
     command = [*_script(home, strategy, batch_size, max_epochs, resume), "--devices", str(devices)]
-    env = {**os.environ, "MASTER_PORT": str(_free_port()), "ELAN_TEST_HOME": str(home)}
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "ELAN_TEST_HOME": str(home)}
     return run_to_end(command, home, RUN_TIMEOUT_S, env)
 
 
@@ -53,14 +54,6 @@ def _script(home: Path, strategy: str, batch_size: int, max_epochs: int, resume:
     command = [sys.executable, str(SCRIPT), str(home / "out"), "--strategy", strategy, "--batch-size",
                str(batch_size), "--max-epochs", str(max_epochs)]
     return command + (["--resume", str(resume)] if resume else [])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def assert_each_sample_once(run: Run, epochs: list[int]) -> None:

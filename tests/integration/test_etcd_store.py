@@ -3,15 +3,17 @@ round trip, compare-and-swap between two writers, hand-over when the leader's le
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from lightning_elan.master.etcd_store import EtcdStore, LeadershipLost, parse_etcd_url
 from lightning_elan.master.leadership import Leadership, current_leader
 from lightning_elan.master.store import StoreConflict, StoreUnavailable
-from tests.integration.etcd_server import EtcdServer, require_etcd
+from tests.integration.etcd_server import EtcdServer, free_port, require_etcd
 
 pytest.importorskip("etcd3gw")
 pytestmark = pytest.mark.integration
@@ -130,3 +132,26 @@ def test_an_outage_longer_than_the_retry_budget_raises_and_a_restart_keeps_the_d
     etcd.start()
     store.save({"v": 2})  # nothing was written meanwhile: the compare-and-swap still holds
     assert EtcdStore.from_url(etcd.url(), "restart").load() == {"v": 2}
+
+
+def test_a_new_member_whose_client_port_was_taken_starts_on_another(tmp_path):
+    """The test server itself: a port picked free, then bound by someone else before etcd binds it (CI stop 44)."""
+    require_etcd()
+    server = EtcdServer(tmp_path / "taken")
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", server.client_port))
+        squatter.listen()
+        taken = server.client_port
+        with server:
+            assert server.client_port != taken
+            store = EtcdStore.from_url(server.url("taken"), "job1")
+            assert store.load() is None
+            store.save({"answer": 42})
+            assert EtcdStore.from_url(server.url("taken"), "job1").load() == {"answer": 42}
+        assert "address already in use" in server.log_path.read_text()
+
+
+def test_picked_ports_lie_below_the_kernels_ephemeral_range():
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(port < low for port in ports) and len(ports) > 1

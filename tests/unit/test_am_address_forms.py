@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.procs import free_port
 from lightning_elan.launcher.enrolled import am_addresses
 from lightning_elan.master.server import ApplicationMaster
 from lightning_elan.master.store import MemoryStore
@@ -30,12 +30,6 @@ from lightning_elan.protocol.client import split_addresses
 from lightning_elan.protocol.contract import WorkerEnvironment
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.mark.parametrize(("text", "canonical"), [

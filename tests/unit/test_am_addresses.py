@@ -3,11 +3,11 @@ resends the same id, and a store refusal (unavailable, conflict) leaves the AM u
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
 
+from bench.procs import free_port
 from lightning_elan.master.server import ApplicationMaster
 from lightning_elan.master.store import MemoryStore, StoreConflict, StoreUnavailable
 from lightning_elan.protocol import AMClient, AMUnavailable
@@ -17,9 +17,7 @@ JOB = "job"
 
 
 def free_address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 class FlakyStore(MemoryStore):

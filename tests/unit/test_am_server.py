@@ -3,7 +3,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
+from bench.procs import free_port
 from lightning_elan.master import registry
 from lightning_elan.master import server as server_module
 from lightning_elan.master.server import (
@@ -79,12 +79,6 @@ def raw(am: ApplicationMaster) -> Iterator[RawDealer]:
     dealer = RawDealer(am.address)
     yield dealer
     dealer.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def add_and_decide(client: AMClient) -> AdjustmentPlan:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.procs import free_port
 from lightning_elan.cli import main
 from lightning_elan.cli_status import describe_request, format_status
 from lightning_elan.launcher.schedule import (
@@ -243,14 +243,8 @@ def test_unknown_job(elan_home: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "no running job named ghost" in err
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_am_not_answering(elan_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     path = registry_path("mute")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"job": "mute", "address": address, "pid": os.getpid(), "state_dir": "x"}))
@@ -263,7 +257,7 @@ def test_am_not_answering(elan_home: Path, capsys: pytest.CaptureFixture[str]) -
 def test_stale_registry_fails_fast(elan_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     path = registry_path("gone")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"job": "gone", "address": address, "pid": dead.pid, "state_dir": "x"}))

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.procs import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 USAGE = 2  # argparse's exit status, and the CLI's for an unknown job or an AM that does not answer
 NOT_ENROLLED = 3  # elan worker: no AM answered
@@ -28,13 +30,10 @@ def places(tmp_path: Path) -> Iterator[dict[str, str]]:
     garbage = tmp_path / "garbage.json"
     garbage.write_bytes(b"{\xff not json")
     (tmp_path / "a-dir").mkdir()
-    with socket.socket() as free, socket.socket() as taken:
-        free.bind(("127.0.0.1", 0))
+    with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        free_port = free.getsockname()[1]
-        free.close()
-        yield {"garbage": str(garbage), "dir": str(tmp_path / "a-dir"), "free": str(free_port),
+        yield {"garbage": str(garbage), "dir": str(tmp_path / "a-dir"), "free": str(free_port()),
                "taken": str(taken.getsockname()[1]), "home": str(tmp_path / "home"), "tmp": str(tmp_path)}
 
 
