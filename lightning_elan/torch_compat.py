@@ -16,6 +16,7 @@ elastic process group assembles its own the same way, once per generation.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 from datetime import timedelta
@@ -37,6 +38,7 @@ __all__ = [
     "forget_cut_forward",
     "forget_mesh_group",
     "forget_scaler_step",
+    "forget_tensor_parallel_mesh",
     "keep_alive_forever",
     "mark_optimizer_stepped",
     "mesh_of_group",
@@ -379,6 +381,49 @@ def _parameters_to_meta(model: torch.nn.Module) -> None:
 # ---- DeviceMesh over a group torch did not record (torch/distributed/device_mesh.py) --------------------------------
 
 
+# Lightning's ModelParallelStrategy names its mesh's dimensions so (lightning/fabric/strategies/model_parallel.py,
+# ``_setup_device_mesh``), and user code written for it slices them: ``self.device_mesh["data_parallel"]``.
+DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
+
+
+@functools.cache
+def _elastic_mesh_type() -> type:
+    """``DeviceMesh`` answering to ModelParallelStrategy's dimension names as well as its own (defined on first use:
+    ``torch.distributed.device_mesh`` defines ``DeviceMesh`` only where distributed is available). torch.compile
+    treats it as the ``DeviceMesh`` it is (``torch/_library/opaque_object.py`` resolves subclasses of opaque types)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    class ElasticDeviceMesh(DeviceMesh):
+        """A generation's mesh; ``mesh["data_parallel"]`` is the whole data-parallel mesh (itself: 1-D for FSDP, 2-D
+        for HSDP), ``mesh["tensor_parallel"]`` a mesh of this rank alone (an elastic job has no tensor parallelism)."""
+
+        def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> Any:
+            names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
+            if names == (DATA_PARALLEL,):
+                return self
+            if names == (TENSOR_PARALLEL,):
+                return self._tensor_parallel_mesh()
+            return super().__getitem__(mesh_dim_names)
+
+        def _tensor_parallel_mesh(self) -> Any:
+            if self.size() == 1:
+                return self
+            if getattr(self, "_elan_tensor_parallel", None) is None:
+                name = f"{'_'.join(self.mesh_dim_names)}_{TENSOR_PARALLEL}"
+                self._elan_tensor_parallel = solo_mesh(self.device_type, name)
+            return self._elan_tensor_parallel
+
+    return ElasticDeviceMesh
+
+
+def forget_tensor_parallel_mesh(mesh: Any) -> None:
+    """Drop the name of the one-rank mesh ``mesh["tensor_parallel"]`` made, if it made one (with its generation)."""
+    solo = getattr(mesh, "_elan_tensor_parallel", None)
+    if solo is not None:
+        forget_mesh_group(solo.mesh_dim_names[0])
+        mesh._elan_tensor_parallel = None
+
+
 def mesh_of_group(group: dist.ProcessGroup, device_type: str, name: str) -> Any:
     """A 1-D ``DeviceMesh`` of ranks ``0..size-1`` whose collectives run on ``group``, registered as ``name``.
 
@@ -387,15 +432,14 @@ def mesh_of_group(group: dist.ProcessGroup, device_type: str, name: str) -> Any:
     an elastic generation's view is neither. This builds what ``from_group`` builds for a 1-D group
     (``DeviceMesh(..., _init_backend=False)``, ``_dim_group_names``, ``_pg_registry``), and registers the group by name
     in the C++ registry (``_register_process_group``) that DTensor's functional collectives resolve names through."""
-    from torch.distributed.device_mesh import DeviceMesh
 
     group._set_group_name(name)
     torch._C._distributed_c10d._register_process_group(name, group)
     # the group's rank: a joiner builds its mesh before torch has a default group; the dimension named after the group:
     # meshes of equal layout are equal (DeviceMesh.__eq__), and DTensor's sharding propagation cache would hand an op
     # on a later generation's mesh the output spec, with the group, of an earlier one
-    mesh = DeviceMesh(device_type, torch.arange(group.size(), dtype=torch.int), mesh_dim_names=(name,),
-                      _init_backend=False, _rank=group.rank())
+    mesh = _elastic_mesh_type()(device_type, torch.arange(group.size(), dtype=torch.int), mesh_dim_names=(name,),
+                                _init_backend=False, _rank=group.rank())
     mesh._dim_group_names = [name]
     mesh._pg_registry[name] = group
     return mesh
@@ -407,13 +451,12 @@ def mesh_of_groups(groups: list[dist.ProcessGroup], shape: tuple[int, ...], devi
     collectives on ``groups[d]`` (this rank's group of that dimension), registered as ``names[d]`` (an HSDP mesh:
     ``(replicas, shard group)``). What ``DeviceMesh.from_group`` builds for several groups, for groups torch did not
     record (see :func:`mesh_of_group`); ``rank``: this member's rank in the generation."""
-    from torch.distributed.device_mesh import DeviceMesh
 
     for group, name in zip(groups, names, strict=True):
         group._set_group_name(name)
         torch._C._distributed_c10d._register_process_group(name, group)
-    mesh = DeviceMesh(device_type, torch.arange(math.prod(shape), dtype=torch.int).view(shape),
-                      mesh_dim_names=tuple(names), _init_backend=False, _rank=rank)
+    mesh = _elastic_mesh_type()(device_type, torch.arange(math.prod(shape), dtype=torch.int).view(shape),
+                                mesh_dim_names=tuple(names), _init_backend=False, _rank=rank)
     mesh._dim_group_names = list(names)
     for group, name in zip(groups, names, strict=True):
         mesh._pg_registry[name] = group

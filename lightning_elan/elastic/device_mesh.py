@@ -31,6 +31,7 @@ class GenerationMesh:
 
     def forget(self) -> None:
         """Unregister its names once the generation is over."""
+        torch_compat.forget_tensor_parallel_mesh(self.mesh)
         for name in self.names:
             torch_compat.forget_mesh_group(name)
 

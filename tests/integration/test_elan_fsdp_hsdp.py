@@ -161,3 +161,20 @@ def test_shard_groups_of_one_replicate_the_whole_state(tmp_path: Path, static_fs
     assert_meshes(run, {range(1, 4): (2, 1), range(4, 7): (3, 1), range(7, 17): (2, 1)})
     assert_each_sample_once(run)
     assert_states_close(run.final_state(), static_fsdp.final_state())
+
+
+def test_an_hsdp_job_whose_units_are_made_through_the_data_parallel_dimension(tmp_path: Path,
+                                                                              static_fsdp: FsdpRun) -> None:
+    """``configure_model`` shards its blocks over ``self.device_mesh["data_parallel"]`` (ModelParallelStrategy's
+    name): under HSDP that is the whole data-parallel mesh, so the user's units are HSDP units once the job grows to
+    two shard groups (2 → 4 → 2), and the result is the static run's."""
+    run = run_fsdp_job(tmp_path, "hsdpnames", *HSDP, "--dimension-names", "--configure-model",
+                       schedule="3:add=2,6:remove=2")
+
+    assert run.returncode == 0, run.excerpt()
+    assert_meshes(run, {range(1, 4): (2,), range(4, 7): (2, 2), range(7, 17): (2,)})
+    units = {tuple(json.loads(line)["units"]) for path in run.out.glob("trained-*.jsonl")
+             for line in path.read_text().splitlines()}
+    assert units == {("", "net.1", "net.2", "net.3", "net.4")}
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())

@@ -74,3 +74,23 @@ def test_own_units_kept_when_a_member_is_killed_in_its_forward(tmp_path: Path, s
     assert units_trained_on(run) == {tuple(UNITS)}
     assert_each_sample_once(run)
     assert_states_close(run.final_state(), static_fsdp.final_state())
+
+
+def tensor_parallel_sizes(run: FsdpRun) -> list[int]:
+    return sorted(json.loads(path.read_text())["tensor_parallel"] for path in run.out.glob("units-*.json"))
+
+
+def test_units_made_through_model_parallel_dimension_names(tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """User code written for ``ModelParallelStrategy`` (Lightning's 2-D parallelism example's shape) runs unchanged:
+    ``self.device_mesh["data_parallel"]`` is the job's mesh, ``["tensor_parallel"]`` a mesh of one, and it shards
+    only over a data-parallel dimension of more than one — so the joiner, on its stand-in mesh of one, makes no unit
+    and takes the job's with its state. 2 → 3 → 2: every batch on the user's units, the static run's result."""
+    run = run_fsdp_job(tmp_path, "dimnames", "--dimension-names", "--configure-model", schedule="3:add=1,7:remove=1")
+
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("remove", 2)]
+    assert mesh_sizes_in_configure_model(run) == [1, 2, 2]
+    assert tensor_parallel_sizes(run) == [1, 1, 1]
+    assert units_trained_on(run) == {tuple(UNITS)}
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())

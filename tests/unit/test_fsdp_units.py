@@ -3,6 +3,7 @@ units a user's ``configure_model`` made); in-process, on stand-in meshes of one 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -76,3 +77,20 @@ def test_is_fully_sharded_sees_a_unit_below_an_unsharded_root():
     assert not is_fully_sharded(model)
     fully_shard(model[1], mesh=mesh("units_below"))
     assert is_fully_sharded(model) and not isinstance(model, FSDPModule)
+
+
+def test_the_mesh_answers_to_model_parallel_strategys_dimension_names():
+    """``self.device_mesh["data_parallel"]`` and ``["tensor_parallel"]`` as under ``ModelParallelStrategy``; its own
+    name still slices; any other name is refused as torch refuses it."""
+    solo = mesh("dimnames")
+    try:
+        assert solo["data_parallel"] is solo and solo[("data_parallel",)] is solo
+        assert solo["tensor_parallel"].size() == 1
+        assert solo["dimnames"] is solo
+        with pytest.raises(KeyError, match="Invalid mesh_dim_names"):
+            solo["pipeline_parallel"]
+        unit = fully_shard(nn.Linear(2, 2).double(), mesh=solo["data_parallel"])
+        assert isinstance(unit, FSDPModule) and unit.weight.device_mesh is solo
+    finally:
+        torch_compat.forget_tensor_parallel_mesh(solo)
+        torch_compat.forget_mesh_group("dimnames")

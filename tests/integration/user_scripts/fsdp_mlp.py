@@ -2,28 +2,30 @@
 
 python fsdp_mlp.py OUT [--strategy elan|elan_fsdp] [--shard-blocks] [--epochs N] [--kill-step S [--kill-rank R]...
     [--kill-at start|forward|backward|optimizer|reshard]] [--reshard-kill-rank R] [--configure-model] [--net-in-step]
-    [--evaluate] [--hsdp K] [--own-units]
+    [--evaluate] [--hsdp K] [--own-units] [--dimension-names]
 
 Every process appends the samples it trained to ``OUT/trained-<pid>.jsonl`` (one line per batch: epoch, step, the
 dataset indices, without a rank's weight-0 stand-in sample, and the device mesh's shape). ``ModelCheckpoint`` saves
 every 3 steps into ``OUT/checkpoints``. ``--configure-model``: the network is built in ``configure_model``, which writes
-``OUT/built-<pid>.json`` (whether it was built on the meta device). ``--own-units``: ``configure_model`` makes the
-units itself, as under Lightning's ``ModelParallelStrategy``: ``fully_shard(block, mesh=self.device_mesh)`` for each
-block and ``reshard_after_forward=False`` for the last Linear (idempotent: not again once they are units), recording
-the mesh's size there in ``OUT/units-<pid>.json``; each trained batch's record lists the module's units
-(``FSDPModule`` instances, by name). ``--net-in-step``: ``training_step`` calls the
-network itself (``self.net(x)``, as most modules do) instead of ``self(x)``. At the end every member gathers the full
-state (parameters and Adam's states, by parameter name) and rank 0 writes ``OUT/final.pt``. Each member's live reshards
-are logged (``resharded live``). ``--kill-step S``: rank 1 (or each ``--kill-rank``) SIGKILLs itself in the batch of
-step S: as it starts (``--kill-at start``), in the forward (a forward pre-hook of the second block), in the backward (a
-gradient hook on that block's output: the later units' reduce-scatters are under way) or in the optimizer step
+``OUT/built-<pid>.json`` (whether it was built on the meta device). ``--own-units``: ``configure_model`` makes the units
+itself, as under Lightning's ``ModelParallelStrategy``: ``fully_shard(block, mesh=self.device_mesh)`` for each block and
+``reshard_after_forward=False`` for the last Linear (idempotent: not again once they are units), recording the mesh's
+size there in ``OUT/units-<pid>.json``; each trained batch's record lists the module's units (``FSDPModule`` instances,
+by name). ``--dimension-names``: the same units made as Lightning's 2-D parallelism example makes them, through
+``self.device_mesh["data_parallel"]`` and ``["tensor_parallel"]``, sharding only over a data-parallel dimension of more
+than one (the sizes recorded in ``OUT/units-<pid>.json``). ``--net-in-step``: ``training_step`` calls the network itself
+(``self.net(x)``, as most modules do) instead of ``self(x)``. At the end every member gathers the full state (parameters
+and Adam's states, by parameter name) and rank 0 writes ``OUT/final.pt``. Each member's live reshards are logged
+(``resharded live``). ``--kill-step S``: rank 1 (or each ``--kill-rank``) SIGKILLs itself in the batch of step S: as it
+starts (``--kill-at start``), in the forward (a forward pre-hook of the second block), in the backward (a gradient hook
+on that block's output: the later units' reduce-scatters are under way) or in the optimizer step
 (``on_before_optimizer_step``: the step was committed, the update not applied; the batch's samples are recorded first,
 as the step stands) or, ``--kill-at reshard``, in the live reshard of the first adjustment after step S (at its
 ``RESHARD_KILL_AT``-th transfer: some rows have moved). Only processes of the generation that first reaches the kill die
-(``OUT/killed`` says which; several victims die once all of them are at the kill point, ``OUT/at-kill-<rank>``, or
-after 60 s), so a survivor that takes a killed rank, or a replacement, does not kill itself in the redo.
-``--reshard-kill-rank R``: rank R (as step S starts) also SIGKILLs itself in the reshard of the recovery from that
-first death, at its ``RESHARD_KILL_AT``-th transfer (``OUT/killed-in-recovery``).
+(``OUT/killed`` says which; several victims die once all of them are at the kill point, ``OUT/at-kill-<rank>``, or after
+60 s), so a survivor that takes a killed rank, or a replacement, does not kill itself in the redo. ``--reshard-kill-rank
+R``: rank R (as step S starts) also SIGKILLs itself in the reshard of the recovery from that first death, at its
+``RESHARD_KILL_AT``-th transfer (``OUT/killed-in-recovery``).
 
 ``--evaluate``: after ``fit`` the members run ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` over the
 dataset in order (their steps call the network as ``training_step`` does); rank 0 writes the logged ``val_mse`` and
@@ -96,21 +98,41 @@ def network() -> nn.Sequential:
     return nn.Sequential(nn.Linear(FEATURES, WIDTH), Block(), Block(), Block(), nn.Linear(WIDTH, 1)).double()
 
 
+def parallelize(net: nn.Sequential, device_mesh) -> nn.Sequential:
+    """The shape of Lightning's 2-D parallelism example for ``ModelParallelStrategy``: the mesh sliced by its dimension
+    names, tensor parallelism over a ``tensor_parallel`` dimension of more than one, the blocks sharded over a
+    ``data_parallel`` dimension of more than one (this model has no tensor-parallel plan)."""
+    dp_mesh, tp_mesh = device_mesh["data_parallel"], device_mesh["tensor_parallel"]
+    (Path(OUT) / f"units-{os.getpid()}.json").write_text(json.dumps({"mesh_size": dp_mesh.size(),
+                                                                     "tensor_parallel": tp_mesh.size()}))
+    if tp_mesh.size() > 1:
+        raise RuntimeError("this model has no tensor-parallel plan")
+    if dp_mesh.size() > 1 and not isinstance(net[4], FSDPModule):
+        for block in net[1:4]:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(net[4], mesh=dp_mesh, reshard_after_forward=False)
+    return net
+
+
 class MLP(pl.LightningModule):
     """``in_configure_model``: the network is built in ``configure_model`` (on a joiner: on the meta device)."""
 
-    def __init__(self, in_configure_model: bool = False, net_in_step: bool = False, own_units: bool = False) -> None:
+    def __init__(self, in_configure_model: bool = False, net_in_step: bool = False, own_units: bool = False,
+                 by_dimension_names: bool = False) -> None:
         super().__init__()
         self.net = None if in_configure_model else network()
         self.net_in_step = net_in_step
         self.own_units = own_units
+        self.by_dimension_names = by_dimension_names
 
     def configure_model(self) -> None:
         if self.net is None:
             self.net = network()
             built = {"meta": all(parameter.is_meta for parameter in self.net.parameters())}
             (Path(OUT) / f"built-{os.getpid()}.json").write_text(json.dumps(built))  # a joiner's: meta
-        if self.own_units and not isinstance(self.net[4], FSDPModule):
+        if self.by_dimension_names:
+            self.net = parallelize(self.net, self.device_mesh)
+        elif self.own_units and not isinstance(self.net[4], FSDPModule):
             for block in self.net[1:4]:
                 fully_shard(block, mesh=self.device_mesh)
             fully_shard(self.net[4], mesh=self.device_mesh, reshard_after_forward=False)
@@ -259,6 +281,8 @@ def main() -> None:
     parser.add_argument("--evaluate", action="store_true")
     parser.add_argument("--hsdp", type=int, default=None, help="ElanFSDPStrategy(hsdp_group_size=...)")
     parser.add_argument("--own-units", action="store_true", help="configure_model calls fully_shard itself")
+    parser.add_argument("--dimension-names", action="store_true",
+                        help="--own-units through device_mesh['data_parallel'] and ['tensor_parallel']")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     global OUT
@@ -270,7 +294,8 @@ def main() -> None:
     strategy = args.strategy
     if args.shard_blocks or args.hsdp:
         strategy = ElanFSDPStrategy(shard_modules={Block} if args.shard_blocks else None, hsdp_group_size=args.hsdp)
-    model = MLP(in_configure_model=args.configure_model, net_in_step=args.net_in_step, own_units=args.own_units)
+    model = MLP(in_configure_model=args.configure_model, net_in_step=args.net_in_step, own_units=args.own_units,
+                by_dimension_names=args.dimension_names)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", max_epochs=args.epochs, logger=False,
         enable_progress_bar=False, enable_model_summary=False,
