@@ -10,8 +10,8 @@ import functools
 import logging
 import signal
 import threading
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager
 from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
 
@@ -300,6 +300,19 @@ def lr_finder_from_results(trainer: pl.Trainer, model: pl.LightningModule, found
             for group in optimizer.param_groups:
                 group["lr"] = suggestion
     return finder
+
+
+@contextmanager
+def module_kept_off_the_cpu(module: torch.nn.Module) -> Generator[None, None, None]:
+    """Lightning's ``Strategy.teardown`` moves the LightningModule to the CPU (``self.lightning_module.cpu()``,
+    lightning/pytorch/strategies/strategy.py); a joiner that fails before its shards arrive still has meta parameters,
+    which cannot be copied ("Cannot copy out of meta tensor"): that move is skipped, so the teardown does not raise over
+    the failure that ended the fit."""
+    module.cpu = lambda: module  # an instance attribute shadows the method for this teardown only
+    try:
+        yield
+    finally:
+        del module.cpu
 
 
 def call_after_each_trained_batch(trainer: pl.Trainer, hook: Callable[[], None]) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "set_default_backend",
     "settle_bucket_layout",
     "start_sequence_numbers",
+    "state_dict_key",
     "undo_fully_shard",
 ]
 
@@ -376,6 +377,20 @@ def _parameters_to_meta(model: torch.nn.Module) -> None:
             if isinstance(parameter, DTensor):
                 meta = torch.empty(parameter.shape, dtype=parameter.dtype, device="meta")
                 setattr(module, name, torch.nn.Parameter(meta, requires_grad=parameter.requires_grad))
+
+
+# ---- activation checkpointing's wrapper (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py) -------------
+
+
+def state_dict_key(parameter_name: str) -> str:
+    """The ``state_dict`` key of the parameter ``named_parameters`` names so: a ``CheckpointWrapper`` (what
+    ``checkpoint_wrapper(block)`` returns) keeps its module as ``_checkpoint_wrapped_module`` and its state-dict hooks
+    drop that name from the keys (``_post_state_dict_hook``), and its load pre-hook puts it back
+    (``_pre_load_state_dict_hook``): a name passed through ``load_state_dict`` unchanged gets it twice and matches no
+    parameter."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return parameter_name.replace(_CHECKPOINT_PREFIX, "")
 
 
 # ---- DeviceMesh over a group torch did not record (torch/distributed/device_mesh.py) --------------------------------

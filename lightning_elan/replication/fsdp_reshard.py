@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_elan.replication.reshard import DEFAULT_CHUNK_BYTES, move_rows
-from lightning_elan.torch_compat import forget_cut_forward, undo_fully_shard
+from lightning_elan.torch_compat import forget_cut_forward, state_dict_key, undo_fully_shard
 
 __all__ = [
     "ShardModules",
@@ -60,6 +60,7 @@ def reshard_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
     names = {id(parameter): name for name, parameter in model.named_parameters()}
     like = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in model.named_parameters()}
     skeleton = skeleton if skeleton is not None else _skeleton(optimizers, names, holders[0])
+    _check_same_module(skeleton, like)
     keep = held is not None
     olds = (held if keep else _held_shards(model, optimizers, names)) if me in holders else {}
     group_names = [_release(optimizer, names) for optimizer in optimizers]
@@ -176,7 +177,9 @@ def _as_shard(rows: torch.Tensor, mesh: DeviceMesh | None, like: torch.Tensor) -
 def _load_parameter(model: nn.Module, name: str, shard: DTensor) -> None:
     """Load one new parameter shard into the re-sharded ``model`` (FSDP2's post-load hook re-pads a short shard; the
     unpadded rows are freed when this returns)."""
-    model.load_state_dict({name: nn.Parameter(shard)}, assign=True, strict=False)
+    key = state_dict_key(name)  # under activation checkpointing's wrapper the key is not the name
+    if model.load_state_dict({key: nn.Parameter(shard)}, assign=True, strict=False).unexpected_keys:
+        raise RuntimeError(f"the live reshard could not load parameter {name!r} (state-dict key {key!r})")
 
 
 def _held_shards(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -199,6 +202,21 @@ def _skeleton(optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str]
         described[0] = [_describe(optimizer, names) for optimizer in optimizers]
     dist.broadcast_object_list(described, src=source)
     return described[0]
+
+
+class ModuleMismatch(TypeError):
+    """This worker's module lacks parameters the job's members train: it cannot take a shard of them (a
+    ``TypeError``: the process's own error, taken at once, never waited on as a peer's death)."""
+
+
+def _check_same_module(skeleton: list[dict[str, Any]], parameters: dict[str, torch.Tensor]) -> None:
+    """Refuse, before any row moves, a module without the parameters the holders' optimizers hold states for."""
+    absent = sorted(name for described in skeleton for name in described["states"] if name not in parameters)
+    if absent:
+        raise ModuleMismatch(
+            f"this worker's module has no parameter {absent[0]!r} (of {len(absent)} the job trains): every worker "
+            "must build the same module, whatever the size of self.device_mesh (a joiner's configure_model runs on "
+            "a stand-in mesh of itself alone) — e.g. wrap blocks with checkpoint_wrapper whatever the mesh's size")
 
 
 def describe_optimizers(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator, Iterable, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -540,7 +540,10 @@ class ElanFSDPStrategy(ElanStrategy):
     @override
     def teardown(self) -> None:
         self._mirroring.settle()
-        super().teardown()
+        module = self.lightning_module
+        unfilled = module is not None and any(tensor.is_meta for tensor in module.parameters())
+        with compat.module_kept_off_the_cpu(module) if unfilled else nullcontext():
+            super().teardown()
         if self.engine.has_left or not self.engine.is_member:
             self._forget_mesh()
 

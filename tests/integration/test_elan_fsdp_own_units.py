@@ -94,3 +94,37 @@ def test_units_made_through_model_parallel_dimension_names(tmp_path: Path, stati
     assert units_trained_on(run) == {tuple(UNITS)}
     assert_each_sample_once(run)
     assert_states_close(run.final_state(), static_fsdp.final_state())
+
+
+def test_blocks_under_activation_checkpointing_reshard_exactly(tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """Each block wrapped by ``checkpoint_wrapper`` before it is sharded (Lightning's example does so): its parameters
+    are ``net.1._checkpoint_wrapped_module.…`` while its state-dict keys drop that name. Before, the live reshard
+    loaded each new shard under the parameter's name, which matched no key: every block stayed on the meta device and
+    the job died at its first resize ("Cannot copy out of meta tensor"). 2 → 3 → 2, the static run's result."""
+    run = run_fsdp_job(tmp_path, "ckptact", "--dimension-names", "--checkpoint-activations", "always",
+                       "--configure-model", schedule="3:add=1,7:remove=1")
+
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("remove", 2)]
+    assert units_trained_on(run) == {tuple(UNITS)}
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())
+
+
+def test_a_joiner_that_builds_another_module_is_refused_and_the_job_goes_on(tmp_path: Path,
+                                                                           static_fsdp: FsdpRun) -> None:
+    """Lightning's example wraps the blocks for activation checkpointing only over a data-parallel dimension of more
+    than one; a joiner's ``configure_model`` runs on a stand-in mesh of one, so it builds its module without the
+    wrappers. Before, its reshard exchanged rows of other sizes than the holders sent (gloo aborted the joiner) and the
+    survivors' recovery met the meta tensors left by it. Now the joiner refuses before any row moves, naming the
+    parameter it lacks, exits with no second traceback, and the members recover at once and end with the static
+    run's result."""
+    run = run_fsdp_job(tmp_path, "ckptwhen", "--dimension-names", "--checkpoint-activations", "when-sharded",
+                       "--configure-model", schedule="3:add=1")
+
+    assert run.returncode == 0, run.excerpt()
+    assert "ModuleMismatch: this worker's module has no parameter 'net.1._checkpoint_wrapped_module" in run.output
+    assert "Cannot copy out of meta tensor" not in run.output and "a collective failed" not in run.output
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 2)]
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())

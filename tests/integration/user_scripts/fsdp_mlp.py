@@ -13,19 +13,20 @@ itself, as under Lightning's ``ModelParallelStrategy``: ``fully_shard(block, mes
 size there in ``OUT/units-<pid>.json``; each trained batch's record lists the module's units (``FSDPModule`` instances,
 by name). ``--dimension-names``: the same units made as Lightning's 2-D parallelism example makes them, through
 ``self.device_mesh["data_parallel"]`` and ``["tensor_parallel"]``, sharding only over a data-parallel dimension of more
-than one (the sizes recorded in ``OUT/units-<pid>.json``). ``--net-in-step``: ``training_step`` calls the network itself
-(``self.net(x)``, as most modules do) instead of ``self(x)``. At the end every member gathers the full state (parameters
-and Adam's states, by parameter name) and rank 0 writes ``OUT/final.pt``. Each member's live reshards are logged
-(``resharded live``). ``--kill-step S``: rank 1 (or each ``--kill-rank``) SIGKILLs itself in the batch of step S: as it
-starts (``--kill-at start``), in the forward (a forward pre-hook of the second block), in the backward (a gradient hook
-on that block's output: the later units' reduce-scatters are under way) or in the optimizer step
-(``on_before_optimizer_step``: the step was committed, the update not applied; the batch's samples are recorded first,
-as the step stands) or, ``--kill-at reshard``, in the live reshard of the first adjustment after step S (at its
-``RESHARD_KILL_AT``-th transfer: some rows have moved). Only processes of the generation that first reaches the kill die
-(``OUT/killed`` says which; several victims die once all of them are at the kill point, ``OUT/at-kill-<rank>``, or after
-60 s), so a survivor that takes a killed rank, or a replacement, does not kill itself in the redo. ``--reshard-kill-rank
-R``: rank R (as step S starts) also SIGKILLs itself in the reshard of the recovery from that first death, at its
-``RESHARD_KILL_AT``-th transfer (``OUT/killed-in-recovery``).
+than one (the sizes recorded in ``OUT/units-<pid>.json``); with ``--checkpoint-activations always`` each block is
+wrapped by ``checkpoint_wrapper`` first (``when-sharded``: only when it is sharded, as that example does).
+``--net-in-step``: ``training_step`` calls the network itself (``self.net(x)``, as most modules do) instead of
+``self(x)``. At the end every member gathers the full state (parameters and Adam's states, by parameter name) and rank 0
+writes ``OUT/final.pt``. Each member's live reshards are logged (``resharded live``). ``--kill-step S``: rank 1 (or each
+``--kill-rank``) SIGKILLs itself in the batch of step S: as it starts (``--kill-at start``), in the forward (a forward
+pre-hook of the second block), in the backward (a gradient hook on that block's output: the later units' reduce-scatters
+are under way) or in the optimizer step (``on_before_optimizer_step``: the step was committed, the update not applied;
+the batch's samples are recorded first, as the step stands) or, ``--kill-at reshard``, in the live reshard of the first
+adjustment after step S (at its ``RESHARD_KILL_AT``-th transfer: some rows have moved). Only processes of the generation
+that first reaches the kill die (``OUT/killed`` says which; several victims die once all of them are at the kill point,
+``OUT/at-kill-<rank>``, or after 60 s), so a survivor that takes a killed rank, or a replacement, does not kill itself
+in the redo. ``--reshard-kill-rank R``: rank R (as step S starts) also SIGKILLs itself in the reshard of the recovery
+from that first death, at its ``RESHARD_KILL_AT``-th transfer (``OUT/killed-in-recovery``).
 
 ``--evaluate``: after ``fit`` the members run ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` over the
 dataset in order (their steps call the network as ``training_step`` does); rank 0 writes the logged ``val_mse`` and
@@ -47,6 +48,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.data import DataLoader, Dataset
 
@@ -55,6 +57,7 @@ from lightning_elan.strategy.fsdp import ElanFSDPStrategy
 
 SAMPLES, FEATURES, WIDTH = 96, 6, 16
 OUT = "."  # set from the command line
+CHECKPOINT_ACTIVATIONS = None  # --checkpoint-activations
 RESHARD_KILL_AT = 3
 """``--kill-at reshard``: the transfer (all-to-all round of ``replication.reshard.carry``) a process dies in."""
 
@@ -107,7 +110,12 @@ def parallelize(net: nn.Sequential, device_mesh) -> nn.Sequential:
                                                                      "tensor_parallel": tp_mesh.size()}))
     if tp_mesh.size() > 1:
         raise RuntimeError("this model has no tensor-parallel plan")
-    if dp_mesh.size() > 1 and not isinstance(net[4], FSDPModule):
+    sharded = dp_mesh.size() > 1
+    if CHECKPOINT_ACTIVATIONS == "always" or (CHECKPOINT_ACTIVATIONS == "when-sharded" and sharded):
+        for index in range(1, 4):
+            if not isinstance(net[index], CheckpointWrapper):
+                net[index] = checkpoint_wrapper(net[index])
+    if sharded and not isinstance(net[4], FSDPModule):
         for block in net[1:4]:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(net[4], mesh=dp_mesh, reshard_after_forward=False)
@@ -281,12 +289,15 @@ def main() -> None:
     parser.add_argument("--evaluate", action="store_true")
     parser.add_argument("--hsdp", type=int, default=None, help="ElanFSDPStrategy(hsdp_group_size=...)")
     parser.add_argument("--own-units", action="store_true", help="configure_model calls fully_shard itself")
+    parser.add_argument("--checkpoint-activations", choices=["always", "when-sharded"], default=None,
+                        help="with --dimension-names: each block wrapped by checkpoint_wrapper (when-sharded: only "
+                             "over a data-parallel dimension of more than one, as Lightning's example does)")
     parser.add_argument("--dimension-names", action="store_true",
                         help="--own-units through device_mesh['data_parallel'] and ['tensor_parallel']")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    global OUT
-    OUT = str(args.out)
+    global OUT, CHECKPOINT_ACTIVATIONS
+    OUT, CHECKPOINT_ACTIVATIONS = str(args.out), args.checkpoint_activations
     reshards = logging.getLogger("lightning_elan.elastic.live_reshard")  # one line per member and live reshard
     reshards.setLevel(logging.INFO)
     reshards.addHandler(logging.StreamHandler())
