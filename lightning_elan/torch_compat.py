@@ -420,6 +420,13 @@ def _elastic_mesh_type() -> type:
                 return self._tensor_parallel_mesh()
             return super().__getitem__(mesh_dim_names)
 
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            """Pickled (and deep-copied) as the plain ``DeviceMesh`` it is (its ``__getstate__``/``__setstate__``):
+            a pickle holding it loads where lightning_elan is not installed."""
+            state = self.__getstate__()
+            state.pop("_elan_tensor_parallel", None)
+            return object.__new__, (DeviceMesh,), state
+
         def _tensor_parallel_mesh(self) -> Any:
             if self.size() == 1:
                 return self

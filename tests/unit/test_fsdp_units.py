@@ -3,9 +3,12 @@ units a user's ``configure_model`` made); in-process, on stand-in meshes of one 
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_elan import torch_compat
@@ -91,6 +94,8 @@ def test_the_mesh_answers_to_model_parallel_strategys_dimension_names():
             solo["pipeline_parallel"]
         unit = fully_shard(nn.Linear(2, 2).double(), mesh=solo["data_parallel"])
         assert isinstance(unit, FSDPModule) and unit.weight.device_mesh is solo
+        unpickled = pickle.loads(pickle.dumps(unit.weight))  # as the plain DeviceMesh: loads without lightning_elan
+        assert type(unpickled.device_mesh) is DeviceMesh and unpickled.device_mesh == solo
     finally:
         torch_compat.forget_tensor_parallel_mesh(solo)
         torch_compat.forget_mesh_group("dimnames")
