@@ -49,6 +49,7 @@ __all__ = [
     "reset_reducer",
     "set_default_backend",
     "settle_bucket_layout",
+    "stand_in_mesh",
     "start_sequence_numbers",
     "state_dict_key",
     "undo_fully_shard",
@@ -343,6 +344,18 @@ def solo_mesh(device_type: str, name: str) -> Any:
     return mesh_of_group(group, device_type, name)
 
 
+def stand_in_mesh(device_type: str, name: str, size: int) -> Any:
+    """A joiner's ``self.device_mesh`` in ``configure_model`` before it has a generation: 1-D of ``size`` ranks (the
+    job's launch world, over which the members ran theirs), this process at rank 0, so that code choosing what to build
+    by the mesh's size (``if dp_mesh.size() > 1``) builds what the members built. Only its size and rank are real: its
+    group (a ``ProcessGroup`` of that size over an in-process store) has no backend, and a collective on it raises
+    "No backend type associated with device type". ``fully_shard`` of a module on the meta device makes its units
+    without communicating; the units are made again on the job's mesh at its admission. One rank: :func:`solo_mesh`."""
+    if size <= 1:
+        return solo_mesh(device_type, name)
+    return mesh_of_group(dist.ProcessGroup(dist.HashStore(), 0, size), device_type, name)
+
+
 def forget_cut_forward(module: torch.nn.Module) -> None:
     """Before ``FSDPModule.reshard()`` of a unit whose forward an exception cut (a member's death in a later unit's
     all-gather): each ``FSDPParamGroup`` is still in ``TrainingState.FORWARD`` (``FSDPState._post_forward`` never ran),
@@ -460,8 +473,8 @@ def mesh_of_group(group: dist.ProcessGroup, device_type: str, name: str) -> Any:
     # the group's rank: a joiner builds its mesh before torch has a default group; the dimension named after the group:
     # meshes of equal layout are equal (DeviceMesh.__eq__), and DTensor's sharding propagation cache would hand an op
     # on a later generation's mesh the output spec, with the group, of an earlier one
-    mesh = _elastic_mesh_type()(device_type, torch.arange(group.size(), dtype=torch.int), mesh_dim_names=(name,),
-                                _init_backend=False, _rank=group.rank())
+    ranks = torch.arange(group.size(), dtype=torch.int, device="cpu")  # on the CPU under a meta-device context too
+    mesh = _elastic_mesh_type()(device_type, ranks, mesh_dim_names=(name,), _init_backend=False, _rank=group.rank())
     mesh._dim_group_names = [name]
     mesh._pg_registry[name] = group
     return mesh
@@ -477,7 +490,7 @@ def mesh_of_groups(groups: list[dist.ProcessGroup], shape: tuple[int, ...], devi
     for group, name in zip(groups, names, strict=True):
         group._set_group_name(name)
         torch._C._distributed_c10d._register_process_group(name, group)
-    mesh = _elastic_mesh_type()(device_type, torch.arange(math.prod(shape), dtype=torch.int).view(shape),
+    mesh = _elastic_mesh_type()(device_type, torch.arange(math.prod(shape), dtype=torch.int, device="cpu").view(shape),
                                 mesh_dim_names=tuple(names), _init_backend=False, _rank=rank)
     mesh._dim_group_names = list(names)
     for group, name in zip(groups, names, strict=True):

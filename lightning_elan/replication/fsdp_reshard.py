@@ -210,13 +210,22 @@ class ModuleMismatch(TypeError):
 
 
 def _check_same_module(skeleton: list[dict[str, Any]], parameters: dict[str, torch.Tensor]) -> None:
-    """Refuse, before any row moves, a module without the parameters the holders' optimizers hold states for."""
-    absent = sorted(name for described in skeleton for name in described["states"] if name not in parameters)
+    """Refuse, before any row moves, a module without the parameters, of the shapes, the holders' optimizers hold
+    states for."""
+    described = {name: state for one in skeleton for name, state in one["states"].items()}
+    absent = sorted(name for name in described if name not in parameters)
+    unlike = sorted(name for name, state in described.items()
+                    if name in parameters and list(parameters[name].shape) != state["shape"])
+    if unlike:
+        name = unlike[0]
+        raise ModuleMismatch(
+            f"this worker's parameter {name!r} has the shape {list(parameters[name].shape)}, the job's "
+            f"{described[name]['shape']} ({len(unlike)} differ): every worker must build the same module")
     if absent:
         raise ModuleMismatch(
             f"this worker's module has no parameter {absent[0]!r} (of {len(absent)} the job trains): every worker "
-            "must build the same module, whatever the size of self.device_mesh (a joiner's configure_model runs on "
-            "a stand-in mesh of itself alone) — e.g. wrap blocks with checkpoint_wrapper whatever the mesh's size")
+            "must build the same module (under Lightning a joiner runs configure_model before it joins, on a "
+            "stand-in self.device_mesh of the job's launch size)")
 
 
 def describe_optimizers(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
@@ -230,7 +239,7 @@ def _describe(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[s
     for parameter, state in optimizer.state.items():
         sharded = [key for key, value in state.items() if isinstance(value, DTensor)]
         values = {key: value for key, value in state.items() if not isinstance(value, DTensor)}
-        states[names[id(parameter)]] = {"sharded": sharded, "values": values}
+        states[names[id(parameter)]] = {"sharded": sharded, "values": values, "shape": list(parameter.shape)}
     groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     return {"groups": groups, "states": states}
 

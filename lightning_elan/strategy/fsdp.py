@@ -164,7 +164,8 @@ class ElanFSDPStrategy(ElanStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """A joiner's ``configure_model`` builds on the meta device (its shards arrive in the live reshard), with a
-        stand-in ``self.device_mesh`` of itself alone: the units it makes there are made again on the job's mesh."""
+        stand-in ``self.device_mesh`` of the job's launch size (the members' in theirs): the units it makes there are
+        made again on the job's mesh."""
         if self._joiner_fitting():
             with self._stand_in_mesh(), torch.device("meta"):  # the mesh built on the CPU
                 yield
@@ -175,10 +176,12 @@ class ElanFSDPStrategy(ElanStrategy):
     @contextmanager
     def _stand_in_mesh(self) -> Generator[None, None, None]:
         module, name = self.lightning_module, f"elan_fsdp_joiner_{self.engine.worker_id}"
-        module._device_mesh = torch_compat.solo_mesh(self.root_device.type, name)
+        size = self.engine.launch_world_size or 1  # the members ran configure_model over the launch world
+        module._device_mesh = torch_compat.stand_in_mesh(self.root_device.type, name, size)
         try:
             yield
         finally:
+            torch_compat.forget_tensor_parallel_mesh(module._device_mesh)
             module._device_mesh = None
             torch_compat.forget_mesh_group(name)
 

@@ -4,8 +4,9 @@
 float64, Adam, real ``elan run``).
 
 The job keeps the user's units through every live reshard (each unit made again on the new mesh with its options) and
-adds only the LightningModule's; a joiner's ``configure_model`` runs before its admission on a stand-in mesh of itself
-alone (``self.device_mesh`` is never None there), and its units are made again on the job's mesh when it joins. Each
+adds only the LightningModule's; a joiner's ``configure_model`` runs before its admission on a stand-in mesh of the
+job's launch size (``self.device_mesh`` is never None there), and its units are made again on the job's mesh when it
+joins. Each
 run must equal the static 2-worker ``elan_fsdp`` run (the whole module one unit: the units do not change the numbers)
 within 1e-9, every sample trained once per epoch, every batch on the user's units.
 """
@@ -49,14 +50,14 @@ def mesh_sizes_in_configure_model(run: FsdpRun) -> list[int]:
 
 
 def test_own_units_kept_through_a_grow_and_a_shrink(tmp_path: Path, static_fsdp: FsdpRun) -> None:
-    """2 → 3 after step 3 (the joiner's configure_model on its stand-in mesh of 1, its units made again on the
+    """2 → 3 after step 3 (the joiner's configure_model on its stand-in mesh of 2, its units made again on the
     job's 3) → 2 after step 7: every batch on the user's units, the static run's result."""
     run = run_fsdp_job(tmp_path, "ownunits", *OWN_UNITS, schedule="3:add=1,7:remove=1")
 
     assert_ok(run)
     assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("remove", 2)]
     assert run.output.count("resharded live") == 6, run.excerpt()  # every member of both reshards
-    assert mesh_sizes_in_configure_model(run) == [1, 2, 2]  # the joiner's stand-in, the launch members' mesh
+    assert mesh_sizes_in_configure_model(run) == [2, 2, 2]  # the joiner's stand-in: the launch size
     assert units_trained_on(run) == {tuple(UNITS)}
     assert_each_sample_once(run)
     assert_states_close(run.final_state(), static_fsdp.final_state())
@@ -83,13 +84,14 @@ def tensor_parallel_sizes(run: FsdpRun) -> list[int]:
 def test_units_made_through_model_parallel_dimension_names(tmp_path: Path, static_fsdp: FsdpRun) -> None:
     """User code written for ``ModelParallelStrategy`` (Lightning's 2-D parallelism example's shape) runs unchanged:
     ``self.device_mesh["data_parallel"]`` is the job's mesh, ``["tensor_parallel"]`` a mesh of one, and it shards
-    only over a data-parallel dimension of more than one — so the joiner, on its stand-in mesh of one, makes no unit
-    and takes the job's with its state. 2 → 3 → 2: every batch on the user's units, the static run's result."""
+    only over a data-parallel dimension of more than one — as the joiner does, on its stand-in mesh of the launch
+    size, and then takes the job's units with its state. 2 → 3 → 2: every batch on the user's units, the static
+    run's result."""
     run = run_fsdp_job(tmp_path, "dimnames", "--dimension-names", "--configure-model", schedule="3:add=1,7:remove=1")
 
     assert_ok(run)
     assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("remove", 2)]
-    assert mesh_sizes_in_configure_model(run) == [1, 2, 2]
+    assert mesh_sizes_in_configure_model(run) == [2, 2, 2]
     assert tensor_parallel_sizes(run) == [1, 1, 1]
     assert units_trained_on(run) == {tuple(UNITS)}
     assert_each_sample_once(run)
@@ -111,19 +113,35 @@ def test_blocks_under_activation_checkpointing_reshard_exactly(tmp_path: Path, s
     assert_states_close(run.final_state(), static_fsdp.final_state())
 
 
-def test_a_joiner_that_builds_another_module_is_refused_and_the_job_goes_on(tmp_path: Path,
-                                                                           static_fsdp: FsdpRun) -> None:
+def test_activation_checkpointing_only_when_sharded_as_lightnings_example_does(tmp_path: Path,
+                                                                               static_fsdp: FsdpRun) -> None:
     """Lightning's example wraps the blocks for activation checkpointing only over a data-parallel dimension of more
-    than one; a joiner's ``configure_model`` runs on a stand-in mesh of one, so it builds its module without the
-    wrappers. Before, its reshard exchanged rows of other sizes than the holders sent (gloo aborted the joiner) and the
-    survivors' recovery met the meta tensors left by it. Now the joiner refuses before any row moves, naming the
-    parameter it lacks, exits with no second traceback, and the members recover at once and end with the static
-    run's result."""
+    than one. A joiner's ``configure_model`` runs before it joins, on a stand-in mesh of the job's launch size: it
+    builds the members' module. Before, the stand-in had one rank, the joiner built its blocks unwrapped, its reshard
+    exchanged rows of other sizes than the holders sent (gloo aborted it) and the survivors' recovery then met the meta
+    tensors it left. 2 → 3, the static run's result."""
     run = run_fsdp_job(tmp_path, "ckptwhen", "--dimension-names", "--checkpoint-activations", "when-sharded",
                        "--configure-model", schedule="3:add=1")
 
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3)]
+    assert mesh_sizes_in_configure_model(run) == [2, 2, 2]
+    assert units_trained_on(run) == {tuple(UNITS)}
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())
+
+
+def test_a_joiner_that_builds_another_module_is_refused_and_the_job_goes_on(tmp_path: Path,
+                                                                           static_fsdp: FsdpRun) -> None:
+    """A joiner whose host builds the network wider than the members' (another configuration): it refuses before any
+    row moves, naming a parameter whose shape differs, exits with no second traceback (its teardown no longer moves
+    its meta module to the CPU), and the members, not waiting on it as on a death, recover and end with the static
+    run's result."""
+    run = run_fsdp_job(tmp_path, "widerjoiner", "--joiner-width", "20", schedule="3:add=1")
+
     assert run.returncode == 0, run.excerpt()
-    assert "ModuleMismatch: this worker's module has no parameter 'net.1._checkpoint_wrapped_module" in run.output
+    assert "ModuleMismatch: this worker's parameter 'net.0.bias' has the shape [20], the job's [16]" \
+        in run.output, run.excerpt()
     assert "Cannot copy out of meta tensor" not in run.output and "a collective failed" not in run.output
     assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 2)]
     assert_each_sample_once(run)

@@ -99,3 +99,17 @@ def test_the_mesh_answers_to_model_parallel_strategys_dimension_names():
     finally:
         torch_compat.forget_tensor_parallel_mesh(solo)
         torch_compat.forget_mesh_group("dimnames")
+
+
+def test_a_module_unlike_the_holders_is_refused_naming_what_differs():
+    from lightning_elan.replication.fsdp_reshard import ModuleMismatch, _check_same_module
+
+    skeleton = [{"states": {"a.weight": {"sharded": ["exp_avg"], "values": {}, "shape": [4, 2]},
+                            "b.weight": {"sharded": ["exp_avg"], "values": {}, "shape": [3]}}}]
+    like = {"a.weight": torch.empty(4, 2, device="meta"), "b.weight": torch.empty(3, device="meta")}
+    _check_same_module(skeleton, like)
+    with pytest.raises(ModuleMismatch, match=r"'b.weight' has the shape \[5\], the job's \[3\] \(1 differ"):
+        _check_same_module(skeleton, {**like, "b.weight": torch.empty(5, device="meta")})
+    with pytest.raises(ModuleMismatch, match=r"no parameter 'b.weight' \(of 1 the job trains\)"):
+        _check_same_module(skeleton, {"a.weight": like["a.weight"], "c.weight": like["b.weight"]})
+    assert issubclass(ModuleMismatch, TypeError)  # the process's own error: never waited on as a peer's death

@@ -15,18 +15,20 @@ by name). ``--dimension-names``: the same units made as Lightning's 2-D parallel
 ``self.device_mesh["data_parallel"]`` and ``["tensor_parallel"]``, sharding only over a data-parallel dimension of more
 than one (the sizes recorded in ``OUT/units-<pid>.json``); with ``--checkpoint-activations always`` each block is
 wrapped by ``checkpoint_wrapper`` first (``when-sharded``: only when it is sharded, as that example does).
-``--net-in-step``: ``training_step`` calls the network itself (``self.net(x)``, as most modules do) instead of
-``self(x)``. At the end every member gathers the full state (parameters and Adam's states, by parameter name) and rank 0
-writes ``OUT/final.pt``. Each member's live reshards are logged (``resharded live``). ``--kill-step S``: rank 1 (or each
-``--kill-rank``) SIGKILLs itself in the batch of step S: as it starts (``--kill-at start``), in the forward (a forward
-pre-hook of the second block), in the backward (a gradient hook on that block's output: the later units' reduce-scatters
-are under way) or in the optimizer step (``on_before_optimizer_step``: the step was committed, the update not applied;
-the batch's samples are recorded first, as the step stands) or, ``--kill-at reshard``, in the live reshard of the first
-adjustment after step S (at its ``RESHARD_KILL_AT``-th transfer: some rows have moved). Only processes of the generation
-that first reaches the kill die (``OUT/killed`` says which; several victims die once all of them are at the kill point,
-``OUT/at-kill-<rank>``, or after 60 s), so a survivor that takes a killed rank, or a replacement, does not kill itself
-in the redo. ``--reshard-kill-rank R``: rank R (as step S starts) also SIGKILLs itself in the reshard of the recovery
-from that first death, at its ``RESHARD_KILL_AT``-th transfer (``OUT/killed-in-recovery``).
+``--joiner-width W``: a joiner (``ELAN_ROLE=joiner``) builds its network ``W`` wide, as a host configured otherwise than
+the members' would. ``--net-in-step``: ``training_step`` calls the network itself (``self.net(x)``, as most modules do)
+instead of ``self(x)``. At the end every member gathers the full state (parameters and Adam's states, by parameter name)
+and rank 0 writes ``OUT/final.pt``. Each member's live reshards are logged (``resharded live``). ``--kill-step S``: rank
+1 (or each ``--kill-rank``) SIGKILLs itself in the batch of step S: as it starts (``--kill-at start``), in the forward
+(a forward pre-hook of the second block), in the backward (a gradient hook on that block's output: the later units'
+reduce-scatters are under way) or in the optimizer step (``on_before_optimizer_step``: the step was committed, the
+update not applied; the batch's samples are recorded first, as the step stands) or, ``--kill-at reshard``, in the live
+reshard of the first adjustment after step S (at its ``RESHARD_KILL_AT``-th transfer: some rows have moved). Only
+processes of the generation that first reaches the kill die (``OUT/killed`` says which; several victims die once all of
+them are at the kill point, ``OUT/at-kill-<rank>``, or after 60 s), so a survivor that takes a killed rank, or a
+replacement, does not kill itself in the redo. ``--reshard-kill-rank R``: rank R (as step S starts) also SIGKILLs itself
+in the reshard of the recovery from that first death, at its ``RESHARD_KILL_AT``-th transfer
+(``OUT/killed-in-recovery``).
 
 ``--evaluate``: after ``fit`` the members run ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` over the
 dataset in order (their steps call the network as ``training_step`` does); rank 0 writes the logged ``val_mse`` and
@@ -58,6 +60,7 @@ from lightning_elan.strategy.fsdp import ElanFSDPStrategy
 SAMPLES, FEATURES, WIDTH = 96, 6, 16
 OUT = "."  # set from the command line
 CHECKPOINT_ACTIVATIONS = None  # --checkpoint-activations
+JOINER_WIDTH = None  # --joiner-width
 RESHARD_KILL_AT = 3
 """``--kill-at reshard``: the transfer (all-to-all round of ``replication.reshard.carry``) a process dies in."""
 
@@ -89,16 +92,18 @@ class Indexed(Dataset):
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.linear = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.linear(x))
 
 
 def network() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(FEATURES, WIDTH), Block(), Block(), Block(), nn.Linear(WIDTH, 1)).double()
+    width = JOINER_WIDTH if JOINER_WIDTH and os.environ.get("ELAN_ROLE") == "joiner" else WIDTH
+    return nn.Sequential(nn.Linear(FEATURES, width), Block(width), Block(width), Block(width),
+                         nn.Linear(width, 1)).double()
 
 
 def parallelize(net: nn.Sequential, device_mesh) -> nn.Sequential:
@@ -140,6 +145,7 @@ class MLP(pl.LightningModule):
             (Path(OUT) / f"built-{os.getpid()}.json").write_text(json.dumps(built))  # a joiner's: meta
         if self.by_dimension_names:
             self.net = parallelize(self.net, self.device_mesh)
+            (Path(OUT) / f"world-{os.getpid()}.json").write_text(json.dumps(self.trainer.world_size))
         elif self.own_units and not isinstance(self.net[4], FSDPModule):
             for block in self.net[1:4]:
                 fully_shard(block, mesh=self.device_mesh)
@@ -292,12 +298,14 @@ def main() -> None:
     parser.add_argument("--checkpoint-activations", choices=["always", "when-sharded"], default=None,
                         help="with --dimension-names: each block wrapped by checkpoint_wrapper (when-sharded: only "
                              "over a data-parallel dimension of more than one, as Lightning's example does)")
+    parser.add_argument("--joiner-width", type=int, default=None,
+                        help="a joiner (ELAN_ROLE=joiner) builds its network this wide: a host configured otherwise")
     parser.add_argument("--dimension-names", action="store_true",
                         help="--own-units through device_mesh['data_parallel'] and ['tensor_parallel']")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    global OUT, CHECKPOINT_ACTIVATIONS
-    OUT, CHECKPOINT_ACTIVATIONS = str(args.out), args.checkpoint_activations
+    global OUT, CHECKPOINT_ACTIVATIONS, JOINER_WIDTH
+    OUT, CHECKPOINT_ACTIVATIONS, JOINER_WIDTH = str(args.out), args.checkpoint_activations, args.joiner_width
     reshards = logging.getLogger("lightning_elan.elastic.live_reshard")  # one line per member and live reshard
     reshards.setLevel(logging.INFO)
     reshards.addHandler(logging.StreamHandler())
