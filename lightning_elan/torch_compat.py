@@ -298,7 +298,8 @@ def fully_shard_units(model: torch.nn.Module) -> list[tuple[list[torch.nn.Module
     ``_mp_policy``, whether ``reshard_after_forward`` was left to FSDP2 (``_auto_reshard_after_forward``, then None);
     from its first ``FSDPParamGroup`` (``_fsdp_param_group.py``, none when the unit manages no parameter) its
     ``offload_policy`` and ``post_forward_mesh_info`` (None: ``False``; the shard mesh's size: ``True``; another size:
-    that int). A ``shard_placement_fn``, ``ignored_params`` or ``dp_mesh_dims`` is not read back."""
+    that int). A ``shard_placement_fn`` placing a parameter on another dimension than its rows is refused;
+    ``ignored_params`` or ``dp_mesh_dims`` are not read back."""
     if not SpecifierSet(FULLY_SHARD_UNDONE_ON).contains(Version(str(torch.__version__)), prereleases=True):
         raise NotImplementedError(f"reading FSDP2 units back needs torch{FULLY_SHARD_UNDONE_ON}")
     from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
@@ -309,8 +310,23 @@ def fully_shard_units(model: torch.nn.Module) -> list[tuple[list[torch.nn.Module
         if state is None or id(state) in seen:
             continue
         seen.add(id(state))
+        _refuse_placements_other_than_rows(state, model)
         units.append((list(state._modules), _fully_shard_options(state)))
     return units
+
+
+def _refuse_placements_other_than_rows(state: Any, model: torch.nn.Module) -> None:
+    """A live reshard moves rows (``Shard(0)``, each ``FSDPParam``'s ``fsdp_placement`` by default); a
+    ``shard_placement_fn`` placing a parameter on another dimension is refused here, at setup, with its name."""
+    for group in state._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            if fsdp_param.fsdp_placement.dim != 0:
+                name = next((name for name, parameter in model.named_parameters()
+                             if parameter is fsdp_param.sharded_param), "?")
+                raise NotImplementedError(
+                    f"parameter {name!r} is sharded on dimension {fsdp_param.fsdp_placement.dim} "
+                    "(fully_shard's shard_placement_fn): an elastic job reshards parameters sharded on their rows "
+                    "(Shard(0), fully_shard's default) only")
 
 
 def _fully_shard_options(state: Any) -> dict[str, Any]:

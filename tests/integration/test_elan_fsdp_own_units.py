@@ -146,3 +146,14 @@ def test_a_joiner_that_builds_another_module_is_refused_and_the_job_goes_on(tmp_
     assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 2)]
     assert_each_sample_once(run)
     assert_states_close(run.final_state(), static_fsdp.final_state())
+
+
+def test_units_sharded_on_another_dimension_are_refused_at_setup(tmp_path: Path) -> None:
+    """A ``shard_placement_fn`` that shards the blocks' parameters on their last dimension: the live reshard moves
+    rows, so the job refuses it as it sets up, naming the parameter — before, the units were made again at a resize
+    with ``fully_shard``'s default rows, silently. Every process exits; nothing hangs."""
+    run = run_fsdp_job(tmp_path, "columns", "--dimension-names", "--shard-columns", "--configure-model")
+
+    assert run.returncode != 0
+    assert "parameter 'net.3.linear.weight' is sharded on dimension 1 (fully_shard's shard_placement_fn)" \
+        in run.output, run.excerpt()

@@ -113,3 +113,17 @@ def test_a_module_unlike_the_holders_is_refused_naming_what_differs():
     with pytest.raises(ModuleMismatch, match=r"no parameter 'b.weight' \(of 1 the job trains\)"):
         _check_same_module(skeleton, {"a.weight": like["a.weight"], "c.weight": like["b.weight"]})
     assert issubclass(ModuleMismatch, TypeError)  # the process's own error: never waited on as a peer's death
+
+
+def test_a_unit_sharded_on_another_dimension_than_its_rows_is_refused_by_name():
+    from torch.distributed.tensor import Shard
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double()
+    solo = mesh("columns")
+    try:
+        fully_shard(model[0], mesh=solo, shard_placement_fn=lambda parameter: Shard(parameter.ndim - 1))
+        fully_shard(model, mesh=solo)
+        with pytest.raises(NotImplementedError, match=r"parameter '0.weight' is sharded on dimension 1"):
+            torch_compat.fully_shard_units(model)
+    finally:
+        torch_compat.forget_mesh_group("columns")

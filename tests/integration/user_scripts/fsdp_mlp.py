@@ -16,11 +16,12 @@ by name). ``--dimension-names``: the same units made as Lightning's 2-D parallel
 than one (the sizes recorded in ``OUT/units-<pid>.json``); with ``--checkpoint-activations always`` each block is
 wrapped by ``checkpoint_wrapper`` first (``when-sharded``: only when it is sharded, as that example does).
 ``--joiner-width W``: a joiner (``ELAN_ROLE=joiner``) builds its network ``W`` wide, as a host configured otherwise than
-the members' would. ``--net-in-step``: ``training_step`` calls the network itself (``self.net(x)``, as most modules do)
-instead of ``self(x)``. At the end every member gathers the full state (parameters and Adam's states, by parameter name)
-and rank 0 writes ``OUT/final.pt``. Each member's live reshards are logged (``resharded live``). ``--kill-step S``: rank
-1 (or each ``--kill-rank``) SIGKILLs itself in the batch of step S: as it starts (``--kill-at start``), in the forward
-(a forward pre-hook of the second block), in the backward (a gradient hook on that block's output: the later units'
+the members' would. ``--shard-columns``: the blocks are sharded with a ``shard_placement_fn`` on their parameters' last
+dimension. ``--net-in-step``: ``training_step`` calls the network itself (``self.net(x)``, as most modules do) instead
+of ``self(x)``. At the end every member gathers the full state (parameters and Adam's states, by parameter name) and
+rank 0 writes ``OUT/final.pt``. Each member's live reshards are logged (``resharded live``). ``--kill-step S``: rank 1
+(or each ``--kill-rank``) SIGKILLs itself in the batch of step S: as it starts (``--kill-at start``), in the forward (a
+forward pre-hook of the second block), in the backward (a gradient hook on that block's output: the later units'
 reduce-scatters are under way) or in the optimizer step (``on_before_optimizer_step``: the step was committed, the
 update not applied; the batch's samples are recorded first, as the step stands) or, ``--kill-at reshard``, in the live
 reshard of the first adjustment after step S (at its ``RESHARD_KILL_AT``-th transfer: some rows have moved). Only
@@ -52,6 +53,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import Shard
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_elan  # noqa: F401
@@ -61,6 +63,7 @@ SAMPLES, FEATURES, WIDTH = 96, 6, 16
 OUT = "."  # set from the command line
 CHECKPOINT_ACTIVATIONS = None  # --checkpoint-activations
 JOINER_WIDTH = None  # --joiner-width
+SHARD_COLUMNS = False  # --shard-columns
 RESHARD_KILL_AT = 3
 """``--kill-at reshard``: the transfer (all-to-all round of ``replication.reshard.carry``) a process dies in."""
 
@@ -121,8 +124,9 @@ def parallelize(net: nn.Sequential, device_mesh) -> nn.Sequential:
             if not isinstance(net[index], CheckpointWrapper):
                 net[index] = checkpoint_wrapper(net[index])
     if sharded and not isinstance(net[4], FSDPModule):
+        columns = {"shard_placement_fn": lambda parameter: Shard(parameter.ndim - 1)} if SHARD_COLUMNS else {}
         for block in net[1:4]:
-            fully_shard(block, mesh=dp_mesh)
+            fully_shard(block, mesh=dp_mesh, **columns)
         fully_shard(net[4], mesh=dp_mesh, reshard_after_forward=False)
     return net
 
@@ -300,12 +304,15 @@ def main() -> None:
                              "over a data-parallel dimension of more than one, as Lightning's example does)")
     parser.add_argument("--joiner-width", type=int, default=None,
                         help="a joiner (ELAN_ROLE=joiner) builds its network this wide: a host configured otherwise")
+    parser.add_argument("--shard-columns", action="store_true",
+                        help="with --dimension-names: the blocks' parameters sharded on their last dimension")
     parser.add_argument("--dimension-names", action="store_true",
                         help="--own-units through device_mesh['data_parallel'] and ['tensor_parallel']")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    global OUT, CHECKPOINT_ACTIVATIONS, JOINER_WIDTH
+    global OUT, CHECKPOINT_ACTIVATIONS, JOINER_WIDTH, SHARD_COLUMNS
     OUT, CHECKPOINT_ACTIVATIONS, JOINER_WIDTH = str(args.out), args.checkpoint_activations, args.joiner_width
+    SHARD_COLUMNS = args.shard_columns
     reshards = logging.getLogger("lightning_elan.elastic.live_reshard")  # one line per member and live reshard
     reshards.setLevel(logging.INFO)
     reshards.addHandler(logging.StreamHandler())
