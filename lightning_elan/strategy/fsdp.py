@@ -345,7 +345,10 @@ class ElanFSDPStrategy(ElanStrategy):
 
     def reshard_live(self, reshard: ReshardGroup) -> None:
         """Move this member's shards to their new holders over ``reshard``'s group (``LiveResharding``); after a death,
-        a dead member's from its mirror."""
+        a dead member's from its mirror. Nothing moves in a job that only evaluates: its members hold the whole
+        module (Lightning shards it for a fit only)."""
+        if self._holds_the_whole_model():
+            return
         receiving, holding = reshard.rank in reshard.receivers, reshard.rank in reshard.holders
         if holding:  # a step or an evaluation cut by a death left gathered parameters registered
             register_sharded_parameters(self.lightning_module)
@@ -412,15 +415,26 @@ class ElanFSDPStrategy(ElanStrategy):
         """A member died in ``trainer.validate/test/predict`` (after ``fit``, or without one): as in a step, its shard
         comes from its mirror (kept at the state after the last committed step: an evaluation changes none) or a
         replica in the recovery's reshard, then the pass runs again among the survivors; :class:`LostShard` when none
-        covers it (no mirror was ever seeded: a job that only evaluates, or a single member)."""
+        covers it (no mirror was ever seeded: units its ``configure_model`` made in a job that only evaluates, or a
+        single member). A job that only evaluates otherwise holds the whole module on every member: the pass runs
+        again."""
         if not (self.engine.has_left or self._alone() or isinstance(error, (compat.LeaveFit, StopIteration))):
             self.engine.confirm_peer_failure(error)
+            if self._holds_the_whole_model():
+                super()._recover_evaluation(error)  # no shard to lose: the pass runs again among the survivors
+                return
             if not self._mirroring.covers_a_death:
                 raise LostShard(f"worker {self.engine.worker_id}: a member of this strategy='elan_fsdp' job died in "
                                 f"trainer.{self.lightning_module.trainer.state.fn.value} when no shard is mirrored "
                                 "(no training step ran in this process); restart the job") from error
             self._mirroring.check_recoverable(self.engine.world_size, self._unmirrored())
         super()._recover_evaluation(error)
+
+    def _holds_the_whole_model(self) -> bool:
+        """An evaluation without a fit: Lightning's setup shards (``_setup_model``) for a fit only, so every member
+        holds the whole module, as under ``"elan"`` (a joiner joins a fit only)."""
+        module = self.lightning_module
+        return module.trainer.state.fn != TrainerFn.FITTING and not is_fully_sharded(module)
 
     def _unmirrored(self) -> str | None:
         trainer = self.lightning_module.trainer

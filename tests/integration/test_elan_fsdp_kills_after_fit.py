@@ -3,8 +3,9 @@
 float64, 3 processes; the victim held inside the call and SIGKILLed from outside). The dead member's shard comes from
 its mirror (kept at the state after the last step: an evaluation changes none) in the recovery's reshard, and the
 survivors run the pass again: what ``validate``/``test`` returned equals the static run's within 1e-9 and ``predict``
-returned every sample once. Before, the job failed (the survivors' traceback from gloo). A job that only evaluates has
-no mirror: it stops with a message saying so, never hanging."""
+returned every sample once. Before, the job failed (the survivors' traceback from gloo). A job that only evaluates holds
+the whole module on every member (Lightning shards for a fit only) and recovers as ``"elan"`` does (before, it stopped
+with ``LostShard``)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,20 @@ def test_a_member_killed_in_an_evaluation_after_fit_is_restored_from_its_mirror(
     assert_ends_as_static(run, static_fsdp)
 
 
-def test_a_member_killed_in_an_evaluation_without_fit_stops_the_job_clearly(tmp_path: Path) -> None:
-    run = killed_fsdp_run(tmp_path, "validate", 1, "--no-fit")
+@pytest.fixture(scope="module")
+def static_fsdp_without_fit(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run = run_job(tmp_path_factory.mktemp("static-fsdp-nofit"), fsdp_job("fsdpstaticnofit", "--no-fit"))
+    assert_ok(run)
+    return run
 
-    assert run.returncode != 0
-    assert "still running after" not in run.output, run.excerpt()
-    assert "died in trainer.validate when no shard is mirrored" in run.output.replace("\n", " "), run.excerpt()
+
+@pytest.mark.parametrize(("call", "rank"), [("validate", 1), ("test", 0), ("predict", 2)])
+def test_a_member_killed_in_an_evaluation_without_fit_is_recovered_from(tmp_path: Path, static_fsdp_without_fit: Run,
+                                                                        call: str, rank: int) -> None:
+    """A script that only evaluates (a model it loaded, say): Lightning shards a module for a fit only, so every
+    member holds the whole module and the pass runs again among the survivors, as under ``"elan"``. Before, the job
+    stopped with ``LostShard`` ("no shard is mirrored"), though no shard could be lost."""
+    run = killed_fsdp_run(tmp_path, call, rank, "--no-fit")
+
+    assert "LostShard" not in run.output, run.excerpt()
+    assert_ends_as_static(run, static_fsdp_without_fit)
