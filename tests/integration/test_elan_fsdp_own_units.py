@@ -157,3 +157,18 @@ def test_units_sharded_on_another_dimension_are_refused_at_setup(tmp_path: Path)
     assert run.returncode != 0
     assert "parameter 'net.3.linear.weight' is sharded on dimension 1 (fully_shard's shard_placement_fn)" \
         in run.output, run.excerpt()
+
+
+def test_compiled_units_train_through_a_grow_and_a_shrink(tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """Each sharded block compiled in ``configure_model`` (``block.compile()`` after ``fully_shard``, as torchtitan
+    does; ``backend="aot_eager"``: dynamo and AOT autograd over the DTensor parameters on the job's mesh, without a C++
+    build on this box): through 2 → 3 → 2 the compiled units train on the new meshes and the result is the static
+    run's."""
+    run = run_fsdp_job(tmp_path, "compiled", "--dimension-names", "--configure-model", "--compile", "aot_eager",
+                       schedule="3:add=1,7:remove=1")
+
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("remove", 2)]
+    assert units_trained_on(run) == {tuple(UNITS)}
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())

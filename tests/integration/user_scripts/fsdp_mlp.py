@@ -17,19 +17,19 @@ than one (the sizes recorded in ``OUT/units-<pid>.json``); with ``--checkpoint-a
 wrapped by ``checkpoint_wrapper`` first (``when-sharded``: only when it is sharded, as that example does).
 ``--joiner-width W``: a joiner (``ELAN_ROLE=joiner``) builds its network ``W`` wide, as a host configured otherwise than
 the members' would. ``--shard-columns``: the blocks are sharded with a ``shard_placement_fn`` on their parameters' last
-dimension. ``--net-in-step``: ``training_step`` calls the network itself (``self.net(x)``, as most modules do) instead
-of ``self(x)``. At the end every member gathers the full state (parameters and Adam's states, by parameter name) and
-rank 0 writes ``OUT/final.pt``. Each member's live reshards are logged (``resharded live``). ``--kill-step S``: rank 1
-(or each ``--kill-rank``) SIGKILLs itself in the batch of step S: as it starts (``--kill-at start``), in the forward (a
-forward pre-hook of the second block), in the backward (a gradient hook on that block's output: the later units'
-reduce-scatters are under way) or in the optimizer step (``on_before_optimizer_step``: the step was committed, the
-update not applied; the batch's samples are recorded first, as the step stands) or, ``--kill-at reshard``, in the live
-reshard of the first adjustment after step S (at its ``RESHARD_KILL_AT``-th transfer: some rows have moved). Only
-processes of the generation that first reaches the kill die (``OUT/killed`` says which; several victims die once all of
-them are at the kill point, ``OUT/at-kill-<rank>``, or after 60 s), so a survivor that takes a killed rank, or a
-replacement, does not kill itself in the redo. ``--reshard-kill-rank R``: rank R (as step S starts) also SIGKILLs itself
-in the reshard of the recovery from that first death, at its ``RESHARD_KILL_AT``-th transfer
-(``OUT/killed-in-recovery``).
+dimension; ``--compile BACKEND``: each sharded block is compiled (``block.compile(backend=...)``). ``--net-in-step``:
+``training_step`` calls the network itself (``self.net(x)``, as most modules do) instead of ``self(x)``. At the end
+every member gathers the full state (parameters and Adam's states, by parameter name) and rank 0 writes
+``OUT/final.pt``. Each member's live reshards are logged (``resharded live``). ``--kill-step S``: rank 1 (or each
+``--kill-rank``) SIGKILLs itself in the batch of step S: as it starts (``--kill-at start``), in the forward (a forward
+pre-hook of the second block), in the backward (a gradient hook on that block's output: the later units' reduce-scatters
+are under way) or in the optimizer step (``on_before_optimizer_step``: the step was committed, the update not applied;
+the batch's samples are recorded first, as the step stands) or, ``--kill-at reshard``, in the live reshard of the first
+adjustment after step S (at its ``RESHARD_KILL_AT``-th transfer: some rows have moved). Only processes of the generation
+that first reaches the kill die (``OUT/killed`` says which; several victims die once all of them are at the kill point,
+``OUT/at-kill-<rank>``, or after 60 s), so a survivor that takes a killed rank, or a replacement, does not kill itself
+in the redo. ``--reshard-kill-rank R``: rank R (as step S starts) also SIGKILLs itself in the reshard of the recovery
+from that first death, at its ``RESHARD_KILL_AT``-th transfer (``OUT/killed-in-recovery``).
 
 ``--evaluate``: after ``fit`` the members run ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` over the
 dataset in order (their steps call the network as ``training_step`` does); rank 0 writes the logged ``val_mse`` and
@@ -64,6 +64,7 @@ OUT = "."  # set from the command line
 CHECKPOINT_ACTIVATIONS = None  # --checkpoint-activations
 JOINER_WIDTH = None  # --joiner-width
 SHARD_COLUMNS = False  # --shard-columns
+COMPILE = None  # --compile BACKEND
 RESHARD_KILL_AT = 3
 """``--kill-at reshard``: the transfer (all-to-all round of ``replication.reshard.carry``) a process dies in."""
 
@@ -127,6 +128,8 @@ def parallelize(net: nn.Sequential, device_mesh) -> nn.Sequential:
         columns = {"shard_placement_fn": lambda parameter: Shard(parameter.ndim - 1)} if SHARD_COLUMNS else {}
         for block in net[1:4]:
             fully_shard(block, mesh=dp_mesh, **columns)
+            if COMPILE:
+                block.compile(backend=COMPILE)
         fully_shard(net[4], mesh=dp_mesh, reshard_after_forward=False)
     return net
 
@@ -304,15 +307,16 @@ def main() -> None:
                              "over a data-parallel dimension of more than one, as Lightning's example does)")
     parser.add_argument("--joiner-width", type=int, default=None,
                         help="a joiner (ELAN_ROLE=joiner) builds its network this wide: a host configured otherwise")
+    parser.add_argument("--compile", default=None, help="with --dimension-names: each sharded block compiled so")
     parser.add_argument("--shard-columns", action="store_true",
                         help="with --dimension-names: the blocks' parameters sharded on their last dimension")
     parser.add_argument("--dimension-names", action="store_true",
                         help="--own-units through device_mesh['data_parallel'] and ['tensor_parallel']")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    global OUT, CHECKPOINT_ACTIVATIONS, JOINER_WIDTH, SHARD_COLUMNS
+    global OUT, CHECKPOINT_ACTIVATIONS, JOINER_WIDTH, SHARD_COLUMNS, COMPILE
     OUT, CHECKPOINT_ACTIVATIONS, JOINER_WIDTH = str(args.out), args.checkpoint_activations, args.joiner_width
-    SHARD_COLUMNS = args.shard_columns
+    SHARD_COLUMNS, COMPILE = args.shard_columns, args.compile
     reshards = logging.getLogger("lightning_elan.elastic.live_reshard")  # one line per member and live reshard
     reshards.setLevel(logging.INFO)
     reshards.addHandler(logging.StreamHandler())
