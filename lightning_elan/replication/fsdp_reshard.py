@@ -205,8 +205,8 @@ def _skeleton(optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str]
 
 
 class ModuleMismatch(TypeError):
-    """This worker's module lacks parameters the job's members train: it cannot take a shard of them (a
-    ``TypeError``: the process's own error, taken at once, never waited on as a peer's death)."""
+    """This worker's module lacks parameters the job's members train, or has them in other shapes: it cannot take a
+    shard of them (a ``TypeError``: the process's own error, taken at once, never waited on as a peer's death)."""
 
 
 def _check_same_module(skeleton: list[dict[str, Any]], parameters: dict[str, torch.Tensor]) -> None:
