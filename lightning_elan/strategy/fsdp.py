@@ -558,7 +558,7 @@ class ElanFSDPStrategy(ElanStrategy):
     def teardown(self) -> None:
         self._mirroring.settle()
         module = self.lightning_module
-        unfilled = module is not None and any(tensor.is_meta for tensor in module.parameters())
+        unfilled = module is not None and _has_meta_tensors(module)
         with compat.module_kept_off_the_cpu(module) if unfilled else nullcontext():
             super().teardown()
         if self.engine.has_left or not self.engine.is_member:

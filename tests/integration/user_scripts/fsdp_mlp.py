@@ -152,7 +152,6 @@ class MLP(pl.LightningModule):
             (Path(OUT) / f"built-{os.getpid()}.json").write_text(json.dumps(built))  # a joiner's: meta
         if self.by_dimension_names:
             self.net = parallelize(self.net, self.device_mesh)
-            (Path(OUT) / f"world-{os.getpid()}.json").write_text(json.dumps(self.trainer.world_size))
         elif self.own_units and not isinstance(self.net[4], FSDPModule):
             for block in self.net[1:4]:
                 fully_shard(block, mesh=self.device_mesh)
