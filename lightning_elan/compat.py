@@ -315,6 +315,16 @@ def module_kept_off_the_cpu(module: torch.nn.Module) -> Generator[None, None, No
         del module.cpu
 
 
+def materialize_meta_module(module: torch.nn.Module, device: torch.device) -> None:
+    """A module built on the meta device given memory on ``device`` and initialised by each submodule's
+    ``reset_parameters``, as Lightning's ``ModelParallelStrategy.setup`` does (``_materialize_distributed_module``,
+    lightning/fabric/utilities/init.py: ``to_empty`` on the root, then every submodule with parameters or buffers
+    resets them; a warning names those without ``reset_parameters``). Sharded units are materialised shard by shard."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)
+
+
 def call_after_each_trained_batch(trainer: pl.Trainer, hook: Callable[[], None]) -> None:
     """Run ``hook`` once a training batch is completely over, after every hook Lightning runs for it.
 

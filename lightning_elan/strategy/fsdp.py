@@ -187,9 +187,18 @@ class ElanFSDPStrategy(ElanStrategy):
 
     @override
     def model_to_device(self) -> None:
-        """A joiner's module built on the meta device stays there until the live reshard assigns its shards."""
-        if not (self._joiner_fitting() and _has_meta_tensors(self.lightning_module)):
-            super().model_to_device()
+        """A module built on the meta device in ``configure_model`` (as for Lightning's ``ModelParallelStrategy``): a
+        joiner's stays there until the live reshard assigns its shards; a member's training module is materialised once
+        sharded (:meth:`_setup_model`: each member allocates and initialises its shards only), any other now."""
+        if _has_meta_tensors(self.lightning_module):
+            if self._joiner_fitting() or self._shards_before_materialising():
+                return
+            compat.materialize_meta_module(self.model, self.root_device)
+        super().model_to_device()
+
+    def _shards_before_materialising(self) -> bool:
+        trainer = self.lightning_module.trainer
+        return trainer.state.fn == TrainerFn.FITTING and self.engine.is_member and self._device_mesh is not None
 
     def _joiner_fitting(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -241,6 +250,8 @@ class ElanFSDPStrategy(ElanStrategy):
             return model
         if not _is_sharded(model):
             shard_model(model, self._device_mesh, self.shard_modules, self._fully_shard_options())
+        if _has_meta_tensors(model):
+            compat.materialize_meta_module(model, self.root_device)
         if self._units is None:
             self._units = shard_units(model)
         return model

@@ -68,14 +68,13 @@ WIKITEXT_LINES, WIKITEXT_WORDS = 30, 33
 WIKITEXT_SAMPLES = WIKITEXT_LINES * (WIKITEXT_WORDS + 1) // 35 - 1  # the demo's WikiText2: tokens // 35 - 1
 
 
-def write_wikitext(cwd: Path, vocabulary: int = 50) -> None:
-    """What the demo's ``prepare_data`` would download, made up: random words from a small vocabulary (so every
-    35-token sample differs), in ``./data/wikitext-2.txt`` of the job's working directory."""
+def write_wikitext(cwd: Path, vocabulary: int = 50, lines: int = WIKITEXT_LINES) -> None:
+    """What the demo's ``prepare_data`` would download, made up: ``lines`` lines of random words from a small
+    vocabulary (so every 35-token sample differs), in ``./data/wikitext-2.txt`` of the job's working directory."""
     generator = random.Random(0)
-    lines = [" ".join(f"w{generator.randrange(vocabulary)}" for _ in range(WIKITEXT_WORDS))
-             for _ in range(WIKITEXT_LINES)]
+    text = [" ".join(f"w{generator.randrange(vocabulary)}" for _ in range(WIKITEXT_WORDS)) for _ in range(lines)]
     (cwd / "data").mkdir(parents=True, exist_ok=True)
-    (cwd / "data" / "wikitext-2.txt").write_text("\n".join(lines) + "\n")
+    (cwd / "data" / "wikitext-2.txt").write_text("\n".join(text) + "\n")
 
 
 def epochs(count: int, samples: int) -> dict[int, int]:

@@ -1,0 +1,118 @@
+"""Lightning's FSDP2 guide, as a user runs it under ``strategy="elan_fsdp"`` (``scripts/fsdp_guide_lm.py``): the
+model built on the meta device in ``configure_model`` and sharded there by the user's own ``fully_shard`` calls. It
+runs static (``elan run --nproc 2``) and under the corpus' elastic schedule (2 → 3 → 2, a migration, a worker
+SIGKILLed as the batch of step 12 starts, or at its optimizer step once every member committed it: its share is
+trained, not recorded), and the elastic run must equal the static one: each sample once per epoch, the final
+checkpoint's parameters and Adam states, every checkpoint and every logged loss within 1e-9. (Members hold different
+shards, so the corpus' bit-identical members check does not apply.)"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import pytest
+
+from tests.users.corpus import (
+    ADJUSTMENTS,
+    KILL_STEP,
+    SCHEDULE,
+    Job,
+    Run,
+    assert_checkpoints_alike,
+    assert_each_sample_once,
+    assert_logged_alike,
+    assert_ok,
+    assert_states_close,
+    checkpoints,
+    flat_optimizer_state,
+    read_csv,
+    run_job,
+)
+from tests.users.random_kills import assert_samples
+from tests.users.test_corpus import write_wikitext
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("requests") is None,
+                       reason="Lightning's demo WikiText2 imports requests before it looks for its data file"),
+]
+
+LINES = 100
+"""Made-up WikiText lines of 34 tokens: 3400 tokens, 96 samples of 35 (the demo drops the last block): 8 global
+batches of 12 per epoch, 24 steps in 3 epochs."""
+SAMPLES, EPOCHS, STEPS = 96, 3, 24
+
+
+def job(units: str, elastic: bool, kill_phase: str) -> Job:
+    command = ("{scripts}/fsdp_guide_lm.py", "{out}", "--units", units, "--epochs", str(EPOCHS))
+    name = f"guide-{units}-{'elastic' if elastic else 'static'}"
+    if not elastic:
+        return Job(name, command)
+    return Job(name, command, schedule=SCHEDULE, kill=f"{KILL_STEP}:{kill_phase}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool, str], Run]:
+    done: dict[tuple[str, bool, str], Run] = {}
+
+    def get(units: str, elastic: bool, kill_phase: str = "start") -> Run:
+        key = (units, elastic, kill_phase if elastic else "")
+        if key not in done:
+            home = tmp_path_factory.mktemp(f"{units}-{'elastic' if elastic else 'static'}")
+            write_wikitext(home, lines=LINES)
+            done[key] = run_job(home, job(units, elastic, kill_phase))
+        return done[key]
+
+    return get
+
+
+def final_checkpoint(run: Run) -> dict:
+    return checkpoints(run.out)["final.ckpt"]
+
+
+def assert_static_guide(run: Run) -> None:
+    assert_ok(run)
+    assert_each_sample_once(run, dict.fromkeys(range(EPOCHS), SAMPLES))
+    assert sorted(run.digests_by_step()) == list(range(STEPS))
+    assert not run.adjustments(), "a static run has no adjustment"
+
+
+@pytest.mark.parametrize(("units", "kill_phase"), [("layers", "start"), ("model", "optimizer")])
+def test_the_guides_model_trains_elastically_as_it_trains_statically(runs: Callable[..., Run], units: str,
+                                                                       kill_phase: str) -> None:
+    static = runs(units, False)
+    assert_static_guide(static)
+    run = runs(units, True, kill_phase)
+    assert_ok(run)
+    adjustments = run.adjustments()
+    assert [(a["action"], len(a["members"])) for a in adjustments] == ADJUSTMENTS, adjustments
+    kills = run.kills()
+    assert len(kills) == 1 and adjustments[-1]["failure"]["dead"] == [kills[0]["worker"]], (kills, adjustments)
+    assert_samples(run, static, "fsdp_guide_lm", {kills[0]["worker"]})  # with a share trained, not recorded
+    mine, theirs = final_checkpoint(run), final_checkpoint(static)
+    assert (mine["global_step"], mine["epoch"]) == (theirs["global_step"], theirs["epoch"]) == (STEPS, EPOCHS)
+    assert_states_close(mine["state_dict"], theirs["state_dict"])
+    for optimizer, reference in zip(mine["optimizer_states"], theirs["optimizer_states"], strict=True):
+        assert_states_close(flat_optimizer_state(optimizer), flat_optimizer_state(reference))
+    assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
+    _, rows = read_csv(run.out / "logs" / "lm" / "version_0" / "metrics.csv")
+    _, static_rows = read_csv(static.out / "logs" / "lm" / "version_0" / "metrics.csv")
+    assert_logged_alike(rows, static_rows, "train_loss", exact=True)
+
+
+def test_the_guides_model_is_materialised_by_the_strategy(runs: Callable[..., Run]) -> None:
+    """The meta-device model gets memory and its modules' initialisation (``reset_parameters``), as under Lightning's
+    ``ModelParallelStrategy``: finite, not all zero, and every layer's weights distinct from another's."""
+    state = final_checkpoint(runs("layers", False))["state_dict"]
+    weights = {name: value for name, value in state.items() if name.endswith("weight") and value.dim() == 2}
+    assert weights and all(value.isfinite().all() and value.abs().sum() > 0 for value in weights.values())
+    first, second = (state[f"model.transformer.encoder.layers.{index}.linear1.weight"] for index in (0, 1))
+    assert not first.equal(second), "two layers initialised alike"
+
+
+def test_the_guides_steps_are_logged_once_each(runs: Callable[..., Run]) -> None:
+    run = runs("layers", True)
+    _, rows = read_csv(run.out / "logs" / "lm" / "version_0" / "metrics.csv")
+    steps = [int(row["step"]) for row in rows if row.get("train_loss")]
+    assert sorted(steps) == list(range(STEPS)) and len(set(steps)) == len(steps), steps
