@@ -318,11 +318,34 @@ def module_kept_off_the_cpu(module: torch.nn.Module) -> Generator[None, None, No
 def materialize_meta_module(module: torch.nn.Module, device: torch.device) -> None:
     """A module built on the meta device given memory on ``device`` and initialised by each submodule's
     ``reset_parameters``, as Lightning's ``ModelParallelStrategy.setup`` does (``_materialize_distributed_module``,
-    lightning/fabric/utilities/init.py: ``to_empty`` on the root, then every submodule with parameters or buffers
-    resets them; a warning names those without ``reset_parameters``). Sharded units are materialised shard by shard."""
+    lightning/fabric/utilities/init.py: ``to_empty`` on the root, as FSDP2's ``FSDPModule._apply`` needs, then every
+    submodule with parameters or buffers resets them; a warning names those without ``reset_parameters``). Sharded
+    units are materialised shard by shard.
+
+    Unlike Lightning (its TODO there: torchmetrics is not compatible with ``to_empty``), the torchmetrics metrics of
+    the module keep their states: ``Metric._apply`` takes ``to_empty`` to its states and to the defaults its ``reset``
+    restores, so a metric made in ``__init__`` would compute from uninitialised memory in every epoch."""
     from lightning.fabric.utilities.init import _materialize_distributed_module
 
+    kept = [(metric, _real_metric_states(metric)) for metric in module.modules() if isinstance(metric, Metric)]
     _materialize_distributed_module(module, device)
+    for metric, (defaults, states) in kept:
+        metric._defaults.update(defaults)
+        for name, value in states.items():
+            setattr(metric, name, value)
+        metric.to(device)
+
+
+def _real_metric_states(metric: Metric) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A metric's defaults and current states that are not on the meta device (a metric built there has none to
+    keep), copied: torchmetrics keeps them in ``_defaults`` and as attributes of those names."""
+
+    def real(value: Any) -> bool:
+        return not any(tensor.is_meta for tensor in (value if isinstance(value, list) else [value])
+                       if isinstance(tensor, torch.Tensor))
+
+    defaults = {name: copy.deepcopy(value) for name, value in metric._defaults.items() if real(value)}
+    return defaults, {name: copy.deepcopy(getattr(metric, name)) for name in defaults if real(getattr(metric, name))}
 
 
 def call_after_each_trained_batch(trainer: pl.Trainer, hook: Callable[[], None]) -> None:

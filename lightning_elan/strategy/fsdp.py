@@ -32,6 +32,7 @@ members. The live reshard moves between the layouts (``shard_count``; docs/archi
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
@@ -78,6 +79,11 @@ ShardUnits = list[tuple[list[str], dict[str, Any]]]
 and the options it was made with — the user's own from ``configure_model`` and the strategy's."""
 
 
+_STRATEGIES_MADE = itertools.count()
+"""Numbers the strategies of this process: a script that trains in stages makes one per ``Trainer``, each in the same
+generation (a mesh name is registered with torch for the process's life: "A process group is already registered")."""
+
+
 class ElanFSDPStrategy(ElanStrategy):
     """Elastic FSDP2: every parameter and optimizer state sharded over the current workers.
 
@@ -121,6 +127,7 @@ class ElanFSDPStrategy(ElanStrategy):
         self._snapshotting = False  # a source dumps a joiner's state: no model or optimizer tensors in it
         self._joined_optimizers: list[dict[str, Any]] | None = None  # a joiner: its source's optimizer skeleton
         self._units: ShardUnits | None = None  # made again on each new mesh (a joiner: its source's)
+        self._number = next(_STRATEGIES_MADE)  # in its meshes' names: a later Trainer's strategy registers its own
 
     @classmethod
     @override
@@ -223,7 +230,7 @@ class ElanFSDPStrategy(ElanStrategy):
         shards = self.shard_count(group.size())
         self._mirroring.replicated = shards < group.size()
         self._generation_mesh = generation_mesh(group, shards, self.engine.generation_subgroup, self.root_device.type,
-                                                f"elan_fsdp_gen{self.engine.generation}")
+                                                f"elan_fsdp{self._number}_gen{self.engine.generation}")
         self._device_mesh = self._generation_mesh.mesh
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._device_mesh

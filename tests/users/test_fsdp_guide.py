@@ -9,12 +9,15 @@ shards, so the corpus' bit-identical members check does not apply.)"""
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from tests.users.corpus import (
     ADJUSTMENTS,
+    FIT_OFFSET,
     KILL_STEP,
     SCHEDULE,
     Job,
@@ -26,6 +29,7 @@ from tests.users.corpus import (
     assert_states_close,
     checkpoints,
     flat_optimizer_state,
+    logged,
     read_csv,
     run_job,
 )
@@ -42,10 +46,11 @@ LINES = 100
 """Made-up WikiText lines of 34 tokens: 3400 tokens, 96 samples of 35 (the demo drops the last block): 8 global
 batches of 12 per epoch, 24 steps in 3 epochs."""
 SAMPLES, EPOCHS, STEPS = 96, 3, 24
+SAMPLES_PER_PROCESS = 6
 
 
 def job(units: str, elastic: bool, kill_phase: str) -> Job:
-    command = ("{scripts}/fsdp_guide_lm.py", "{out}", "--units", units, "--epochs", str(EPOCHS))
+    command = ("{scripts}/fsdp_guide_lm.py", "{out}", "--units", units, "--epochs", str(EPOCHS), "--after-fit")
     name = f"guide-{units}-{'elastic' if elastic else 'static'}"
     if not elastic:
         return Job(name, command)
@@ -73,8 +78,8 @@ def final_checkpoint(run: Run) -> dict:
 
 def assert_static_guide(run: Run) -> None:
     assert_ok(run)
-    assert_each_sample_once(run, dict.fromkeys(range(EPOCHS), SAMPLES))
-    assert sorted(run.digests_by_step()) == list(range(STEPS))
+    assert_each_sample_once(run, dict.fromkeys([*range(EPOCHS), FIT_OFFSET + EPOCHS], SAMPLES))  # and a second fit
+    assert sorted(run.digests_by_step()) == [*range(STEPS), *range(FIT_OFFSET + STEPS, FIT_OFFSET + STEPS + 8)]
     assert not run.adjustments(), "a static run has no adjustment"
 
 
@@ -99,6 +104,11 @@ def test_the_guides_model_trains_elastically_as_it_trains_statically(runs: Calla
     _, rows = read_csv(run.out / "logs" / "lm" / "version_0" / "metrics.csv")
     _, static_rows = read_csv(static.out / "logs" / "lm" / "version_0" / "metrics.csv")
     assert_logged_alike(rows, static_rows, "train_loss", exact=True)
+    assert logged(rows, "samples_seen") == logged(static_rows, "samples_seen")
+    assert sorted(logged(rows, "samples_seen").values()) == [SAMPLES] * EPOCHS, "the metric counted every sample once"
+    assert sorted(logged(static_rows, "smallest_batch").values()) == [SAMPLES_PER_PROCESS] * EPOCHS
+    smallest = logged(rows, "smallest_batch").values()
+    assert len(smallest) == EPOCHS and all(value in (4, 6, 12) for value in smallest), smallest  # at 3, 2 or 1 worker
 
 
 def test_the_guides_model_is_materialised_by_the_strategy(runs: Callable[..., Run]) -> None:
@@ -116,3 +126,23 @@ def test_the_guides_steps_are_logged_once_each(runs: Callable[..., Run]) -> None
     _, rows = read_csv(run.out / "logs" / "lm" / "version_0" / "metrics.csv")
     steps = [int(row["step"]) for row in rows if row.get("train_loss")]
     assert sorted(steps) == list(range(STEPS)) and len(set(steps)) == len(steps), steps
+
+
+def predictions(run: Run) -> list[tuple[int, ...]]:
+    """Every predicted sample's tokens, of all processes, sorted (a run at another size splits them otherwise)."""
+    rows = [row for path in run.out.glob("predicted-*.pt") for batch in torch.load(path) for row in batch.view(-1, 35)]
+    return sorted(tuple(row.tolist()) for row in rows)
+
+
+@pytest.mark.parametrize("units", ["layers", "model"])
+def test_after_fit_the_guides_model_validates_predicts_and_fits_again(runs: Callable[..., Run], units: str) -> None:
+    """``validate`` and ``predict`` on the final workers, then a second ``Trainer`` (its own ``elan_fsdp`` strategy, in
+    the same processes) resuming from the final checkpoint: the static run's results, predictions and final state."""
+    static, run = runs(units, False), runs(units, True, "start" if units == "layers" else "optimizer")
+    assert_ok(run)
+    validated, expected = (json.loads((one.out / "validated.json").read_text()) for one in (run, static))
+    assert abs(validated[0]["val_loss"] - expected[0]["val_loss"]) <= 1e-9, (validated, expected)
+    assert len(predictions(static)) == 24 and predictions(run) == predictions(static)
+    mine, theirs = (checkpoints(one.out)["final2.ckpt"] for one in (run, static))
+    assert (mine["global_step"], mine["epoch"]) == (theirs["global_step"], theirs["epoch"]) == (STEPS + 8, EPOCHS + 1)
+    assert_states_close(mine["state_dict"], theirs["state_dict"])

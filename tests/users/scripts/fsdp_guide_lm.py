@@ -3,29 +3,37 @@
 encoder and decoder layer sharded with ``fully_shard(layer, mesh=self.device_mesh)``, then the whole model; the
 parameters materialised by the strategy (``reset_parameters``), as ``ModelParallelStrategy`` does. Adam; the demo's
 ``WikiText2`` (``./data/wikitext-2.txt``, made up by the test); float64 and no dropout, so a run at any world size
-trains the same model.
+trains the same model. The user's additions: ``self.log`` of the loss (``sync_dist``) and of a torchmetrics
+``SumMetric`` and ``MinMetric`` made in ``__init__`` (the samples trained in the epoch, the smallest batch a process
+trained).
 
-    python fsdp_guide_lm.py OUT [--epochs 3] [--units layers|model]
+    python fsdp_guide_lm.py OUT [--epochs 3] [--units layers|model] [--after-fit]
 
 ``--units model``: only the whole model is made a unit (the guide's smallest form). ``OUT/checkpoints`` gets a
 checkpoint every 4 steps (the two lowest ``train_loss`` and ``last.ckpt``), ``OUT/logs`` a ``CSVLogger``'s rows, and
-at the end ``OUT/final.ckpt`` (``trainer.save_checkpoint``).
+at the end ``OUT/final.ckpt`` (``trainer.save_checkpoint``). ``--after-fit``: then ``trainer.validate`` and
+``trainer.predict`` over the first 24 samples in order (rank 0 writes the validation loss to ``OUT/validated.json``, and
+each process its predictions to ``OUT/predicted-<pid>.pt``), and a second ``Trainer`` fits one more epoch from
+``OUT/final.ckpt`` and saves ``OUT/final2.ckpt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos import Transformer, WikiText2
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 import lightning_elan  # noqa: F401  (registers strategy="elan_fsdp")
 
@@ -36,6 +44,8 @@ class LanguageModel(L.LightningModule):
         self.vocab_size = vocab_size
         self.units = units
         self.model = None
+        self.samples_seen = torchmetrics.SumMetric()
+        self.smallest_batch = torchmetrics.MinMetric()
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -54,7 +64,19 @@ class LanguageModel(L.LightningModule):
         output = self.model(input, target)
         loss = F.nll_loss(output, target.view(-1))
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.samples_seen.update(torch.tensor(float(len(input))))
+        self.log("samples_seen", self.samples_seen, on_step=False, on_epoch=True)
+        self.smallest_batch.update(torch.tensor(float(len(input))))
+        self.log("smallest_batch", self.smallest_batch, on_step=False, on_epoch=True)
         return loss
+
+    def validation_step(self, batch):
+        input, target = batch
+        self.log("val_loss", F.nll_loss(self.model(input, target), target.view(-1)), sync_dist=True)
+
+    def predict_step(self, batch):
+        input, target = batch
+        return self.model(input, target).argmax(-1)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
@@ -65,6 +87,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--units", choices=["layers", "model"], default="layers")
+    parser.add_argument("--after-fit", action="store_true")
     args = parser.parse_args()
 
     torch.set_default_dtype(torch.float64)
@@ -79,6 +102,21 @@ def main() -> None:
                         enable_progress_bar=False)
     trainer.fit(model, train_dataloader)
     trainer.save_checkpoint(args.out / "final.ckpt")
+    if args.after_fit:
+        after_fit(trainer, model, dataset, args)
+
+
+def after_fit(trainer: L.Trainer, model: LanguageModel, dataset: WikiText2, args: argparse.Namespace) -> None:
+    first = DataLoader(Subset(dataset, range(24)), batch_size=6)
+    validated = trainer.validate(model, first)
+    if trainer.is_global_zero:
+        (args.out / "validated.json").write_text(json.dumps(validated))
+    predictions = trainer.predict(model, first)
+    torch.save(predictions, args.out / f"predicted-{os.getpid()}.pt")
+    again = L.Trainer(accelerator="cpu", devices=1, strategy="elan_fsdp", max_epochs=args.epochs + 1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False)
+    again.fit(model, DataLoader(dataset, batch_size=6, shuffle=True), ckpt_path=args.out / "final.ckpt")
+    again.save_checkpoint(args.out / "final2.ckpt")
 
 
 if __name__ == "__main__":
