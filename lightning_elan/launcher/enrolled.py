@@ -179,6 +179,7 @@ class EnrolledWorker:
             am_address=self.config.am, store_address=self.store_address(enrolment),
             coordinate_every=enrolment.coordinate_every, rank=enrolment.rank, world_size=enrolment.world_size,
             device_index=self.config.device_index, term_grace_s=self.config.term_grace_s,
+            launch_world_size=enrolment.launch_world_size,
         )
         env = {key: value for key, value in self._base_env.items() if key not in STRIPPED_ENV_VARS}
         env.pop(ENV_AM, None)

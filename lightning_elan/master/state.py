@@ -299,6 +299,7 @@ class JobState:
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S  # how long it waits for them before the job fails
     failed_reason: str | None = None  # why the job stopped unfinished (no survivor, too few workers)
     next_failure: int = 1
+    launch_world_size: int = 0  # generation 0's size: a joiner's model is built for it before it joins
     exits: dict[str, WorkerExit] = field(default_factory=dict)  # every worker whose process exited, and how
     enrolment: Enrolment | None = None  # workers come from a scheduler (`elan worker`), not from `elan run`
     standby: StandbyPool = field(default_factory=StandbyPool)  # warmed-up joiners no request has taken yet
@@ -336,6 +337,7 @@ class JobState:
             "join_timeout_s": self.join_timeout_s,
             "failed_reason": self.failed_reason,
             "next_failure": self.next_failure,
+            "launch_world_size": self.launch_world_size,
             "exits": {worker: how.to_dict() for worker, how in self.exits.items()},
             "enrolment": self.enrolment.to_dict() if self.enrolment else None,
             "standby": self.standby.to_dict(),
@@ -373,6 +375,7 @@ class JobState:
             join_timeout_s=data.get("join_timeout_s", DEFAULT_JOIN_TIMEOUT_S),
             failed_reason=data.get("failed_reason"),
             next_failure=data.get("next_failure", 1),
+            launch_world_size=data.get("launch_world_size", 0),
             exits=_exits_from_dict(data),
             enrolment=Enrolment.from_dict(data["enrolment"]) if data.get("enrolment") else None,
             standby=StandbyPool.from_dict(data.get("standby")),

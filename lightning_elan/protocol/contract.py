@@ -420,7 +420,8 @@ class EnrolReply:
     """The reply to ``enrol``: ``role`` is ``waiting`` (poll again), ``member`` (of generation 0: ``rank`` of
     ``world_size``) or ``joiner``; ``store_port`` (and ``store_host`` when the AM knows it) locate the job's
     rendezvous store when it is a TCPStore; ``store_url`` names it otherwise (``etcd://HOST:PORT/PREFIX?job=JOB``, the
-    store of a job whose AMs keep their state in etcd)."""
+    store of a job whose AMs keep their state in etcd). A joiner's ``launch_world_size`` is generation 0's size (0
+    where the AM does not know it): what the members' ``configure_model`` saw, and what the joiner's builds for."""
 
     worker_id: str
     role: str
@@ -431,6 +432,7 @@ class EnrolReply:
     store_port: int | None = None
     store_host: str | None = None
     store_url: str | None = None
+    launch_world_size: int = 0
 
     @property
     def waiting(self) -> bool:

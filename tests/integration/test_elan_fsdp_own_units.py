@@ -14,11 +14,13 @@ within 1e-9, every sample trained once per epoch, every batch on the user's unit
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_elan_fsdp import (
+    SCRIPT,
     FsdpRun,
     assert_each_sample_once,
     assert_ok,
@@ -26,6 +28,7 @@ from tests.integration.test_elan_fsdp import (
     run_fsdp_job,
     static_fsdp_run,
 )
+from tests.integration.test_enrolled_workers import Cluster
 
 pytestmark = pytest.mark.integration
 
@@ -169,6 +172,32 @@ def test_compiled_units_train_through_a_grow_and_a_shrink(tmp_path: Path, static
 
     assert_ok(run)
     assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("remove", 2)]
+    assert units_trained_on(run) == {tuple(UNITS)}
+    assert_each_sample_once(run)
+    assert_states_close(run.final_state(), static_fsdp.final_state())
+
+
+def test_a_joiner_started_by_elan_worker_builds_for_the_launch_world(tmp_path: Path, static_fsdp: FsdpRun) -> None:
+    """The same user code in a job of ``elan worker``s (a scheduler's, ``elan am --min-workers 2``): the joiner's
+    launcher did not start the job, so it learns the launch world from the AM at its enrolment (before, its stand-in
+    mesh had one rank, it built its blocks unwrapped and was refused with ``ModuleMismatch``). 2 → 3 when the third
+    worker is ready; the static run's result."""
+    cluster = Cluster(tmp_path)
+    args = ["--dimension-names", "--checkpoint-activations", "when-sharded", "--configure-model", "--step-sleep", "1"]
+    cluster.start_am(max_workers=3, min_workers=2)
+    try:
+        members = [cluster.command(f"w-{name}", [sys.executable, str(SCRIPT), str(tmp_path / "out"), *args])
+                   for name in "ab"]
+        cluster.wait_status(lambda status: status["generation"] == 0 and len(status["members"]) == 2)
+        joiner = cluster.command("w-c", [sys.executable, str(SCRIPT), str(tmp_path / "out"), *args])
+        codes = [proc.wait(300) for proc in [*members, joiner]]
+        assert codes == [0, 0, 0], cluster.logs()
+        assert cluster.am.wait(60) == 0, cluster.logs()
+    finally:
+        cluster.stop()
+    run = FsdpRun(tmp_path, 0, cluster.logs())
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3)], cluster.logs()
+    assert mesh_sizes_in_configure_model(run) == [2, 2, 2]
     assert units_trained_on(run) == {tuple(UNITS)}
     assert_each_sample_once(run)
     assert_states_close(run.final_state(), static_fsdp.final_state())

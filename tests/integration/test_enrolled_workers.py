@@ -60,8 +60,12 @@ class Cluster:
         return self.tmp / "state"
 
     def worker(self, name: str, probe_args: list[str] = SLOW) -> subprocess.Popen:
-        return self._start(["worker", "--am", self.am_address, "--job", JOB, "--", sys.executable, str(PROBE),
-                            "--out", str(self.tmp / "out"), *PROBE_ARGS, *probe_args], name)
+        return self.command(name, [sys.executable, str(PROBE), "--out", str(self.tmp / "out"), *PROBE_ARGS,
+                                   *probe_args])
+
+    def command(self, name: str, command: list[str]) -> subprocess.Popen:
+        """An ``elan worker`` of the job running ``command``."""
+        return self._start(["worker", "--am", self.am_address, "--job", JOB, "--", *command], name)
 
     def kill_in_library(self, kill: str) -> None:
         """The workers' commands SIGKILL themselves at ``kill`` (``tests/integration/fault_kill``)."""

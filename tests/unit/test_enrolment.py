@@ -65,6 +65,20 @@ def test_after_the_start_a_worker_is_a_joiner_of_an_add_request() -> None:
         enrol(state, 11.0)  # 2 members + 1 pending joiner = the maximum
 
 
+def test_a_joiner_learns_the_launch_world_of_the_job_and_it_survives_the_am() -> None:
+    """Generation 0's size, what the members' ``configure_model`` built for: a joiner's launcher did not start the job,
+    so it learns it at its enrolment (also from an AM that took the state over), whatever the job's size since."""
+    state = enrolling_job(minimum=2, maximum=4, grace=0.0)
+    enrol(state, 0.0)
+    member = enrol(state, 0.0)
+    assert (member.role, member.world_size, state.launch_world_size) == ("member", 2, 2)
+    assert enrol(state, 10.0, "c").launch_world_size == 2
+    restored = JobState.from_dict(state.to_dict())
+    assert enrol(restored, 11.0, "d").launch_world_size == 2
+    saved_before = {key: value for key, value in state.to_dict().items() if key != "launch_world_size"}
+    assert JobState.from_dict(saved_before).launch_world_size == 0  # a state an older AM saved: not known
+
+
 def test_a_silent_waiter_is_dropped_before_the_start() -> None:
     state = enrolling_job(minimum=2, maximum=3, grace=1.0)
     enrol(state, 0.0)  # w0 never polls again

@@ -49,6 +49,7 @@ MAX_COMPLETING = 8  # committed adjustments still waiting for reports; older one
 def form_generation_zero(state: JobState, members: list[Member]) -> None:
     """The job starts: ``members`` (in rank order) are generation 0."""
     state.members = members
+    state.launch_world_size = len(members)
 
 
 def coordinate(state: JobState, request: CoordinateRequest, now: float | None = None) -> CoordinateReply:

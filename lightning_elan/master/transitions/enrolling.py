@@ -94,7 +94,8 @@ def _enrolment_of(state: JobState, worker_id: str, now: float) -> EnrolReply:
         return EnrolReply(worker_id, "member", state.generation, state.member_ids.index(worker_id), state.world_size,
                           state.coordinate_every or DEFAULT_COORDINATE_EVERY)
     if worker_id in state.pending_workers:
-        return EnrolReply(worker_id, "joiner", coordinate_every=state.coordinate_every or DEFAULT_COORDINATE_EVERY)
+        return EnrolReply(worker_id, "joiner", coordinate_every=state.coordinate_every or DEFAULT_COORDINATE_EVERY,
+                          launch_world_size=state.launch_world_size)
     if state.enrolment is not None and state.enrolment.seen(worker_id, now):
         return EnrolReply(worker_id, ROLE_WAITING)
     if worker_id in state.left_workers:

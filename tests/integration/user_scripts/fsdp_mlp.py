@@ -17,7 +17,8 @@ than one (the sizes recorded in ``OUT/units-<pid>.json``); with ``--checkpoint-a
 wrapped by ``checkpoint_wrapper`` first (``when-sharded``: only when it is sharded, as that example does).
 ``--joiner-width W``: a joiner (``ELAN_ROLE=joiner``) builds its network ``W`` wide, as a host configured otherwise than
 the members' would. ``--shard-columns``: the blocks are sharded with a ``shard_placement_fn`` on their parameters' last
-dimension; ``--compile BACKEND``: each sharded block is compiled (``block.compile(backend=...)``). ``--net-in-step``:
+dimension; ``--compile BACKEND``: each sharded block is compiled (``block.compile(backend=...)``). ``--step-sleep S``:
+each batch waits S seconds as it starts (a joiner started by ``elan worker`` has time to join). ``--net-in-step``:
 ``training_step`` calls the network itself (``self.net(x)``, as most modules do) instead of ``self(x)``. At the end
 every member gathers the full state (parameters and Adam's states, by parameter name) and rank 0 writes
 ``OUT/final.pt``. Each member's live reshards are logged (``resharded live``). ``--kill-step S``: rank 1 (or each
@@ -65,6 +66,7 @@ CHECKPOINT_ACTIVATIONS = None  # --checkpoint-activations
 JOINER_WIDTH = None  # --joiner-width
 SHARD_COLUMNS = False  # --shard-columns
 COMPILE = None  # --compile BACKEND
+STEP_SLEEP_S = 0.0  # --step-sleep
 RESHARD_KILL_AT = 3
 """``--kill-at reshard``: the transfer (all-to-all round of ``replication.reshard.carry``) a process dies in."""
 
@@ -198,6 +200,7 @@ class RecordTrained(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.batch = batch
+        time.sleep(STEP_SLEEP_S)
         if trainer.global_step == self.kill_step and trainer.global_rank == self.reshard_kill_rank and \
                 not (self.out / "killed-in-recovery").exists():
             _die_in_a_reshard(self.out / "killed-in-recovery", lambda: (self.out / "killed").exists())
@@ -309,13 +312,14 @@ def main() -> None:
     parser.add_argument("--compile", default=None, help="with --dimension-names: each sharded block compiled so")
     parser.add_argument("--shard-columns", action="store_true",
                         help="with --dimension-names: the blocks' parameters sharded on their last dimension")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each batch waits as it starts")
     parser.add_argument("--dimension-names", action="store_true",
                         help="--own-units through device_mesh['data_parallel'] and ['tensor_parallel']")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    global OUT, CHECKPOINT_ACTIVATIONS, JOINER_WIDTH, SHARD_COLUMNS, COMPILE
+    global OUT, CHECKPOINT_ACTIVATIONS, JOINER_WIDTH, SHARD_COLUMNS, COMPILE, STEP_SLEEP_S
     OUT, CHECKPOINT_ACTIVATIONS, JOINER_WIDTH = str(args.out), args.checkpoint_activations, args.joiner_width
-    SHARD_COLUMNS, COMPILE = args.shard_columns, args.compile
+    SHARD_COLUMNS, COMPILE, STEP_SLEEP_S = args.shard_columns, args.compile, args.step_sleep
     reshards = logging.getLogger("lightning_elan.elastic.live_reshard")  # one line per member and live reshard
     reshards.setLevel(logging.INFO)
     reshards.addHandler(logging.StreamHandler())
