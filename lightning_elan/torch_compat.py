@@ -399,13 +399,19 @@ def _remove_fsdp_hooks(state: Any) -> None:
 
 
 def _parameters_to_meta(model: torch.nn.Module) -> None:
+    """Each sharded parameter replaced by a meta one of its full shape; a parameter shared by several modules (tied
+    weights: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) by one, shared alike, so that ``fully_shard``
+    again finds it shared."""
     from torch.distributed.tensor import DTensor
 
+    replaced: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, parameter in list(module.named_parameters(recurse=False)):
             if isinstance(parameter, DTensor):
-                meta = torch.empty(parameter.shape, dtype=parameter.dtype, device="meta")
-                setattr(module, name, torch.nn.Parameter(meta, requires_grad=parameter.requires_grad))
+                if id(parameter) not in replaced:
+                    meta = torch.empty(parameter.shape, dtype=parameter.dtype, device="meta")
+                    replaced[id(parameter)] = torch.nn.Parameter(meta, requires_grad=parameter.requires_grad)
+                setattr(module, name, replaced[id(parameter)])
 
 
 # ---- activation checkpointing's wrapper (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py) -------------

@@ -59,6 +59,7 @@ def reshard_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
     me = group.rank() if group is not None else dist.get_rank()
     names = {id(parameter): name for name, parameter in model.named_parameters()}
     like = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in model.named_parameters()}
+    aliases = tied_aliases(model)
     skeleton = skeleton if skeleton is not None else _skeleton(optimizers, names, holders[0])
     _check_same_module(skeleton, like)
     keep = held is not None
@@ -72,7 +73,7 @@ def reshard_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
             if mesh is None:
                 raise ValueError("a receiver of the reshard needs the new mesh")
             shard_modules(model, mesh)  # on the meta parameters: allocates nothing
-        moved = _move_all(model, like, skeleton, olds, keep, holders, receivers, mesh, group, chunk_bytes)
+        moved = _move_all(model, like, skeleton, olds, keep, holders, receivers, mesh, group, chunk_bytes, aliases)
         if me not in receivers:
             return
         parameters = dict(model.named_parameters())
@@ -83,7 +84,8 @@ def reshard_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
 
 def _move_all(model: nn.Module, like: dict[str, torch.Tensor], skeleton: list[dict[str, Any]],
               olds: dict[str, dict[str, torch.Tensor]], keep: bool, holders: Sequence[int], receivers: Sequence[int],
-              mesh: DeviceMesh | None, group: Any | None, chunk_bytes: int) -> dict[str, dict[str, DTensor]]:
+              mesh: DeviceMesh | None, group: Any | None, chunk_bytes: int,
+              aliases: dict[str, list[str]]) -> dict[str, dict[str, DTensor]]:
     """Every tensor's rows to the new layout; a receiver loads each parameter once it is whole. Returns the moved
     optimizer states (``keep``: the old rows are left in ``olds``; else each is freed once sent)."""
     me = group.rank() if group is not None else dist.get_rank()
@@ -99,7 +101,27 @@ def _move_all(model: nn.Module, like: dict[str, torch.Tensor], skeleton: list[di
                 moved.setdefault(name, {})[kind] = _as_shard(rows, mesh, shape)
         if me in receivers:
             _load_parameter(model, name, moved[name].pop(PARAM))
+            _tie(model, name, aliases.get(name, []))
     return moved
+
+
+def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter registered under several names (tied weights) by its first name: its other names. The reshard
+    moves it under its first name (``named_parameters`` lists it once) and registers the loaded shard under the others
+    too; FSDP2's own ``_setattr_on_modules`` would do so only at the unit's next reshard."""
+    first = {id(parameter): name for name, parameter in model.named_parameters()}
+    aliases: dict[str, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if first[id(parameter)] != name:
+            aliases.setdefault(first[id(parameter)], []).append(name)
+    return aliases
+
+
+def _tie(model: nn.Module, name: str, aliases: list[str]) -> None:
+    parameter = model.get_parameter(name)
+    for alias in aliases:
+        owner, _, attribute = alias.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, parameter)
 
 
 def is_fully_sharded(model: nn.Module) -> bool:

@@ -10,7 +10,10 @@ The loop: AdamW with a cosine schedule and warm-up from ``transformers.get_sched
 on held-out blocks with ``gather_for_metrics`` after every epoch, a JSON-lines tracker (``OUT/metrics.jsonl``),
 ``save_state`` every ``--checkpointing_steps`` optimizer steps (``OUT/step_<n>``), ``--resume_from_checkpoint`` as
 ``run_clm_no_trainer.py`` does it (``load_state``, then ``skip_first_batches`` to the saved step within its epoch), the
-trained model saved with ``save_pretrained`` (``OUT/final``).
+trained model saved with ``save_pretrained`` (``OUT/final``). ``--fsdp``: FSDP2 as Accelerate's FSDP guide sets it up
+for a transformers model (``FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+transformer_cls_names_to_wrap=["GPT2Block"])``; GPT-2's ``lm_head.weight`` is tied to ``transformer.wte.weight``), the
+model saved with ``state_dict=accelerator.get_state_dict(model)`` as that guide says.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import FullyShardedDataParallelPlugin
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, IterableDataset
 from training_utils import JsonLinesTracker, SampleLog, TrainingProgress
@@ -72,6 +76,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume_from_checkpoint", type=Path, default=None)
     parser.add_argument("--streaming", action="store_true", help="read the training blocks as a stream")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2, each GPT2Block a unit")
     return parser.parse_args()
 
 
@@ -116,7 +121,12 @@ def resume_point(checkpoint: Path, steps_per_epoch: int) -> tuple[int, int | Non
 def main() -> None:
     args = parse_args()
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    accelerator = ElasticAccelerator(log_with=[JsonLinesTracker(args.output_dir / "metrics.jsonl")])
+    plugin = None
+    if args.fsdp:
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                                transformer_cls_names_to_wrap=["GPT2Block"])
+    accelerator = ElasticAccelerator(fsdp_plugin=plugin,
+                                     log_with=[JsonLinesTracker(args.output_dir / "metrics.jsonl")])
     set_seed(args.seed)
     model = build_model(args.block_size)
     train_blocks = token_blocks(args.train_blocks, args.block_size, seed=1)
@@ -171,8 +181,9 @@ def main() -> None:
         accelerator.log({**metrics, "epoch": epoch}, step=progress.completed_steps)
 
     accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model) if args.fsdp else None  # every process gathers it
     accelerator.unwrap_model(model).save_pretrained(args.output_dir / "final", save_function=accelerator.save,
-                                                    is_main_process=accelerator.is_main_process)
+                                                    is_main_process=accelerator.is_main_process, state_dict=state_dict)
     accelerator.end_training()
 
 

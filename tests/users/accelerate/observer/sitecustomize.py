@@ -45,7 +45,8 @@ def _write(record: dict[str, Any]) -> None:
 
 def _digest(accelerator: Any) -> str:
     """Parameters and buffers of every prepared model, then every prepared optimizer's per-parameter state and its
-    hyperparameters, then every prepared LR scheduler's state."""
+    hyperparameters, then every prepared LR scheduler's state. Under FSDP2 a member's shards (its digests differ from
+    the others')."""
     import torch
 
     digest = hashlib.sha256()
@@ -58,7 +59,8 @@ def _digest(accelerator: Any) -> str:
                     for key, value in sorted(state[slot].items())]
     for name, value in tensors:
         digest.update(name.encode())
-        tensor = torch.as_tensor(value).detach().cpu().contiguous().reshape(-1)
+        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor (FSDP2): this member's shard
+        tensor = torch.as_tensor(local).detach().cpu().contiguous().reshape(-1)
         digest.update(tensor.view(torch.uint8).numpy().tobytes())
     for optimizer in accelerator._optimizers:  # the hyperparameters too: a scheduler a rank did not step
         for group in optimizer.param_groups:
