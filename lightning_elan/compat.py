@@ -315,6 +315,25 @@ def module_kept_off_the_cpu(module: torch.nn.Module) -> Generator[None, None, No
         del module.cpu
 
 
+@contextmanager
+def after_the_closure(precision: Any, hook: Callable[[], None]) -> Generator[None, None, None]:
+    """While the context is open, ``hook`` runs each time Lightning has run a step's closure and what follows it,
+    before the optimizer's update: ``Precision._wrap_closure`` (lightning/pytorch/plugins/precision/precision.py; the
+    AMP, FSDP and DeepSpeed plugins call the same ``_after_closure`` themselves) runs the closure (``training_step``
+    and backward), then ``_after_closure``: the ``on_before_optimizer_step`` hooks and ``_clip_gradients``."""
+    after_closure = precision._after_closure
+
+    def then_hook(model: Any, optimizer: Any) -> None:
+        after_closure(model, optimizer)
+        hook()
+
+    precision._after_closure = then_hook  # an instance attribute shadows the method while the step runs
+    try:
+        yield
+    finally:
+        del precision._after_closure
+
+
 def materialize_meta_module(module: torch.nn.Module, device: torch.device) -> None:
     """A module built on the meta device given memory on ``device`` and initialised by each submodule's
     ``reset_parameters``, as Lightning's ``ModelParallelStrategy.setup`` does (``_materialize_distributed_module``,

@@ -215,7 +215,7 @@ class FSDP2Sharding:
         """Why the steps cannot be mirrored (None: they can)."""
         if len(optimizers) > 1:
             return "more than one optimizer: a batch's later optimizer steps follow its commit vote"
-        return unmirrored_because(optimizers, automatic=True, clipping=False)
+        return unmirrored_because(optimizers, automatic=True)
 
     def before_vote(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], optimizer: Any,
                     group: Any) -> None:

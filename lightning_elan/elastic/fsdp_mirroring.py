@@ -5,7 +5,7 @@
 exchange the reduced gradients before the commit vote, advance the mirror once the step committed) and at a recovery
 (``replication.fsdp_recover``: every survivor gives its own shard and, if its ward died, the ward's from the mirror; the
 rows go to the new layout). A member's death that no mirror covers — the job has a single member, an optimizer that
-cannot be replayed on a shard, manual optimization or gradient clipping (:func:`unmirrored_because`), the mirror of the
+cannot be replayed on a shard, manual optimization (:func:`unmirrored_because`), the mirror of the
 generation was not seeded yet (seeded at the end of a resize's or recovery's reshard, before its commit vote, and as
 the launch generation's training loop starts) — stops the job with :class:`LostShard`, naming why. A death while the
 shards move to a new layout abandons that reshard: each member keeps its old rows and its mirror until every
@@ -38,12 +38,11 @@ class LostShard(UnrecoverableShards):
     """A member of an elan_fsdp job died and its shard of the model and optimizer cannot be rebuilt."""
 
 
-def unmirrored_because(optimizers: Sequence[torch.optim.Optimizer], automatic: bool, clipping: bool) -> str | None:
-    """Why the steps of this fit cannot be mirrored exactly (None: they can)."""
+def unmirrored_because(optimizers: Sequence[torch.optim.Optimizer], automatic: bool) -> str | None:
+    """Why the steps of this fit cannot be mirrored exactly (None: they can). Clipped gradients can: the mirrors
+    receive each step's gradients as the optimizer applies them, after any clipping."""
     if not automatic:
         return "manual optimization: a redone batch undoes the steps it applied, which the mirrors cannot"
-    if clipping:
-        return "gradient clipping: the gradients are clipped after the mirrors received them"
     return mirrorable(optimizers)
 
 

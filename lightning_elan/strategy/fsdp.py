@@ -399,21 +399,23 @@ class ElanFSDPStrategy(ElanStrategy):
     def _mirroring(self) -> StepMirroring:
         return StepMirroring(self.engine.worker_id)
 
+    votes_after_clipping = True  # FSDP2's gradient clipping all-reduces the shards' norms: a collective of the step
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """The gradients go to the mirror holder before the step's commit vote; the committed step advances the
-        mirror after the update."""
-        index = [_torch_optimizer(one) for one in self.optimizers].index(_torch_optimizer(optimizer))
-
-        def mirrored_closure() -> Any:
-            result = closure()
-            self._mirroring.before_vote(self.lightning_module, self._torch_optimizers(), index,
-                                        self.engine.generation_group, self._unmirrored())
-            return result
-
-        output = super().optimizer_step(optimizer, mirrored_closure, model, **kwargs)
+        """The committed step advances the mirror after the update (its gradients went to the mirror holder before
+        the vote, :meth:`_before_the_vote`)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._mirroring.after_step()
         return output
+
+    @override
+    def _before_the_vote(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step's final gradients — after ``on_before_optimizer_step`` and gradient clipping — to the mirror
+        holder, so that it replays the update the members apply."""
+        index = self._torch_optimizers().index(optimizer)
+        self._mirroring.before_vote(self.lightning_module, self._torch_optimizers(), index,
+                                    self.engine.generation_group, self._unmirrored())
 
     @override
     def recover_from(self, error: BaseException, rollback: Callable[[], None] | None) -> bool:
@@ -455,9 +457,7 @@ class ElanFSDPStrategy(ElanStrategy):
         return module.trainer.state.fn != TrainerFn.FITTING and not is_fully_sharded(module)
 
     def _unmirrored(self) -> str | None:
-        trainer = self.lightning_module.trainer
-        return unmirrored_because(self._torch_optimizers(), self.lightning_module.automatic_optimization,
-                                  bool(trainer.gradient_clip_val))
+        return unmirrored_because(self._torch_optimizers(), self.lightning_module.automatic_optimization)
 
     @override
     def fit_started(self) -> None:

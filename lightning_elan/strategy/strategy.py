@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -659,23 +660,38 @@ class ElanStrategy(DDPStrategy):
         held_open = manual or self._reevaluations.expected(torch_optimizer)
         evaluations = 0
 
-        def committed_closure() -> Any:
-            nonlocal evaluations
-            evaluations += 1
-            result = closure()
+        def vote() -> None:
+            self._before_the_vote(torch_optimizer)
             self.engine.commit_step(self.lightning_module.trainer.global_step, closes_batch=not held_open)
             self._pre_loop.step_committed()
             if held_open:
                 self._applied_steps.before_update(torch_optimizer)
+
+        def committed_closure() -> Any:
+            nonlocal evaluations
+            evaluations += 1
+            result = closure()
+            if not self.votes_after_clipping:
+                vote()
             return result
 
-        output = super().optimizer_step(optimizer, committed_closure, model, **kwargs)
+        voting = compat.after_the_closure(self.precision_plugin, vote) if self.votes_after_clipping else nullcontext()
+        with voting:
+            output = super().optimizer_step(optimizer, committed_closure, model, **kwargs)
         if not manual:
             self._reevaluations.seen(torch_optimizer, evaluations)
             if held_open:
                 self._applied_steps.batch_stands()
                 self.engine.batch_trained(self.lightning_module.trainer.global_step + 1)
         return output
+
+    votes_after_clipping = False
+    """Whether a step's commit vote waits for Lightning's work after the closure (``on_before_optimizer_step`` hooks,
+    gradient clipping) instead of coming right after the backward (``elan_fsdp``: its clipping is a collective over
+    the shards, and its mirrors must receive the clipped gradients)."""
+
+    def _before_the_vote(self, optimizer: torch.optim.Optimizer) -> None:
+        """What a step does once its gradients are final, before its commit vote (nothing here)."""
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

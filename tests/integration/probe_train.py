@@ -207,8 +207,9 @@ class ProbeModel(pl.LightningModule):
         global_batch = getattr(getattr(trainer.strategy, "data_position", None), "global_batch", None)
         lr = optimizer.param_groups[0]["lr"]
         self.steps.append([trainer.global_step, trainer.current_epoch, trainer.world_size, global_batch, lr])
-        if self.kill.due(self, "optimizer"):  # every member committed this step: its samples count
-            self.log_completed()
+        if self.kill.due(self, "optimizer"):
+            if not getattr(trainer.strategy, "votes_after_clipping", False):  # every member committed: samples count
+                self.log_completed()  # (elan_fsdp votes after this hook and any clipping: the step is redone)
             self.kill.now()
         self.hold("optimizer")
 

@@ -49,8 +49,8 @@ def assert_recovered_exactly(run: FsdpRun, static: FsdpRun, adjustments: list[tu
 def test_a_member_killed_in_a_step_loses_no_step(tmp_path: Path, static_fsdp: FsdpRun, phase: str) -> None:
     """3 workers (2 grown to 3); rank 1 SIGKILLs itself as step 5's batch starts (the survivors in the root unit's
     all-gather, before its forward), in its forward, in its backward (the survivors in the reduce-scatter), or in its
-    optimizer step (the step committed, its update not applied there): the 2 survivors restore its shard from rank 2's
-    mirror, reshard to 2 and train on; the result is the static run's."""
+    optimizer step (the step committed, its own update applied, its mirror not advanced): the 2 survivors restore its
+    shard from rank 2's mirror, reshard to 2 and train on; the result is the static run's."""
     run = run_fsdp_job(tmp_path, f"fsdpkill{phase}", "--kill-step", KILL_STEP, "--kill-at", phase, schedule=GROW)
 
     assert_recovered_exactly(run, static_fsdp, [("add", 3), ("failure", 2)])

@@ -1,16 +1,17 @@
-"""Lightning's FSDP2 guide, as a user runs it under ``strategy="elan_fsdp"`` (``scripts/fsdp_guide_lm.py``): the
-model built on the meta device in ``configure_model`` and sharded there by the user's own ``fully_shard`` calls. It
-runs static (``elan run --nproc 2``) and under the corpus' elastic schedule (2 → 3 → 2, a migration, a worker
-SIGKILLed as the batch of step 12 starts, or at its optimizer step once every member committed it: its share is
-trained, not recorded), and the elastic run must equal the static one: each sample once per epoch, the final
-checkpoint's parameters and Adam states, every checkpoint and every logged loss within 1e-9. (Members hold different
-shards, so the corpus' bit-identical members check does not apply.)"""
+"""Lightning's FSDP2 guide, as a user runs it under ``strategy="elan_fsdp"`` (``scripts/fsdp_guide_lm.py``): the model
+built on the meta device in ``configure_model`` and sharded there by the user's own ``fully_shard`` calls. It runs
+static (``elan run --nproc 2``) and under the corpus' elastic schedule (2 → 3 → 2, a migration, a worker SIGKILLed as
+the batch of step 12 starts, or in ``on_before_optimizer_step``: under ``elan_fsdp`` before the step's commit vote,
+which waits for any gradient clipping, so the step is redone), and the elastic run must equal the static one: each
+sample once per epoch, the final checkpoint's parameters and Adam states, every checkpoint and every logged loss within
+1e-9. (Members hold different shards, so the corpus' bit-identical members check does not apply.)"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -45,13 +46,32 @@ pytestmark = [
 LINES = 100
 """Made-up WikiText lines of 34 tokens: 3400 tokens, 96 samples of 35 (the demo drops the last block): 8 global
 batches of 12 per epoch, 24 steps in 3 epochs."""
-SAMPLES, EPOCHS, STEPS = 96, 3, 24
-SAMPLES_PER_PROCESS = 6
+SAMPLES, SAMPLES_PER_PROCESS = 96, 6
 
 
-def job(units: str, elastic: bool, kill_phase: str) -> Job:
-    command = ("{scripts}/fsdp_guide_lm.py", "{out}", "--units", units, "--epochs", str(EPOCHS), "--after-fit")
-    name = f"guide-{units}-{'elastic' if elastic else 'static'}"
+@dataclass(frozen=True)
+class Variant:
+    """The script's arguments, its epochs and optimizer steps, and whether it validates, predicts and fits again."""
+
+    args: tuple[str, ...]
+    epochs: int = 3
+    steps: int = 24
+    after_fit: bool = True
+
+
+VARIANTS = {
+    "layers": Variant(("--units", "layers")),
+    "model": Variant(("--units", "model")),
+    # each optimizer step over 2 batches, the gradients clipped to a norm of 0.05 (a norm over every member's shards)
+    "accumulate": Variant(("--units", "layers", "--accumulate", "2", "--clip", "0.05"), epochs=6, after_fit=False),
+}
+
+
+def job(variant: str, elastic: bool, kill_phase: str) -> Job:
+    spec = VARIANTS[variant]
+    command = ("{scripts}/fsdp_guide_lm.py", "{out}", *spec.args, "--epochs", str(spec.epochs),
+               *(("--after-fit",) if spec.after_fit else ()))
+    name = f"guide-{variant}-{'elastic' if elastic else 'static'}"
     if not elastic:
         return Job(name, command)
     return Job(name, command, schedule=SCHEDULE, kill=f"{KILL_STEP}:{kill_phase}")
@@ -61,12 +81,12 @@ def job(units: str, elastic: bool, kill_phase: str) -> Job:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool, str], Run]:
     done: dict[tuple[str, bool, str], Run] = {}
 
-    def get(units: str, elastic: bool, kill_phase: str = "start") -> Run:
-        key = (units, elastic, kill_phase if elastic else "")
+    def get(variant: str, elastic: bool, kill_phase: str = "start") -> Run:
+        key = (variant, elastic, kill_phase if elastic else "")
         if key not in done:
-            home = tmp_path_factory.mktemp(f"{units}-{'elastic' if elastic else 'static'}")
+            home = tmp_path_factory.mktemp(f"{variant}-{'elastic' if elastic else 'static'}")
             write_wikitext(home, lines=LINES)
-            done[key] = run_job(home, job(units, elastic, kill_phase))
+            done[key] = run_job(home, job(variant, elastic, kill_phase))
         return done[key]
 
     return get
@@ -76,19 +96,24 @@ def final_checkpoint(run: Run) -> dict:
     return checkpoints(run.out)["final.ckpt"]
 
 
-def assert_static_guide(run: Run) -> None:
+def assert_static_guide(run: Run, spec: Variant) -> None:
     assert_ok(run)
-    assert_each_sample_once(run, dict.fromkeys([*range(EPOCHS), FIT_OFFSET + EPOCHS], SAMPLES))  # and a second fit
-    assert sorted(run.digests_by_step()) == [*range(STEPS), *range(FIT_OFFSET + STEPS, FIT_OFFSET + STEPS + 8)]
+    epochs, steps = list(range(spec.epochs)), list(range(spec.steps))
+    if spec.after_fit:  # and a second fit of one epoch
+        epochs, steps = [*epochs, FIT_OFFSET + spec.epochs], [*steps, *range(FIT_OFFSET + spec.steps,
+                                                                              FIT_OFFSET + spec.steps + 8)]
+    assert_each_sample_once(run, dict.fromkeys(epochs, SAMPLES))
+    assert sorted(run.digests_by_step()) == steps
     assert not run.adjustments(), "a static run has no adjustment"
 
 
-@pytest.mark.parametrize(("units", "kill_phase"), [("layers", "start"), ("model", "optimizer")])
-def test_the_guides_model_trains_elastically_as_it_trains_statically(runs: Callable[..., Run], units: str,
+@pytest.mark.parametrize(("variant", "kill_phase"), [("layers", "start"), ("model", "optimizer"),
+                                                     ("accumulate", "start")])
+def test_the_guides_model_trains_elastically_as_it_trains_statically(runs: Callable[..., Run], variant: str,
                                                                        kill_phase: str) -> None:
-    static = runs(units, False)
-    assert_static_guide(static)
-    run = runs(units, True, kill_phase)
+    spec, static = VARIANTS[variant], runs(variant, False)
+    assert_static_guide(static, spec)
+    run = runs(variant, True, kill_phase)
     assert_ok(run)
     adjustments = run.adjustments()
     assert [(a["action"], len(a["members"])) for a in adjustments] == ADJUSTMENTS, adjustments
@@ -96,7 +121,7 @@ def test_the_guides_model_trains_elastically_as_it_trains_statically(runs: Calla
     assert len(kills) == 1 and adjustments[-1]["failure"]["dead"] == [kills[0]["worker"]], (kills, adjustments)
     assert_samples(run, static, "fsdp_guide_lm", {kills[0]["worker"]})  # with a share trained, not recorded
     mine, theirs = final_checkpoint(run), final_checkpoint(static)
-    assert (mine["global_step"], mine["epoch"]) == (theirs["global_step"], theirs["epoch"]) == (STEPS, EPOCHS)
+    assert (mine["global_step"], mine["epoch"]) == (theirs["global_step"], theirs["epoch"]) == (spec.steps, spec.epochs)
     assert_states_close(mine["state_dict"], theirs["state_dict"])
     for optimizer, reference in zip(mine["optimizer_states"], theirs["optimizer_states"], strict=True):
         assert_states_close(flat_optimizer_state(optimizer), flat_optimizer_state(reference))
@@ -105,10 +130,10 @@ def test_the_guides_model_trains_elastically_as_it_trains_statically(runs: Calla
     _, static_rows = read_csv(static.out / "logs" / "lm" / "version_0" / "metrics.csv")
     assert_logged_alike(rows, static_rows, "train_loss", exact=True)
     assert logged(rows, "samples_seen") == logged(static_rows, "samples_seen")
-    assert sorted(logged(rows, "samples_seen").values()) == [SAMPLES] * EPOCHS, "the metric counted every sample once"
-    assert sorted(logged(static_rows, "smallest_batch").values()) == [SAMPLES_PER_PROCESS] * EPOCHS
+    assert sorted(logged(rows, "samples_seen").values()) == [SAMPLES] * spec.epochs, "each sample counted once"
+    assert sorted(logged(static_rows, "smallest_batch").values()) == [SAMPLES_PER_PROCESS] * spec.epochs
     smallest = logged(rows, "smallest_batch").values()
-    assert len(smallest) == EPOCHS and all(value in (4, 6, 12) for value in smallest), smallest  # at 3, 2 or 1 worker
+    assert len(smallest) == spec.epochs and all(value in (4, 6, 12) for value in smallest), smallest  # 3, 2, 1 worker
 
 
 def test_the_guides_model_is_materialised_by_the_strategy(runs: Callable[..., Run]) -> None:
@@ -125,7 +150,7 @@ def test_the_guides_steps_are_logged_once_each(runs: Callable[..., Run]) -> None
     run = runs("layers", True)
     _, rows = read_csv(run.out / "logs" / "lm" / "version_0" / "metrics.csv")
     steps = [int(row["step"]) for row in rows if row.get("train_loss")]
-    assert sorted(steps) == list(range(STEPS)) and len(set(steps)) == len(steps), steps
+    assert sorted(steps) == list(range(VARIANTS["layers"].steps)) and len(set(steps)) == len(steps), steps
 
 
 def predictions(run: Run) -> list[tuple[int, ...]]:
@@ -144,5 +169,7 @@ def test_after_fit_the_guides_model_validates_predicts_and_fits_again(runs: Call
     assert abs(validated[0]["val_loss"] - expected[0]["val_loss"]) <= 1e-9, (validated, expected)
     assert len(predictions(static)) == 24 and predictions(run) == predictions(static)
     mine, theirs = (checkpoints(one.out)["final2.ckpt"] for one in (run, static))
-    assert (mine["global_step"], mine["epoch"]) == (theirs["global_step"], theirs["epoch"]) == (STEPS + 8, EPOCHS + 1)
+    spec = VARIANTS[units]
+    assert (mine["global_step"], mine["epoch"]) == (theirs["global_step"], theirs["epoch"]) == (spec.steps + 8,
+                                                                                                spec.epochs + 1)
     assert_states_close(mine["state_dict"], theirs["state_dict"])

@@ -24,13 +24,14 @@ every member gathers the full state (parameters and Adam's states, by parameter 
 ``OUT/final.pt``. Each member's live reshards are logged (``resharded live``). ``--kill-step S``: rank 1 (or each
 ``--kill-rank``) SIGKILLs itself in the batch of step S: as it starts (``--kill-at start``), in the forward (a forward
 pre-hook of the second block), in the backward (a gradient hook on that block's output: the later units' reduce-scatters
-are under way) or in the optimizer step (``on_before_optimizer_step``: the step was committed, the update not applied;
-the batch's samples are recorded first, as the step stands) or, ``--kill-at reshard``, in the live reshard of the first
-adjustment after step S (at its ``RESHARD_KILL_AT``-th transfer: some rows have moved). Only processes of the generation
-that first reaches the kill die (``OUT/killed`` says which; several victims die once all of them are at the kill point,
-``OUT/at-kill-<rank>``, or after 60 s), so a survivor that takes a killed rank, or a replacement, does not kill itself
-in the redo. ``--reshard-kill-rank R``: rank R (as step S starts) also SIGKILLs itself in the reshard of the recovery
-from that first death, at its ``RESHARD_KILL_AT``-th transfer (``OUT/killed-in-recovery``).
+are under way) or in the optimizer step (a step post-hook of its optimizer: the step was committed and its own update
+applied, its mirror not advanced; the batch's samples are recorded first, as the step stands) or, ``--kill-at reshard``,
+in the live reshard of the first adjustment after step S (at its ``RESHARD_KILL_AT``-th transfer: some rows have moved).
+Only processes of the generation that first reaches the kill die (``OUT/killed`` says which; several victims die once
+all of them are at the kill point, ``OUT/at-kill-<rank>``, or after 60 s), so a survivor that takes a killed rank, or a
+replacement, does not kill itself in the redo. ``--reshard-kill-rank R``: rank R (as step S starts) also SIGKILLs itself
+in the reshard of the recovery from that first death, at its ``RESHARD_KILL_AT``-th transfer
+(``OUT/killed-in-recovery``).
 
 ``--evaluate``: after ``fit`` the members run ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` over the
 dataset in order (their steps call the network as ``training_step`` does); rank 0 writes the logged ``val_mse`` and
@@ -218,8 +219,12 @@ class RecordTrained(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.kill_at == "optimizer" and self._kills_here(trainer):
-            self._record(trainer, self.batch)  # committed: the step stands with this member's samples
-            self._die(trainer)
+            torch_optimizer = getattr(optimizer, "_optimizer", optimizer)
+            self.hooks.append(torch_optimizer.register_step_post_hook(lambda *_: self._die_after_update(trainer)))
+
+    def _die_after_update(self, trainer):
+        self._record(trainer, self.batch)  # committed and applied here: the step stands with this member's samples
+        self._die(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         for hook in self.hooks:

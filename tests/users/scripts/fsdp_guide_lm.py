@@ -7,8 +7,9 @@ trains the same model. The user's additions: ``self.log`` of the loss (``sync_di
 ``SumMetric`` and ``MinMetric`` made in ``__init__`` (the samples trained in the epoch, the smallest batch a process
 trained).
 
-    python fsdp_guide_lm.py OUT [--epochs 3] [--units layers|model] [--after-fit]
+    python fsdp_guide_lm.py OUT [--epochs 3] [--units layers|model] [--after-fit] [--accumulate K] [--clip C]
 
+``--accumulate K``/``--clip C``: ``Trainer(accumulate_grad_batches=K, gradient_clip_val=C)``.
 ``--units model``: only the whole model is made a unit (the guide's smallest form). ``OUT/checkpoints`` gets a
 checkpoint every 4 steps (the two lowest ``train_loss`` and ``last.ckpt``), ``OUT/logs`` a ``CSVLogger``'s rows, and
 at the end ``OUT/final.ckpt`` (``trainer.save_checkpoint``). ``--after-fit``: then ``trainer.validate`` and
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--units", choices=["layers", "model"], default="layers")
     parser.add_argument("--after-fit", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     args = parser.parse_args()
 
     torch.set_default_dtype(torch.float64)
@@ -98,6 +101,7 @@ def main() -> None:
     checkpoint = ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=4, save_top_k=2,
                                  monitor="train_loss", save_last=True)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="elan_fsdp", max_epochs=args.epochs,
+                        accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
                         callbacks=[checkpoint], logger=CSVLogger(args.out / "logs", name="lm"), log_every_n_steps=1,
                         enable_progress_bar=False)
     trainer.fit(model, train_dataloader)
