@@ -156,10 +156,11 @@ class ElanFSDPStrategy(ElanStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """A joiner sets up unsharded (no mesh yet; its optimizers over its own parameters), then joins: the live
         reshard shards its module and rebinds its optimizers (Lightning restores loops and schedulers after this). A
-        member's ``validate``/``test``/``predict`` after its fit keeps the shards as they are: DDP's evaluation setup
-        would broadcast rank 0's module state, which over DTensor parameters fails ("Sharding propagation failed for
-        aten.view.default")."""
-        if trainer.state.fn != TrainerFn.FITTING and self.engine.is_member and _is_sharded(self.lightning_module):
+        member's ``validate``/``test``/``predict`` after its fit, or of units its ``configure_model`` made (a job that
+        only evaluates), keeps the shards as they are: DDP's evaluation setup would broadcast rank 0's module state,
+        which over DTensor parameters fails ("Sharding propagation failed for aten.view.default", "Cannot flatten
+        unevenly sharded tensor")."""
+        if trainer.state.fn != TrainerFn.FITTING and self.engine.is_member and is_fully_sharded(self.lightning_module):
             self._setup_alone(trainer)  # the device and precision set up, no state sync: the shards are the job's
             return
         super().setup(trainer)

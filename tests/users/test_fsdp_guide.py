@@ -173,3 +173,16 @@ def test_after_fit_the_guides_model_validates_predicts_and_fits_again(runs: Call
     assert (mine["global_step"], mine["epoch"]) == (theirs["global_step"], theirs["epoch"]) == (spec.steps + 8,
                                                                                                 spec.epochs + 1)
     assert_states_close(mine["state_dict"], theirs["state_dict"])
+
+
+def test_a_job_that_only_validates_the_guides_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``trainer.validate`` with no ``fit``: the units the guide's ``configure_model`` made on the meta device are
+    materialised and evaluated as they are (before, the evaluation's setup broadcast rank 0's module state over the
+    sharded parameters: "Cannot flatten unevenly sharded tensor", every member died)."""
+    home = tmp_path_factory.mktemp("validate-only")
+    write_wikitext(home, lines=LINES)
+    run = run_job(home, Job("guide-validate", ("{scripts}/fsdp_guide_lm.py", "{out}", "--validate-only")))
+    assert_ok(run)
+    results = [json.loads(path.read_text()) for path in sorted(run.out.glob("validated-*.json"))]
+    assert len(results) == 2 and results[0] == results[1], results
+    assert 0 < results[0][0]["val_loss"] < 10, results  # an NLL over a vocabulary of about 50 words, untrained

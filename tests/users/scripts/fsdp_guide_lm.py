@@ -15,7 +15,8 @@ checkpoint every 4 steps (the two lowest ``train_loss`` and ``last.ckpt``), ``OU
 at the end ``OUT/final.ckpt`` (``trainer.save_checkpoint``). ``--after-fit``: then ``trainer.validate`` and
 ``trainer.predict`` over the first 24 samples in order (rank 0 writes the validation loss to ``OUT/validated.json``, and
 each process its predictions to ``OUT/predicted-<pid>.pt``), and a second ``Trainer`` fits one more epoch from
-``OUT/final.ckpt`` and saves ``OUT/final2.ckpt``.
+``OUT/final.ckpt`` and saves ``OUT/final2.ckpt``. ``--validate-only``: a job that only evaluates, ``trainer.validate``
+of the new model over the first 24 samples (each process writes its results to ``OUT/validated-<pid>.json``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--units", choices=["layers", "model"], default="layers")
     parser.add_argument("--after-fit", action="store_true")
+    parser.add_argument("--validate-only", action="store_true", help="trainer.validate of the new model, no fit")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     args = parser.parse_args()
@@ -104,6 +106,10 @@ def main() -> None:
                         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
                         callbacks=[checkpoint], logger=CSVLogger(args.out / "logs", name="lm"), log_every_n_steps=1,
                         enable_progress_bar=False)
+    if args.validate_only:
+        validated = trainer.validate(model, DataLoader(Subset(dataset, range(24)), batch_size=6))
+        (args.out / f"validated-{os.getpid()}.json").write_text(json.dumps(validated))
+        return
     trainer.fit(model, train_dataloader)
     trainer.save_checkpoint(args.out / "final.ckpt")
     if args.after_fit:
