@@ -417,6 +417,24 @@ def _parameters_to_meta(model: torch.nn.Module) -> None:
 # ---- activation checkpointing's wrapper (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py) -------------
 
 
+def checkpoint_activations(model: torch.nn.Module, classes: frozenset[type]) -> None:
+    """Each instance of ``classes`` in ``model`` wrapped by ``checkpoint_wrapper`` (its activations recomputed in the
+    backward), as Lightning ``FSDPStrategy``'s ``activation_checkpointing_policy`` does through torch's
+    ``apply_activation_checkpointing``; one already wrapped is left as it is (a later fit, the user's own wrapping)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    wrapped = {id(module._checkpoint_wrapped_module) for module in model.modules()
+               if isinstance(module, CheckpointWrapper)}
+    def check(module: torch.nn.Module) -> bool:
+        return isinstance(module, tuple(classes)) and id(module) not in wrapped
+
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=check)
+
+
 def state_dict_key(parameter_name: str) -> str:
     """The ``state_dict`` key of the parameter ``named_parameters`` names so: a ``CheckpointWrapper`` (what
     ``checkpoint_wrapper(block)`` returns) keeps its module as ``_checkpoint_wrapped_module`` and its state-dict hooks

@@ -50,6 +50,7 @@ from lightning_elan import compat, sharded_checkpoint, torch_compat
 from lightning_elan.elastic.device_mesh import GenerationMesh, generation_mesh
 from lightning_elan.elastic.fsdp_mirroring import LostShard, StepMirroring, unmirrored_because
 from lightning_elan.elastic.live_reshard import ReshardGroup
+from lightning_elan.fsdp_options import read_fsdp_strategy_options
 from lightning_elan.replication import shard_layout
 from lightning_elan.replication.fsdp_reshard import (
     describe_optimizers,
@@ -71,7 +72,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ElanFSDPStrategy", "LostShard", "register_elan_fsdp_strategy"]
 
-NOT_YET = "strategy='elan_fsdp' does not support {what} yet (issue 24); {instead}"
 LIVE_RESHARD_KEY = "elan_fsdp_live_reshard"
 """In a joiner's checkpoint: its model and optimizer states come by the live reshard, not in the checkpoint."""
 ShardUnits = list[tuple[list[str], dict[str, Any]]]
@@ -101,7 +101,12 @@ class ElanFSDPStrategy(ElanStrategy):
         state_dict_type: Lightning ``FSDPStrategy``'s knob: ``"full"`` (default) gathers the whole state and rank 0
             writes one file; ``"sharded"`` has every member write its shards into a directory (no gather; DCP
             reshards it on load).
-        **kwargs: passed to :class:`~lightning_elan.strategy.strategy.ElanStrategy`.
+        **kwargs: passed to :class:`~lightning_elan.strategy.strategy.ElanStrategy`; and Lightning ``FSDPStrategy``'s
+            ``auto_wrap_policy`` (a set of module classes, as ``shard_modules``), ``activation_checkpointing_policy``
+            (a set of module classes: each instance wrapped by ``checkpoint_wrapper`` before it is sharded) and
+            ``sharding_strategy`` (``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``: ``reshard_after_forward=False``), so that
+            ``FSDPStrategy(...)`` becomes ``ElanFSDPStrategy(...)`` with the same arguments
+            (:mod:`lightning_elan.fsdp_options`); any other option is refused, saying what to pass instead.
     """
 
     strategy_name = "elan_fsdp"
@@ -110,11 +115,17 @@ class ElanFSDPStrategy(ElanStrategy):
                  mp_policy: Any | None = None, hsdp_group_size: int | None = None, reshard_chunk_mb: float = 64,
                  state_dict_type: Literal["full", "sharded"] = "full", **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        lightning_options = read_fsdp_strategy_options(self._ddp_kwargs)  # nothing is left for DDP
+        if shard_modules is not None and lightning_options.shard_modules:
+            raise ValueError("ElanFSDPStrategy: pass shard_modules or auto_wrap_policy, not both")
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}")
         self.state_dict_type = state_dict_type
-        self.shard_modules = frozenset(shard_modules or ())
+        self.shard_modules = frozenset(shard_modules or ()) | lightning_options.shard_modules
+        self.checkpointed_modules = lightning_options.checkpointed_modules
         self.reshard_after_forward = reshard_after_forward
+        if lightning_options.reshard_after_forward is not None:
+            self.reshard_after_forward = lightning_options.reshard_after_forward
         self.mp_policy = mp_policy
         if hsdp_group_size is not None and (type(hsdp_group_size) is not int or hsdp_group_size < 1):
             raise ValueError(f"hsdp_group_size must be a positive integer (or None for FSDP), got {hsdp_group_size!r}")
@@ -146,8 +157,7 @@ class ElanFSDPStrategy(ElanStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Refuse what is not supported yet, connect to the job, then build the generation's mesh."""
-        self._refuse_unsupported()
+        """Connect to the job, then build the generation's mesh."""
         super().setup_environment()
         if self.engine.is_member:
             self._build_mesh()  # a joiner's comes with its generation (membership_changed)
@@ -163,6 +173,8 @@ class ElanFSDPStrategy(ElanStrategy):
         if trainer.state.fn != TrainerFn.FITTING and self.engine.is_member and is_fully_sharded(self.lightning_module):
             self._setup_alone(trainer)  # the device and precision set up, no state sync: the shards are the job's
             return
+        if self.checkpointed_modules and trainer.state.fn == TrainerFn.FITTING:
+            torch_compat.checkpoint_activations(self.lightning_module, self.checkpointed_modules)  # joiners alike
         super().setup(trainer)
         if self._training_fit and not self.engine.is_member and not self.engine.has_left:
             _materialize_meta_buffers(self.lightning_module, self.root_device)
@@ -212,11 +224,6 @@ class ElanFSDPStrategy(ElanStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         return fitting and self.engine.environment.joiner and not self.engine.is_member and not self.engine.has_left
-
-    def _refuse_unsupported(self) -> None:
-        for unsupported in ("process_group", "static_graph", "find_unused_parameters"):
-            if self._ddp_kwargs.get(unsupported):
-                raise NotImplementedError(NOT_YET.format(what=f"DDP's {unsupported!r}", instead="leave it unset"))
 
     def shard_count(self, world: int) -> int:
         """How many shards a generation of ``world`` members has (the live reshard's layouts): ``hsdp_group_size``

@@ -62,6 +62,8 @@ class Variant:
 VARIANTS = {
     "layers": Variant(("--units", "layers")),
     "model": Variant(("--units", "model")),
+    # FSDPStrategy's arguments: each layer a unit and activation-checkpointed, the parameters kept after the forward
+    "policies": Variant(("--units", "policies"), after_fit=False),
     # each optimizer step over 2 batches, the gradients clipped to a norm of 0.05 (a norm over every member's shards)
     "accumulate": Variant(("--units", "layers", "--accumulate", "2", "--clip", "0.05"), epochs=6, after_fit=False),
 }
@@ -108,7 +110,7 @@ def assert_static_guide(run: Run, spec: Variant) -> None:
 
 
 @pytest.mark.parametrize(("variant", "kill_phase"), [("layers", "start"), ("model", "optimizer"),
-                                                     ("accumulate", "start")])
+                                                     ("accumulate", "start"), ("policies", "start")])
 def test_the_guides_model_trains_elastically_as_it_trains_statically(runs: Callable[..., Run], variant: str,
                                                                        kill_phase: str) -> None:
     spec, static = VARIANTS[variant], runs(variant, False)
@@ -186,3 +188,18 @@ def test_a_job_that_only_validates_the_guides_model(tmp_path_factory: pytest.Tem
     results = [json.loads(path.read_text()) for path in sorted(run.out.glob("validated-*.json"))]
     assert len(results) == 2 and results[0] == results[1], results
     assert 0 < results[0][0]["val_loss"] < 10, results  # an NLL over a vocabulary of about 50 words, untrained
+
+
+def test_fsdp_strategys_arguments_make_each_layer_a_checkpointed_unit(runs: Callable[..., Run]) -> None:
+    """``ElanFSDPStrategy(auto_wrap_policy=layers, activation_checkpointing_policy=layers,
+    sharding_strategy="SHARD_GRAD_OP")``: the process that finished the elastic fit (through a grow, a migration and a
+    recovery) has each of the 4 layers wrapped for activation checkpointing and sharded as a unit, and the
+    LightningModule as the root."""
+    run = runs("policies", True)
+    assert_ok(run)
+    layers = [f"model.transformer.{part}.layers.{index}" for part in ("encoder", "decoder") for index in (0, 1)]
+    structures = [json.loads(path.read_text()) for path in run.out.glob("structure-*.json")]
+    assert len(structures) == 1, structures  # the one worker left after the kill
+    for structure in structures:
+        assert structure["checkpointed"] == layers, structure
+        assert structure["units"] == ["", *(f"{layer}._checkpoint_wrapped_module" for layer in layers)], structure

@@ -10,7 +10,11 @@ trained).
     python fsdp_guide_lm.py OUT [--epochs 3] [--units layers|model] [--after-fit] [--accumulate K] [--clip C]
 
 ``--accumulate K``/``--clip C``: ``Trainer(accumulate_grad_batches=K, gradient_clip_val=C)``.
-``--units model``: only the whole model is made a unit (the guide's smallest form). ``OUT/checkpoints`` gets a
+``--units model``: only the whole model is made a unit (the guide's smallest form); ``--units policies``:
+``configure_model`` makes no unit, and the strategy gets Lightning ``FSDPStrategy``'s arguments as its FSDP guide passes
+them (``ElanFSDPStrategy(auto_wrap_policy=layers, activation_checkpointing_policy=layers,
+sharding_strategy="SHARD_GRAD_OP")``). After ``fit`` each process writes the names of its FSDP2 units and activation
+checkpoint wrappers to ``OUT/structure-<pid>.json``. ``OUT/checkpoints`` gets a
 checkpoint every 4 steps (the two lowest ``train_loss`` and ``last.ckpt``), ``OUT/logs`` a ``CSVLogger``'s rows, and
 at the end ``OUT/final.ckpt`` (``trainer.save_checkpoint``). ``--after-fit``: then ``trainer.validate`` and
 ``trainer.predict`` over the first 24 samples in order (rank 0 writes the validation loss to ``OUT/validated.json``, and
@@ -34,10 +38,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos import Transformer, WikiText2
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.data import DataLoader, Subset
 
 import lightning_elan  # noqa: F401  (registers strategy="elan_fsdp")
+from lightning_elan import ElanFSDPStrategy
 
 
 class LanguageModel(L.LightningModule):
@@ -54,6 +60,9 @@ class LanguageModel(L.LightningModule):
             return
         with torch.device("meta"):
             model = Transformer(vocab_size=self.vocab_size, nlayers=2, nhid=64, ninp=32, nhead=4, dropout=0.0)
+        if self.units == "policies":  # the strategy makes the units (and checkpoints their activations)
+            self.model = model
+            return
         if self.units == "layers":
             for module in model.modules():
                 if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
@@ -88,7 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--units", choices=["layers", "model"], default="layers")
+    parser.add_argument("--units", choices=["layers", "model", "policies"], default="layers")
     parser.add_argument("--after-fit", action="store_true")
     parser.add_argument("--validate-only", action="store_true", help="trainer.validate of the new model, no fit")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
@@ -102,7 +111,12 @@ def main() -> None:
     model = LanguageModel(dataset.vocab_size, args.units)
     checkpoint = ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=4, save_top_k=2,
                                  monitor="train_loss", save_last=True)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="elan_fsdp", max_epochs=args.epochs,
+    strategy = "elan_fsdp"
+    if args.units == "policies":  # Lightning FSDPStrategy's arguments, as its guide passes them
+        layers = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
+        strategy = ElanFSDPStrategy(auto_wrap_policy=layers, activation_checkpointing_policy=layers,
+                                    sharding_strategy="SHARD_GRAD_OP")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=args.epochs,
                         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
                         callbacks=[checkpoint], logger=CSVLogger(args.out / "logs", name="lm"), log_every_n_steps=1,
                         enable_progress_bar=False)
@@ -112,6 +126,9 @@ def main() -> None:
         return
     trainer.fit(model, train_dataloader)
     trainer.save_checkpoint(args.out / "final.ckpt")
+    (args.out / f"structure-{os.getpid()}.json").write_text(json.dumps({  # what the model is made of now
+        "units": [name for name, module in model.named_modules() if isinstance(module, FSDPModule)],
+        "checkpointed": [name for name, module in model.named_modules() if isinstance(module, CheckpointWrapper)]}))
     if args.after_fit:
         after_fit(trainer, model, dataset, args)
 
