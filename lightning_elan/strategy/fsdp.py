@@ -407,8 +407,6 @@ class ElanFSDPStrategy(ElanStrategy):
     def _mirroring(self) -> StepMirroring:
         return StepMirroring(self.engine.worker_id)
 
-    votes_after_clipping = True  # FSDP2's gradient clipping all-reduces the shards' norms: a collective of the step
-
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """The committed step advances the mirror after the update (its gradients went to the mirror holder before

@@ -14,7 +14,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -648,8 +647,13 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """The optimizer applies a step only when every member committed it (the vote runs after the closure's
-        backward, before the update); an aborted vote raises out of the closure, so nothing is applied.
+        """The optimizer applies a step only when every member committed it; an aborted vote raises before the update,
+        so nothing is applied. The vote comes after everything Lightning runs before the update — the closure
+        (``training_step``, backward, the gradient all-reduce), the ``on_before_optimizer_step`` hooks and gradient
+        clipping (``compat.after_the_closure``) — so a member's death in any of them, a user's collective in a hook
+        (``self.log(..., sync_dist=True)`` of a gradient norm) or FSDP2's clipping norm included, is a death before
+        the vote: the step is redone. (Before, the vote followed the backward: a survivor that met the death in a
+        hook's collective had voted, so the step counted as done, and it never applied the update: one step lost.)
 
         An optimizer that evaluates the closure again inside its step (``torch.optim.LBFGS``, or one seen doing so
         in an earlier step) updates the parameters between its evaluations, each voted on: the batch stays open
@@ -667,28 +671,19 @@ class ElanStrategy(DDPStrategy):
             if held_open:
                 self._applied_steps.before_update(torch_optimizer)
 
-        def committed_closure() -> Any:
+        def counted_closure() -> Any:
             nonlocal evaluations
             evaluations += 1
-            result = closure()
-            if not self.votes_after_clipping:
-                vote()
-            return result
+            return closure()
 
-        voting = compat.after_the_closure(self.precision_plugin, vote) if self.votes_after_clipping else nullcontext()
-        with voting:
-            output = super().optimizer_step(optimizer, committed_closure, model, **kwargs)
+        with compat.after_the_closure(self.precision_plugin, vote):
+            output = super().optimizer_step(optimizer, counted_closure, model, **kwargs)
         if not manual:
             self._reevaluations.seen(torch_optimizer, evaluations)
             if held_open:
                 self._applied_steps.batch_stands()
                 self.engine.batch_trained(self.lightning_module.trainer.global_step + 1)
         return output
-
-    votes_after_clipping = False
-    """Whether a step's commit vote waits for Lightning's work after the closure (``on_before_optimizer_step`` hooks,
-    gradient clipping) instead of coming right after the backward (``elan_fsdp``: its clipping is a collective over
-    the shards, and its mirrors must receive the clipped gradients)."""
 
     def _before_the_vote(self, optimizer: torch.optim.Optimizer) -> None:
         """What a step does once its gradients are final, before its commit vote (nothing here)."""

@@ -78,13 +78,11 @@ class Cell:
         return f"{self.front}:{self.phase}:{self.victim}"
 
 
-def expected_redone(phase: str, step: int, sharded: bool = False) -> int:
-    """The step (counted from 1) a recovery redoes: the held one, the next once it was committed or done (a sharded
-    job's vote waits for ``on_before_optimizer_step`` and gradient clipping: its ``optimizer`` phase is before it)."""
+def expected_redone(phase: str, step: int) -> int:
+    """The step (counted from 1) a recovery redoes: the held one, the next once it was committed or done."""
     if phase in AFTER_STEP:
         return step + 1
-    committed = phase in COMMITTED and not (sharded and phase == "optimizer")
-    return step + (2 if committed else 1)
+    return step + (2 if phase in COMMITTED else 1)
 
 
 def lightning_cells() -> list[Cell]:
@@ -142,7 +140,7 @@ def run_lightning(cell: Cell, tmp: Path, static: RunResult, rng: random.Random) 
     if sharded and run.returncode != 0 and len(kill.dead) > 1:
         return f"step {step}: {lost_with_its_mirror(run.output, kill.dead)}"
     failures = check_fault_run(run, static, dead=kill.dead, sharded=sharded)
-    assert failures[0]["failure"]["step_redone"] == expected_redone(cell.phase, step, sharded), failures
+    assert failures[0]["failure"]["step_redone"] == expected_redone(cell.phase, step), failures
     return f"step {step}, settle {options['settle_s']:.2f} s"
 
 

@@ -23,8 +23,8 @@ PHASES = ("forward", "backward", "allreduce", "vote", "optimizer", "batch_end")
 """``forward``: the step's forward is done (``training_step`` / the loss computed), its backward not started;
 ``backward``: in the backward pass, some gradients computed, no all-reduce started; ``allreduce``: the survivors wait
 in the gradient all-reduce; ``vote``: gradients all-reduced, the commit vote not cast; ``optimizer``: every member
-committed the step, the optimizer is applying it (under ``elan_fsdp``, whose vote waits for the hooks before the update
-and gradient clipping, not committed yet); ``batch_end``: the step is applied, the batch-end hooks run."""
+committed the step (the vote follows the hooks before the update and any gradient clipping), this one applied it (the
+optimizer's step post-hook); ``batch_end``: the step is applied, the batch-end hooks run."""
 METRIC = "metric"
 """Lightning probe only: in ``training_step``, before its metric is synced over the job (``self.log(sync_dist=True)``):
 the failure surfaces inside the forward, between DDP's pre- and post-forward."""

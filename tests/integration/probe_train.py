@@ -207,9 +207,12 @@ class ProbeModel(pl.LightningModule):
         global_batch = getattr(getattr(trainer.strategy, "data_position", None), "global_batch", None)
         lr = optimizer.param_groups[0]["lr"]
         self.steps.append([trainer.global_step, trainer.current_epoch, trainer.world_size, global_batch, lr])
-        if self.kill.due(self, "optimizer"):
-            if not getattr(trainer.strategy, "votes_after_clipping", False):  # every member committed: samples count
-                self.log_completed()  # (elan_fsdp votes after this hook and any clipping: the step is redone)
+
+    def after_update(self) -> None:
+        """The optimizer's step post-hook: every member committed the step (the vote comes after the hooks before the
+        update and any clipping) and this one applied it."""
+        if self.kill.due(self, "optimizer"):  # every member committed this step: its samples count
+            self.log_completed()
             self.kill.now()
         self.hold("optimizer")
 
@@ -254,6 +257,7 @@ class ProbeModel(pl.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        optimizer.register_step_post_hook(lambda *_: self.after_update())
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -1,8 +1,8 @@
 """Lightning's FSDP2 guide, as a user runs it under ``strategy="elan_fsdp"`` (``scripts/fsdp_guide_lm.py``): the model
 built on the meta device in ``configure_model`` and sharded there by the user's own ``fully_shard`` calls. It runs
 static (``elan run --nproc 2``) and under the corpus' elastic schedule (2 → 3 → 2, a migration, a worker SIGKILLed as
-the batch of step 12 starts, or in ``on_before_optimizer_step``: under ``elan_fsdp`` before the step's commit vote,
-which waits for any gradient clipping, so the step is redone), and the elastic run must equal the static one: each
+the batch of step 12 starts, or after its optimizer step, which every member committed: its share is trained, not
+recorded), and the elastic run must equal the static one: each
 sample once per epoch, the final checkpoint's parameters and Adam states, every checkpoint and every logged loss within
 1e-9. (Members hold different shards, so the corpus' bit-identical members check does not apply.)"""
 

@@ -25,8 +25,10 @@ every half second: the harness takes a job whose files stop changing for a long 
 ``$USERS_KILL=STEP[:PHASE]``: the process that is rank 1 in the training batch that starts at global step STEP
 SIGKILLs itself (once per job, written first to ``$USERS_OBSERVE/kills.log``). ``start`` (default): as the batch
 starts, so the others meet its death inside ``training_step`` (the forward's collectives, the gradient all-reduce) and
-redo the step without it; ``optimizer``: at the batch's first optimizer step, after every member committed it (with
-two optimizers, the others apply the first step and meet the death in the second); ``end``: after the batch's step is
+redo the step without it; ``optimizer``: once every member committed the batch's first optimizer step — as this process
+applied it (the optimizer's step post-hook; with two optimizers, the others apply the first step and meet the death in
+the second), or as a closure evaluated again inside that step (L-BFGS) has its gradients (its second
+``on_before_optimizer_step``); ``end``: after the batch's step is
 applied and its samples recorded, so the others meet it at the batch boundary. ``$USERS_KILL_RANK``: another rank
 than 1 is the victim (0: the job loses its rank 0, which writes the logs and checkpoints).
 ``$USERS_KILL=setup``: the process that is rank 1 SIGKILLs itself in the callbacks' ``setup`` hook, before the
@@ -211,6 +213,7 @@ def _recorded(value: int) -> int:
 def _observer_class(callback_base: type) -> type:
     class CorpusObserver(callback_base):  # type: ignore[misc, valid-type]
         batch_step = -1  # the global step at which the current training batch started
+        gradients_final = 0  # the batch's on_before_optimizer_step calls so far
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             _kill_if_due(-1, trainer.global_rank, "setup")
@@ -218,10 +221,12 @@ def _observer_class(callback_base: type) -> type:
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             global _FITS
             _FITS += 1
+            for optimizer in trainer.optimizers:  # the optimizer phase: once a step of the batch is applied here
+                optimizer.register_step_post_hook(lambda *_: self._at_optimizer_step(trainer))
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             step, rank = trainer.global_step, trainer.global_rank
-            self.batch_step = step
+            self.batch_step, self.gradients_final = step, 0
             if rank == 0:
                 _hold_for_joiners(step + 1)
             _kill_if_due(step, rank, "start")
@@ -249,6 +254,11 @@ def _observer_class(callback_base: type) -> type:
                 _kill_if_due(-1, trainer.global_rank, "sanity")
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            self.gradients_final += 1  # a closure evaluated again inside the step (L-BFGS): the first was committed
+            if self.gradients_final == 2:
+                self._at_optimizer_step(trainer)
+
+        def _at_optimizer_step(self, trainer: Any) -> None:
             _kill_if_due(self.batch_step, trainer.global_rank, "optimizer")
 
         def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
