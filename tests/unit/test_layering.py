@@ -23,8 +23,8 @@ MIRROR = f"{PACKAGE}.pytorch_lightning."  # the classic tree: the package's own 
 # a unit of its own layer: the AM and the engine, say, share what lies below them and know nothing of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # lazy exports, the classic tree's hook, Lightning's privates, torch's privates, etcd, counts and lists in words,
-    # a sharded checkpoint directory (torch only)
-    ("_lazy", "_classic", "compat", "torch_compat", "etcd", "words", "sharded_checkpoint"),
+    # a sharded checkpoint directory (torch only), Lightning FSDPStrategy's options read (pure)
+    ("_lazy", "_classic", "compat", "torch_compat", "etcd", "words", "sharded_checkpoint", "fsdp_options"),
     # the wire contract; the batch and LR at a resize, the size a job should have, the data position, the simulator
     ("protocol", "scaling", "sizing", "data", "sim"),
     ("replication",),  # the state of a worker copied to a joiner: planning, packing, transports
@@ -46,7 +46,7 @@ PURE = (
     "replication.sources",
     "replication.topology", "protocol.contract", "protocol.messages", "master.state", "master.sizing",
     "master.sizing_state", "master.measure", "master.enrolment", "master.standby", "master.recovery",
-    "master.narration", "master.transitions",
+    "master.narration", "master.transitions", "fsdp_options",
 )
 NOT_IN_PURE = (*FRAMEWORKS, "torch.distributed")
 
