@@ -34,14 +34,13 @@ ARGS = ("--units", "layers", "--accumulate", "2", "--clip", "0.05", "--epochs", 
 TIMEOUT_S = 400.0
 
 
-def launch(home: Path, schedule: str | None) -> subprocess.Popen:
-    home.mkdir(parents=True, exist_ok=True)
+def launch(home: Path, schedule: str | None, shm: Path) -> subprocess.Popen:
     write_wikitext(home, lines=100)
     command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "3", "--job", home.name,
                "--coordinate-every", "1", "--state-dir", str(home / "state"), *(["--schedule", schedule] if schedule
                                                                               else []),
                "--", sys.executable, str(SCRIPT), str(home / "out"), *ARGS]
-    env = {**elan_env(home), "ELAN_SHM_DIR": str(shm_dir(home))}
+    env = {**elan_env(home), "ELAN_SHM_DIR": str(shm)}
     with (home / "output.log").open("w") as log:
         return subprocess.Popen(command, cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -58,7 +57,9 @@ def py_spy(pid: int) -> str:
 
 def run(home: Path, schedule: str | None, moment: float | None, sig: int, rng: random.Random) -> tuple[int, str]:
     """The job to its end, ``sig`` sent to a random worker ``moment`` seconds after the launch."""
-    proc, note = launch(home, schedule), ""
+    home.mkdir(parents=True, exist_ok=True)
+    shm = shm_dir(home)  # the job's shared-memory segments: a killed source cannot unlink its own
+    proc, note = launch(home, schedule, shm), ""
     try:
         if moment is not None:
             time.sleep(moment)
@@ -78,7 +79,7 @@ def run(home: Path, schedule: str | None, moment: float | None, sig: int, rng: r
         note += " HUNG"
     finally:
         end_every_process_of(home)
-        shutil.rmtree(shm_dir(home), ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
     return proc.returncode, note
 
 
