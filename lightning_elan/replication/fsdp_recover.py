@@ -29,6 +29,7 @@ from lightning_elan.replication.fsdp_reshard import (
     _release,
     _sharded_kinds,
     is_fully_sharded,
+    tied_aliases,
 )
 from lightning_elan.replication.mirror_plan import OwnedMove, owned_row_moves
 from lightning_elan.replication.reshard import DEFAULT_CHUNK_BYTES, carry
@@ -53,6 +54,7 @@ def recover_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
     me = group.rank()
     names = {id(parameter): name for name, parameter in model.named_parameters()}
     like = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in model.named_parameters()}
+    aliases = tied_aliases(model)
     held: dict[int, Rows] = dict(mirrored)
     if own_index is not None:
         held[own_index] = own_rows if own_rows is not None else _held_shards(model, optimizers, names)
@@ -74,7 +76,7 @@ def recover_fsdp(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
                 if rows is not None:
                     moved.setdefault(name, {})[kind] = _as_shard(rows, mesh, shape)
             if receiving:
-                _load_parameter(model, name, moved[name].pop(PARAM))
+                _load_parameter(model, name, moved[name].pop(PARAM), aliases.get(name, ()))
         if not receiving:
             return
         parameters = dict(model.named_parameters())

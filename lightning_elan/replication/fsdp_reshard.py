@@ -100,8 +100,7 @@ def _move_all(model: nn.Module, like: dict[str, torch.Tensor], skeleton: list[di
             if rows is not None:
                 moved.setdefault(name, {})[kind] = _as_shard(rows, mesh, shape)
         if me in receivers:
-            _load_parameter(model, name, moved[name].pop(PARAM))
-            _tie(model, name, aliases.get(name, []))
+            _load_parameter(model, name, moved[name].pop(PARAM), aliases.get(name, ()))
     return moved
 
 
@@ -117,7 +116,7 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     return aliases
 
 
-def _tie(model: nn.Module, name: str, aliases: list[str]) -> None:
+def _tie(model: nn.Module, name: str, aliases: Sequence[str]) -> None:
     parameter = model.get_parameter(name)
     for alias in aliases:
         owner, _, attribute = alias.rpartition(".")
@@ -196,12 +195,14 @@ def _as_shard(rows: torch.Tensor, mesh: DeviceMesh | None, like: torch.Tensor) -
     return DTensor.from_local(rows, mesh, placements, shape=like.shape, stride=like.stride(), run_check=False)
 
 
-def _load_parameter(model: nn.Module, name: str, shard: DTensor) -> None:
+def _load_parameter(model: nn.Module, name: str, shard: DTensor, aliases: Sequence[str]) -> None:
     """Load one new parameter shard into the re-sharded ``model`` (FSDP2's post-load hook re-pads a short shard; the
-    unpadded rows are freed when this returns)."""
+    unpadded rows are freed when this returns), and register it under its tied ``aliases`` too
+    (:func:`tied_aliases`)."""
     key = state_dict_key(name)  # under activation checkpointing's wrapper the key is not the name
     if model.load_state_dict({key: nn.Parameter(shard)}, assign=True, strict=False).unexpected_keys:
         raise RuntimeError(f"the live reshard could not load parameter {name!r} (state-dict key {key!r})")
+    _tie(model, name, aliases)
 
 
 def _held_shards(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],

@@ -210,6 +210,40 @@ def static_run(root: Path, name: str) -> float:
     return float(timing.read_text())
 
 
+@dataclass
+class Trial:
+    """One seed's run: the script, whether a worker joined, the signal's note, the victim, the outcome."""
+
+    seed: int
+    name: str
+    schedule: str | None
+    note: str
+    wall_s: float
+    victim: int | None
+    outcome: str
+    home: Path
+
+    def line(self) -> str:
+        grow = " +grow" if self.schedule else ""
+        outcome = f"{self.wall_s:.0f} s: {self.outcome} :: {where(self.home)}"
+        return f"seed {self.seed} {self.name}{grow}: {self.note}, {outcome}"
+
+
+def run_seed(root: Path, names: list[str], seed: int) -> Trial:
+    """The trial of ``seed``: its script, signal, schedule and moment drawn from it."""
+    rng = random.Random(seed)
+    name = rng.choice(names)
+    span_s = static_run(root, name)
+    sig = rng.choice([signal.SIGKILL, signal.SIGKILL, signal.SIGTERM])
+    schedule = GROW_SCHEDULE if rng.random() < 0.5 else None
+    home = root / f"seed{seed}-{name}"
+    shutil.rmtree(home, ignore_errors=True)
+    returncode, note, wall_s, victim = run(home, name, schedule, rng.uniform(0.5, span_s), sig, rng)
+    static = root / f"static-{name}"
+    outcome = verdict(home, static, victim, SCRIPTS[name].replicated) if returncode == 0 else f"EXIT {returncode}"
+    return Trial(seed, name, schedule, note, wall_s, victim, outcome, home)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, required=True)
@@ -220,21 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names, held = args.script or sorted(SCRIPTS), 0
     for seed in range(args.seed, args.seed + args.seeds):
-        rng = random.Random(seed)
-        name = rng.choice(names)
-        span_s = static_run(args.dir, name)
-        sig = rng.choice([signal.SIGKILL, signal.SIGKILL, signal.SIGTERM])
-        schedule = GROW_SCHEDULE if rng.random() < 0.5 else None
-        home = args.dir / f"seed{seed}-{name}"
-        shutil.rmtree(home, ignore_errors=True)
-        returncode, note, wall_s, victim = run(home, name, schedule, rng.uniform(0.5, span_s), sig, rng)
-        static = args.dir / f"static-{name}"
-        outcome = verdict(home, static, victim, SCRIPTS[name].replicated) if returncode == 0 else f"EXIT {returncode}"
-        held += outcome == "held"
-        print(f"seed {seed} {name}{' +grow' if schedule else ''}: {note}, {wall_s:.0f} s: {outcome} :: {where(home)}",
-              flush=True)
-        if outcome == "held" and not args.keep:
-            shutil.rmtree(home, ignore_errors=True)
+        trial = run_seed(args.dir, names, seed)
+        held += trial.outcome == "held"
+        print(trial.line(), flush=True)
+        if trial.outcome == "held" and not args.keep:
+            shutil.rmtree(trial.home, ignore_errors=True)
     print(f"held: {held} of {args.seeds}", flush=True)
     return 0 if held == args.seeds else 1
 

@@ -1,8 +1,10 @@
 """The GPT-2 script of the corpus with FSDP2 switched on as Accelerate's FSDP guide does it for a transformers model
 (``causal_lm_gpt2.py --fsdp``: ``transformer_based_wrap`` of each ``GPT2Block``; the LM head tied to the token
 embedding), static (2 workers) and under the corpus' elastic story (2 → 3, rank 0 removed, a migration, rank 1
-SIGKILLed at step 9 and replaced). Before, the first live reshard untied ``lm_head.weight`` (the reshard made it a
-parameter of its own, left on the meta device) and every member died at the grow ("Cannot copy out of meta tensor").
+SIGKILLed at step 9 and replaced), and at 3 workers with rank 1 SIGKILLed (the recovery's survivors seed new
+mirrors). Before, the first live reshard untied ``lm_head.weight`` (the reshard made it a parameter of its own, left
+on the meta device) and every member died at the grow ("Cannot copy out of meta tensor"); the recovery's reshard did
+the same until it tied it too.
 The elastic run must train each sample once per epoch, apply each step once and save the static run's model within
 1e-9 — which is also the DDP run's model."""
 
@@ -28,6 +30,9 @@ from tests.users.accelerate.test_accelerate_corpus import GPT2, GROW_TO_3_AND_BA
 
 pytestmark = pytest.mark.integration
 
+KILL_AT_3 = 5
+"""The 3-worker job's rank 1 is SIGKILLed at this step: 2 survivors, whose recovery seeds their new mirrors."""
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
@@ -37,6 +42,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
         "static": Job("gpt2-fsdp-static", GPT2.file, ("--fsdp",)),
         "elastic": Job("gpt2-fsdp-elastic", GPT2.file, ("--fsdp",), schedule=SCHEDULE, kill_step=KILL_STEP),
         "ddp": Job("gpt2-ddp-static", GPT2.file),
+        "static3": Job("gpt2-fsdp-static3", GPT2.file, ("--fsdp",), nproc=3),
+        "kill3": Job("gpt2-fsdp-kill3", GPT2.file, ("--fsdp",), nproc=3, kill_step=KILL_AT_3),
     }
 
     def get(kind: str) -> Run:
@@ -68,3 +75,19 @@ def test_fsdp2_trains_the_ddp_runs_model(runs: Callable[[str], Run]) -> None:
     sharded = final_model(static)  # the full state dict names the tied head too; save_pretrained of DDP's does not
     assert_states_close({key: value for key, value in sharded.items() if key != "lm_head.weight"}, final_model(ddp),
                         where="final")
+
+
+def test_a_kill_that_leaves_two_members_of_a_tied_model_recovers_exactly(runs: Callable[[str], Run]) -> None:
+    """Rank 1 of 3 SIGKILLed: the survivors restore its shard from its mirror and seed the mirrors of the new
+    generation, then the replacement joins. Before, the recovery left the tied head a parameter of its own on the meta
+    device, and both survivors died seeding their mirrors ("Cannot copy out of meta tensor"): the job failed."""
+    static, run = runs("static3"), runs("kill3")
+    assert_ok(static)
+    assert_ok(run)
+    assert_adjustments(run, [("failure", 2), ("add", 3)])
+    assert_each_sample_once(run.trained(), GPT2.samples, GPT2.epochs)
+    steps = range(len({line["step"] for line in static.trained()}))  # 3 workers: 12 samples a step
+    assert_steps_applied_once(run.trained(), steps)
+    model = final_model(run)
+    assert model["lm_head.weight"].equal(model["transformer.wte.weight"]), "the head is still the embedding"
+    assert_states_close(model, final_model(static), where="final")
