@@ -723,6 +723,7 @@ class ElasticAccelerator(Accelerator):
         if self._aborted:
             log.debug("worker %s: a member died inside an optimizer step accumulated by hand: the survivors recover "
                       "after the batch that calls the step", self.engine.worker_id)
+            self._forget_interrupted_ddp_iterations()  # the window's next forward would fail DDP's check
         return True
 
     def _recover(self) -> None:
@@ -892,10 +893,17 @@ class ElasticAccelerator(Accelerator):
         the interrupted iteration (its reducer would fail the next forward: 'unmarked_param_indices')."""
         for optimizer in compat.prepared_optimizers(self):
             optimizer.optimizer.zero_grad(set_to_none=True)
+        self._forget_interrupted_ddp_iterations()
+        self._cut_after_commit = False
+
+    def _forget_interrupted_ddp_iterations(self) -> None:
+        """Each elastic DDP without the iteration a member's death cut short: its reducer would fail the next forward
+        ('unmarked_param_indices': the previous reduction never finished). In a window accumulated by hand the
+        death may cut a micro-batch's all-reduce (a ``no_sync`` around the backward only: DDP syncs by the forward's
+        state) and the window's next forward comes before the recovery."""
         for model in compat.prepared_models(self):
             if isinstance(model, ElasticDistributedDataParallel):
                 model.discard_iteration()
-        self._cut_after_commit = False
 
     def _discard_open_step(self) -> None:
         """Whatever phase the death cut short (a forward, a backward or its all-reduce, the vote), the redo starts
@@ -904,9 +912,7 @@ class ElasticAccelerator(Accelerator):
         schedulers did not step: a discarded step is not applied."""
         for optimizer in compat.prepared_optimizers(self):
             optimizer.optimizer.zero_grad(set_to_none=True)
-        for model in compat.prepared_models(self):
-            if isinstance(model, ElasticDistributedDataParallel):
-                model.discard_iteration()
+        self._forget_interrupted_ddp_iterations()
         if self._sharding is not None:
             self._sharding.discard_step(self._sharded_model())
         if self.scaler is not None:

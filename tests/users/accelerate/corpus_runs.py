@@ -45,6 +45,8 @@ class Job:
     nproc: int = 2
     schedule: str | None = None
     kill_step: int | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    """More of the observer's settings (``observer/sitecustomize.py``)."""
 
 
 @dataclass
@@ -103,6 +105,7 @@ def job_env(home: Path, job: Job) -> dict[str, str]:
         env["USERS_HOLD"] = "1"
     if job.kill_step is not None:
         env["USERS_KILL"] = str(job.kill_step)
+    env.update(job.env)
     return env
 
 

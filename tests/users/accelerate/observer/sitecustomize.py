@@ -12,7 +12,9 @@ micro-batch:
   adjustment lands at its step whatever the joiners' start-up time (a replacement for a dead worker is due at once);
 * ``$USERS_KILL=STEP``: the process that is rank 1 at optimizer step STEP writes its worker id and pid to
   ``$USERS_OBSERVE/victim.json`` (once per job) and waits there: the harness SIGKILLs it (``os.kill``) while the
-  other members go on into the step's gradient all-reduce.
+  other members go on into the step's gradient all-reduce;
+* ``$USERS_AWAIT_DEATH=STEP``: the process that is rank 0 at optimizer step STEP waits before that backward until the
+  victim is dead and its own generation failed (the all-reduce then meets a failed generation at its start).
 """
 
 from __future__ import annotations
@@ -98,6 +100,24 @@ def _offer_as_victim(step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _await_the_victims_death(accelerator: Any) -> None:
+    """Rank 0, before its backward: wait until the victim was killed and this process's watch has failed its
+    generation (``ElasticProcessGroup._failed_prefixes``), so the backward's gradient all-reduce meets a failed
+    generation before it starts (rather than a peer dying while it runs)."""
+    deadline = time.monotonic() + VICTIM_WAIT_S
+    path = os.path.join(_observe_dir() or ".", "victim.json")
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as file:
+                pid = json.load(file)["pid"]
+        except (OSError, ValueError):
+            pid = None
+        if pid is not None and not os.path.exists(f"/proc/{pid}") and accelerator.engine.group._failed_prefixes:
+            return
+        time.sleep(0.02)
+    raise TimeoutError("the victim's death was not seen")
+
+
 def _before_backward(accelerator: Any) -> None:
     if "ELAN_WORKER_ID" not in os.environ or accelerator.has_left:
         return
@@ -107,6 +127,8 @@ def _before_backward(accelerator: Any) -> None:
             _hold_for_joiners(step + 1)
         if rank == 1 and os.environ.get("USERS_KILL") == str(step):
             _offer_as_victim(step)
+        if rank == 0 and os.environ.get("USERS_AWAIT_DEATH") == str(step):
+            _await_the_victims_death(accelerator)
     _write({"step": step, "world": accelerator.num_processes, "rank": rank, "worker": os.environ["ELAN_WORKER_ID"],
             "digest": _digest(accelerator)})
 
