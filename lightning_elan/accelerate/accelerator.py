@@ -159,7 +159,7 @@ class ElasticAccelerator(Accelerator):
         self._pre_loop = PreLoopCollectives(self._recover_before_the_loop, self.engine.earliest_position)
         self._between_batches: PreLoopCollectives | None = None  # collectives since the last batch (epoch's end)
         self._group_view: torch.distributed.ProcessGroup | None = None
-        self._evaluations = EvaluationRecovery(self.engine, self, self._recover_mid_evaluation)
+        self._evaluations = EvaluationRecovery(self.engine, self, self._recover_at_once)
         self.local_sgd_steps_state = LocalSGDSteps()  # a LocalSGD's count of local steps: joiners continue it
         compat.guard_process_decorators()
         compat.watch_local_sgd()
@@ -1104,9 +1104,10 @@ class ElasticAccelerator(Accelerator):
                 self._raise_if_loop_ended(error)
                 self._evaluations.recover(error)
 
-    def _recover_mid_evaluation(self) -> None:
-        """Survivors of a death inside an evaluation pass recover at once: a training step this batch committed
-        stands (the pass then goes on among them: :class:`EvaluationRecovery`)."""
+    def _recover_at_once(self) -> None:
+        """Survivors of a death inside an evaluation pass or a sharded ``save_state`` recover at once: a training step
+        this batch committed stands (the pass, or the save, then goes on among them: :class:`EvaluationRecovery`,
+        :meth:`_save_among_the_members`)."""
         self._recovery_due = False
         self.recoveries += 1
         self.engine.recover(self.optimizer_steps + int(self._committed))
@@ -1168,11 +1169,40 @@ class ElasticAccelerator(Accelerator):
             return None
         self._announce_loop_end()
         data, loop = self._checkpoint_progress()
-        location = super().save_state(output_dir, safe_serialization, **kwargs)
+        save = super().save_state
+        location = self._save_among_the_members(lambda: save(output_dir, safe_serialization, **kwargs))
+        if location is None:
+            return None
         if self.is_main_process:
             Path(location, ELAN_STATE_FILE).write_text(json.dumps({"data": data, "loop": loop}))
         self._saved_elsewhere = None if self.is_main_process else (str(location), loop)
         return location
+
+    def _save_among_the_members(self, save: Callable[[], Any]) -> Any:
+        """Run Accelerate's ``save_state``. Under FSDP2 it is a collective (DCP's gathers and writes, or the full
+        state dict's): a member's death in it is recovered from at once, the dead member's shard restored from its
+        mirror, and the save runs again among the survivors (before the loop and between batches as any collective
+        there; in a batch whose step was applied, here) — unless a step is open: the death discards it like any
+        collective of the step (None: nothing saved; the redo calls ``save_state`` again where it called it)."""
+        if self._sharding is None:
+            return save()
+        if self._pre_loop.recording and self.engine.is_member:
+            return self._pre_loop_collective(save)
+        if self._outside_a_batch():
+            return self._collective_between_batches(save)
+        while True:
+            try:
+                return save()
+            except Exception as error:
+                if self._step_open or self._aborted or not self.engine.is_member:
+                    self._absorb_failure(error)
+                    return None
+                self._raise_if_loop_ended(error)
+                self.engine.confirm_peer_failure(error)
+                self._check_shards_recoverable()
+                log.warning("worker %s: a member died in save_state; the survivors recover and save again",
+                            self.engine.worker_id)
+                self._recover_at_once()
 
     def _complete_checkpoint_of_dead_main(self) -> None:
         """This process became the main one in a recovery: if the last ``save_state`` was made here as another process

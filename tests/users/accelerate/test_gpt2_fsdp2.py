@@ -10,10 +10,13 @@ The elastic run must train each sample once per epoch, apply each step once and 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.users.accelerate.corpus_runs import (
     Job,
@@ -44,6 +47,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
         "ddp": Job("gpt2-ddp-static", GPT2.file),
         "static3": Job("gpt2-fsdp-static3", GPT2.file, ("--fsdp",), nproc=3),
         "kill3": Job("gpt2-fsdp-kill3", GPT2.file, ("--fsdp",), nproc=3, kill_step=KILL_AT_3),
+        "save3": Job("gpt2-fsdp-save3", GPT2.file, ("--fsdp",), nproc=3, env=(("USERS_DIE_IN_SAVE", "3"),)),
     }
 
     def get(kind: str) -> Run:
@@ -91,3 +95,47 @@ def test_a_kill_that_leaves_two_members_of_a_tied_model_recovers_exactly(runs: C
     model = final_model(run)
     assert model["lm_head.weight"].equal(model["transformer.wte.weight"]), "the head is still the embedding"
     assert_states_close(model, final_model(static), where="final")
+
+
+def test_a_member_killed_in_save_state_is_recovered_and_the_checkpoint_is_whole(runs: Callable[[str], Run]) -> None:
+    """Rank 1 of 3 SIGKILLed as DCP starts writing the model of the ``save_state`` after step 10 (``step_10``): the
+    survivors, waiting in the write's all-reduce, recover at once (its shard from its mirror) and save again among
+    themselves. Before, they raised out of ``save_state`` (the gloo connection reset) and the job failed. The
+    checkpoint holds the static run's model and optimizer state; the run ends as the static one."""
+    static, run = runs("static3"), runs("save3")
+    assert_ok(static)
+    assert_ok(run)
+    died = json.loads((run.home / "observe" / "died-in-save.json").read_text())
+    assert [(a["action"], a["failure"]["dead"]) for a in run.adjustments()] == [("failure", [died["worker"]])]
+    assert "died in save_state; the survivors recover and save again" in run.output
+    assert_each_sample_once(run.trained(), GPT2.samples, GPT2.epochs)
+    assert_steps_applied_once(run.trained(), range(len({line["step"] for line in static.trained()})))
+    assert_states_close(final_model(run), final_model(static), where="final")
+    for checkpoint in ("step_5", "step_10", "step_15"):
+        for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+            saved, expected = (dcp_state(one.out / checkpoint / part, one.home) for one in (run, static))
+            assert_states_close(saved, expected, where=f"{checkpoint}/{part}")
+        position, expected = (resumes_at(one.out / checkpoint) for one in (run, static))
+        assert position == expected, checkpoint
+
+
+def resumes_at(checkpoint: Path) -> tuple[dict, int, int]:
+    """Where a ``save_state`` checkpoint resumes: the data position, the optimizer step, Accelerate's step."""
+    state = json.loads((checkpoint / "elan_state.json").read_text())
+    return state["data"], state["loop"]["optimizer_steps"], state["loop"]["accelerate_step"]
+
+
+def dcp_state(folder: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """A DCP checkpoint folder's tensors, flat (``dcp_to_torch_save``: no process group needed)."""
+    target = scratch / f"{folder.parent.name}-{folder.name}.pt"
+    dcp_to_torch_save(folder, target)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+    walk("", torch.load(target, weights_only=False))
+    return flat

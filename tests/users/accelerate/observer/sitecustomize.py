@@ -14,7 +14,9 @@ micro-batch:
   ``$USERS_OBSERVE/victim.json`` (once per job) and waits there: the harness SIGKILLs it (``os.kill``) while the
   other members go on into the step's gradient all-reduce;
 * ``$USERS_AWAIT_DEATH=STEP``: the process that is rank 0 at optimizer step STEP waits before that backward until the
-  victim is dead and its own generation failed (the all-reduce then meets a failed generation at its start).
+  victim is dead and its own generation failed (the all-reduce then meets a failed generation at its start);
+* ``$USERS_DIE_IN_SAVE=N``: the process that is rank 1 SIGKILLs itself as DCP starts its N-th write of files
+  (``save_state`` under FSDP2 writes the model, then the optimizer).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 TARGET = "lightning_elan.accelerate.accelerator"
 HOLD_LIMIT_S = 240.0
 VICTIM_WAIT_S = 60.0
+_SEEN: dict[str, Any] = {}  # the accelerator, once a backward ran
 
 
 def _observe_dir() -> str | None:
@@ -121,6 +124,7 @@ def _await_the_victims_death(accelerator: Any) -> None:
 def _before_backward(accelerator: Any) -> None:
     if "ELAN_WORKER_ID" not in os.environ or accelerator.has_left:
         return
+    _SEEN["accelerator"] = accelerator
     step, rank = accelerator.optimizer_steps, accelerator.process_index
     if accelerator.sync_gradients:
         if rank == 0 and os.environ.get("USERS_HOLD") == "1":
@@ -143,6 +147,29 @@ def _instrument(module: Any) -> None:
         return original(self, loss, **kwargs)
 
     accelerator_class.backward = backward
+    if os.environ.get("USERS_DIE_IN_SAVE"):
+        _die_in_save(int(os.environ["USERS_DIE_IN_SAVE"]))
+
+
+def _die_in_save(write: int) -> None:
+    """The process that is rank 1 SIGKILLs itself as DCP starts the process's WRITE-th write (``save_state`` under
+    FSDP2 makes two: the model's, then the optimizer's): the others wait in the write's all-reduce."""
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    original = _FileSystemWriter.write_data
+
+    @functools.wraps(original)
+    def write_data(self: Any, *args: Any, **kwargs: Any) -> Any:
+        accelerator = _SEEN.get("accelerator")
+        _SEEN["writes"] = _SEEN.get("writes", 0) + 1  # every process counts its writes: a survivor saves again
+        if accelerator is not None and accelerator.process_index == 1:
+            if _SEEN["writes"] == write:
+                with open(os.path.join(_observe_dir() or ".", "died-in-save.json"), "w") as file:
+                    file.write(json.dumps({"write": write, "worker": os.environ["ELAN_WORKER_ID"], "pid": os.getpid()}))
+                os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, *args, **kwargs)
+
+    _FileSystemWriter.write_data = write_data
 
 
 class _Loader(importlib.abc.Loader):
