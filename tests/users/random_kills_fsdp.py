@@ -5,7 +5,10 @@ the joiner's reshard, a step, a checkpoint, the end). The run must exit 0 and en
 final checkpoint (parameters and Adam states within 1e-9, the same step). Where the victim was is read with
 ``py-spy dump`` before the signal; a run that outlives 400 s is hung (every process's stacks in ``stacks.txt``).
 
-    python -m tests.users.random_kills_fsdp --dir /tmp/rkf --seed 1 --seeds 10
+    python -m tests.users.random_kills_fsdp --dir /tmp/rkf --seed 1 --seeds 10 [--sharded]
+
+``--sharded``: the strategy writes sharded checkpoints (``state_dict_type="sharded"``: DCP's collectives in every
+``ModelCheckpoint`` save); use another ``--dir`` (the static run is made once per directory).
 
 One line per seed: the signal, the victim's pid and moment, the verdict, the victim's innermost frames. A seed whose
 moment falls after the job ended kills nothing ("no worker to kill").
@@ -34,12 +37,12 @@ ARGS = ("--units", "layers", "--accumulate", "2", "--clip", "0.05", "--epochs", 
 TIMEOUT_S = 400.0
 
 
-def launch(home: Path, schedule: str | None, shm: Path) -> subprocess.Popen:
+def launch(home: Path, schedule: str | None, shm: Path, script_args: tuple[str, ...]) -> subprocess.Popen:
     write_wikitext(home, lines=100)
     command = [sys.executable, "-m", "lightning_elan.cli", "run", "--nproc", "3", "--job", home.name,
                "--coordinate-every", "1", "--state-dir", str(home / "state"), *(["--schedule", schedule] if schedule
                                                                               else []),
-               "--", sys.executable, str(SCRIPT), str(home / "out"), *ARGS]
+               "--", sys.executable, str(SCRIPT), str(home / "out"), *script_args]
     env = {**elan_env(home), "ELAN_SHM_DIR": str(shm)}
     with (home / "output.log").open("w") as log:
         return subprocess.Popen(command, cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -55,11 +58,12 @@ def py_spy(pid: int) -> str:
     return subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True).stdout
 
 
-def run(home: Path, schedule: str | None, moment: float | None, sig: int, rng: random.Random) -> tuple[int, str]:
+def run(home: Path, schedule: str | None, moment: float | None, sig: int, rng: random.Random,
+        script_args: tuple[str, ...] = ARGS) -> tuple[int, str]:
     """The job to its end, ``sig`` sent to a random worker ``moment`` seconds after the launch."""
     home.mkdir(parents=True, exist_ok=True)
     shm = shm_dir(home)  # the job's shared-memory segments: a killed source cannot unlink its own
-    proc, note = launch(home, schedule, shm), ""
+    proc, note = launch(home, schedule, shm, script_args), ""
     try:
         if moment is not None:
             time.sleep(moment)
@@ -83,9 +87,26 @@ def run(home: Path, schedule: str | None, moment: float | None, sig: int, rng: r
     return proc.returncode, note
 
 
+def final_checkpoint(home: Path) -> dict:
+    """``OUT/final.ckpt``: a file (``state_dict_type="full"``), or a directory of DCP shards and ``meta.pt``
+    (``"sharded"``), read whole without a process group (``dcp_to_torch_save``)."""
+    path = home / "out" / "final.ckpt"
+    if not path.is_dir():
+        return torch.load(path, weights_only=False)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = home / "final-whole.pt"
+    dcp_to_torch_save(path, whole)
+    shards = torch.load(whole, weights_only=False)
+    checkpoint = torch.load(path / "meta.pt", weights_only=False)
+    checkpoint["state_dict"] = shards["state_dict"]
+    checkpoint["optimizer_states"] = [shards[key] for key in sorted(shards) if key.startswith("optimizer_")]
+    return checkpoint
+
+
 def verdict(home: Path, reference: dict) -> str:
     try:
-        mine = torch.load(home / "out" / "final.ckpt", weights_only=False)
+        mine = final_checkpoint(home)
         assert mine["global_step"] == reference["global_step"], (mine["global_step"], reference["global_step"])
         assert_states_close(mine["state_dict"], reference["state_dict"])
         for actual, expected in zip(mine["optimizer_states"], reference["optimizer_states"], strict=True):
@@ -106,18 +127,20 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--sharded", action="store_true", help="the script's --sharded-checkpoints (DCP shards)")
     args = parser.parse_args()
+    script_args = (*ARGS, "--sharded-checkpoints") if args.sharded else ARGS
     static = args.dir / "static"
-    if not (static / "out" / "final.ckpt").exists():
-        returncode, _ = run(static, None, None, 0, random.Random(0))
+    if not (static / "out" / "final.ckpt").exists():  # one --dir per form: the static run is the form's
+        returncode, _ = run(static, None, None, 0, random.Random(0), script_args)
         if returncode != 0:
             raise SystemExit(f"the static run failed (exit {returncode}): {static / 'output.log'}")
-    reference = torch.load(static / "out" / "final.ckpt", weights_only=False)
+    reference = final_checkpoint(static)
     for seed in range(args.seed, args.seed + args.seeds):
         rng = random.Random(seed)
         sig = rng.choice([signal.SIGKILL, signal.SIGKILL, signal.SIGTERM])
         home = args.dir / f"seed{seed}"
-        returncode, note = run(home, "4:add=1", rng.uniform(3, 22), sig, rng)
+        returncode, note = run(home, "4:add=1", rng.uniform(3, 22), sig, rng, script_args)
         outcome = verdict(home, reference) if returncode == 0 else f"EXIT {returncode}"
         print(f"seed {seed}: {note}: {outcome} :: {where(home)}", flush=True)
 

@@ -9,7 +9,8 @@ trained).
 
     python fsdp_guide_lm.py OUT [--epochs 3] [--units layers|model] [--after-fit] [--accumulate K] [--clip C]
 
-``--accumulate K``/``--clip C``: ``Trainer(accumulate_grad_batches=K, gradient_clip_val=C)``.
+``--accumulate K``/``--clip C``: ``Trainer(accumulate_grad_batches=K, gradient_clip_val=C)``. ``--sharded-checkpoints``:
+``ElanFSDPStrategy(state_dict_type="sharded")`` (each checkpoint a directory of DCP shards, written by every member).
 ``--units model``: only the whole model is made a unit (the guide's smallest form); ``--units policies``:
 ``configure_model`` makes no unit, and the strategy gets Lightning ``FSDPStrategy``'s arguments as its FSDP guide passes
 them (``ElanFSDPStrategy(auto_wrap_policy=layers, activation_checkpointing_policy=layers,
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--validate-only", action="store_true", help="trainer.validate of the new model, no fit")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
+    parser.add_argument("--sharded-checkpoints", action="store_true", help='state_dict_type="sharded"')
     args = parser.parse_args()
 
     torch.set_default_dtype(torch.float64)
@@ -111,11 +113,12 @@ def main() -> None:
     model = LanguageModel(dataset.vocab_size, args.units)
     checkpoint = ModelCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=4, save_top_k=2,
                                  monitor="train_loss", save_last=True)
-    strategy = "elan_fsdp"
+    state_dict_type = "sharded" if args.sharded_checkpoints else "full"
+    strategy = ElanFSDPStrategy(state_dict_type=state_dict_type) if args.sharded_checkpoints else "elan_fsdp"
     if args.units == "policies":  # Lightning FSDPStrategy's arguments, as its guide passes them
         layers = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
         strategy = ElanFSDPStrategy(auto_wrap_policy=layers, activation_checkpointing_policy=layers,
-                                    sharding_strategy="SHARD_GRAD_OP")
+                                    sharding_strategy="SHARD_GRAD_OP", state_dict_type=state_dict_type)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=args.epochs,
                         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
                         callbacks=[checkpoint], logger=CSVLogger(args.out / "logs", name="lm"), log_every_n_steps=1,
