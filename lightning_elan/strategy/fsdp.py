@@ -437,13 +437,39 @@ class ElanFSDPStrategy(ElanStrategy):
         return super().recover_from(error, rollback)
 
     @override
+    def on_validation_start(self) -> None:
+        self._mirror_for_evaluation()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._mirror_for_evaluation()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._mirror_for_evaluation()
+        super().on_predict_start()
+
+    def _mirror_for_evaluation(self) -> None:
+        """A job that only evaluates FSDP2 units its ``configure_model`` made: each member's shard is mirrored as the
+        pass starts (a collective, inside the pass: a death in it is recovered from as one in the pass), so that a
+        death in the pass loses no shard. A no-op where the mirrors are seeded (after a fit, after the first pass, in
+        the generation a recovery formed), in a fit, and where every member holds the whole module."""
+        module = self.lightning_module
+        if module.trainer.state.fn == TrainerFn.FITTING or not self.engine.is_member or \
+                self._holds_the_whole_model():
+            return
+        self._mirroring.seed(module, self._torch_optimizers(), self.engine.generation_group, self._unmirrored())
+
+    @override
     def _recover_evaluation(self, error: BaseException) -> None:
         """A member died in ``trainer.validate/test/predict`` (after ``fit``, or without one): as in a step, its shard
-        comes from its mirror (kept at the state after the last committed step: an evaluation changes none) or a
-        replica in the recovery's reshard, then the pass runs again among the survivors; :class:`LostShard` when none
-        covers it (no mirror was ever seeded: units its ``configure_model`` made in a job that only evaluates, or a
-        single member). A job that only evaluates otherwise holds the whole module on every member: the pass runs
-        again."""
+        comes from its mirror (kept at the state after the last committed step: an evaluation changes none; in a job
+        that only evaluates its own units, seeded as the pass started) or a replica in the recovery's reshard, then
+        the pass runs again among the survivors; :class:`LostShard` when none covers it (a death in the first pass's
+        seed of the mirrors, or a single member). A job that only evaluates otherwise holds the whole module on every
+        member: the pass runs again."""
         if not (self.engine.has_left or self._alone() or isinstance(error, (compat.LeaveFit, StopIteration))):
             self.engine.confirm_peer_failure(error)
             if self._holds_the_whole_model():
@@ -451,8 +477,8 @@ class ElanFSDPStrategy(ElanStrategy):
                 return
             if not self._mirroring.covers_a_death:
                 raise LostShard(f"worker {self.engine.worker_id}: a member of this strategy='elan_fsdp' job died in "
-                                f"trainer.{self.lightning_module.trainer.state.fn.value} when no shard is mirrored "
-                                "(no training step ran in this process); restart the job") from error
+                                f"trainer.{self.lightning_module.trainer.state.fn.value} before the shards were "
+                                "mirrored (as its first pass started); restart the job") from error
             self._mirroring.check_recoverable(self.engine.world_size, self._unmirrored())
         super()._recover_evaluation(error)
 

@@ -62,3 +62,23 @@ def test_a_member_killed_in_an_evaluation_without_fit_is_recovered_from(tmp_path
 
     assert "LostShard" not in run.output, run.excerpt()
     assert_ends_as_static(run, static_fsdp_without_fit)
+
+
+@pytest.fixture(scope="module")
+def static_own_units_without_fit(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run = run_job(tmp_path_factory.mktemp("static-units-nofit"), fsdp_job("fsdpunitsnofit", "--no-fit", "--own-units"))
+    assert_ok(run)
+    return run
+
+
+@pytest.mark.parametrize(("call", "rank"), [("validate", 1), ("test", 0), ("predict", 2)])
+def test_a_member_killed_while_evaluating_its_own_units_without_fit_is_restored_from_its_mirror(
+        tmp_path: Path, static_own_units_without_fit: Run, call: str, rank: int) -> None:
+    """A job that only evaluates a model whose ``configure_model`` shards it with FSDP2 (Lightning's FSDP2 guide):
+    each member's shard is mirrored as the pass starts, so the dead member's shard comes from its mirror and the pass
+    runs again among the survivors. Before, no mirror existed in such a job: it stopped with ``LostShard``."""
+    run = killed_fsdp_run(tmp_path, call, rank, "--no-fit", "--own-units")
+
+    assert "restores the shard of dead rank" in run.output, run.excerpt()
+    assert "LostShard" not in run.output, run.excerpt()
+    assert_ends_as_static(run, static_own_units_without_fit)

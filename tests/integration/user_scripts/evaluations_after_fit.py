@@ -2,7 +2,10 @@
 ``trainer.predict`` (or only evaluates, ``--no-fit``), writing what each call returned. It knows nothing of
 lightning_elan's internals; only ``strategy="elan"`` (or ``"elan_fsdp"``). float64 throughout.
 
-python evaluations_after_fit.py OUT [--no-fit] [--hold CALL:BATCH:RANK] [--strategy elan|elan_fsdp]
+python evaluations_after_fit.py OUT [--no-fit] [--hold CALL:BATCH:RANK] [--strategy elan|elan_fsdp] [--own-units]
+
+``--own-units`` (with ``elan_fsdp``): ``configure_model`` shards each Linear and the module with FSDP2's
+``fully_shard`` over ``self.device_mesh``, as Lightning's FSDP2 guide does (once: the hook runs for every call).
 
 Rank 0 writes ``OUT/results.json`` after each call (the metrics ``validate``/``test`` returned, the world size it ran
 on); every process writes the predictions it returned, with their sample indices, to ``OUT/predictions/rank-<r>.pt``.
@@ -46,10 +49,19 @@ class Points(Dataset):
 
 
 class Model(pl.LightningModule):
-    def __init__(self, out: Path, hold: tuple[str, int, int] | None) -> None:
+    def __init__(self, out: Path, hold: tuple[str, int, int] | None, own_units: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.SiLU(), torch.nn.Linear(16, 1)).double()
-        self.out, self.hold = out, hold
+        self.out, self.hold, self.own_units = out, hold, own_units
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if not self.own_units or isinstance(self, FSDPModule):
+            return
+        for layer in (self.net[0], self.net[2]):
+            fully_shard(layer, mesh=self.device_mesh)
+        fully_shard(self, mesh=self.device_mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -101,12 +113,13 @@ def main() -> None:
     parser.add_argument("--no-fit", action="store_true")
     parser.add_argument("--hold", type=lambda text: (text.split(":")[0], *map(int, text.split(":")[1:])))
     parser.add_argument("--strategy", default="elan", choices=["elan", "elan_fsdp"])
+    parser.add_argument("--own-units", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(3)
     trainer = pl.Trainer(strategy=args.strategy, accelerator="cpu", max_epochs=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    model = Model(args.out, args.hold)
+    model = Model(args.out, args.hold, args.own_units)
     results: dict[str, Any] = {}
     if not args.no_fit:
         trainer.fit(model, DataLoader(Points(TRAIN, 0), batch_size=6, shuffle=True))
