@@ -696,7 +696,7 @@ class ElasticAccelerator(Accelerator):
             self._committed = False
             if not self._aborted:
                 self._observe_step()
-        if trained and self._inside_manual_accumulation(stepped):
+        if trained and self._inside_an_accumulation_window(stepped):
             return
         if self._aborted or self._recovery_due:
             self._recover()
@@ -707,22 +707,24 @@ class ElasticAccelerator(Accelerator):
                 self._raise_if_loop_ended(error)
                 raise
 
-    def _inside_manual_accumulation(self, stepped: bool) -> bool:
-        """Between two micro-batches of an optimizer step accumulated by hand (Accelerate's guide "without
-        ``accumulate()``": ``no_sync`` on all but every N-th batch of the user's own ``enumerate`` counter): the batch
-        took a step open and called no optimizer step, and ``sync_gradients`` (which only ``accumulate()`` turns off)
-        is on. Nothing happens here: no coordination (a joiner admitted now would start its counter at 0 in the middle
-        of the members' window: a synced backward against their ``no_sync`` one, a hang) and no recovery (the redo
-        would re-yield the window's first batches while the user's counter goes on, so every later window would be
-        cut off the data: silently other steps than a static run's). A member's death is met in the window's gradient
-        all-reduce or its commit; a death met earlier (a collective of the user's) leaves the rest of the window
-        discarded (backward and step are no-ops) and the survivors recover after the batch that calls the step: the
-        window's batches are redone from its first, where the user's counter starts its next window."""
-        if not (self._step_open and self.sync_gradients) or stepped or self._between_passes:
+    def _inside_an_accumulation_window(self, stepped: bool) -> bool:
+        """Between two micro-batches of an optimizer step: ``accumulate()``'s window (``sync_gradients`` off), or one
+        accumulated by hand (Accelerate's guide "without ``accumulate()``": ``no_sync`` on all but every N-th batch of
+        the user's own ``enumerate`` counter) — the batch took a step open and called no synchronised optimizer step.
+        Nothing happens here: no coordination (a joiner admitted now would start its counter at 0 in the middle of the
+        members' window: a synced backward against their ``no_sync`` one, a hang) and no recovery. A recovery here
+        would re-yield the window's first batches to a loop that saw no skipped step: what it keeps per window (the
+        samples of the step, a loss it sums over the micro-batches) would count them twice, and by hand its counter
+        goes on, so every later window would be cut off the data (silently other steps than a static run's). A
+        member's death is met in the window's gradient all-reduce or its commit; a death met earlier (a collective
+        of the user's, a forward's buffer broadcast, or the watch) leaves the rest of the window discarded (backward
+        and step are no-ops) and the survivors recover after the batch that calls the step, whose
+        ``optimizer_step_was_skipped`` is True: the window's batches are redone from its first."""
+        if not self._step_open or stepped or self._between_passes:
             return False
         if self._aborted:
-            log.debug("worker %s: a member died inside an optimizer step accumulated by hand: the survivors recover "
-                      "after the batch that calls the step", self.engine.worker_id)
+            log.debug("worker %s: a member died inside an accumulation window: the survivors recover after the batch "
+                      "that calls the step", self.engine.worker_id)
             self._forget_interrupted_ddp_iterations()  # the window's next forward would fail DDP's check
         return True
 

@@ -15,6 +15,8 @@ micro-batch:
   other members go on into the step's gradient all-reduce;
 * ``$USERS_AWAIT_DEATH=STEP``: the process that is rank 0 at optimizer step STEP waits before that backward until the
   victim is dead and its own generation failed (the all-reduce then meets a failed generation at its start);
+* ``$USERS_KILL_MICRO=first``: the last two at the step's first micro-batch of an ``accumulate()`` window (one with
+  ``sync_gradients`` off) instead of its last;
 * ``$USERS_DIE_IN_SAVE=N``: the process that is rank 1 SIGKILLs itself as DCP starts its N-th write of files
   (``save_state`` under FSDP2 writes the model, then the optimizer).
 """
@@ -126,9 +128,9 @@ def _before_backward(accelerator: Any) -> None:
         return
     _SEEN["accelerator"] = accelerator
     step, rank = accelerator.optimizer_steps, accelerator.process_index
-    if accelerator.sync_gradients:
-        if rank == 0 and os.environ.get("USERS_HOLD") == "1":
-            _hold_for_joiners(step + 1)
+    if accelerator.sync_gradients and rank == 0 and os.environ.get("USERS_HOLD") == "1":
+        _hold_for_joiners(step + 1)
+    if accelerator.sync_gradients == (os.environ.get("USERS_KILL_MICRO", "last") == "last"):
         if rank == 1 and os.environ.get("USERS_KILL") == str(step):
             _offer_as_victim(step)
         if rank == 0 and os.environ.get("USERS_AWAIT_DEATH") == str(step):
