@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from packaging.version import Version
@@ -692,6 +692,41 @@ def redo_evaluations_cut_by_a_death(trainer: pl.Trainer, recover: Callable[[Base
     for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
         if getattr(loop, "_elan_recover", None) != recover:  # a bound method: equal, not the same object
             _redo_evaluation_pass(trainer, loop, logs, recover, pass_done)
+
+
+def inside_a_call(trainer: pl.Trainer) -> bool:
+    """Whether ``trainer`` runs ``fit``/``validate``/``test``/``predict`` now (``TrainerState.status``: ``RUNNING``
+    from the call's start to its end, ``FINISHED`` after it)."""
+    return trainer.state.status == TrainerStatus.RUNNING
+
+
+def redo_saves_cut_by_a_death(trainer: pl.Trainer, recover: Callable[[BaseException], None]) -> None:
+    """``trainer.save_checkpoint(path)`` called between the trainer's calls (``fit`` then a final save, the commonest
+    script there is): the survivors of a member's death in it recover (``recover`` re-raises what is not a member's
+    death) and save again among themselves.
+
+    ``Trainer.save_checkpoint`` (lightning/pytorch/trainer/trainer.py) makes collectives: ``dump_checkpoint`` asks the
+    strategy for the model's and optimizers' states (a sharded strategy gathers them), the strategy writes (every
+    member, for sharded checkpoints) and it ends in ``strategy.barrier("Trainer.save_checkpoint")``. An instance
+    attribute replaces the method for this trainer only. Inside a call (``trainer.state.status`` is ``RUNNING``: a
+    callback's save during ``fit``) an error goes on as before: the hook that saved is run again by that call's own
+    recovery."""
+    if getattr(trainer, "_elan_redo_saves", None) == recover:  # a bound method: equal, not the same object
+        return
+    save = type(trainer).save_checkpoint
+
+    def save_again_after_recovery(*args: Any, **kwargs: Any) -> None:
+        while True:
+            try:
+                return save(trainer, *args, **kwargs)
+            except Exception as error:
+                if inside_a_call(trainer):
+                    raise
+                recover(error)
+                log.warning("a member died during trainer.save_checkpoint: the survivors save the checkpoint again")
+
+    trainer.save_checkpoint = save_again_after_recovery
+    trainer._elan_redo_saves = recover
 
 
 def _redo_evaluation_pass(trainer: pl.Trainer, loop: Any, logs: _WindowLogs, recover: Callable[[BaseException], None],

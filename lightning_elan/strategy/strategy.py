@@ -193,6 +193,8 @@ class ElanStrategy(DDPStrategy):
         super().setup_environment()
         if trainer is not None and self._recovering_evaluation(trainer):
             compat.redo_evaluations_cut_by_a_death(trainer, self._recover_evaluation, self._evaluation_pass_done)
+        if trainer is not None and self.recovers_evaluations:
+            compat.redo_saves_cut_by_a_death(trainer, self._recover_evaluation)
 
     def _recovering_evaluation(self, trainer: pl.Trainer) -> bool:
         """``trainer.validate/test/predict`` outside ``fit`` on a member of the job: a member's death in it is
@@ -426,9 +428,9 @@ class ElanStrategy(DDPStrategy):
         """Stayers after a resize: DDP on the new group, data from the same serial position, eval shards rebuilt. A
         recovery before Lightning set the model up leaves DDP to its ``setup``, which builds it on the new group."""
         trainer = self.lightning_module.trainer
-        if trainer.state.fn != TrainerFn.FITTING:  # validate/test/predict: its pass runs again on the new shards
-            compat.move_progress_bar(trainer, loop_started=False)
-            return
+        if trainer.state.fn != TrainerFn.FITTING or not compat.inside_a_call(trainer):
+            compat.move_progress_bar(trainer, loop_started=False)  # validate/test/predict: its pass runs again on
+            return  # the new shards; between calls (a save after fit) nothing trains any more
         if self._ddp is not None:
             self.configure_ddp()
         loader = self._elastic_train_loader()

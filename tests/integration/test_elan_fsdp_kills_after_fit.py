@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_kills_after_fit import SCRIPT, assert_ends_as_static, kill_when_held
+from tests.integration.test_kills_after_fit import SCRIPT, assert_ends_as_static, assert_saved_as_static, kill_when_held
 from tests.users.corpus import Job, Run, assert_ok, run_job
 
 pytestmark = pytest.mark.integration
@@ -30,8 +30,8 @@ def static_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run
 
 
-def killed_fsdp_run(home: Path, call: str, rank: int, *args: str) -> Run:
-    run = run_job(home, fsdp_job("fsdpkilled", *args, "--hold", f"{call}:1:{rank}"), during=kill_when_held(home))
+def killed_fsdp_run(home: Path, call: str, rank: int, *args: str, batch: int = 1) -> Run:
+    run = run_job(home, fsdp_job("fsdpkilled", *args, "--hold", f"{call}:{batch}:{rank}"), during=kill_when_held(home))
     assert (run.out / "hold-released").exists(), f"the victim never held:\n{run.excerpt()}"
     return run
 
@@ -82,3 +82,16 @@ def test_a_member_killed_while_evaluating_its_own_units_without_fit_is_restored_
     assert "restores the shard of dead rank" in run.output, run.excerpt()
     assert "LostShard" not in run.output, run.excerpt()
     assert_ends_as_static(run, static_own_units_without_fit)
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_member_killed_in_the_save_after_fit_is_restored_from_its_mirror(tmp_path: Path, static_fsdp: Run,
+                                                                          rank: int) -> None:
+    """``trainer.save_checkpoint`` after ``fit`` under ``elan_fsdp``: the full state was gathered, then the member of
+    rank ``rank`` dies in ``on_save_checkpoint`` and the others wait in the save's barrier. They recover (its shard
+    from its mirror), gather and save again among themselves. Before, the job failed in the barrier."""
+    run = killed_fsdp_run(tmp_path, "save", rank, batch=0)
+    assert "restores the shard of dead rank" in run.output, run.excerpt()
+    assert "the survivors save the checkpoint again" in run.output, run.excerpt()
+    assert_ends_as_static(run, static_fsdp)
+    assert_saved_as_static(run, static_fsdp)

@@ -122,3 +122,22 @@ def test_a_member_killed_in_an_evaluation_without_fit(tmp_path: Path, static_run
                                                       rank: int) -> None:
     """A script that only evaluates (a model it loaded, say): the same, without a training loop."""
     assert_ends_as_static(killed_run(tmp_path, call, 1, rank, "--no-fit"), static_runs(False))
+
+
+def assert_saved_as_static(run: Run, static: Run) -> None:
+    saved, expected = (torch.load(one.out / "final.ckpt", weights_only=False) for one in (run, static))
+    assert saved["global_step"] == expected["global_step"]
+    assert saved["state_dict"].keys() == expected["state_dict"].keys()
+    for key, value in expected["state_dict"].items():
+        assert (saved["state_dict"][key] - value).abs().max().item() <= TOLERANCE, key
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_member_killed_in_the_save_after_fit(tmp_path: Path, static_runs: Callable[[bool], Run], rank: int) -> None:
+    """``trainer.fit(...)`` then ``trainer.save_checkpoint(...)``: the member of rank ``rank`` dies inside the save
+    (rank 0, the writer, before it wrote), the others wait in its barrier. They recover and save again among
+    themselves, then validate, test and predict. Before, they failed in the barrier and the job with them."""
+    run = killed_run(tmp_path, "save", 0, rank)
+    assert "the survivors save the checkpoint again" in run.output, run.excerpt()
+    assert_ends_as_static(run, static_runs(True))
+    assert_saved_as_static(run, static_runs(True))

@@ -7,11 +7,13 @@ python evaluations_after_fit.py OUT [--no-fit] [--hold CALL:BATCH:RANK] [--strat
 ``--own-units`` (with ``elan_fsdp``): ``configure_model`` shards each Linear and the module with FSDP2's
 ``fully_shard`` over ``self.device_mesh``, as Lightning's FSDP2 guide does (once: the hook runs for every call).
 
+After ``fit`` the trainer saves ``OUT/final.ckpt``.
 Rank 0 writes ``OUT/results.json`` after each call (the metrics ``validate``/``test`` returned, the world size it ran
 on); every process writes the predictions it returned, with their sample indices, to ``OUT/predictions/rank-<r>.pt``.
 
 ``--hold`` (test scaffolding): the process of rank RANK, at batch BATCH of the call CALL (validate, test or predict;
-``after-validate:0``: between ``validate`` and ``test``), writes ``OUT/held.json`` (its pid) and waits there to be
+``after-validate:0``: between ``validate`` and ``test``; ``save:0``: in ``on_save_checkpoint`` of the save after
+``fit``, after the model's state was gathered), writes ``OUT/held.json`` (its pid) and waits there to be
 killed by the test, unless ``OUT/hold-released`` exists (the test writes it before the kill, so the pass run again
 does not hold).
 """
@@ -98,6 +100,9 @@ class Model(pl.LightningModule):
         index, x, _ = batch
         return index, self(x)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.hold_if_due("save", 0)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
 
@@ -123,6 +128,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     if not args.no_fit:
         trainer.fit(model, DataLoader(Points(TRAIN, 0), batch_size=6, shuffle=True))
+        trainer.save_checkpoint(args.out / "final.ckpt")
     results["validate"] = trainer.validate(model, DataLoader(Points(VALIDATE, 1), batch_size=4))
     write_results(trainer, args.out, results)
     model.hold_if_due("after-validate", 0)
