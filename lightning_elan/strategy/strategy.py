@@ -657,6 +657,10 @@ class ElanStrategy(DDPStrategy):
         the vote: the step is redone. (Before, the vote followed the backward: a survivor that met the death in a
         hook's collective had voted, so the step counted as done, and it never applied the update: one step lost.)
 
+        A precision plugin of the user's whose ``optimizer_step`` runs the closure itself and never calls
+        ``_after_closure`` (so no hook or clipping runs either) gets the vote right before the update (the optimizer's
+        step pre-hook), or after its step when it applied none.
+
         An optimizer that evaluates the closure again inside its step (``torch.optim.LBFGS``, or one seen doing so
         in an earlier step) updates the parameters between its evaluations, each voted on: the batch stays open
         until the step returns, with the parameters and optimizer state it began with kept, so a member's death in a
@@ -664,9 +668,11 @@ class ElanStrategy(DDPStrategy):
         manual = not self.lightning_module.automatic_optimization
         torch_optimizer = _torch_optimizer(optimizer)
         held_open = manual or self._reevaluations.expected(torch_optimizer)
-        evaluations = 0
+        evaluations, unvoted = 0, False
 
         def vote() -> None:
+            nonlocal unvoted
+            unvoted = False
             self._before_the_vote(torch_optimizer)
             self.engine.commit_step(self.lightning_module.trainer.global_step, closes_batch=not held_open)
             self._pre_loop.step_committed()
@@ -674,12 +680,24 @@ class ElanStrategy(DDPStrategy):
                 self._applied_steps.before_update(torch_optimizer)
 
         def counted_closure() -> Any:
-            nonlocal evaluations
+            nonlocal evaluations, unvoted
             evaluations += 1
-            return closure()
+            output = closure()
+            unvoted = True  # voted by ``_after_closure``, or else before the update (a precision plugin's own step)
+            return output
+
+        def vote_before_the_update(*_: Any) -> None:
+            if unvoted:
+                vote()
 
         with compat.after_the_closure(self.precision_plugin, vote):
-            output = super().optimizer_step(optimizer, counted_closure, model, **kwargs)
+            before_update = torch_optimizer.register_step_pre_hook(vote_before_the_update)
+            try:
+                output = super().optimizer_step(optimizer, counted_closure, model, **kwargs)
+            finally:
+                before_update.remove()
+        if unvoted:  # the plugin ran the closure and did not update (a step it skips): voted on all the same
+            vote()
         if not manual:
             self._reevaluations.seen(torch_optimizer, evaluations)
             if held_open:
