@@ -477,6 +477,7 @@ class ElasticAccelerator(Accelerator):
         if not any(parameter.requires_grad for parameter in prepared.parameters()):
             return prepared
         ddp = ElasticDistributedDataParallel(prepared, self._current_group, **self._ddp_arguments())
+        ddp.failure_in_forward = self._absorb_failure_in_forward
         compat.mark_prepared(ddp)
         compat.replace_prepared(compat.prepared_models(self), prepared, ddp)
         return ddp
@@ -587,6 +588,16 @@ class ElasticAccelerator(Accelerator):
         failure = None if self._sharding is None else self._sharding.take_failure()
         if failure is not None:
             self._absorb_failure(failure)
+
+    def _absorb_failure_in_forward(self, error: BaseException) -> bool:
+        """The elastic DDP's buffer broadcast before a forward failed: in a training step a member's death discards
+        the step (the forward goes on, its output unused; ``backward`` and the optimizer step do nothing), as FSDP2's
+        all-gathers are tolerated there; anything else, or outside a training step, is raised in the user's
+        forward."""
+        if not self._step_open or self._evaluations.evaluating or not self.engine.is_member:
+            return False
+        self._absorb_failure(error)
+        return True
 
     def _mirror_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Sharded: this step's reduced gradients go to the mirror holder before the commit vote."""

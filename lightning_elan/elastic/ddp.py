@@ -84,6 +84,10 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
             super().__init__(module, process_group=_private_group(), broadcast_buffers=False, **kwargs)
         self._current_group = current_group
         self._buffers_generation: object = None  # the generation the buffers were last broadcast in
+        self.failure_in_forward: Callable[[BaseException], bool] | None = None
+        """A front-end that cannot catch an error of the user's forward (Accelerate's: the loop is the user's) takes a
+        failed buffer broadcast here: True when it absorbed it (the step is discarded; the forward goes on with this
+        process's buffers, its result unused), False to raise it."""
         self._trainable = _trainable(module)
         self._built_order = {id(parameter): index for index, parameter in enumerate(module.parameters())}
         self._rebuilds = 0
@@ -250,7 +254,11 @@ def _broadcast_buffers_from_rank0(model: ElasticDistributedDataParallel, inputs:
     first_of_generation = generation is not model._buffers_generation
     model._buffers_generation = generation
     if group is not None and (model.require_forward_param_sync or first_of_generation):
-        _broadcast_from_rank0(group, list(model.module.buffers()))
+        try:
+            _broadcast_from_rank0(group, list(model.module.buffers()))
+        except Exception as error:
+            if model.failure_in_forward is None or not model.failure_in_forward(error):
+                raise
 
 
 def _generation_of(group: dist.ProcessGroup | None) -> object:

@@ -15,6 +15,7 @@ import pytest
 
 from tests.users.accelerate.corpus_runs import (
     Job,
+    Run,
     assert_each_sample_once,
     assert_ok,
     assert_states_close,
@@ -29,11 +30,21 @@ pytestmark = pytest.mark.integration
 KILL_STEP = 5
 
 
-def test_a_death_known_mid_window_redoes_the_window_the_loop_saw_skipped(tmp_path: Path) -> None:
-    static = run_job(tmp_path / "static", Job("bertstatic", BERT.file))
-    assert_ok(static)
+@pytest.fixture(scope="module")
+def static(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run = run_job(tmp_path_factory.mktemp("static"), Job("bertstatic", BERT.file))
+    assert_ok(run)
+    return run
+
+
+@pytest.mark.parametrize("where", ["first", "taken"])
+def test_a_death_known_mid_window_redoes_the_window_the_loop_saw_skipped(static: Run, tmp_path: Path,
+                                                                         where: str) -> None:
+    """``first``: the death is known before the backward of the window's first micro-batch; ``taken``: before its
+    forward, whose buffer broadcast (BERT's ``position_ids``: the elastic DDP broadcasts rank 0's buffers where DDP
+    would) then meets it. Before, that broadcast raised out of the user's ``model(**batch)`` and the job failed."""
     run = run_job(tmp_path / "killed", Job("bertmidwindow", BERT.file, kill_step=KILL_STEP,
-                                           env=(("USERS_KILL_MICRO", "first"), ("USERS_AWAIT_DEATH", str(KILL_STEP)))))
+                                           env=(("USERS_KILL_MICRO", where), ("USERS_AWAIT_DEATH", str(KILL_STEP)))))
     assert_ok(run)
     assert [a["action"] for a in run.adjustments()][:1] == ["failure"], run.adjustments()
     assert_each_sample_once(run.trained(), BERT.samples, BERT.epochs)

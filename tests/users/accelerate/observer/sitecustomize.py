@@ -16,7 +16,7 @@ micro-batch:
 * ``$USERS_AWAIT_DEATH=STEP``: the process that is rank 0 at optimizer step STEP waits before that backward until the
   victim is dead and its own generation failed (the all-reduce then meets a failed generation at its start);
 * ``$USERS_KILL_MICRO=first``: the last two at the step's first micro-batch of an ``accumulate()`` window (one with
-  ``sync_gradients`` off) instead of its last;
+  ``sync_gradients`` off) instead of its last; ``taken``: as the step's first batch is taken, before its forward;
 * ``$USERS_DIE_IN_SAVE=N``: the process that is rank 1 SIGKILLs itself as DCP starts its N-th write of files
   (``save_state`` under FSDP2 writes the model, then the optimizer).
 """
@@ -149,8 +149,30 @@ def _instrument(module: Any) -> None:
         return original(self, loss, **kwargs)
 
     accelerator_class.backward = backward
+    if os.environ.get("USERS_KILL_MICRO") == "taken":
+        _at_first_batch_taken(accelerator_class)
     if os.environ.get("USERS_DIE_IN_SAVE"):
         _die_in_save(int(os.environ["USERS_DIE_IN_SAVE"]))
+
+
+def _at_first_batch_taken(accelerator_class: Any) -> None:
+    """``USERS_KILL_MICRO=taken``: the victim offers itself, and rank 0 awaits its death, as the first batch of step
+    ``USERS_KILL`` is taken (before the step's first forward: DDP's buffer broadcast then meets the death)."""
+    original = accelerator_class.take_global_batch
+
+    @functools.wraps(original)
+    def take_global_batch(self: Any, loader: Any) -> None:
+        original(self, loader)
+        step = os.environ.get("USERS_KILL")
+        if self.has_left or step != str(self.optimizer_steps) or _SEEN.get("taken_at") == step:
+            return
+        _SEEN["taken_at"] = step
+        if self.process_index == 1:
+            _offer_as_victim(self.optimizer_steps)
+        if self.process_index == 0 and os.environ.get("USERS_AWAIT_DEATH") == step:
+            _await_the_victims_death(self)
+
+    accelerator_class.take_global_batch = take_global_batch
 
 
 def _die_in_save(write: int) -> None:
