@@ -116,10 +116,11 @@ def verdict(home: Path, reference: dict) -> str:
     return "ok"
 
 
-def where(home: Path) -> str:
+def where(home: Path, count: int = 2) -> str:
+    """The victim's innermost ``count`` frames (``HOME/victim.txt``, its ``py-spy dump``)."""
     path = home / "victim.txt"
     frames = [line.strip() for line in path.read_text().splitlines() if ".py:" in line] if path.exists() else []
-    return " | ".join(frames[:2])
+    return " | ".join(frames[:count])
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ from tests.users.accelerate.corpus_runs import OBSERVER, assert_members_agree, a
 from tests.users.accelerate.corpus_runs import Job as CorpusJob
 from tests.users.accelerate.corpus_runs import Run as CorpusRun
 from tests.users.corpus import end_every_process_of, shm_dir
+from tests.users.random_kills_fsdp import py_spy, where
 
 HERE = Path(__file__).parent
 TIMEOUT_S = 400.0
@@ -85,10 +86,6 @@ def workers(home: Path) -> list[int]:
     process is not its child) that still run the script with ``--output_dir HOME/out``."""
     spawned = processes.spawned_workers((home / "output.log").read_text(errors="replace"))
     return sorted(pid for pid in spawned.values() if processes.runs_script(pid, home / "out"))
-
-
-def py_spy(pid: int) -> str:
-    return subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True).stdout
 
 
 def run(home: Path, name: str, schedule: str | None, moment: float | None, sig: int,
@@ -191,12 +188,6 @@ def verdict(home: Path, static: Path, victim: int | None, replicated: bool) -> s
     return "held"
 
 
-def where(home: Path) -> str:
-    path = home / "victim.txt"
-    frames = [line.strip() for line in path.read_text().splitlines() if ".py:" in line] if path.exists() else []
-    return " | ".join(frames[:3])
-
-
 def static_run(root: Path, name: str) -> float:
     """The script's static run (made once per ``root``): its wall time."""
     home = root / f"static-{name}"
@@ -225,7 +216,7 @@ class Trial:
 
     def line(self) -> str:
         grow = " +grow" if self.schedule else ""
-        outcome = f"{self.wall_s:.0f} s: {self.outcome} :: {where(self.home)}"
+        outcome = f"{self.wall_s:.0f} s: {self.outcome} :: {where(self.home, 3)}"
         return f"seed {self.seed} {self.name}{grow}: {self.note}, {outcome}"
 
 
