@@ -476,9 +476,10 @@ class ElanFSDPStrategy(ElanStrategy):
                 super()._recover_evaluation(error)  # no shard to lose: the pass runs again among the survivors
                 return
             if not self._mirroring.covers_a_death:
+                why = self._unmirrored() or "it died before the shards were mirrored, as the first pass started"
                 raise LostShard(f"worker {self.engine.worker_id}: a member of this strategy='elan_fsdp' job died in "
-                                f"trainer.{self.lightning_module.trainer.state.fn.value} before the shards were "
-                                "mirrored (as its first pass started); restart the job") from error
+                                f"trainer.{self.lightning_module.trainer.state.fn.value} and its shard cannot be "
+                                f"rebuilt ({why}); restart the job") from error
             self._mirroring.check_recoverable(self.engine.world_size, self._unmirrored())
         super()._recover_evaluation(error)
 
