@@ -298,7 +298,26 @@ def test_am_dying_past_its_restart_budget_fails_the_job(tmp_path: Path) -> None:
 
 def test_am_killed_while_it_starts_is_started_again(tmp_path: Path) -> None:
     """A SIGKILL that reaches the AM before it registered (a storm's first event, 2 s into the job) is an outside
-    kill like any other: the launcher starts the AM again and the job runs."""
+    kill like any other: the launcher starts the AM again and the job runs. On a loaded machine the kill may land just
+    after the AM registered (an ordinary restart from its store, which must work too): up to 3 jobs are run until
+    one is killed while starting."""
+    for attempt in range(3):
+        home = tmp_path / f"attempt{attempt}"
+        home.mkdir()
+        killed, result = _run_killing_the_first_am(home)
+        assert killed, "the AM was not seen starting"
+        assert result.returncode == 0, result.stderr
+        assert sorted(worker_files(home)) == ["w0", "w1"]
+        if f"(pid {killed[0]}) was killed by SIGKILL while starting; starting it again (restart 1 of at most" \
+                in result.stderr:
+            return
+        assert f"(pid {killed[0]}) was killed by SIGKILL; restarting it from its store" in result.stderr, \
+            result.stderr
+    pytest.fail("in 3 jobs the kill never reached the AM before it registered")
+
+
+def _run_killing_the_first_am(tmp_path: Path) -> tuple[list[int], subprocess.CompletedProcess[str]]:
+    """``elan run`` of job ``amstart`` while a thread SIGKILLs its first AM process as soon as it appears."""
     killed: list[int] = []
     stop = threading.Event()
 
@@ -318,8 +337,4 @@ def test_am_killed_while_it_starts_is_started_again(tmp_path: Path) -> None:
     finally:
         stop.set()
         killer.join()
-    assert killed, "the AM was not seen starting"
-    assert result.returncode == 0, result.stderr
-    assert f"(pid {killed[0]}) was killed by SIGKILL while starting; starting it again (restart 1 of at most" \
-        in result.stderr, result.stderr
-    assert sorted(worker_files(tmp_path)) == ["w0", "w1"]
+    return killed, result

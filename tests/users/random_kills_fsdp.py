@@ -55,7 +55,11 @@ def workers() -> list[int]:
 
 
 def py_spy(pid: int) -> str:
-    return subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True).stdout
+    """``py-spy dump`` of ``pid`` (where the victim was); empty where py-spy is not installed (CI's venv)."""
+    executable = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(executable).exists():
+        return ""
+    return subprocess.run([executable, "dump", "--pid", str(pid)], capture_output=True, text=True).stdout
 
 
 def run(home: Path, schedule: str | None, moment: float | None, sig: int, rng: random.Random,
