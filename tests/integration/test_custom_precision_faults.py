@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.integration.fsdp_runs import assert_ok, elan_command, run_to_end
+from tests.integration.test_hook_collective_faults import assert_killed_step_redone_exactly
 
 pytestmark = pytest.mark.integration
 
@@ -32,11 +32,4 @@ def test_a_death_before_a_custom_plugins_update_redoes_the_step(tmp_path: Path) 
     static = run(tmp_path / "static", "static")
     assert_ok(static)
     killed = run(tmp_path / "killed", "killed", "--kill-step", KILL_STEP)
-    assert_ok(killed)
-    assert (killed.out / "killed").exists()
-    (failure,) = [a for a in killed.adjustments() if a["action"] == "failure"]
-    assert failure["failure"]["step_redone"] == int(KILL_STEP) + 1, failure  # counted from 1: the killed step
-    mine, theirs = torch.load(killed.out / "final.pt"), torch.load(static.out / "final.pt")
-    for key, value in theirs.items():
-        difference = (mine[key] - value).abs().max().item()
-        assert difference <= 1e-9, f"{key}: {difference:.3e}"
+    assert_killed_step_redone_exactly(killed, static, int(KILL_STEP))

@@ -33,10 +33,16 @@ def test_a_death_in_a_collective_of_on_before_optimizer_step_redoes_the_step(tmp
     static = run(tmp_path / "static", "static", 2, *options)
     assert_ok(static)
     killed = run(tmp_path / "killed", "killed", 2, *options, "--kill-step", KILL_STEP)
+    assert_killed_step_redone_exactly(killed, static, int(KILL_STEP))
+
+
+def assert_killed_step_redone_exactly(killed, static, kill_step: int) -> None:
+    """The job that lost its victim (``OUT/killed``) at ``kill_step`` exited 0, redid that step, and ended with the
+    static run's ``OUT/final.pt`` within 1e-9."""
     assert_ok(killed)
     assert (killed.out / "killed").exists()
     (failure,) = [a for a in killed.adjustments() if a["action"] == "failure"]
-    assert failure["failure"]["step_redone"] == int(KILL_STEP) + 1, failure  # counted from 1: the killed step
+    assert failure["failure"]["step_redone"] == kill_step + 1, failure  # counted from 1: the killed step
     mine, theirs = torch.load(killed.out / "final.pt"), torch.load(static.out / "final.pt")
     for key, value in theirs.items():
         difference = (mine[key] - value).abs().max().item()

@@ -71,24 +71,32 @@ def run(home: Path, schedule: str | None, moment: float | None, sig: int, rng: r
     try:
         if moment is not None:
             time.sleep(moment)
-            pids = workers()
-            if pids:
-                victim = rng.choice(pids)
-                (home / "victim.txt").write_text(py_spy(victim))
-                os.kill(victim, sig)
-                note = f"{signal.Signals(sig).name} {victim} at {moment:.1f} s"
-            else:
-                note = "no worker to kill"
+            _, note = signal_one(home, workers(), sig, rng, moment)
         proc.wait(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        (home / "stacks.txt").write_text("\n".join(py_spy(pid) for pid in workers()))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        note += " HUNG"
+        note += stop_hung_job(home, proc, workers())
     finally:
         end_every_process_of(home)
         shutil.rmtree(shm, ignore_errors=True)
     return proc.returncode, note
+
+
+def signal_one(home: Path, pids: list[int], sig: int, rng: random.Random, moment: float) -> tuple[int | None, str]:
+    """``sig`` to one of ``pids`` (drawn with ``rng``), its stack first in ``HOME/victim.txt``: the victim, a note."""
+    if not pids:
+        return None, f"no worker to kill at {moment:.1f} s"
+    victim = rng.choice(pids)
+    (home / "victim.txt").write_text(py_spy(victim))
+    os.kill(victim, sig)
+    return victim, f"{signal.Signals(sig).name} {victim} at {moment:.1f} s"
+
+
+def stop_hung_job(home: Path, proc: subprocess.Popen, pids: list[int]) -> str:
+    """A job past its time: every worker's stack in ``HOME/stacks.txt``, the launcher's session SIGKILLed."""
+    (home / "stacks.txt").write_text("\n".join(py_spy(pid) for pid in pids))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return " HUNG"
 
 
 def final_checkpoint(home: Path) -> dict:

@@ -40,7 +40,7 @@ from tests.users.accelerate.corpus_runs import OBSERVER, assert_members_agree, a
 from tests.users.accelerate.corpus_runs import Job as CorpusJob
 from tests.users.accelerate.corpus_runs import Run as CorpusRun
 from tests.users.corpus import end_every_process_of, shm_dir
-from tests.users.random_kills_fsdp import py_spy, where
+from tests.users.random_kills_fsdp import signal_one, stop_hung_job, where
 
 HERE = Path(__file__).parent
 TIMEOUT_S = 400.0
@@ -103,19 +103,10 @@ def run(home: Path, name: str, schedule: str | None, moment: float | None, sig: 
             while not pids and proc.poll() is None and time.monotonic() - started < moment + 3.0:
                 time.sleep(0.05)  # the launcher spawns its members a moment after it starts
                 pids = workers(home)
-            if pids:
-                victim = rng.choice(pids)
-                (home / "victim.txt").write_text(py_spy(victim))
-                os.kill(victim, sig)
-                note = f"{signal.Signals(sig).name} {victim} at {moment:.1f} s"
-            else:
-                note = f"no worker to kill at {moment:.1f} s"
+            victim, note = signal_one(home, pids, sig, rng, moment)
         proc.wait(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        (home / "stacks.txt").write_text("\n".join(py_spy(pid) for pid in workers(home)))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        note += " HUNG"
+        note += stop_hung_job(home, proc, workers(home))
     finally:
         end_every_process_of(home)
         shutil.rmtree(shm, ignore_errors=True)
