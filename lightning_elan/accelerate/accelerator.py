@@ -592,8 +592,13 @@ class ElasticAccelerator(Accelerator):
     def _absorb_failure_in_forward(self, error: BaseException) -> bool:
         """The elastic DDP's buffer broadcast before a forward failed: in a training step a member's death discards
         the step (the forward goes on, its output unused; ``backward`` and the optimizer step do nothing), as FSDP2's
-        all-gathers are tolerated there; anything else, or outside a training step, is raised in the user's
-        forward."""
+        all-gathers are tolerated there; in an evaluation pass the survivors recover at once and the forward goes on
+        with this process's buffers (the next forward, the new generation's first, broadcasts on every survivor,
+        those that had completed this broadcast included); anything else is raised in the user's forward."""
+        if self._recovers_in_evaluation():
+            self._raise_if_loop_ended(error)
+            self._evaluations.recover(error)
+            return True
         if not self._step_open or self._evaluations.evaluating or not self.engine.is_member:
             return False
         self._absorb_failure(error)

@@ -18,7 +18,10 @@ micro-batch:
 * ``$USERS_KILL_MICRO=first``: the last two at the step's first micro-batch of an ``accumulate()`` window (one with
   ``sync_gradients`` off) instead of its last; ``taken``: as the step's first batch is taken, before its forward;
 * ``$USERS_DIE_IN_SAVE=N``: the process that is rank 1 SIGKILLs itself as DCP starts its N-th write of files
-  (``save_state`` under FSDP2 writes the model, then the optimizer).
+  (``save_state`` under FSDP2 writes the model, then the optimizer);
+* ``$USERS_DIE_EVALUATING=PASS:RANK``: the process that is rank RANK SIGKILLs itself as it takes the first batch of
+  its PASS-th pass over an elastic evaluation loader (0: the first), before that batch's forward (whose buffer
+  broadcast, the first after a synchronised step, then meets the death on the others).
 """
 
 from __future__ import annotations
@@ -153,6 +156,9 @@ def _instrument(module: Any) -> None:
         _at_first_batch_taken(accelerator_class)
     if os.environ.get("USERS_DIE_IN_SAVE"):
         _die_in_save(int(os.environ["USERS_DIE_IN_SAVE"]))
+    if os.environ.get("USERS_DIE_EVALUATING"):
+        pass_index, rank = (int(part) for part in os.environ["USERS_DIE_EVALUATING"].split(":"))
+        _die_evaluating(pass_index, rank)
 
 
 def _at_first_batch_taken(accelerator_class: Any) -> None:
@@ -194,6 +200,27 @@ def _die_in_save(write: int) -> None:
         return original(self, *args, **kwargs)
 
     _FileSystemWriter.write_data = write_data
+
+
+def _die_evaluating(pass_index: int, rank: int) -> None:
+    """``USERS_DIE_EVALUATING``: the process that is rank ``rank`` SIGKILLs itself as its ``pass_index``-th pass over
+    an elastic evaluation loader yields its first batch (every process counts its passes)."""
+    from lightning_elan.accelerate.data import ElasticEvaluationLoader
+
+    original = ElasticEvaluationLoader.__iter__
+
+    @functools.wraps(original)
+    def __iter__(self: Any) -> Any:
+        passes = _SEEN["passes"] = _SEEN.get("passes", -1) + 1
+        for index, batch in enumerate(original(self)):
+            accelerator = _SEEN.get("accelerator")
+            if index == 0 and passes == pass_index and accelerator is not None and accelerator.process_index == rank:
+                with open(os.path.join(_observe_dir() or ".", "died-evaluating.json"), "w") as file:
+                    file.write(json.dumps({"pass": passes, "worker": os.environ["ELAN_WORKER_ID"], "pid": os.getpid()}))
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield batch
+
+    ElasticEvaluationLoader.__iter__ = __iter__
 
 
 class _Loader(importlib.abc.Loader):
