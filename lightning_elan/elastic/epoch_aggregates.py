@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SLOTS", "AggregateHandover", "AggregateRecord", "heir_of", "read_records", "record_key", "write_record"]
+__all__ = ["SLOTS", "AggregateHandover", "AggregateRecord", "Inheritance", "heir_of", "read_records", "record_key",
+           "write_record"]
 
 SLOTS = (0, 1)
 """A member's two records in a generation: its last of a step that stood, and its last written before a vote."""
@@ -130,21 +132,55 @@ def write_record(store: dist.Store, generation: int, record: AggregateRecord, sl
     store.set(record_key(generation, record.worker_id, slot), record.to_bytes())
 
 
-def read_records(store: dist.Store, generation: int, departed: list[str], step: int,
-                 epoch: int | None) -> list[AggregateRecord]:
+@dataclass(frozen=True)
+class Inheritance:
+    """What the heir of a recovery plan took: the ``dead`` members' parts, as it was to enter ``generation``."""
+
+    generation: int
+    dead: tuple[str, ...]
+
+
+def read_records(store: dist.Store, generation: int, departed: list[str], step: int, epoch: int | None,
+                 earlier: Sequence[int] = (),
+                 inherited: Mapping[str, Sequence[Inheritance]] | None = None) -> list[AggregateRecord]:
     """The departed members' records of ``generation`` that belong to the heir's ``epoch`` at ``step``.
+
+    A member with none there (it died entering ``generation``, a recovery's that failed as it formed) has its records
+    of the newest of the ``earlier`` generations (newest first) that holds any read instead; and if it was the heir of
+    an earlier plan of the recovery (``inherited``) and wrote no record from that plan's generation on, its records
+    lack what it took: the members it took from count on their own.
 
     Of a member's two records the one of ``step`` is taken (one that stood before one written before its vote). A
     record of ``step`` in an earlier epoch holds nothing of this one (its step in this epoch was discarded): nothing is
     taken. With no record of ``step``, the newest earlier one is taken with a warning (the epoch's value then lacks
     that member's part of the steps after it), or, of an earlier epoch, left out with that warning. A record of a
     later step only, or none (a member that had logged nothing), gives nothing."""
-    records = []
-    for worker_id in departed:
-        record = _chosen(worker_id, _read_slots(store, generation, worker_id), step, epoch)
+    records, pending = [], list(departed)
+    while pending:
+        worker_id = pending.pop(0)
+        written_in, slots = _newest_slots(store, (generation, *earlier), worker_id)
+        pending += _taken_since(worker_id, written_in, inherited or {})
+        record = _chosen(worker_id, slots, step, epoch)
         if record is not None:
             records.append(record)
     return records
+
+
+def _newest_slots(store: dist.Store, generations: Sequence[int],
+                  worker_id: str) -> tuple[int | None, list[AggregateRecord]]:
+    """``worker_id``'s records of the first of ``generations`` in which it wrote any, and that generation."""
+    for generation in generations:
+        records = _read_slots(store, generation, worker_id)
+        if records:
+            return generation, records
+    return None, []
+
+
+def _taken_since(heir: str, written_in: int | None, inherited: Mapping[str, Sequence[Inheritance]]) -> list[str]:
+    """The members whose parts ``heir`` took as it was to enter a generation after ``written_in``, its newest record's
+    (so its record lacks them)."""
+    return [dead for taken in inherited.get(heir, ()) if written_in is None or written_in < taken.generation
+            for dead in taken.dead]
 
 
 def _read_slots(store: dist.Store, generation: int, worker_id: str) -> list[AggregateRecord]:
@@ -253,11 +289,13 @@ class AggregateHandover:
                       self._worker_id, step, error)
 
     def take(self, plan: AdjustmentPlan, departed: list[str], store: dist.Store | None, step: int,
-             epoch: int | None) -> None:
-        """As the heir of ``plan``: add the departed members' records of the previous generation to its own."""
+             epoch: int | None, earlier: Sequence[int] = (),
+             inherited: Mapping[str, Sequence[Inheritance]] | None = None) -> None:
+        """As the heir of ``plan``: add the departed members' records of the previous generation (else of the newest
+        ``earlier`` one that holds any; see :func:`read_records`) to its own."""
         if not departed or store is None or heir_of(plan) != self._worker_id:
             return
-        records = read_records(store, plan.previous_generation, departed, step, epoch)
+        records = read_records(store, plan.previous_generation, departed, step, epoch, earlier, inherited)
         if records:
             self._absorb(records)
 

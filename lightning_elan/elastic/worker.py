@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -31,7 +31,7 @@ from lightning_elan.data.positions import LocalShare
 from lightning_elan.data.sampler import DataPosition, EpochOrder
 from lightning_elan.elastic.am_link import AMLink
 from lightning_elan.elastic.compute import ComputeMeter
-from lightning_elan.elastic.epoch_aggregates import AggregateHandover
+from lightning_elan.elastic.epoch_aggregates import AggregateHandover, Inheritance, heir_of
 from lightning_elan.elastic.error_origin import may_be_a_peers_death
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, UncertainCommit
@@ -540,9 +540,10 @@ class ElasticWorker:
         plan = self._recovery_plan or self._recovery_plan_for(failed, committed_step)
         self._recovery_plan = None
         self._pin_shard_layout(plan, failed)
-        dead = [worker for worker in plan.previous_members if worker not in plan.members]
-        self._take_aggregates(plan, dead, self._aggregate_store(), committed_step)  # before the failed vote goes
+        inherited: dict[str, list[Inheritance]] = {}  # the heirs of the plans this recovery tried, and what they took
+        self._take_aggregates_of_the_dead(plan, committed_step, (), inherited)  # before the failed vote goes
         self._rows.check(self._aggregate_store(), failed)
+        entered: list[int] = []  # the generations this recovery tried to form, newest first
         while True:
             self.frontend.before_resize()
             try:
@@ -554,7 +555,21 @@ class ElasticWorker:
                 log.warning("worker %s: generation %d failed during the recovery", self.worker_id, plan.generation)
                 self._abandon_outgoing()
                 self._group().abort()
+                entered = [plan.previous_generation, *entered]
                 plan = self._recovery_plan_for(plan.generation, committed_step)
+                self._take_aggregates_of_the_dead(plan, committed_step, entered, inherited)
+
+    def _take_aggregates_of_the_dead(self, plan: AdjustmentPlan, committed_step: int, entered: Sequence[int],
+                                     inherited: dict[str, list[Inheritance]]) -> None:
+        """The heir of a recovery plan adds the dead members' epoch aggregates to its own. A member that died entering
+        a failed recovery's generation left no record there: its newest earlier one (``entered``: the generations the
+        recovery tried, newest first) counts, and if it was the heir of a plan tried before and recorded nothing
+        since, the parts it took count on their own (``inherited``, which this adds the plan's heir to)."""
+        dead = [worker for worker in plan.previous_members if worker not in plan.members]
+        self._take_aggregates(plan, dead, self._aggregate_store(), committed_step, entered, inherited)
+        heir = heir_of(plan)
+        if heir is not None and dead:
+            inherited.setdefault(heir, []).append(Inheritance(plan.generation, tuple(dead)))
 
     def _pin_shard_layout(self, plan: AdjustmentPlan, failed: int) -> None:
         """A survivor whose shards are not in an uncommitted reshard's old layout holds them in the layout of the
@@ -791,11 +806,12 @@ class ElasticWorker:
         record = self._aggregates.record_before_vote if before_vote else self._aggregates.record
         record(self._vote.store, self.generation or 0, step, self.data.epoch)
 
-    def _take_aggregates(self, plan: AdjustmentPlan, departed: list[str], store: dist.Store | None,
-                         step: int) -> None:
-        """The heir of ``plan``: add the departed members' epoch aggregates of the previous generation to its own."""
+    def _take_aggregates(self, plan: AdjustmentPlan, departed: list[str], store: dist.Store | None, step: int,
+                         earlier: Sequence[int] = (), inherited: Mapping[str, list[Inheritance]] | None = None) -> None:
+        """The heir of ``plan``: add the departed members' epoch aggregates of the previous generation (or of the
+        newest ``earlier`` one holding any; with the parts they took as heirs and hold no record of) to its own."""
         if self._aggregates is not None:
-            self._aggregates.take(plan, departed, store, step, self.data.epoch)
+            self._aggregates.take(plan, departed, store, step, self.data.epoch, earlier, inherited or {})
 
     def _aggregate_store(self) -> dist.Store | None:
         """Where the current generation's members record their epoch aggregates: its vote store."""

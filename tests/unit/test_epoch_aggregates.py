@@ -20,6 +20,7 @@ from lightning_elan import compat
 from lightning_elan.elastic.epoch_aggregates import (
     AggregateHandover,
     AggregateRecord,
+    Inheritance,
     heir_of,
     read_records,
     record_key,
@@ -161,6 +162,37 @@ def test_records_of_another_epoch_a_later_step_or_none_are_left_out(caplog: pyte
                                10, 1)
     assert [record.worker_id for record in records] == ["same", "earlier"]
     assert "from step 9, not 10" in caplog.text
+
+
+def test_a_member_that_died_entering_a_recovery_counts_with_its_record_of_the_generation_before() -> None:
+    """Generation 3 failed, the recovery's generation 4 failed as it formed: a member that wrote no record in 4 (it
+    died entering it) has its record of 3 read; one that wrote in 4 has that one read, never both."""
+    store = dist.HashStore()
+    part = {"logged/x": {"states": {"value": torch.tensor(1.0)}, "update_count": 1}}
+    write_record(store, 3, AggregateRecord("died_entering", 10, 1, part))
+    write_record(store, 3, AggregateRecord("entered", 10, 1, part))
+    write_record(store, 4, AggregateRecord("entered", 10, 1, {"logged/x": {"states": {"value": torch.tensor(2.0)},
+                                                                           "update_count": 2}}))
+    records = read_records(store, 4, ["died_entering", "entered"], 10, 1, earlier=(3,))
+    assert [(record.worker_id, record.aggregates["logged/x"]["update_count"]) for record in records] == [
+        ("died_entering", 1), ("entered", 2)]
+    assert read_records(store, 4, ["died_entering"], 10, 1) == [], "without the earlier generations: nothing"
+
+
+def test_an_heir_that_died_before_it_recorded_what_it_took_hands_on_the_parts_it_took() -> None:
+    """w0, the heir of the plan of generation 4, took w1's part (recorded in 3) and died entering 4 with its own
+    record of 3 only (before it took): the next heir reads w0's and w1's records. Had w0 recorded in 4 (with w1's
+    part in it), w1's would not be read again."""
+    store = dist.HashStore()
+    part = {"logged/x": {"states": {"value": torch.tensor(1.0)}, "update_count": 1}}
+    write_record(store, 3, AggregateRecord("w0", 10, 1, part))
+    write_record(store, 3, AggregateRecord("w1", 10, 1, part))
+    inherited = {"w0": [Inheritance(4, ("w1",))]}
+    records = read_records(store, 4, ["w0"], 10, 1, earlier=(3,), inherited=inherited)
+    assert [record.worker_id for record in records] == ["w0", "w1"]
+    write_record(store, 4, AggregateRecord("w0", 10, 1, part))
+    records = read_records(store, 4, ["w0"], 10, 1, earlier=(3,), inherited=inherited)
+    assert [record.worker_id for record in records] == ["w0"]
 
 
 def test_a_record_of_the_previous_epochs_last_step_is_left_out_with_a_warning(

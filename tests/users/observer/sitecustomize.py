@@ -35,6 +35,10 @@ than 1 is the victim (0: the job loses its rank 0, which writes the logs and che
 training loop (the others meet its death in ``ModelCheckpoint``'s directory broadcast or Lightning's ``post_setup``
 barrier); ``$USERS_KILL=sanity``: in the callbacks' ``on_validation_epoch_end`` of the sanity check (the others meet
 its death in the LightningModule's hook of the same name, a torchmetrics ``compute()`` say).
+
+``$USERS_DIE_RECOVERING=WORKER``: the worker of that id SIGKILLs itself once it has the plan of a recovery it is a
+member of (from another death), before it enters the plan's generation: the other survivors meet its death as that
+generation forms, and recover from it in turn (written first to ``$USERS_OBSERVE/recovering.log``).
 """
 
 from __future__ import annotations
@@ -196,6 +200,27 @@ def _kill_if_due(step: int, rank: int, phase: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _die_once_recovering() -> None:
+    """``$USERS_DIE_RECOVERING``: this worker SIGKILLs itself once it has a recovery plan it is a member of."""
+    from lightning_elan.elastic.worker import ElasticWorker
+
+    original = ElasticWorker._recovery_plan_for
+    if getattr(original, "_users_dying", False):
+        return
+
+    @functools.wraps(original)
+    def recovery_plan_for(self: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = original(self, *args, **kwargs)
+        if self.worker_id in plan.members:
+            with open(os.path.join(_observe_dir() or ".", "recovering.log"), "w") as log:
+                log.write(json.dumps({"worker": self.worker_id, "pid": os.getpid(), "generation": plan.generation}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return plan
+
+    recovery_plan_for._users_dying = True  # type: ignore[attr-defined]
+    ElasticWorker._recovery_plan_for = recovery_plan_for
+
+
 # ---------------------------------------------------------------------- the callback
 
 
@@ -217,6 +242,8 @@ def _observer_class(callback_base: type) -> type:
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             _kill_if_due(-1, trainer.global_rank, "setup")
+            if os.environ.get("USERS_DIE_RECOVERING") == os.environ.get("ELAN_WORKER_ID"):
+                _die_once_recovering()
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             global _FITS
