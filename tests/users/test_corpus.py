@@ -113,6 +113,8 @@ CORPUS: dict[str, Script] = {
                               {**epochs(2, 96), FIT_OFFSET: 96, FIT_OFFSET + 1: 96},
                               (*range(16), *range(FIT_OFFSET, FIT_OFFSET + 16))),
     "gather_outputs": Script(("{scripts}/gather_outputs.py", "{out}"), True, epochs(2, 96), tuple(range(24))),
+    "contrastive_gather": Script(("{scripts}/contrastive_gather.py", "{out}"), True, epochs(2, 96),
+                                 tuple(range(16))),
     "boring_demo": Script(("{scripts}/boring_demo.py", "{out}"), True, epochs(2, 64), tuple(range(64))),
     "finetune_backbone": Script(("{scripts}/finetune_backbone.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
     "prune_weights": Script(("{scripts}/prune_weights.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
@@ -509,6 +511,17 @@ def check_gather_outputs(run: Run, static: Run | None) -> None:
         assert [entry["shape"] for entry in gathered] == [[2, 12], [2, 12]]
 
 
+def check_contrastive_gather(run: Run, static: Run | None) -> None:
+    """Rank 0's epoch loss (a mean over the epoch's batches of the gathered contrastive loss) each epoch, the static
+    run's: a batch redone after the kill (its gradients came back through the gather) counted once."""
+    epochs_logged = [json.loads(line) for line in (run.out / "epochs.jsonl").read_text().splitlines()]
+    assert [entry["epoch"] for entry in epochs_logged] == [0, 1], epochs_logged
+    if static is not None:
+        reference = [json.loads(line) for line in (static.out / "epochs.jsonl").read_text().splitlines()]
+        for entry, expected in zip(epochs_logged, reference, strict=True):
+            assert math.isclose(entry["loss"], expected["loss"], rel_tol=0, abs_tol=TOLERANCE), (entry, expected)
+
+
 def check_boring_demo(run: Run, static: Run | None) -> None:
     """Validation twice an epoch (after 16 and 32 of the 32 batches), on the data ``val_dataloader`` made: a joiner
     builds the members' validation data too."""
@@ -698,6 +711,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "transformer_cli": check_transformer_cli,
     "boring_demo": check_boring_demo,
     "gather_outputs": check_gather_outputs,
+    "contrastive_gather": check_contrastive_gather,
     "finetune_backbone": check_finetune_backbone,
     "prune_weights": check_prune_weights,
     "metrics_loggers_profiler": check_metrics_loggers_profiler,
