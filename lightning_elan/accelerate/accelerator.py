@@ -1046,7 +1046,7 @@ class ElasticAccelerator(Accelerator):
             return own
         if self._pre_loop.recording and self.engine.is_member:
             return self._pre_loop_collective(collective)
-        if self._outside_a_batch():
+        if self._outside_a_batch() or (self._after_the_loop() and not self._evaluations.evaluating):
             return self._collective_between_batches(collective)
         try:
             result = collective()
@@ -1079,6 +1079,12 @@ class ElasticAccelerator(Accelerator):
                 and not self._aborted and not self._recovery_due and not self._evaluations.evaluating
                 and self.engine.is_member)
 
+    def _after_the_loop(self) -> bool:
+        """This member's ``epochs()`` loop ran out: the script's code after it runs (a test pass, the final barrier
+        and save), in which a member's death is recovered from at once, as between batches, with no joiner admitted
+        (there is no training left to give one)."""
+        return self._loop_ran_out and self._loop_epoch is None and self.engine.is_member and not self.has_left
+
     def _collective_between_batches(self, collective: Callable[[], Any]) -> Any:
         """A collective outside a training batch: a member's death in it is recovered from at once and it runs again
         among the survivors, as one before the training loop (no step to discard: the code after it meets the
@@ -1095,18 +1101,27 @@ class ElasticAccelerator(Accelerator):
         self._raise_if_loop_ended(error)
         self.engine.confirm_peer_failure(error)
         self._check_shards_recoverable()
-        log.warning("worker %s: a member died in a collective between training batches (the code at an epoch's end "
-                    "or start); it runs again without it", self.engine.worker_id)
+        log.warning("worker %s: a member died in a collective %s; it runs again without it", self.engine.worker_id,
+                    "after the training loop" if self._after_the_loop() else
+                    "between training batches (the code at an epoch's end or start)")
+        self._recover_now(self.optimizer_steps)
+
+    def _recover_now(self, committed_step: int) -> None:
+        """The survivors form the next generation at once (no batch boundary to wait for); after the training loop,
+        as an evaluation outside it: the link to the AM opened again, no joiner admitted."""
         self.recoveries += 1
-        self.engine.recover(self.optimizer_steps)
+        if self._after_the_loop():
+            self.engine.recover_evaluation(committed_step)
+        else:
+            self.engine.recover(committed_step)
 
     # ------------------------------------------------------------------ evaluation passes (evaluation_recovery.py)
 
     def _recovers_in_evaluation(self) -> bool:
         """Whether a failed collective is one of an evaluation pass the survivors go on with at once: in the loop over
-        the epochs, no training step open (its batch would be redone), this process a member."""
-        return (self._evaluations.evaluating and self._loop_epoch is not None and not self._step_open
-                and self.engine.is_member and not self._aborted)
+        the epochs or after it ran out, no training step open (its batch would be redone), this process a member."""
+        return (self._evaluations.evaluating and (self._loop_epoch is not None or self._after_the_loop())
+                and not self._step_open and self.engine.is_member and not self._aborted)
 
     def _call_in_evaluation(self, call: Callable[[], Any]) -> Any:
         """A call of the sharded model (its forward: FSDP2's all-gathers): when a member dies in it during an
@@ -1127,8 +1142,7 @@ class ElasticAccelerator(Accelerator):
         this batch committed stands (the pass, or the save, then goes on among them: :class:`EvaluationRecovery`,
         :meth:`_save_among_the_members`)."""
         self._recovery_due = False
-        self.recoveries += 1
-        self.engine.recover(self.optimizer_steps + int(self._committed))
+        self._recover_now(self.optimizer_steps + int(self._committed))
         self._pre_loop.catch_up()
 
     # ------------------------------------------------------------------ trackers

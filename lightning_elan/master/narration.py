@@ -51,7 +51,9 @@ def completed_line(job: str, record: Mapping[str, Any]) -> str:
 def _recovery(failure: Mapping[str, Any]) -> str:
     redone = failure.get("step_redone")
     took = _seconds_between(failure.get("detected_at"), failure.get("recovered_at"))
-    return "".join([f" (step {redone} redone)" if redone is not None else "",
+    where = " (outside the training loop: no step redone)" if failure.get("outside_training") else \
+        f" (step {redone} redone)" if redone is not None else ""
+    return "".join([where,
                     f", recovered in {took:.2f} s" if took is not None else ""])
 
 

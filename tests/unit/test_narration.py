@@ -43,6 +43,14 @@ def test_a_recovery_names_the_dead_and_the_step_redone():
                                             "(step 11 redone), recovered in 0.35 s")
 
 
+def test_a_recovery_outside_the_training_loop_redoes_no_step():
+    record = {**RECORD, "action": "failure", "members": ["w0"],
+              "failure": {"dead": ["w1"], "detected_at": 100.0, "recovered_at": 100.05, "step_redone": 25,
+                          "outside_training": True}}
+    assert completed_line("pd", record) == ("job 'pd': generation 1 trains with 1 worker after the death of w1 "
+                                            "(outside the training loop: no step redone), recovered in 0.05 s")
+
+
 def test_missing_fields_never_raise():
     assert decided_line("j", {}) == "job 'j' adjusts after step None: 0 workers, generation None → None"
     assert completed_line("j", {}) == "job 'j': generation None trains with 0 workers"

@@ -69,6 +69,10 @@ AFTER_TRAINING = "after the training was complete (another member finished it)"
 """``elan run``'s warning for a worker that died after another member's ``fit`` returned: elan recovers from a death
 during ``fit`` only (README), so what the dead worker's script does after ``fit`` (its share of a ``predict``) is lost,
 and the job exits 0 with that warning. The script's outputs after ``fit`` are not checked then."""
+LATER_FIT = "is past the job's elastic fit"
+"""A survivor's error for a death in a later ``fit`` of the script (``fit_again_hparams.py`` fits twice): only a
+process's first training ``fit`` is elastic (README), so the job fails with that message; such a trial is labelled,
+not counted as a failure."""
 SIGHT_S = 30.0
 """A shot due before the AM answers or a worker runs waits this long for them."""
 
@@ -367,6 +371,9 @@ def check(trial: Trial, static: Run) -> tuple[str, str] | None:
         ("final-state", lambda: assert_final(run, static, CORPUS[trial.script].exact)),
         ("outputs", lambda: OUTPUT_CHECKS_HERE.get(trial.script, OUTPUT_CHECKS[trial.script])(run, static)),
     ]
+    if LATER_FIT in run.output and run.returncode != 0:  # documented: only the first fit is elastic
+        trial.note = "a worker died in a later fit, which is not elastic: the job failed saying so (documented)"
+        return None
     if AFTER_TRAINING in run.output:  # documented: a death is recovered from during fit only
         trial.note = "a worker died after the training was complete: its work after fit did not run (not checked)"
         stages.pop()

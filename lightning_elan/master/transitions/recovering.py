@@ -158,7 +158,7 @@ def form_plan_if_ready(state: JobState, now: float) -> None:
     failure = {"failure_id": recovery.failure_id, "dead": list(recovery.dead),
                "failed_generations": list(recovery.failed_generations), "detected_at": recovery.detected_at,
                "recovered_at": now, "step_redone": plan.step + 1,
-               "interrupted_request": recovery.interrupted_request}
+               "outside_training": _outside_training(recovery), "interrupted_request": recovery.interrupted_request}
     checked = max(c.at for c in recovery.checked_in.values())
     state.in_flight = Adjustment(plan, recovery.detected_at, checked, decided_at=now, failure=failure,
                                  live_reshard=bool(recovery.leavers))
@@ -323,3 +323,10 @@ def _takes_part(state: JobState, worker_id: str) -> bool:
     if state.in_flight is not None and worker_id in state.in_flight.plan.members:
         return True
     return state.recovery is not None and worker_id in state.recovery.survivors
+
+
+def _outside_training(recovery: Recovery) -> bool:
+    """Every survivor holding the training state met the death outside its training loop (before it, or in an
+    evaluation or save after it): no step is redone."""
+    holders = [check_in for check_in in recovery.checked_in.values() if check_in.has_state]
+    return bool(holders) and all(check_in.before_loop for check_in in holders)

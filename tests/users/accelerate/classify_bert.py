@@ -71,6 +71,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
     parser.add_argument("--resume_from_checkpoint", type=Path, default=None)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--test_after_training", action="store_true",
+                        help="evaluate a held-out test split once more after the training loop (logged as test_*)")
     return parser.parse_args()
 
 
@@ -159,6 +161,12 @@ def main() -> None:
         accelerator.log({**metrics, "epoch": epoch}, step=progress.completed_steps)
         accelerator.save_state(str(args.output_dir / f"epoch_{epoch}"))
 
+    if args.test_after_training:
+        test_dataloader = accelerator.prepare(DataLoader(ToySentences(args.eval_samples, seed=3), collate_fn=collate,
+                                                         batch_size=args.per_device_eval_batch_size))
+        metrics = evaluate(accelerator, model, test_dataloader)
+        accelerator.log({f"test_{key.removeprefix('eval_')}": value for key, value in metrics.items()},
+                        step=progress.completed_steps)
     accelerator.wait_for_everyone()
     accelerator.unwrap_model(model).save_pretrained(args.output_dir / "final", save_function=accelerator.save,
                                                     is_main_process=accelerator.is_main_process)

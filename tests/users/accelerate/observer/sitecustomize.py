@@ -21,7 +21,10 @@ micro-batch:
   (``save_state`` under FSDP2 writes the model, then the optimizer);
 * ``$USERS_DIE_EVALUATING=PASS:RANK``: the process that is rank RANK SIGKILLs itself as it takes the first batch of
   its PASS-th pass over an elastic evaluation loader (0: the first), before that batch's forward (whose buffer
-  broadcast, the first after a synchronised step, then meets the death on the others).
+  broadcast, the first after a synchronised step, then meets the death on the others);
+* ``$USERS_DIE_AFTER_LOOP=RANK``: the process that is rank RANK SIGKILLs itself as it enters its first
+  ``wait_for_everyone()`` after its ``epochs()`` loop ran out (the script's final barrier before the main process
+  saves): the others meet its death in that barrier.
 """
 
 from __future__ import annotations
@@ -156,6 +159,8 @@ def _instrument(module: Any) -> None:
         _at_first_batch_taken(accelerator_class)
     if os.environ.get("USERS_DIE_IN_SAVE"):
         _die_in_save(int(os.environ["USERS_DIE_IN_SAVE"]))
+    if os.environ.get("USERS_DIE_AFTER_LOOP"):
+        _die_after_the_loop(accelerator_class, int(os.environ["USERS_DIE_AFTER_LOOP"]))
     if os.environ.get("USERS_DIE_EVALUATING"):
         pass_index, rank = (int(part) for part in os.environ["USERS_DIE_EVALUATING"].split(":"))
         _die_evaluating(pass_index, rank)
@@ -200,6 +205,22 @@ def _die_in_save(write: int) -> None:
         return original(self, *args, **kwargs)
 
     _FileSystemWriter.write_data = write_data
+
+
+def _die_after_the_loop(accelerator_class: Any, rank: int) -> None:
+    """``USERS_DIE_AFTER_LOOP``: rank ``rank`` SIGKILLs itself in its first barrier after its loop ran out."""
+    original = accelerator_class.wait_for_everyone
+
+    @functools.wraps(original)
+    def wait_for_everyone(self: Any) -> None:
+        if self._loop_ran_out and not self.has_left and self.process_index == rank and not _SEEN.get("after_loop"):
+            _SEEN["after_loop"] = True
+            with open(os.path.join(_observe_dir() or ".", "died-after-loop.json"), "w") as file:
+                file.write(json.dumps({"worker": os.environ["ELAN_WORKER_ID"], "pid": os.getpid()}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self)
+
+    accelerator_class.wait_for_everyone = wait_for_everyone
 
 
 def _die_evaluating(pass_index: int, rank: int) -> None:
