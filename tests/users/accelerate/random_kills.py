@@ -58,7 +58,7 @@ class Script:
 
 
 SCRIPTS = {  # more epochs than the corpus' jobs: most of a run is training, not start-up
-    "bert": Script("classify_bert.py", ("--num_train_epochs", "8")),
+    "bert": Script("classify_bert.py", ("--num_train_epochs", "8", "--test_after_training")),
     "gpt2": Script("causal_lm_gpt2.py", ("--num_train_epochs", "6")),
     "gpt2_fsdp": Script("causal_lm_gpt2.py", ("--num_train_epochs", "6", "--fsdp"), replicated=False),
     "cv": Script("cv_example_resume.py", ("--checkpointing_steps", "5", "--num_epochs", "10")),
@@ -172,11 +172,28 @@ def verdict(home: Path, static: Path, victim: int | None, replicated: bool) -> s
         actual = load_file(home / "out" / "final" / "model.safetensors")
         assert_states_close(with_tied_entries(actual, expected), with_tied_entries(expected, actual), where="final")
         assert_steps_and_samples(home, static, victim)
+        assert_tested_as_static(home, static)
         if replicated:
             assert_members_agree(CorpusRun(CorpusJob(home.name, ""), home, 0, ""))
     except (AssertionError, FileNotFoundError) as error:
         return f"DIFF {str(error)[:300]}"
     return "held"
+
+
+def assert_tested_as_static(home: Path, static: Path) -> None:
+    """A script that evaluates a test split after its loop (``classify_bert.py --test_after_training``) logged the
+    static run's test metrics, over every test sample, whoever died during that pass or after it."""
+    def tested(root: Path) -> list[dict[str, Any]]:
+        return [line for line in CorpusRun(CorpusJob(root.name, ""), root, 0, "").metrics() if "test_loss" in line]
+
+    expected = tested(static)
+    if not expected:
+        return
+    lines = tested(home)
+    assert len(lines) == 1, f"test metrics logged {len(lines)} times"
+    line = lines[0]
+    assert line["test_samples"] == expected[0]["test_samples"], (line, expected[0])
+    assert abs(line["test_loss"] - expected[0]["test_loss"]) <= 1e-9, (line, expected[0])
 
 
 def static_run(root: Path, name: str) -> float:
