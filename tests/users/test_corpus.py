@@ -786,3 +786,17 @@ def test_a_training_loader_elan_cannot_make_elastic_stops_the_job_at_start(tmp_p
     assert message in run.output, run.excerpt()
     assert not run.events("trained") and not run.events("start")
     assert time.monotonic() - started < 60, "the job ended at once"
+
+
+def test_a_death_in_the_backward_of_a_gather_redoes_the_step(runs: Callable[[str, bool], Run],
+                                                              tmp_path: Path) -> None:
+    """``contrastive_gather.py`` (``all_gather(sync_grads=True)``: the gather's backward is a collective): rank 1
+    dies as its backward of the batch at step 5 starts, so the survivor meets the death inside its own backward, in
+    the gather's backward. The step is redone without it: the static run's samples, epoch losses and final state."""
+    static = runs("contrastive_gather", False)
+    run = run_job(tmp_path, Job("gather_backward", CORPUS["contrastive_gather"].command, kill="5:backward"))
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 1)]
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    check_contrastive_gather(run, static)

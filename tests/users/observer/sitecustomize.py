@@ -29,7 +29,9 @@ redo the step without it; ``optimizer``: once every member committed the batch's
 applied it (the optimizer's step post-hook; with two optimizers, the others apply the first step and meet the death in
 the second), or as a closure evaluated again inside that step (L-BFGS) has its gradients (its second
 ``on_before_optimizer_step``); ``end``: after the batch's step is
-applied and its samples recorded, so the others meet it at the batch boundary. ``$USERS_KILL_RANK``: another rank
+applied and its samples recorded, so the others meet it at the batch boundary; ``backward``: as its backward pass
+starts (a hook on the loss's gradient), so the others meet its death in the first collective of their backward (a
+gather's backward under ``all_gather(sync_grads=True)``, or the gradient all-reduce). ``$USERS_KILL_RANK``: another rank
 than 1 is the victim (0: the job loses its rank 0, which writes the logs and checkpoints).
 ``$USERS_KILL=setup``: the process that is rank 1 SIGKILLs itself in the callbacks' ``setup`` hook, before the
 training loop (the others meet its death in ``ModelCheckpoint``'s directory broadcast or Lightning's ``post_setup``
@@ -270,6 +272,11 @@ def _observer_class(callback_base: type) -> type:
                     "step": _recorded(trainer.global_step), "batch_idx": batch_idx, "rank": trainer.global_rank,
                     "world": trainer.world_size, "samples": samples})
             _kill_if_due(self.batch_step, trainer.global_rank, "end")
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            if loss.requires_grad:
+                rank = trainer.global_rank
+                loss.register_hook(lambda grad: _kill_if_due(self.batch_step, rank, "backward"))
 
         def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
                                       dataloader_idx: int = 0) -> None:
