@@ -1210,6 +1210,16 @@ class ElasticAccelerator(Accelerator):
         self._saved_elsewhere = None if self.is_main_process else (str(location), loop)
         return location
 
+    @override
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """Accelerate's. Under FSDP2 every process gathers the full state (a collective): between batches or after the
+        loop (the final save) a member's death in it is recovered from at once, the dead member's shard restored from
+        its mirror, and the survivors gather again."""
+        get = super().get_state_dict
+        if self._sharding is None or not (self._outside_a_batch() or self._after_the_loop()):
+            return get(model, unwrap)
+        return self._save_among_the_members(lambda: get(model, unwrap))
+
     def _save_among_the_members(self, save: Callable[[], Any]) -> Any:
         """Run Accelerate's ``save_state``. Under FSDP2 it is a collective (DCP's gathers and writes, or the full
         state dict's): a member's death in it is recovered from at once, the dead member's shard restored from its
@@ -1220,7 +1230,7 @@ class ElasticAccelerator(Accelerator):
             return save()
         if self._pre_loop.recording and self.engine.is_member:
             return self._pre_loop_collective(save)
-        if self._outside_a_batch():
+        if self._outside_a_batch() or self._after_the_loop():
             return self._collective_between_batches(save)
         while True:
             try:

@@ -71,18 +71,26 @@ def test_a_member_killed_in_the_final_barrier_leaves_the_model_saved(static: Run
     assert_after_the_loop_as_static(run, static, "died-after-loop.json")
 
 
-def test_a_sharded_member_killed_in_the_final_barrier_leaves_the_whole_model_saved(tmp_path_factory:
-                                                                                   pytest.TempPathFactory) -> None:
+@pytest.fixture(scope="module")
+def sharded_static(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run = run_job(tmp_path_factory.mktemp("gpt2static"), Job("fsdpstatic", "causal_lm_gpt2.py", args=("--fsdp",)))
+    assert_ok(run)
+    return run
+
+
+@pytest.mark.parametrize("where", ["USERS_DIE_AFTER_LOOP", "USERS_DIE_GATHERING_STATE"],
+                         ids=["in-the-barrier", "in-get_state_dict"])
+def test_a_sharded_member_killed_before_the_final_save_leaves_the_whole_model_saved(sharded_static: Run,
+                                                                                   tmp_path: Path,
+                                                                                   where: str) -> None:
     """``causal_lm_gpt2.py --fsdp`` (FSDP2: each process holds a shard): rank 0 SIGKILLs itself in the barrier before
-    every process gathers the full state (``get_state_dict``) and the main process saves it. The survivor recovers
-    the dead member's shard from its mirror and saves the static run's model. (At one process the gathered tensors of
-    the tied head share the embedding's storage, so ``save_pretrained`` leaves ``lm_head.weight`` out, as it does
-    for a DDP model; the static run's gathered copies do not share it.)"""
-    args = ("--fsdp",)
-    static = run_job(tmp_path_factory.mktemp("gpt2static"), Job("fsdpstatic", "causal_lm_gpt2.py", args=args))
-    assert_ok(static)
-    run = run_job(tmp_path_factory.mktemp("gpt2killed"), Job("fsdpafter", "causal_lm_gpt2.py", args=args,
-                                                              env=(("USERS_DIE_AFTER_LOOP", "0"),)))
+    every process gathers the full state (``get_state_dict``: the survivor meets the death in the barrier), or as it
+    enters that gather (the survivor meets it inside the gather; before, that raised out of ``get_state_dict``). The
+    survivor recovers the dead member's shard from its mirror and saves the static run's model. (At one process the
+    gathered tensors of the tied head share the embedding's storage, so ``save_pretrained`` leaves ``lm_head.weight``
+    out, as it does for a DDP model; the static run's gathered copies do not share it.)"""
+    static = sharded_static
+    run = run_job(tmp_path, Job("fsdpafter", "causal_lm_gpt2.py", args=("--fsdp",), env=((where, "0"),)))
     assert_ok(run)
     assert (run.home / "observe" / "died-after-loop.json").exists()
     assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 1)], run.adjustments()

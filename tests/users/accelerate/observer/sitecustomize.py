@@ -24,7 +24,9 @@ micro-batch:
   broadcast, the first after a synchronised step, then meets the death on the others);
 * ``$USERS_DIE_AFTER_LOOP=RANK``: the process that is rank RANK SIGKILLs itself as it enters its first
   ``wait_for_everyone()`` after its ``epochs()`` loop ran out (the script's final barrier before the main process
-  saves): the others meet its death in that barrier.
+  saves): the others meet its death in that barrier;
+* ``$USERS_DIE_GATHERING_STATE=RANK``: the process that is rank RANK SIGKILLs itself as it enters its first
+  ``get_state_dict()`` after its ``epochs()`` loop ran out (under FSDP2 the others meet its death in the gathers).
 """
 
 from __future__ import annotations
@@ -160,7 +162,9 @@ def _instrument(module: Any) -> None:
     if os.environ.get("USERS_DIE_IN_SAVE"):
         _die_in_save(int(os.environ["USERS_DIE_IN_SAVE"]))
     if os.environ.get("USERS_DIE_AFTER_LOOP"):
-        _die_after_the_loop(accelerator_class, int(os.environ["USERS_DIE_AFTER_LOOP"]))
+        _die_after_the_loop(accelerator_class, "wait_for_everyone", int(os.environ["USERS_DIE_AFTER_LOOP"]))
+    if os.environ.get("USERS_DIE_GATHERING_STATE"):
+        _die_after_the_loop(accelerator_class, "get_state_dict", int(os.environ["USERS_DIE_GATHERING_STATE"]))
     if os.environ.get("USERS_DIE_EVALUATING"):
         pass_index, rank = (int(part) for part in os.environ["USERS_DIE_EVALUATING"].split(":"))
         _die_evaluating(pass_index, rank)
@@ -207,20 +211,20 @@ def _die_in_save(write: int) -> None:
     _FileSystemWriter.write_data = write_data
 
 
-def _die_after_the_loop(accelerator_class: Any, rank: int) -> None:
-    """``USERS_DIE_AFTER_LOOP``: rank ``rank`` SIGKILLs itself in its first barrier after its loop ran out."""
-    original = accelerator_class.wait_for_everyone
+def _die_after_the_loop(accelerator_class: Any, method: str, rank: int) -> None:
+    """Rank ``rank`` SIGKILLs itself as it enters its first call of ``method`` after its loop ran out."""
+    original = getattr(accelerator_class, method)
 
     @functools.wraps(original)
-    def wait_for_everyone(self: Any) -> None:
+    def dying(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._loop_ran_out and not self.has_left and self.process_index == rank and not _SEEN.get("after_loop"):
             _SEEN["after_loop"] = True
             with open(os.path.join(_observe_dir() or ".", "died-after-loop.json"), "w") as file:
-                file.write(json.dumps({"worker": os.environ["ELAN_WORKER_ID"], "pid": os.getpid()}))
+                file.write(json.dumps({"worker": os.environ["ELAN_WORKER_ID"], "pid": os.getpid(), "in": method}))
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(self)
+        return original(self, *args, **kwargs)
 
-    accelerator_class.wait_for_everyone = wait_for_everyone
+    setattr(accelerator_class, method, dying)
 
 
 def _die_evaluating(pass_index: int, rank: int) -> None:
