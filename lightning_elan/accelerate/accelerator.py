@@ -1009,6 +1009,13 @@ class ElasticAccelerator(Accelerator):
         return self._collective(lambda: reduce(tensor, reduction, scale), tensor)
 
     @override
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Accelerate's (an all-gather of the sizes: one of the job's collectives, recovered from as ``gather``); when
+        a member just died in the loop, this worker's tensor as it is."""
+        pad = super().pad_across_processes
+        return self._collective(lambda: pad(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first), tensor)
+
+    @override
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Accelerate's; in a pass over an elastic evaluation loader, the rows dropped are the padding of the pass's
         current batch (the end of its last one, or, in the batch a member died in, the survivors' padding)."""

@@ -95,19 +95,24 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
 
 def evaluate(accelerator: ElasticAccelerator, model: torch.nn.Module, loader: DataLoader) -> dict[str, float]:
     model.eval()
-    correct = total = 0
+    correct = total = tokens = 0
     loss_sum = 0.0
     for batch in loader:
         batch.pop("idx")
         with torch.no_grad():
             logits = model(**batch).logits
         losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
-        predictions, labels, losses = accelerator.gather_for_metrics((logits.argmax(dim=-1), batch["labels"], losses))
+        # each process padded its batch to its own longest sentence: pad across processes before gathering
+        input_ids = accelerator.pad_across_processes(batch["input_ids"], dim=1, pad_index=PAD)
+        predictions, labels, losses, input_ids = accelerator.gather_for_metrics(
+            (logits.argmax(dim=-1), batch["labels"], losses, input_ids))
         correct += int((predictions == labels).sum())
         total += len(labels)
+        tokens += int((input_ids != PAD).sum())
         loss_sum += float(losses.sum())
     model.train()
-    return {"eval_accuracy": correct / total, "eval_loss": loss_sum / total, "eval_samples": total}
+    return {"eval_accuracy": correct / total, "eval_loss": loss_sum / total, "eval_samples": total,
+            "eval_tokens": tokens}
 
 
 def main() -> None:

@@ -57,7 +57,28 @@ def test_a_member_killed_as_the_evaluation_starts_leaves_every_evaluation_whole(
     for step, line in evaluations.items():
         assert line["eval_samples"] == BERT.eval_samples, line
         assert abs(line["eval_loss"] - expected[step]["eval_loss"]) <= 1e-9, (line, expected[step])
+        assert line["eval_tokens"] == expected[step]["eval_tokens"], (line, expected[step])
     assert_each_sample_once(run.trained(), BERT.samples, BERT.epochs)
     steps = sorted({line["step"] for line in static.trained()})
     assert_steps_applied_once(run.trained(), range(len(steps)))
     assert_states_close(final_model(run), final_model(static), where="final")
+
+
+def test_a_member_killed_before_it_pads_across_processes_leaves_every_evaluation_whole(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """Rank 1 SIGKILLs itself as it enters ``pad_across_processes`` in the first evaluation pass (after its forward;
+    the script pads each batch's token ids to the longest across the processes before ``gather_for_metrics``, as
+    transformers' generation examples do): the survivor meets the death in that call's all-gather of the sizes.
+    Before, that raised out of the user's ``pad_across_processes``."""
+    static = static_run(tmp_path_factory, 2)
+    run = run_job(tmp_path / "killed", Job("padkilled", BERT.file, env=(("USERS_DIE_PADDING", "1"),)))
+    assert_ok(run)
+    assert (run.home / "observe" / "died-in-pad_across_processes.json").exists()
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 1)], run.adjustments()
+    evaluations, expected = logged_steps(run.metrics(), "eval_loss"), logged_steps(static.metrics(), "eval_loss")
+    assert sorted(evaluations) == sorted(expected)
+    for step, line in evaluations.items():
+        assert (line["eval_samples"], line["eval_tokens"]) == (BERT.eval_samples, expected[step]["eval_tokens"])
+        assert abs(line["eval_loss"] - expected[step]["eval_loss"]) <= 1e-9, (line, expected[step])
+    assert_states_close(final_model(run), final_model(static), where="final")
+

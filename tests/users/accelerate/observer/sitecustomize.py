@@ -26,7 +26,10 @@ micro-batch:
   ``wait_for_everyone()`` after its ``epochs()`` loop ran out (the script's final barrier before the main process
   saves): the others meet its death in that barrier;
 * ``$USERS_DIE_GATHERING_STATE=RANK``: the process that is rank RANK SIGKILLs itself as it enters its first
-  ``get_state_dict()`` after its ``epochs()`` loop ran out (under FSDP2 the others meet its death in the gathers).
+  ``get_state_dict()`` after its ``epochs()`` loop ran out (under FSDP2 the others meet its death in the gathers);
+* ``$USERS_DIE_PADDING=RANK``: the process that is rank RANK SIGKILLs itself as it enters its first
+  ``pad_across_processes()`` (in an evaluation pass, after its forward: the others meet its death in that call's
+  all-gather of the sizes).
 """
 
 from __future__ import annotations
@@ -162,9 +165,11 @@ def _instrument(module: Any) -> None:
     if os.environ.get("USERS_DIE_IN_SAVE"):
         _die_in_save(int(os.environ["USERS_DIE_IN_SAVE"]))
     if os.environ.get("USERS_DIE_AFTER_LOOP"):
-        _die_after_the_loop(accelerator_class, "wait_for_everyone", int(os.environ["USERS_DIE_AFTER_LOOP"]))
+        _die_at_first_call(accelerator_class, "wait_for_everyone", int(os.environ["USERS_DIE_AFTER_LOOP"]), True)
     if os.environ.get("USERS_DIE_GATHERING_STATE"):
-        _die_after_the_loop(accelerator_class, "get_state_dict", int(os.environ["USERS_DIE_GATHERING_STATE"]))
+        _die_at_first_call(accelerator_class, "get_state_dict", int(os.environ["USERS_DIE_GATHERING_STATE"]), True)
+    if os.environ.get("USERS_DIE_PADDING"):
+        _die_at_first_call(accelerator_class, "pad_across_processes", int(os.environ["USERS_DIE_PADDING"]), False)
     if os.environ.get("USERS_DIE_EVALUATING"):
         pass_index, rank = (int(part) for part in os.environ["USERS_DIE_EVALUATING"].split(":"))
         _die_evaluating(pass_index, rank)
@@ -211,15 +216,18 @@ def _die_in_save(write: int) -> None:
     _FileSystemWriter.write_data = write_data
 
 
-def _die_after_the_loop(accelerator_class: Any, method: str, rank: int) -> None:
-    """Rank ``rank`` SIGKILLs itself as it enters its first call of ``method`` after its loop ran out."""
+def _die_at_first_call(accelerator_class: Any, method: str, rank: int, after_the_loop: bool) -> None:
+    """Rank ``rank`` SIGKILLs itself as it enters its first call of ``method`` (``after_the_loop``: its first once its
+    loop ran out), writing ``died-after-loop.json`` (``after_the_loop``) or ``died-in-<method>.json`` first."""
     original = getattr(accelerator_class, method)
+    record = "died-after-loop.json" if after_the_loop else f"died-in-{method}.json"
 
     @functools.wraps(original)
     def dying(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._loop_ran_out and not self.has_left and self.process_index == rank and not _SEEN.get("after_loop"):
-            _SEEN["after_loop"] = True
-            with open(os.path.join(_observe_dir() or ".", "died-after-loop.json"), "w") as file:
+        due = self._loop_ran_out or not after_the_loop
+        if due and not self.has_left and self.process_index == rank and not _SEEN.get("died_at_call"):
+            _SEEN["died_at_call"] = True
+            with open(os.path.join(_observe_dir() or ".", record), "w") as file:
                 file.write(json.dumps({"worker": os.environ["ELAN_WORKER_ID"], "pid": os.getpid(), "in": method}))
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, *args, **kwargs)
