@@ -289,13 +289,15 @@ class AggregateHandover:
                       self._worker_id, step, error)
 
     def take(self, plan: AdjustmentPlan, departed: list[str], store: dist.Store | None, step: int,
-             epoch: int | None, earlier: Sequence[int] = (),
+             epoch: int | None, generations: Sequence[int] = (),
              inherited: Mapping[str, Sequence[Inheritance]] | None = None) -> None:
-        """As the heir of ``plan``: add the departed members' records of the previous generation (else of the newest
-        ``earlier`` one that holds any; see :func:`read_records`) to its own."""
+        """As the heir of ``plan``: add the departed members' records of the previous generation to its own — or,
+        given ``generations`` (newest first), of the newest of them in which each wrote any (see
+        :func:`read_records`)."""
         if not departed or store is None or heir_of(plan) != self._worker_id:
             return
-        records = read_records(store, plan.previous_generation, departed, step, epoch, earlier, inherited)
+        newest, *earlier = generations or (plan.previous_generation,)
+        records = read_records(store, newest, departed, step, epoch, earlier, inherited)
         if records:
             self._absorb(records)
 

@@ -540,10 +540,10 @@ class ElasticWorker:
         plan = self._recovery_plan or self._recovery_plan_for(failed, committed_step)
         self._recovery_plan = None
         self._pin_shard_layout(plan, failed)
+        tried = [failed]  # the generation that failed, then those this recovery tried to form
         inherited: dict[str, list[Inheritance]] = {}  # the heirs of the plans this recovery tried, and what they took
-        self._take_aggregates_of_the_dead(plan, committed_step, (), inherited)  # before the failed vote goes
+        self._take_aggregates_of_the_dead(plan, committed_step, tried, inherited)  # before the failed vote goes
         self._rows.check(self._aggregate_store(), failed)
-        entered: list[int] = []  # the generations this recovery tried to form, newest first
         while True:
             self.frontend.before_resize()
             try:
@@ -555,18 +555,21 @@ class ElasticWorker:
                 log.warning("worker %s: generation %d failed during the recovery", self.worker_id, plan.generation)
                 self._abandon_outgoing()
                 self._group().abort()
-                entered = [plan.previous_generation, *entered]
+                tried.append(plan.generation)
                 plan = self._recovery_plan_for(plan.generation, committed_step)
-                self._take_aggregates_of_the_dead(plan, committed_step, entered, inherited)
+                self._take_aggregates_of_the_dead(plan, committed_step, tried, inherited)
 
-    def _take_aggregates_of_the_dead(self, plan: AdjustmentPlan, committed_step: int, entered: Sequence[int],
+    def _take_aggregates_of_the_dead(self, plan: AdjustmentPlan, committed_step: int, tried: Sequence[int],
                                      inherited: dict[str, list[Inheritance]]) -> None:
-        """The heir of a recovery plan adds the dead members' epoch aggregates to its own. A member that died entering
-        a failed recovery's generation left no record there: its newest earlier one (``entered``: the generations the
-        recovery tried, newest first) counts, and if it was the heir of a plan tried before and recorded nothing
-        since, the parts it took count on their own (``inherited``, which this adds the plan's heir to)."""
+        """The heir of a recovery plan adds the dead members' epoch aggregates to its own, each from the newest of the
+        generations involved in which it wrote any: the plan's previous one, the one that failed (newer than the
+        previous one when the AM had not committed it yet: a joiner died before its adjustment completed) and those
+        the recovery tried to form (a member that died entering one wrote none there). If a dead member was the heir
+        of a plan tried before and recorded nothing since, the parts it took count on their own (``inherited``, which
+        this adds the plan's heir to)."""
         dead = [worker for worker in plan.previous_members if worker not in plan.members]
-        self._take_aggregates(plan, dead, self._aggregate_store(), committed_step, entered, inherited)
+        generations = sorted({plan.previous_generation, *tried}, reverse=True)
+        self._take_aggregates(plan, dead, self._aggregate_store(), committed_step, generations, inherited)
         heir = heir_of(plan)
         if heir is not None and dead:
             inherited.setdefault(heir, []).append(Inheritance(plan.generation, tuple(dead)))
@@ -807,11 +810,12 @@ class ElasticWorker:
         record(self._vote.store, self.generation or 0, step, self.data.epoch)
 
     def _take_aggregates(self, plan: AdjustmentPlan, departed: list[str], store: dist.Store | None, step: int,
-                         earlier: Sequence[int] = (), inherited: Mapping[str, list[Inheritance]] | None = None) -> None:
+                         generations: Sequence[int] = (),
+                         inherited: Mapping[str, list[Inheritance]] | None = None) -> None:
         """The heir of ``plan``: add the departed members' epoch aggregates of the previous generation (or of the
-        newest ``earlier`` one holding any; with the parts they took as heirs and hold no record of) to its own."""
+        newest of ``generations`` holding any; with the parts they took as heirs and hold no record of) to its own."""
         if self._aggregates is not None:
-            self._aggregates.take(plan, departed, store, step, self.data.epoch, earlier, inherited or {})
+            self._aggregates.take(plan, departed, store, step, self.data.epoch, generations, inherited or {})
 
     def _aggregate_store(self) -> dist.Store | None:
         """Where the current generation's members record their epoch aggregates: its vote store."""

@@ -26,7 +26,7 @@ from tests.users.corpus import (
     read_csv,
     run_job,
 )
-from tests.users.test_corpus import CORPUS
+from tests.users.test_corpus import CORPUS, check_metrics_loggers_profiler
 
 pytestmark = pytest.mark.integration
 
@@ -59,3 +59,30 @@ def test_a_survivor_killed_entering_the_recovery_keeps_every_epochs_logged_value
     _, static_rows = read_csv(static.out / METRICS)
     for column in ("train_loss_epoch", "train_mse"):
         assert_logged_alike(rows, static_rows, column, exact=True)
+
+
+@pytest.fixture(scope="module")
+def profiler_static(tmp_path_factory: pytest.TempPathFactory):
+    command = CORPUS["metrics_loggers_profiler"].command
+    run = run_job(tmp_path_factory.mktemp("profiler_static"), Job("mlp_static", command))
+    assert_ok(run)
+    return run
+
+
+def test_a_joiner_killed_before_its_adjustment_completed_keeps_its_part_of_the_epoch(profiler_static,
+                                                                                      tmp_path: Path) -> None:
+    """``metrics_loggers_profiler.py``: w2 joins at step 3, trains that batch, and is SIGKILLed in the validation
+    after it (``$USERS_KILL_RANK=2``, phase ``validation``), before the AM completed its adjustment: the AM's
+    recovery plan then names generation 0 as the previous one, while w2 recorded its part of the epoch in generation
+    1. Before, the heir read generation 0 only: epoch 0's ``train_loss_epoch`` lacked w2's samples (0.2913, static
+    0.2883; random kills, seed 7301). Every logged column and checkpoint is the static run's."""
+    command = CORPUS["metrics_loggers_profiler"].command
+    run = run_job(tmp_path, Job("mlp_joiner_killed", command, schedule="3:add=1", kill="3:validation"),
+                  env={"USERS_KILL_RANK": "2"})
+    assert_ok(run)
+    assert [(a["action"], a["failure"]["dead"]) for a in run.adjustments()] == [("failure", ["w2"])], \
+        run.adjustments()
+    assert_same_samples(run, profiler_static)
+    assert_states_close(run.final_state(), profiler_static.final_state(), TOLERANCE)
+    check_metrics_loggers_profiler(run, profiler_static)
+
