@@ -1,4 +1,11 @@
-"""Shared by every test directory: at the end of the session, no process a test started may still run.
+"""Shared by every test directory: the CI tier (``extended``), and at the end of the session, no process a test
+started may still run.
+
+The CI tier: a parametrized multi-process test (``integration``) runs its first case — every parameter at its first
+value — under ``-m "not extended"`` (the README's test command, what CI runs); its other cases are marked ``extended``
+and run with ``-m extended`` or a plain ``pytest``. A test marked ``every_case`` (the corpora of user scripts) runs all
+its cases in the tier. The whole suite no longer fits CI's 90 minutes on the 2-core machine; each kind of fault and
+each user script keeps a case in the tier.
 
 A stray is a running process that is a descendant of this pytest process, or whose environment or command line names
 this session's temporary directory (a job's ``ELAN_HOME``, a state directory, a script under ``tmp_path``: that finds
@@ -23,6 +30,22 @@ STRAY_GRACE_S = 3.0
 
 HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch._inductor.compile_worker")
 """Helpers that live as long as the pytest process that started them, by design."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # pluggy calls the deeper conftests' hooks first (tests/engine's marks its tests `integration`) and this one before
+    # pytest's own, which deselects by `-m`
+    for item in items:
+        if _beyond_the_first_case(item):
+            item.add_marker(pytest.mark.extended)
+
+
+def _beyond_the_first_case(item: pytest.Item) -> bool:
+    """A case of a parametrized ``integration`` test other than its first, unless the test runs ``every_case``."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or item.get_closest_marker("integration") is None:
+        return False
+    return item.get_closest_marker("every_case") is None and any(callspec.indices.values())
 
 
 @pytest.fixture(autouse=True)

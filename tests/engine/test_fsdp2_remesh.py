@@ -14,6 +14,8 @@ import pytest
 
 from bench.procs import free_port
 
+pytestmark = pytest.mark.extended  # sharded training beyond its CI-tier checks
+
 WORKER = Path(__file__).with_name("fsdp2_remesh_worker.py")
 TOLERANCE = 1e-12
 

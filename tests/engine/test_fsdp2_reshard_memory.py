@@ -29,6 +29,8 @@ import pytest
 
 from bench.procs import free_port
 
+pytestmark = pytest.mark.extended  # sharded training beyond its CI-tier checks
+
 WORKER = Path(__file__).with_name("fsdp2_reshard_memory_worker.py")
 CHUNK_MB, MB = 4, 1 << 20
 ALLOWANCE = 8 * MB

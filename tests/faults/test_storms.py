@@ -33,6 +33,7 @@ def static_fsdp(tmp_path_factory: pytest.TempPathFactory):
     return run_static(tmp_path_factory.mktemp("storm-static-fsdp"), storm_args("elan_fsdp"))
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 @pytest.mark.parametrize("seed", [5, 10])
 def test_an_elan_fsdp_storm_holds(tmp_path, static_fsdp, seed):
     """The same storm on an ``elan_fsdp`` job: the model and Adam's states sharded by FSDP2 over the members, each
@@ -46,6 +47,7 @@ def test_an_elan_fsdp_storm_holds(tmp_path, static_fsdp, seed):
     assert result.last_step == 98
 
 
+@pytest.mark.extended  # the storm over etcd; etcd faults stay in the CI tier (test_standby_job.py)
 @pytest.mark.skipif(etcd_binary() is None or find_spec("etcd3gw") is None,
                     reason="needs etcd (apt-get install -y etcd-server; .ci/run installs it) and etcd3gw")
 def test_an_etcd_storm_holds(tmp_path, static):

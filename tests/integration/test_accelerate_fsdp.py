@@ -24,7 +24,7 @@ import pytest
 from tests.integration.accelerate_runs import loop_run
 from tests.integration.elastic_runs import TOLERANCE, RunResult, assert_counted_once, assert_states_close
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]  # sharded training beyond its CI-tier checks
 
 SCRIPT = Path(__file__).parent / "user_scripts" / "accelerate_fsdp2.py"
 SAMPLES, EPOCHS, STEPS = 96, 3, 24

@@ -15,7 +15,7 @@ import pytest
 
 from bench.analysis import load_steps
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]  # a benchmark tool's check: outside the CI tier
 pytest.importorskip("accelerate")
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-pytestmark = [pytest.mark.integration, pytest.mark.solo]  # kills at a pace: alone under `pytest -n`
+# a benchmark tool's check, outside the CI tier; kills at a pace: alone under `pytest -n`
+pytestmark = [pytest.mark.integration, pytest.mark.solo, pytest.mark.extended]
 
 REPO = Path(__file__).resolve().parents[2]
 

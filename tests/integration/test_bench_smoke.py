@@ -21,7 +21,7 @@ import pytest
 
 from bench.report import figures
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]  # a benchmark tool's check: outside the CI tier
 
 REPO = Path(__file__).resolve().parents[2]
 

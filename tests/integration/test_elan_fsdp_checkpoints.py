@@ -25,7 +25,7 @@ from tests.integration import fsdp_runs
 from tests.integration.fsdp_runs import FsdpRun as Run
 from tests.integration.fsdp_runs import assert_ok, elan_command, run_to_end
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]  # sharded training beyond its CI-tier checks
 
 SCRIPT = Path(__file__).parent / "user_scripts" / "fsdp_checkpoint_user.py"
 SAMPLES, TOLERANCE = 96, 1e-9

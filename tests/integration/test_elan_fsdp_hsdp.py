@@ -26,7 +26,7 @@ from tests.integration.test_elan_fsdp import (
     static_fsdp_run,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]  # sharded training beyond its CI-tier checks
 
 HSDP = ("--hsdp", "2")
 GROW = "2:add=2"

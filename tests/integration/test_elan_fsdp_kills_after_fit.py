@@ -16,7 +16,7 @@ import pytest
 from tests.integration.test_kills_after_fit import SCRIPT, assert_ends_as_static, assert_saved_as_static, kill_when_held
 from tests.users.corpus import Job, Run, assert_ok, run_job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]  # sharded training beyond its CI-tier checks
 
 
 def fsdp_job(name: str, *args: str) -> Job:

@@ -30,7 +30,7 @@ from tests.integration.test_elan_fsdp import (
 )
 from tests.integration.test_enrolled_workers import Cluster
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]  # sharded training beyond its CI-tier checks
 
 OWN_UNITS = ("--own-units", "--configure-model")
 UNITS = ["", "net.1", "net.2", "net.3", "net.4"]

@@ -28,7 +28,7 @@ from tests.integration.test_elan_fsdp_faults import (
 from tests.integration.worker_faults import FAULT_KILL_DIR
 from tests.users.corpus import shm_dir
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]  # sharded training beyond its CI-tier checks
 
 __all__ = ["static_fsdp"]  # the module-scoped static run, shared with test_elan_fsdp_faults' definition
 

@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,13 @@ from tests.integration.elastic_runs import (
 )
 
 pytestmark = pytest.mark.integration
-measures_throughput = pytest.mark.solo  # alone under `pytest -n`; the argument checks share the cores
+
+
+def measures_throughput(test: Callable[..., None]) -> Callable[..., None]:
+    """A measurement: alone under ``pytest -n`` (the argument checks share the cores), outside the CI tier."""
+    return pytest.mark.extended(pytest.mark.solo(test))
+
+
 GLOBAL = ["--global-batch", "12"]  # the static run's 2 × 6, split over however many workers there are
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.multihost.conftest import REPO_ROOT
 
-pytestmark = [pytest.mark.multihost, pytest.mark.integration]
+pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.extended]  # a benchmark tool's check
 
 
 def test_bench_netns_bandwidth_smoke(fake_hosts_available: None, tmp_path: Path) -> None:

@@ -173,6 +173,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool], Run]
     return get
 
 
+@pytest.mark.every_case  # the corpus: each script in the CI tier
 @pytest.mark.parametrize("name", corpus_params({}))
 def test_static_run(runs: Callable[[str, bool], Run], name: str) -> None:
     script, run = CORPUS[name], runs(name, False)
@@ -180,6 +181,7 @@ def test_static_run(runs: Callable[[str, bool], Run], name: str) -> None:
     OUTPUT_CHECKS[name](run, None)
 
 
+@pytest.mark.every_case  # the corpus: each script in the CI tier
 @pytest.mark.parametrize("name", corpus_params(XFAIL_ELASTIC))
 def test_elastic_run(runs: Callable[[str, bool], Run], name: str) -> None:
     script, static = CORPUS[name], runs(name, False)
@@ -191,6 +193,7 @@ def test_elastic_run(runs: Callable[[str, bool], Run], name: str) -> None:
     OUTPUT_CHECKS[name](run, static)
 
 
+@pytest.mark.every_case  # the corpus: each script in the CI tier
 @pytest.mark.parametrize("name", ["datamodule_callbacks", "cli_classifier"])
 def test_prepare_data_runs_once_on_one_host(runs: Callable[[str, bool], Run], name: str) -> None:
     """One host: ``prepare_data`` runs in one process, per node (``datamodule_callbacks``) or for the job

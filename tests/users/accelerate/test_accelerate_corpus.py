@@ -30,7 +30,7 @@ from tests.users.accelerate.corpus_runs import (
     run_job,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.every_case]  # the corpus: each script in the CI tier
 
 SCHEDULE = "2:add=1,4:remove=rank:0,6:migrate=1"
 """Every elastic run from step 0: 2 workers grow to 3, rank 0 leaves (2), one worker migrates (2); then
