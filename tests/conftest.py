@@ -5,7 +5,8 @@ The CI tier: a parametrized multi-process test (``integration``) runs its first 
 value — under ``-m "not extended"`` (the README's test command, what CI runs); its other cases are marked ``extended``
 and run with ``-m extended`` or a plain ``pytest``. A test marked ``every_case`` (the corpora of user scripts) runs all
 its cases in the tier. The whole suite no longer fits CI's 90 minutes on the 2-core machine; each kind of fault and
-each user script keeps a case in the tier.
+each user script keeps a case in the tier. Whole files and tests are marked ``extended`` where they stand (the
+benchmark tools' checks, throughput measurements, sharded training beyond its CI checks): README, "Tests".
 
 A stray is a running process that is a descendant of this pytest process, or whose environment or command line names
 this session's temporary directory (a job's ``ELAN_HOME``, a state directory, a script under ``tmp_path``: that finds
