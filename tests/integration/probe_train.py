@@ -23,7 +23,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from hold_point import HoldPoint  # a sibling module (this script's folder is first on sys.path)
+from hold_point import HOLD_LIMIT_S, HoldPoint  # a sibling module (this script's folder is first on sys.path)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.distributed.tensor import DTensor
@@ -34,6 +34,8 @@ from lightning_elan.callbacks import HybridScaling, ProgressiveLinearLR
 from lightning_elan.strategy.fsdp import ElanFSDPStrategy
 
 ELASTIC_STRATEGIES = ("elan", "elan_fsdp", "elan_fsdp_units", "elan_hsdp")
+GATE_OPEN = "gate-open"
+"""``--gate-at STEP``: the file in OUT that lets rank 0 go on into training step STEP."""
 
 
 class IndexedDataset(Dataset):
@@ -59,6 +61,7 @@ class ProbeModel(pl.LightningModule):
         worker = os.environ.get("ELAN_WORKER_ID", "w0")
         self.progress = config.out / f"progress-{worker}.json" if config.progress else None
         self.wait_for_joiners = config.wait_for_joiners
+        self.gate_at = config.gate_at
         self.kill = KillPoint.parse(config.kill_at)
         self.hold_point = HoldPoint.parse(config.out, config.hold_at)
         self.late_vote = config.late_vote.split(":") if config.late_vote else None
@@ -182,6 +185,8 @@ class ProbeModel(pl.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx):
         trainer = self.trainer
+        if self.gate_at == trainer.global_step and trainer.global_rank == 0:
+            wait_for_gate(self.out / GATE_OPEN)
         if self.wait_for_joiners and trainer.global_rank == 0:
             wait_for_joiners_due_at(trainer.global_step + 1, lambda: trainer.strategy.engine.peer_failed)
         self.digests.append([trainer.global_step, trainer.world_size, trainer.global_rank, state_digest(self)])
@@ -290,6 +295,15 @@ class KillPoint:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def wait_for_gate(gate: Path) -> None:
+    """Hold rank 0 (the others wait in the step's collectives) until the test creates ``gate``."""
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not gate.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{gate} not created within {HOLD_LIMIT_S} s")
+        time.sleep(0.1)
+
+
 def wait_for_joiners_due_at(step: int, failed: typing.Callable[[], bool], timeout_s: float = 240.0) -> None:
     """Hold rank 0 until every queued request due at ``step`` has all its new workers ready (registered), so that it
     applies at the first coordination at or after its scheduled step, whatever the joiners' start-up time; not once
@@ -359,6 +373,8 @@ class ProbeConfig:
     profile: Path | None = None  # ThroughputModel JSON for HybridScaling (not learned further)
     # rank 0 holds each batch until the requests due at its step have their joiners ready (the step becomes exact)
     wait_for_joiners: bool = False
+    # STEP: rank 0 holds before training step STEP until the test creates OUT/gate-open (the job cannot end first)
+    gate_at: int | None = None
     kill_at: str | None = None  # WORKER:STEP:PHASE (KillPoint)
     hold_at: str | None = None  # WORKER:STEP:PHASE (hold_point.HoldPoint: the test SIGKILLs WORKER there)
     # WORKER:STEP:SECONDS: that worker sleeps between its gradient all-reduce and its commit vote at that step, after

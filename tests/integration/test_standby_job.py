@@ -57,6 +57,8 @@ JOB = "standby-job"
 TTL_S = 2
 SLACK_S = 4.0  # etcd's expiry check, the standby's poll, its state load and bind, a client's resend on 2 busy cores
 SLOW = ["--step-sleep", "0.6", "--progress"]
+GATE_STEP = 18  # past the steps a 5 s outage lets the job train (0.6 s a step), 9 before its end
+GATE_OPEN = "gate-open"  # probe_train.GATE_OPEN
 
 
 class StandbyCluster:
@@ -150,14 +152,14 @@ def cluster(tmp_path):
             started.stop()
 
 
-def start_job(cluster: StandbyCluster, until_training: bool = True) -> list[subprocess.Popen]:
-    """Both AMs (the first leads), two workers, training under way (each worker completed a step) unless
-    ``until_training`` is False."""
+def start_job(cluster: StandbyCluster, *extra: str, until_training: bool = True) -> list[subprocess.Popen]:
+    """Both AMs (the first leads), two workers (the probe's ``extra`` flags), training under way (each worker completed
+    a step) unless ``until_training`` is False."""
     cluster.am(0)
     cluster.wait_until(lambda: "serving on" in (cluster.tmp / "am0.log").read_text(), "the first AM leading", 60)
     cluster.am(1)
     cluster.wait_until(lambda: "standing by" in (cluster.tmp / "am1.log").read_text(), "the second AM standing by", 60)
-    workers = [cluster.worker("w-a"), cluster.worker("w-b")]
+    workers = [cluster.worker("w-a", *extra), cluster.worker("w-b", *extra)]
     if until_training:
         cluster.wait_until(lambda: len(cluster.progress()) == 2 and min(cluster.progress().values()) >= 1,
                            "training under way")
@@ -222,7 +224,11 @@ def test_etcd_stopped_as_training_starts_the_first_steps_go_on(static_run, clust
 
 
 def test_etcd_stopped_for_longer_than_the_ttl_mid_job_then_a_join(static_run, cluster):
-    workers = start_job(cluster)
+    """The join is requested after the outage; the job cannot end before it applies: rank 0 holds at step GATE_STEP
+    until the AM lists the request, then until its joiner is ready (a joiner's start-up on 2 busy cores outlasted the
+    steps left once)."""
+    gated = ["--gate-at", str(GATE_STEP), "--wait-for-joiners"]
+    workers = start_job(cluster, *gated)
     before = cluster.progress()
     cluster.etcd.pause()
     paused_at = time.monotonic()
@@ -237,7 +243,9 @@ def test_etcd_stopped_for_longer_than_the_ttl_mid_job_then_a_join(static_run, cl
     answered_s = time.monotonic() - paused_at
     log.warning("after SIGCONT: training resumed %.2f s and an AM answered %.2f s after the outage began",
                 resumed_s, answered_s)
-    workers.append(cluster.worker("w-c"))
+    workers.append(cluster.worker("w-c", *gated))
+    cluster.wait_until(lambda: cluster.status(timeout_s=10).get("pending"), "the join request queued", 60)
+    (cluster.out / GATE_OPEN).touch()
     survivor = "am0" if cluster.procs["am0"].poll() is None else "am1"
     adjustments = check_result(cluster, workers, survivor)
     other = cluster.procs["am1" if survivor == "am0" else "am0"]
