@@ -59,6 +59,10 @@ SLACK_S = 4.0  # etcd's expiry check, the standby's poll, its state load and bin
 SLOW = ["--step-sleep", "0.6", "--progress"]
 GATE_STEP = 18  # past the steps a 5 s outage lets the job train (0.6 s a step), 9 before its end
 GATE_OPEN = "gate-open"  # probe_train.GATE_OPEN
+GATED = ["--gate-at", str(GATE_STEP), "--wait-for-joiners"]
+"""A join requested mid-job cannot be overtaken by the job's end (a joiner's start-up on 2 busy cores outlasted the
+steps left once): rank 0 holds at step GATE_STEP until the test saw the AM list the join
+(:func:`open_gate_once_queued`), then until its joiner is ready."""
 
 
 class StandbyCluster:
@@ -166,6 +170,13 @@ def start_job(cluster: StandbyCluster, *extra: str, until_training: bool = True)
     return workers
 
 
+def open_gate_once_queued(cluster: StandbyCluster) -> None:
+    """Let rank 0 past GATE_STEP once an AM lists the join request (``--wait-for-joiners`` then holds it until the
+    joiner is ready)."""
+    cluster.wait_until(lambda: cluster.status(timeout_s=10).get("pending"), "the join request queued", 60)
+    (cluster.out / GATE_OPEN).touch()
+
+
 def check_result(cluster: StandbyCluster, workers: list[subprocess.Popen], survivor: str) -> list[dict]:
     """Every worker and the surviving AM exit 0; the run equals the static one; returns the adjustments."""
     codes = [proc.wait(240) for proc in workers]
@@ -183,13 +194,13 @@ def check_exact(cluster: StandbyCluster, static_run: RunResult) -> None:
 
 
 def test_sigkill_the_leading_am_mid_job_the_standby_leads_and_a_worker_joins(static_run, cluster):
-    workers = start_job(cluster)
+    workers = start_job(cluster, *GATED)
     assert cluster.leader() == "am0"
     leader = cluster.procs["am0"]
     os.kill(leader.pid, signal.SIGKILL)
     killed_at = time.monotonic()
     leader.wait()
-    workers.append(cluster.worker("w-c"))  # enrols through whichever AM answers: only the new leader can
+    workers.append(cluster.worker("w-c", *GATED))  # enrols through whichever AM answers: only the new leader can
     cluster.wait_until(lambda: cluster.status(timeout_s=10).get("am", {}).get("pid") == cluster.procs["am1"].pid,
                        "the standby answering", 60)
     failover_s = time.monotonic() - killed_at
@@ -197,6 +208,7 @@ def test_sigkill_the_leading_am_mid_job_the_standby_leads_and_a_worker_joins(sta
                 failover_s, TTL_S)
     (cluster.tmp / "failover.txt").write_text(f"{failover_s:.3f}\n")
     assert failover_s < TTL_S + SLACK_S, cluster.logs()
+    open_gate_once_queued(cluster)
 
     adjustments = check_result(cluster, workers, "am1")
     assert [(a["action"], len(a["members"])) for a in adjustments] == [("add", 3)], adjustments
@@ -224,11 +236,7 @@ def test_etcd_stopped_as_training_starts_the_first_steps_go_on(static_run, clust
 
 
 def test_etcd_stopped_for_longer_than_the_ttl_mid_job_then_a_join(static_run, cluster):
-    """The join is requested after the outage; the job cannot end before it applies: rank 0 holds at step GATE_STEP
-    until the AM lists the request, then until its joiner is ready (a joiner's start-up on 2 busy cores outlasted the
-    steps left once)."""
-    gated = ["--gate-at", str(GATE_STEP), "--wait-for-joiners"]
-    workers = start_job(cluster, *gated)
+    workers = start_job(cluster, *GATED)
     before = cluster.progress()
     cluster.etcd.pause()
     paused_at = time.monotonic()
@@ -243,9 +251,8 @@ def test_etcd_stopped_for_longer_than_the_ttl_mid_job_then_a_join(static_run, cl
     answered_s = time.monotonic() - paused_at
     log.warning("after SIGCONT: training resumed %.2f s and an AM answered %.2f s after the outage began",
                 resumed_s, answered_s)
-    workers.append(cluster.worker("w-c", *gated))
-    cluster.wait_until(lambda: cluster.status(timeout_s=10).get("pending"), "the join request queued", 60)
-    (cluster.out / GATE_OPEN).touch()
+    workers.append(cluster.worker("w-c", *GATED))
+    open_gate_once_queued(cluster)
     survivor = "am0" if cluster.procs["am0"].poll() is None else "am1"
     adjustments = check_result(cluster, workers, survivor)
     other = cluster.procs["am1" if survivor == "am0" else "am0"]
