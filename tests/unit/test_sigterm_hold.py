@@ -30,8 +30,8 @@ JOB = "held"
 # a worker that is told when its SIGTERM was sent (a line on stdin), then installs the watch as the engine does
 WORKER = textwrap.dedent(
     """
-    import json, os, signal, sys
-    from torch.utils.data import DataLoader
+    import json, os, signal, sys, time
+    from torch.utils.data import DataLoader, Dataset
 
     from lightning_elan.elastic.termination import TerminationWatch
     from lightning_elan.protocol.contract import WorkerEnvironment
@@ -42,11 +42,26 @@ WORKER = textwrap.dedent(
     def report(**facts):
         print(json.dumps(facts), flush=True)
 
+    # Sample 0, then the loader's worker stalls in __getitem__ (and says so in the marker file): killed there it
+    # holds none of the loader's locks. Killed as it checks the loader's done event, it would hold that event's lock
+    # and the loader's shutdown in `del loader` would wait for it forever (torch's DataLoader, not the watch).
+    class Stalling(Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, index):
+            if index > 0:
+                open(sys.argv[1], "w").close()
+                time.sleep(600)
+            return index
+
     report(blocked=blocked())
     sys.stdin.readline()  # the test has sent SIGTERM
-    loader = iter(DataLoader(range(64), num_workers=1, batch_size=1))  # a DataLoader worker forked before the watch
+    loader = iter(DataLoader(Stalling(), num_workers=1, batch_size=1))  # a DataLoader worker forked before the watch
     next(loader)  # it runs: torch's SIGTERM handler is installed (SIGTERM from its parent: exit 0)
     loader_worker = loader._workers[0]
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.01)
     os.kill(loader_worker.pid, signal.SIGTERM)
     loader_worker.join(10)
     pending = signal.SIGTERM in signal.sigpending()
@@ -83,12 +98,12 @@ def wait_held(pid: int, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_sigterm_during_start_up_waits_for_the_handler_and_is_a_leave(am: ApplicationMaster) -> None:
+def test_a_sigterm_during_start_up_waits_for_the_handler_and_is_a_leave(am: ApplicationMaster, tmp_path: Path) -> None:
     """The SIGTERM sent before the watch is installed neither kills the worker nor is lost: installing the watch
     delivers it to the handler and returns once the AM has queued the leave; a DataLoader worker forked meanwhile still
     dies of SIGTERM."""
-    worker = subprocess.Popen([sys.executable, "-c", WORKER], env=worker_env(am), stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True,
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / "stalled")], env=worker_env(am),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               preexec_fn=die_with_parent(signal.SIGKILL, hold_sigterm=True))
     try:
         assert worker.stdin is not None and worker.stdout is not None
