@@ -25,6 +25,8 @@ from tests.integration.elastic_runs import (
 pytestmark = [pytest.mark.integration, pytest.mark.solo]  # its joiner must join within 120 s: alone under -n
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "ssh" / "elan-ssh.sh"
+PACED = ["--step-sleep", "0.6", "--wait-for-joiners"]  # rank 0 holds once the join is queued until it is ready: the
+# job cannot end before a slow joiner's start-up
 
 
 def test_ssh_recipe_starts_a_job_that_a_later_worker_joins(static_run, tmp_path):
@@ -38,7 +40,7 @@ def test_ssh_recipe_starts_a_job_that_a_later_worker_joins(static_run, tmp_path)
            "MAX_WORKERS": "3", "SSH": str(local_ssh)}
     out, log = tmp_path / "out", (tmp_path / "recipe.log").open("w")
     command = [str(SCRIPT), str(tmp_path / "hosts"), "sshjob", "--", sys.executable, str(PROBE), "--out", str(out),
-               *PROBE_ARGS, "--step-sleep", "0.6"]
+               *PROBE_ARGS, *PACED]
     recipe = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
@@ -46,7 +48,7 @@ def test_ssh_recipe_starts_a_job_that_a_later_worker_joins(static_run, tmp_path)
             time.sleep(0.2)
         grow = [sys.executable, "-m", "lightning_elan.cli", "worker", "--am", f"127.0.0.1:{am_port}", "--job",
                 "sshjob", "--secret-file", str(secret), "--", sys.executable, str(PROBE), "--out", str(out),
-                *PROBE_ARGS, "--step-sleep", "0.6"]  # the recipe's grow line, run on "node-c"
+                *PROBE_ARGS, *PACED]  # the recipe's grow line, run on "node-c"
         joiner = subprocess.Popen(grow, env=env, stdout=log, stderr=subprocess.STDOUT)
         assert joiner.wait(180) == 0 and recipe.wait(180) == 0, (tmp_path / "recipe.log").read_text()[-4000:]
     finally:
