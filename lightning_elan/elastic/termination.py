@@ -55,11 +55,16 @@ keeps SIGTERM blocked, and the launcher SIGKILLs it ``ELAN_TERM_GRACE`` seconds 
 (``lifeline.sigterm_held``). A child forked meanwhile (a DataLoader worker) unblocks SIGTERM at once: the launcher's
 hold is the worker's alone. A process ``exec``'d by the worker before the watch is installed (a ``subprocess``, a
 ``spawn`` multiprocessing context) inherits the blocked mask.
+
+SIGTERM to the worker's DataLoader processes: ``scancel`` and a machine's shutdown signal every process, and torch's
+DataLoader worker dies of a SIGTERM that is not its parent's, which crashes the worker mid-step. A DataLoader worker
+forked while the watch is armed therefore leaves such a SIGTERM to the worker's leave (:class:`_ChildSigterm`).
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import os
 import select
 import signal
@@ -73,6 +78,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import get_worker_info
 
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import ENV_AM_ADDRESS, LEAVE_FINISHED, LEAVE_QUEUED, WorkerEnvironment
@@ -155,6 +161,7 @@ class TerminationWatch:
         self._previous = signal.signal(signal.SIGTERM, self.handle)
         self._thread.start()  # before the unblock: the thread keeps SIGTERM blocked and the main thread takes it
         self._installed = True
+        _ARMED_IN.add(self._pid)
         self.held_at_start = _held_sigterm_pending()
         _unblock_sigterm()  # a SIGTERM held since the start runs the handler now
         if self.held_at_start and not self._answered.wait(HELD_ANSWER_WAIT_S):
@@ -166,6 +173,7 @@ class TerminationWatch:
         """The training loop is over: stop the watch and give SIGTERM back its previous handler."""
         self._disarmed.set()
         self._wake.set()
+        _ARMED_IN.discard(self._pid)
         if not self._installed or threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGTERM) == self.handle:
@@ -354,6 +362,7 @@ _HELD_BY_LAUNCHER = ENV_AM_ADDRESS in os.environ and _sigterm_blocked()
 """This worker was started with SIGTERM blocked (``launcher/lifeline.py``): its forked children must not be."""
 
 
+
 def _unblock_sigterm_in_child() -> None:
     """A forked child (a DataLoader worker) dies of SIGTERM as usual: the launcher's hold is for the worker alone (the
     child starts with no pending signal, so none is delivered by this)."""
@@ -362,6 +371,57 @@ def _unblock_sigterm_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_unblock_sigterm_in_child)
+
+_ARMED_IN: set[int] = set()
+"""The pid of this process while its watch is armed (installed, not disarmed)."""
+
+
+class _ChildSigterm:
+    """SIGTERM in a ``multiprocessing`` child forked while the worker's watch is armed (a DataLoader worker).
+
+    ``scancel``, a machine's shutdown, an init process forwarding to a process group: each signals every process, so a
+    DataLoader worker gets the worker's preemption notice too. Torch's worker handler dies of a SIGTERM that is not
+    its parent's, and the worker's DataLoader then raises "DataLoader worker ... is killed by signal: Terminated" in
+    the middle of a step: a crash where the worker would have left at the next batch boundary. So the child keeps
+    SIGTERM blocked and a thread takes it (``sigwaitinfo`` tells who sent it): a DataLoader worker leaves a SIGTERM
+    from anyone but its parent to the parent's leave (which ends it as a DataLoader ends its workers; were the parent
+    to die, torch's watchdog ends it within seconds); any other SIGTERM, and any SIGTERM of a child that is not a
+    DataLoader worker, is delivered to the child as before (its handler, or death). ``multiprocessing`` runs this in
+    its forked children only (``util.register_after_fork``), before their target: a process that ``exec``s (a
+    ``subprocess``, a ``spawn`` or ``forkserver`` context) is left alone, as a blocked SIGTERM would outlive the exec.
+    """
+
+    @classmethod
+    def in_child(cls, _mark: object) -> None:
+        armed = os.getppid() in _ARMED_IN
+        _ARMED_IN.clear()
+        if armed and hasattr(signal, "sigwaitinfo"):
+            cls.defer()
+
+    @classmethod
+    def defer(cls) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        threading.Thread(target=cls._take, args=(os.getppid(),), name="elan-child-sigterm", daemon=True).start()
+
+    @classmethod
+    def _take(cls, parent: int) -> None:
+        while True:
+            sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
+            if sender != parent and get_worker_info() is not None:
+                log.info("DataLoader worker %d: SIGTERM from pid %d left to its parent's leave", os.getpid(), sender)
+                continue
+            cls._deliver()
+
+    @staticmethod
+    def _deliver() -> None:
+        """Deliver a SIGTERM to this process as if never deferred: sent to itself while only this thread takes it."""
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+_AFTER_FORK_MARK = _ChildSigterm()  # multiprocessing keeps its after-fork callbacks by a weak reference to an object
+multiprocessing.util.register_after_fork(_AFTER_FORK_MARK, _ChildSigterm.in_child)
 
 
 def _flush_logs() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import processes
 from tests.integration.elastic_runs import (
     EPOCHS,
     PROBE_ARGS,
@@ -58,12 +59,17 @@ def pids_by_worker(status: dict) -> dict[str, int]:
     return {member["worker_id"]: member["pid"] for member in status["members"]}
 
 
-def test_sigterm_makes_a_worker_leave_at_the_next_batch_boundary(static_run, live_job, tmp_path):
+@pytest.mark.every_case
+@pytest.mark.parametrize("with_loader_workers", [False, True], ids=["worker", "worker-and-its-dataloader-workers"])
+def test_sigterm_makes_a_worker_leave_at_the_next_batch_boundary(static_run, live_job, tmp_path, with_loader_workers):
     """3 workers, global batch 12 (the static run's), coordination every 50 steps: SIGTERM to rank 1 at step ≥ 3.
     It leaves at the boundary right after the signal (not at a multiple of 50), exits 0, and the job ends exactly as
-    the static run does: every sample once per epoch, no step redone, the same final parameters."""
+    the static run does: every sample once per epoch, no step redone, the same final parameters. The second case
+    trains with two DataLoader worker processes and signals them too, at once, as ``scancel`` or a machine's shutdown
+    does: they keep serving batches until the worker has left (killed, they would crash it mid-step)."""
     name, out = "term", tmp_path / "term"
     probe_args = [*PROBE_ARGS, "--global-batch", "12", "--step-sleep", "0.3", "--progress"]
+    probe_args += ["--num-workers", "2"] if with_loader_workers else []
     job, env = live_job(name, 3, probe_args, coordinate_every=COORDINATE_EVERY)
     status = wait_for_status(env, name, lambda s: s["members"] and all(m["pid"] for m in s["members"]))
     pid = pids_by_worker(status)["w1"]
@@ -72,7 +78,10 @@ def test_sigterm_makes_a_worker_leave_at_the_next_batch_boundary(static_run, liv
     wait_for_progress(out, "w1", 3)
     before = read_progress(out, "w1")
     assert before is not None and before["pid"] == pid
-    os.kill(pid, signal.SIGTERM)
+    loader_workers = processes.children(pid) if with_loader_workers else []
+    assert len(loader_workers) == (2 if with_loader_workers else 0), loader_workers
+    for signalled in (pid, *loader_workers):
+        os.kill(signalled, signal.SIGTERM)
     output = job.communicate(timeout=600)[0]
     (tmp_path / f"{name}.log").write_text(output)
 
