@@ -1,6 +1,7 @@
 """Seeded failure storms: ``python -m tests.faults.storm --storms N --seed S [--strategy STRATEGY]``.
 
-One storm is one 3-worker float64 probe job (``strategy="elan"``, or ``"elan_fsdp"``: the model sharded by FSDP2, or
+One storm is one 3-worker float64 probe job (``--loader-workers N``: its DataLoaders with N worker processes;
+``strategy="elan"``, or ``"elan_fsdp"``: the model sharded by FSDP2, or
 ``"elan_fsdp_units"``: each Linear its own unit, so a death cuts forwards between units, or ``"elan_hsdp"``:
 ``ElanFSDPStrategy(hsdp_group_size=2)``, HSDP whenever the job has 4 members)
 under ``elan run --replace-failed --coordinate-every 1`` (98 steps) that receives a random event every 1.5–4 s until it
@@ -72,9 +73,9 @@ def job_command(directory: Path, name: str, nproc: int, extra: tuple[str, ...] =
             "--", sys.executable, str(PROBE), "--out", str(directory / name), *probe_args]
 
 
-def storm_args(strategy: str = "elan") -> list[str]:
-    """The probe's options of a storm job of ``strategy``."""
-    return [*STORM_ARGS, "--strategy", strategy]
+def storm_args(strategy: str = "elan", loader_workers: int = 0) -> list[str]:
+    """The probe's options of a storm job of ``strategy`` whose DataLoaders have ``loader_workers`` processes."""
+    return [*STORM_ARGS, "--strategy", strategy, "--num-workers", str(loader_workers)]
 
 
 def run_static(directory: Path, probe_args: list[str] = STORM_ARGS) -> RunResult:
@@ -142,7 +143,8 @@ class _Weather:
 
     def _signal_worker(self, sig: signal.Signals) -> bool:
         """Signal a random worker process (a member, a joiner warming up, a replacement) — but leave the job
-        ``SPARED_MEMBERS`` members that are neither signalled nor due to be removed."""
+        ``SPARED_MEMBERS`` members that are neither signalled nor due to be removed. SIGTERM goes to its DataLoader
+        processes too, at once, as ``scancel`` or a machine's shutdown sends it to every process."""
         spawned = spawned_workers(self.storm.directory / f"{self.storm.name}.log")
         workers = {pid: spawned.get(pid) or _worker_id(pid) for pid in self._children("worker")
                    if pid not in self.signalled}
@@ -157,7 +159,8 @@ class _Weather:
             return False
         pid = self.rng.choice(victims)
         self.signalled.add(pid)
-        return _send(pid, sig)
+        tree = processes.children(pid) if sig == signal.SIGTERM else []  # its DataLoader processes (--loader-workers)
+        return all([_send(signalled, sig) for signalled in (pid, *tree)])
 
     def _membership(self) -> tuple[set[str] | None, int]:
         """The current members and the removals asked for but not yet applied, from the AM's status."""
@@ -263,22 +266,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="keep the jobs' files here (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the files of storms that held too")
     parser.add_argument("--strategy", choices=STRATEGIES, default="elan", help="the storm jobs' strategy")
+    parser.add_argument("--loader-workers", type=int, default=0,
+                        help="DataLoader worker processes per worker (a SIGTERM event signals them too)")
     args = parser.parse_args(argv)
     root = args.dir or Path(tempfile.mkdtemp(prefix="elan-storms-"))
     print(f"files in {root}", flush=True)
-    static = run_static(root / "static", storm_args(args.strategy))
+    probe_args = storm_args(args.strategy, args.loader_workers)
+    static = run_static(root / "static", probe_args)
     held, failed = 0, []
     for seed in range(args.seed, args.seed + args.storms):
-        ok = _one(root, seed, static, args.keep, args.strategy)
+        ok = _one(root, seed, static, args.keep, args.strategy, probe_args)
         held += ok
         failed += [] if ok else [seed]
     print(f"held: {held} of {args.storms} storms" + (f"; failed seeds: {failed}" if failed else ""), flush=True)
     return 0 if held == args.storms else 1
 
 
-def _one(root: Path, seed: int, static: RunResult, keep: bool, strategy: str) -> bool:
+def _one(root: Path, seed: int, static: RunResult, keep: bool, strategy: str, probe_args: list[str]) -> bool:
     started = time.monotonic()
-    storm = run_storm(root, seed, probe_args=storm_args(strategy))
+    storm = run_storm(root, seed, probe_args=probe_args)
     try:
         result = check(storm, static, strategy)
         ok, detail = True, f"held ({result})"
