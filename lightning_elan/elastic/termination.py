@@ -385,10 +385,11 @@ class _ChildSigterm:
     the middle of a step: a crash where the worker would have left at the next batch boundary. So the child keeps
     SIGTERM blocked and a thread takes it (``sigwaitinfo`` tells who sent it): a DataLoader worker leaves a SIGTERM
     from anyone but its parent to the parent's leave (which ends it as a DataLoader ends its workers; were the parent
-    to die, torch's watchdog ends it within seconds); any other SIGTERM, and any SIGTERM of a child that is not a
-    DataLoader worker, is delivered to the child as before (its handler, or death). ``multiprocessing`` runs this in
-    its forked children only (``util.register_after_fork``), before their target: a process that ``exec``s (a
-    ``subprocess``, a ``spawn`` or ``forkserver`` context) is left alone, as a blocked SIGTERM would outlive the exec.
+    to die, ``data.loader.EndWithParent``'s SIGKILL or torch's watchdog ends it); any other SIGTERM, and any SIGTERM
+    of a child that is not a DataLoader worker, is delivered to the child as before (its handler, or death).
+    ``multiprocessing`` runs this in its forked children only (``util.register_after_fork``), before their target: a
+    process that ``exec``s (a ``subprocess``, a ``spawn`` or ``forkserver`` context) is left alone, as a blocked SIGTERM
+    would outlive the exec.
     """
 
     @classmethod

@@ -5,9 +5,10 @@ The corpus (``test_corpus.py``) kills at a chosen step and phase; here the momen
 script under ``elan run --nproc 2`` (half the seeds with ``--schedule 3:add=1``, a worker joining at step 3) and, at
 seeded random wall-clock moments between the launcher's start and the static run's wall time (start-up, sanity check,
 training, validation, checkpoint saving, epoch end, evaluation after ``fit``, teardown), sends SIGKILL or SIGTERM to a
-random worker process (the real OS process, ``os.kill``): once, or twice when a worker joins. The victim is stopped
-(SIGSTOP) for the moment its stack is taken (``py-spy dump``, ``victim-<pid>.txt``: where it was hit), then signalled.
-A kill never takes the job's last member that holds the training state (nothing could go on: not a case to test).
+random worker process (the real OS process, ``os.kill``; a SIGTERM to its DataLoader processes too): once, or twice when
+a worker joins. The victim is stopped (SIGSTOP) for the moment its stack is taken (``py-spy dump``,
+``victim-<pid>.txt``: where it was hit), then signalled. A kill never takes the job's last member that holds the
+training state (nothing could go on: not a case to test).
 
 A trial *held* when what the corpus checks holds: the job exited 0 (SIGTERM is a graceful leave, SIGKILL a recovered
 failure), no worker but a signalled one was declared dead, each epoch trained the static run's samples exactly once,
@@ -234,11 +235,13 @@ class Gun:
         return {member["worker_id"] for member in status.get("members") or []}
 
     def shoot(self, pid: int, sig: signal.Signals) -> str | None:
-        """Stop ``pid``, write its stacks to ``victim-<pid>.txt``, send ``sig``, let it go on (a SIGTERM's leave)."""
+        """Stop ``pid``, write its stacks to ``victim-<pid>.txt``, send ``sig``, let it go on (a SIGTERM's leave). A
+        SIGTERM goes to its DataLoader processes too, as ``scancel`` or a machine's shutdown signals every process."""
         try:
             os.kill(pid, signal.SIGSTOP)
         except ProcessLookupError:
             return None
+        loader_workers = processes.children(pid) if sig == signal.SIGTERM else []
         _wait_stopped(pid)
         path = self.trial.home / f"victim-{pid}.txt"
         try:
@@ -248,12 +251,20 @@ class Gun:
         except (OSError, subprocess.TimeoutExpired):
             pass
         finally:
+            for loader_worker in loader_workers:
+                _send(loader_worker, sig)
             for signum in (sig, signal.SIGCONT):
-                try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
+                if not _send(pid, signum):
                     break
         return _where(path, pid)
+
+
+def _send(pid: int, sig: signal.Signals) -> bool:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _wait_stopped(pid: int, timeout_s: float = 2.0) -> None:
