@@ -11,13 +11,12 @@ a worker joins. The victim is stopped (SIGSTOP) for the moment its stack is take
 training state (nothing could go on: not a case to test).
 
 A trial *held* when what the corpus checks holds: the job exited 0 (SIGTERM is a graceful leave, SIGKILL a recovered
-failure), no worker but a signalled one was declared dead, each epoch trained the static run's samples exactly once,
-the members were bit-identical at every step and ran the static run's steps, the final state equals the static run's
-within 1e-9 (exact scripts) or is whole and finite, and the script's own outputs (logs, checkpoints, predictions) pass
-the corpus' checks against the static run. A job with no progress for 90 s is a hang: every process's stack is in
-``stacks.txt`` (``corpus.run_job``). Prints one line per trial and ``held: H of N``; exit 0 only if all held. Each
-script's static run is made once per ``--dir`` and reused.
-"""
+failure), no worker but a signalled one was declared dead, no worker hit by SIGTERM alone was (it left), each epoch
+trained the static run's samples exactly once, the members were bit-identical at every step and ran the static run's
+steps, the final state equals the static run's within 1e-9 (exact scripts) or is whole and finite, and the script's own
+outputs (logs, checkpoints, predictions) pass the corpus' checks against the static run. A job with no progress for 90 s
+is a hang: every process's stack is in ``stacks.txt`` (``corpus.run_job``). Prints one line per trial and ``held: H of
+N``; exit 0 only if all held. Each script's static run is made once per ``--dir`` and reused."""
 
 from __future__ import annotations
 
@@ -74,6 +73,8 @@ LATER_FIT = "is past the job's elastic fit"
 """A survivor's error for a death in a later ``fit`` of the script (``fit_again_hparams.py`` fits twice): only a
 process's first training ``fit`` is elastic (README), so the job fails with that message; such a trial is labelled,
 not counted as a failure."""
+FINISHING = "the job is finished or shutting down"
+"""The SIGTERM watch's reason for the crash path when there is no job left to leave (``elastic/termination.py``)."""
 SIGHT_S = 30.0
 """A shot due before the AM answers or a worker runs waits this long for them."""
 
@@ -377,6 +378,7 @@ def check(trial: Trial, static: Run) -> tuple[str, str] | None:
     stages: list[tuple[str, Callable[[], None]]] = [
         ("exit", lambda: assert_ok(run)),
         ("declared-dead", lambda: assert_only_signalled_died(run, trial.signalled)),
+        ("sigterm-left", lambda: assert_sigterm_was_a_leave(run, trial.shots)),
         ("samples", lambda: assert_samples(run, static, trial.script, set(trial.signalled))),
         ("members", lambda: assert_steps(run, static)),
         ("final-state", lambda: assert_final(run, static, CORPUS[trial.script].exact)),
@@ -404,6 +406,16 @@ def assert_only_signalled_died(run: Run, signalled: dict[str, str]) -> None:
     """No worker the driver did not signal is declared dead by the AM (a survivor taken for dead is a bug)."""
     dead = {worker for record in run.adjustments() for worker in (record.get("failure") or {}).get("dead", [])}
     assert dead <= set(signalled), f"declared dead: {sorted(dead)}, signalled: {signalled}"
+
+
+def assert_sigterm_was_a_leave(run: Run, shots: list[Shot]) -> None:
+    """A worker hit by SIGTERM only (its DataLoader processes with it) left: the AM never declared it dead — unless
+    the job was finishing or shutting down, where SIGTERM takes the crash path (README: nothing is left to leave)."""
+    killed = {shot.worker for shot in shots if shot.pid is not None and shot.signal == "KILL"}
+    termed = {shot.worker for shot in shots if shot.pid is not None and shot.signal == "TERM"} - killed
+    dead = {worker for record in run.adjustments() for worker in (record.get("failure") or {}).get("dead", [])}
+    crashed = dead & termed
+    assert not crashed or FINISHING in run.output, f"SIGTERMed {sorted(crashed)} died instead of leaving"
 
 
 def assert_samples(run: Run, static: Run, script: str, victims: set[str]) -> None:
