@@ -126,6 +126,15 @@ def wait_gone(candidates: Iterable[int], timeout_s: float) -> set[int]:
     return left
 
 
+def send(pid: int, sig: int) -> bool:
+    """Send ``sig`` to ``pid``: whether it was still there to receive it."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def kill(candidates: Iterable[int]) -> None:
     """SIGKILL each of ``candidates`` still running (a pid that is gone meanwhile is skipped)."""
     for pid in candidates:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import subprocess
@@ -160,7 +159,7 @@ class _Weather:
         pid = self.rng.choice(victims)
         self.signalled.add(pid)
         tree = processes.children(pid) if sig == signal.SIGTERM else []  # its DataLoader processes (--loader-workers)
-        return all([_send(signalled, sig) for signalled in (pid, *tree)])
+        return all([processes.send(signalled, sig) for signalled in (pid, *tree)])
 
     def _membership(self) -> tuple[set[str] | None, int]:
         """The current members and the removals asked for but not yet applied, from the AM's status."""
@@ -180,7 +179,7 @@ class _Weather:
 
     def _kill_am(self) -> bool:
         ams = self._children("am")
-        return bool(ams) and _send(ams[0], signal.SIGKILL)
+        return bool(ams) and processes.send(ams[0], signal.SIGKILL)
 
     def _add(self) -> bool:
         if len(self._children("worker")) >= MAX_WORKERS:
@@ -242,14 +241,6 @@ def _kind(argv: list[bytes] | None) -> str | None:
         return "worker"
     cli = argv.index(b"lightning_elan.cli") if b"lightning_elan.cli" in argv else -1
     return "am" if cli >= 0 and argv[cli + 1 : cli + 2] == [b"am"] else None
-
-
-def _send(pid: int, sig: signal.Signals) -> bool:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def check(storm: Storm, static: RunResult, strategy: str = "elan") -> StormCheck:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import random
 import shutil
 import signal
@@ -238,9 +237,7 @@ class Gun:
     def shoot(self, pid: int, sig: signal.Signals) -> str | None:
         """Stop ``pid``, write its stacks to ``victim-<pid>.txt``, send ``sig``, let it go on (a SIGTERM's leave). A
         SIGTERM goes to its DataLoader processes too, as ``scancel`` or a machine's shutdown signals every process."""
-        try:
-            os.kill(pid, signal.SIGSTOP)
-        except ProcessLookupError:
+        if not processes.send(pid, signal.SIGSTOP):
             return None
         loader_workers = processes.children(pid) if sig == signal.SIGTERM else []
         _wait_stopped(pid)
@@ -253,19 +250,11 @@ class Gun:
             pass
         finally:
             for loader_worker in loader_workers:
-                _send(loader_worker, sig)
+                processes.send(loader_worker, sig)
             for signum in (sig, signal.SIGCONT):
-                if not _send(pid, signum):
+                if not processes.send(pid, signum):
                     break
         return _where(path, pid)
-
-
-def _send(pid: int, sig: signal.Signals) -> bool:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _wait_stopped(pid: int, timeout_s: float = 2.0) -> None:
