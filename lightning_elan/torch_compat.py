@@ -39,6 +39,7 @@ __all__ = [
     "forget_mesh_group",
     "forget_scaler_step",
     "forget_tensor_parallel_mesh",
+    "is_dataloader_worker",
     "keep_alive_forever",
     "mark_optimizer_stepped",
     "mesh_of_group",
@@ -75,6 +76,19 @@ backend names, a different class); a backend used on its own is an instance of i
 
 
 # ---- assembling a process group (distributed_c10d._new_process_group_helper) ---------------------------------------
+
+
+def is_dataloader_worker(process: Any) -> bool:
+    """Whether a ``multiprocessing`` process runs a DataLoader worker.
+
+    Upstream: ``DataLoader``'s multiprocessing iterator starts each worker as
+    ``multiprocessing_context.Process(target=torch.utils.data._utils.worker._worker_loop, ...)``, and
+    ``multiprocessing``'s ``BaseProcess`` keeps the target in ``_target`` (current in the child while its after-fork
+    callbacks run, before the target).
+    """
+    from torch.utils.data._utils import worker
+
+    return getattr(process, "_target", None) is worker._worker_loop
 
 
 def set_default_backend(group: dist.ProcessGroup, kind: dist.ProcessGroup.BackendType) -> None:

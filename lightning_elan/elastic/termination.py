@@ -64,6 +64,7 @@ forked while the watch is armed therefore leaves such a SIGTERM to the worker's 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import multiprocessing.util
 import os
 import select
@@ -78,8 +79,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import get_worker_info
 
+from lightning_elan import torch_compat
 from lightning_elan.protocol.client import AMClient, AMError, AMUnavailable
 from lightning_elan.protocol.contract import ENV_AM_ADDRESS, LEAVE_FINISHED, LEAVE_QUEUED, WorkerEnvironment
 from lightning_elan.protocol.messages import new_message_id
@@ -385,18 +386,20 @@ class _ChildSigterm:
     the middle of a step: a crash where the worker would have left at the next batch boundary. So the child keeps
     SIGTERM blocked and a thread takes it (``sigwaitinfo`` tells who sent it): a DataLoader worker leaves a SIGTERM
     from anyone but its parent to the parent's leave (which ends it as a DataLoader ends its workers; were the parent
-    to die, ``data.loader.EndWithParent``'s SIGKILL or torch's watchdog ends it); any other SIGTERM, and any SIGTERM
-    of a child that is not a DataLoader worker, is delivered to the child as before (its handler, or death).
-    ``multiprocessing`` runs this in its forked children only (``util.register_after_fork``), before their target: a
-    process that ``exec``s (a ``subprocess``, a ``spawn`` or ``forkserver`` context) is left alone, as a blocked SIGTERM
-    would outlive the exec.
+    to die, ``data.loader.EndWithParent``'s SIGKILL or torch's watchdog ends it); its parent's SIGTERM is delivered to
+    it as before (torch's handler ends it). ``multiprocessing`` runs this in its forked children only
+    (``util.register_after_fork``), before their target, and only a DataLoader worker defers: any other child keeps
+    SIGTERM as it was (a Python handler must run on the child's main thread, which a signal taken by another thread
+    does not interrupt in a blocking call); a process that ``exec``s (a ``subprocess``, a ``spawn`` or ``forkserver``
+    context) is left alone, as a blocked SIGTERM would outlive the exec.
     """
 
     @classmethod
     def in_child(cls, _mark: object) -> None:
         armed = os.getppid() in _ARMED_IN
         _ARMED_IN.clear()
-        if armed and hasattr(signal, "sigwaitinfo"):
+        loader_worker = torch_compat.is_dataloader_worker(multiprocessing.current_process())
+        if armed and loader_worker and hasattr(signal, "sigwaitinfo"):
             cls.defer()
 
     @classmethod
@@ -408,7 +411,7 @@ class _ChildSigterm:
     def _take(cls, parent: int) -> None:
         while True:
             sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
-            if sender != parent and get_worker_info() is not None:
+            if sender != parent:
                 log.info("DataLoader worker %d: SIGTERM from pid %d left to its parent's leave", os.getpid(), sender)
                 continue
             cls._deliver()

@@ -30,9 +30,16 @@ WORKER = textwrap.dedent(
     def report(**facts):
         print(json.dumps(facts), flush=True)
 
+    def sleep_when_started(started):
+        started.set()  # past its after-fork callbacks: a SIGTERM now finds it as the rest of its life will
+        time.sleep(60)
+
     def forked_sleeper():
-        child = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+        fork = mp.get_context("fork")
+        started = fork.Event()
+        child = fork.Process(target=sleep_when_started, args=(started,))
         child.start()
+        started.wait(30)
         return child
 
     watch = TerminationWatch(WorkerEnvironment.from_env())
