@@ -398,13 +398,21 @@ def assert_only_signalled_died(run: Run, signalled: dict[str, str]) -> None:
 
 
 def assert_sigterm_was_a_leave(run: Run, shots: list[Shot]) -> None:
-    """A worker hit by SIGTERM only (its DataLoader processes with it) left: the AM never declared it dead — unless
-    the job was finishing or shutting down, where SIGTERM takes the crash path (README: nothing is left to leave)."""
+    """A worker hit by SIGTERM only (its DataLoader processes with it) left: the AM never declared it dead in training
+    — unless the job was finishing or shutting down, where SIGTERM takes the crash path, or the training was complete
+    (README: a SIGTERM after a worker's training loop is over ends it; nothing is left to leave)."""
     killed = {shot.worker for shot in shots if shot.pid is not None and shot.signal == "KILL"}
     termed = {shot.worker for shot in shots if shot.pid is not None and shot.signal == "TERM"} - killed
-    dead = {worker for record in run.adjustments() for worker in (record.get("failure") or {}).get("dead", [])}
-    crashed = dead & termed
+    crashed = died_in_training(run) & termed
     assert not crashed or FINISHING in run.output, f"SIGTERMed {sorted(crashed)} died instead of leaving"
+
+
+def died_in_training(run: Run) -> set[str]:
+    """The workers the AM declared dead before the job's training was complete (outside the training loop at the
+    global step after the job's last batch, the members' last batch: the death came after ``fit``)."""
+    completed = max(run.digests_by_step(), default=-1) + 1
+    return {worker for record in run.adjustments() for worker in (record.get("failure") or {}).get("dead", [])
+            if not (record["failure"].get("outside_training") and record["step"] >= completed)}
 
 
 def assert_samples(run: Run, static: Run, script: str, victims: set[str]) -> None:
