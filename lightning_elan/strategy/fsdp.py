@@ -263,7 +263,7 @@ class ElanFSDPStrategy(ElanStrategy):
         the live reshard (it has no mesh yet)."""
         if self._device_mesh is None:
             return model
-        if not _is_sharded(model):
+        if not _root_is_sharded(model):
             shard_model(model, self._device_mesh, self.shard_modules, self._fully_shard_options())
         if _has_meta_tensors(model):
             compat.materialize_meta_module(model, self.root_device)
@@ -321,7 +321,7 @@ class ElanFSDPStrategy(ElanStrategy):
         them gathered too. A step cut before its forward ran (a member's death in the root unit's all-gather) leaves
         the redirection's patched ``forward`` behind: it is undone, so the redone step's ``self(x)`` is the forward."""
         sharded = self.model
-        if sharded is None or not _is_sharded(sharded):
+        if sharded is None or not _root_is_sharded(sharded):
             yield
             return
         self.model = _RootUnitCall(sharded)
@@ -576,7 +576,7 @@ class ElanFSDPStrategy(ElanStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """A full state loaded before the model is sharded (Lightning restores the model before ``setup``) or cut
         into the shards locally (``sharded_checkpoint.shard_like``) and loaded with ``set_model_state_dict``."""
-        if not _is_sharded(self.lightning_module):
+        if not _root_is_sharded(self.lightning_module):
             super().load_model_state_dict(checkpoint, strict=strict)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -688,7 +688,9 @@ def _materialize_meta_buffers(model: nn.Module, device: torch.device) -> None:
                             "joiner and is not received with the state: its values are uninitialised", qualified)
 
 
-def _is_sharded(model: nn.Module) -> bool:
+def _root_is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 is applied to ``model`` itself (its root unit), not only to some of its modules (see
+    ``replication.fsdp_reshard.is_fully_sharded``)."""
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
