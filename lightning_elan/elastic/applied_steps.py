@@ -34,7 +34,7 @@ class AppliedSteps:
         return bool(self._saved)
 
     def before_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """The step of ``optimizer`` is committed and about to be applied: keep what it changes, once per batch."""
+        """A step of ``optimizer`` is about to begin in this batch: keep what it may change, once per batch."""
         if any(saved.optimizer is optimizer for saved in self._saved):
             return
         parameters = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]

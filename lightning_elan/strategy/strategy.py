@@ -663,8 +663,9 @@ class ElanStrategy(DDPStrategy):
 
         An optimizer that evaluates the closure again inside its step (``torch.optim.LBFGS``, or one seen doing so
         in an earlier step) updates the parameters between its evaluations, each voted on: the batch stays open
-        until the step returns, with the parameters and optimizer state it began with kept, so a member's death in a
-        later evaluation undoes the step and the batch is redone whole (as a batch of manual optimization)."""
+        until the step returns, with the parameters and optimizer state it began with kept (before the step begins:
+        ``LBFGS.step`` fills its state before it evaluates the closure), so a member's death in any evaluation undoes
+        the step and the batch is redone whole (as a batch of manual optimization)."""
         manual = not self.lightning_module.automatic_optimization
         torch_optimizer = _torch_optimizer(optimizer)
         held_open = manual or self._reevaluations.expected(torch_optimizer)
@@ -676,8 +677,6 @@ class ElanStrategy(DDPStrategy):
             self._before_the_vote(torch_optimizer)
             self.engine.commit_step(self.lightning_module.trainer.global_step, closes_batch=not held_open)
             self._pre_loop.step_committed()
-            if held_open:
-                self._applied_steps.before_update(torch_optimizer)
 
         def counted_closure() -> Any:
             nonlocal evaluations, unvoted
@@ -690,6 +689,8 @@ class ElanStrategy(DDPStrategy):
             if unvoted:
                 vote()
 
+        if held_open:  # kept before the step begins: ``LBFGS.step`` fills its state before its first closure
+            self._applied_steps.before_update(torch_optimizer)
         with compat.after_the_closure(self.precision_plugin, vote):
             before_update = torch_optimizer.register_step_pre_hook(vote_before_the_update)
             try:

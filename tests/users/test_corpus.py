@@ -263,6 +263,22 @@ def test_manual_optimization_redoes_a_step_cut_by_a_death(runs: Callable[[str, b
     assert_states_close(run.final_state(), static.final_state())
 
 
+def test_a_death_in_the_first_lbfgs_step_redoes_it_from_an_untouched_optimizer(runs: Callable[[str, bool], Run],
+                                                                                tmp_path: Path) -> None:
+    """``lbfgs_closure.py`` loses its rank 1 as the job's first batch starts: the survivor meets the death in the
+    first closure evaluation of L-BFGS's first step, after ``LBFGS.step`` began filling its state. The redo starts from
+    the optimizer state the step began with (the digest of parameters and optimizer state at step 0 is the static
+    run's), and the run ends where the static run ends."""
+    static = runs("lbfgs_closure", False)
+    run = run_job(tmp_path, Job("lbfgs_first_step", CORPUS["lbfgs_closure"].command, kill="0:start"))
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 1)]
+    assert run.digests_by_step()[0] == static.digests_by_step()[0]
+    assert_members_agree(run)
+    assert_same_samples(run, static)
+    check_lbfgs_closure(run, static)
+
+
 def test_a_member_killed_before_the_training_loop_changes_nothing(runs: Callable[[str, bool], Run],
                                                                    tmp_path: Path) -> None:
     """The DataModule script loses its rank 1 in the callbacks' ``setup`` (after its ``prepare_data`` wrote the
