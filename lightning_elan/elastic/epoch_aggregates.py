@@ -260,6 +260,7 @@ class AggregateHandover:
         self._stood: int | None = None  # the slot of the record of the last step that stood
         self._voted: tuple[int, bytes] | None = None  # the step last voted on and its aggregates, as recorded
         self._late_values = False  # its aggregates grew after a vote: its records before a vote are partial
+        self._taken: set[str] = set()  # the departed workers whose aggregates this heir has added to its own
 
     def record(self, store: dist.Store, generation: int, step: int, epoch: int | None) -> None:
         """``step`` stands (a batch boundary, a generation entered): write this member's aggregates so far as its
@@ -294,12 +295,14 @@ class AggregateHandover:
         """As the heir of ``plan``: add the departed members' records of the previous generation to its own — or,
         given ``generations`` (newest first), of the newest of them in which each wrote any (see
         :func:`read_records`)."""
+        departed = [worker for worker in departed if worker not in self._taken]  # a plan cut short, then its recovery
         if not departed or store is None or heir_of(plan) != self._worker_id:
             return
         newest, *earlier = generations or (plan.previous_generation,)
         records = read_records(store, newest, departed, step, epoch, earlier, inherited)
         if records:
             self._absorb(records)
+            self._taken.update(record.worker_id for record in records)
 
     def _made(self, generation: int, step: int, epoch: int | None) -> tuple[AggregateRecord, bytes] | None:
         """This member's record now and its bytes; None when it records nothing (it stopped, or it has logged nothing

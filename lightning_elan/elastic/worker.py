@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -603,10 +603,26 @@ class ElasticWorker:
     def _recovery_plan_for(self, failed: int, committed_step: int) -> AdjustmentPlan:
         reply = self._require_link().recover(failed, committed_step, self.join_timeout_s,
                                              before_loop=self._evaluating or not self._in_training_loop)
+        if reply.plan is None and self._asked_to_leave():
+            self._leave_cut_by_a_death(failed, reply.reason)
         if reply.plan is None:
             raise RuntimeError(f"worker {self.worker_id} cannot recover from the failure of generation {failed}: "
                                f"{reply.reason}")
         return reply.plan
+
+    def _asked_to_leave(self) -> bool:
+        """This worker's SIGTERM leave was queued at the AM."""
+        return self._termination is not None and self._termination.leave_queued
+
+    def _leave_cut_by_a_death(self, failed: int, reason: str | None) -> NoReturn:
+        """A leaver whose leave was agreed and then cut short by a member's death (before it learned of the plan, in
+        the agreement's broadcast): the survivors recover without it, so it leaves at the step every member committed
+        (no report: its plan failed)."""
+        log.warning("worker %s leaves the job: a member died before its leave was carried out (generation %d "
+                    "failed; %s)", self.worker_id, failed, reason or "not in the recovery")
+        self.has_left = True
+        step_aside()
+        self.frontend.leave()
 
     def _confirm_peer_failure(self, error: BaseException, generation: int | None = None) -> None:
         """Return once a member's death in this worker's generation (or ``generation``: a leaver's live reshard is in

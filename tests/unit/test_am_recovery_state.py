@@ -409,6 +409,26 @@ def test_a_stayer_killed_in_a_live_reshard_keeps_the_living_leaver_in_the_recove
     assert state.member_ids == ["w0"] and "w2" in state.left_workers
 
 
+def test_a_stayers_death_before_an_unsharded_leaver_learned_of_its_plan_lets_the_leaver_go() -> None:
+    """DDP, 3 -> 2 (w2 leaves) and w1 dies before anyone read the plan (in its agreement's broadcast): the survivors
+    recover without w2, which has left — its ``recover`` is answered so, during the recovery and after it (it had
+    waited for a plan that never listed it, or been refused with "generation 1 has not failed") — and the recovery's
+    heir takes its epoch aggregates (it is one of the plan's ``previous_members``)."""
+    state = _scale_in_decided(False)
+
+    exited(state, "w1", -9)
+    assert state.recovery is not None and state.recovery.survivors == ["w0"] and "w2" in state.left_workers
+    assert check_in(state, "w2", generation=1) == WaitPlanReply.cancelled("worker w2 has left the job")
+    check_in(state, "w0", generation=1)
+    plan = adjustments.wait_plan(state, "w0").plan
+    assert plan is not None and (plan.members, plan.previous_members) == (["w0"], ["w0", "w1", "w2"])
+    adjustments.report(state, AdjustmentReport("w0", plan.generation, "stayer", pause_s=0.1, step=5))
+
+    assert check_in(state, "w2", generation=1) == WaitPlanReply.cancelled("worker w2 has left the job")
+    assert exited(state, "w2", 0) == WorkerExitReply(True)
+    assert state.member_ids == ["w0"]
+
+
 def test_a_leaver_that_dies_before_the_recovery_plan_forms_leaves_it_and_is_not_replaced() -> None:
     state = _scale_in_decided(True, replace_failed=True)
     exited(state, "w1", -9)

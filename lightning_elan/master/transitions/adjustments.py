@@ -128,14 +128,14 @@ def wait_plan(state: JobState, worker_id: str) -> WaitPlanReply | None:
         return None  # the recovery plan is not formed yet (a leaver of an abandoned live reshard is in it too)
     if state.in_flight is not None and state.in_flight.plan.involves(worker_id):
         return WaitPlanReply.with_plan(state.in_flight.plan)
+    if worker_id in state.left_workers:  # before its join plan: a joiner of the current generation may have left
+        return WaitPlanReply.cancelled(f"worker {worker_id} has left the job")
     last = state.last_plan
     if last is not None and last.generation == state.generation and worker_id in last.joiners:
         return WaitPlanReply.with_plan(last)  # asked again after its plan was committed
     pending = state.pending_workers.get(worker_id)
     if pending is not None and pending.status == CANCELLED:
         return WaitPlanReply.cancelled(pending.reason or f"worker {worker_id} was cancelled")
-    if worker_id in state.left_workers:
-        return WaitPlanReply.cancelled(f"worker {worker_id} has left the job")
     if state.finished:
         return WaitPlanReply.cancelled(f"job finished: {state.finish_reason}")
     return None

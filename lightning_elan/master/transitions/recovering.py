@@ -220,8 +220,10 @@ def _begin_recovery(state: JobState, now: float) -> Recovery:
         layouts[str(plan.generation)] = list(plan.members)
         # the plan's members: not its leavers, nor members that died before it (a recovery plan in flight)
         survivors = [w for w in survivors if w in plan.members and w not in plan.leavers] + list(plan.joiners)
-        previous = list(plan.members)
         leavers = _leavers_holding_shards(state, interrupted)
+        untold = _leavers_left_by_the_recovery(state, interrupted)
+        previous = list(plan.members) + untold  # the heir takes their epoch aggregates, as the leave's would have
+        state.left_workers.extend(w for w in untold if w not in state.left_workers)
         state.record_failure(adjustment_failure(interrupted, plan.request_id, "interrupted by a worker's death"))
         state.in_flight = None
     state.recovery = Recovery(
@@ -232,6 +234,21 @@ def _begin_recovery(state: JobState, now: float) -> Recovery:
     )
     state.next_failure += 1
     return state.recovery
+
+
+def _leavers_left_by_the_recovery(state: JobState, interrupted: Adjustment) -> list[str]:
+    """The leavers of an interrupted leave (not a live reshard) that had neither reported nor exited: the death may
+    have come before they learned of the plan (in its agreement's broadcast). The survivors recover without them, so
+    they have left the job: their ``recover`` is answered so (``wait_plan``: cancelled, it has left) and they end as
+    leavers, at the step the survivors hold (every member committed it)."""
+    if interrupted.live_reshard:
+        return []
+    untold = [worker for worker in interrupted.plan.leavers
+              if worker not in interrupted.reports and worker not in state.exits]
+    if untold:
+        logger.warning("job %s: a death interrupted adjustment %s: %s %s the job without a report", state.job,
+                       interrupted.plan.request_id, workers_phrase(untold), "leaves" if len(untold) == 1 else "leave")
+    return untold
 
 
 def _leavers_holding_shards(state: JobState, interrupted: Adjustment) -> list[str]:
