@@ -437,7 +437,7 @@ def unrecorded_shares(run: Run, static: Run, victims: set[str]) -> dict[int, Cou
     applied the update that holds their gradients) and before they wrote its ``trained`` record: the static run's
     samples of that batch less those recorded by the processes of the same world at the step after it. A batch redone
     after the death is recorded by the survivors in their new world: nothing is added for it."""
-    shares: dict[int, Counter] = {}
+    batches: dict[tuple[int, int], list[dict]] = {}  # each batch once: two victims may have stopped in the same one
     for victim in victims:
         starts = [record for record in run.events("start") if record.get("worker") == victim]
         if not starts:
@@ -445,9 +445,10 @@ def unrecorded_shares(run: Run, static: Run, victims: set[str]) -> dict[int, Cou
         last = max(starts, key=lambda record: record["at"])
         after = [record for record in run.events("trained")
                  if record["step"] == last["step"] + 1 and record["world"] == last["world"]]
-        if not after:
-            continue
-        epoch, batch = after[0]["epoch"], after[0]["batch_idx"]
+        if after and last["rank"] not in {record["rank"] for record in after}:  # else it recorded its share
+            batches[(after[0]["epoch"], after[0]["batch_idx"])] = after
+    shares: dict[int, Counter] = {}
+    for (epoch, batch), after in batches.items():
         whole = Counter(sample for record in static.events("trained") if (record["epoch"], record["batch_idx"]) == (
             epoch, batch) for sample in record["samples"])
         recorded = Counter(sample for record in after if record["batch_idx"] == batch for sample in record["samples"])
