@@ -78,19 +78,6 @@ backend names, a different class); a backend used on its own is an instance of i
 # ---- assembling a process group (distributed_c10d._new_process_group_helper) ---------------------------------------
 
 
-def is_dataloader_worker(process: Any) -> bool:
-    """Whether a ``multiprocessing`` process runs a DataLoader worker.
-
-    Upstream: ``DataLoader``'s multiprocessing iterator starts each worker as
-    ``multiprocessing_context.Process(target=torch.utils.data._utils.worker._worker_loop, ...)``, and
-    ``multiprocessing``'s ``BaseProcess`` keeps the target in ``_target`` (current in the child while its after-fork
-    callbacks run, before the target).
-    """
-    from torch.utils.data._utils import worker
-
-    return getattr(process, "_target", None) is worker._worker_loop
-
-
 def set_default_backend(group: dist.ProcessGroup, kind: dist.ProcessGroup.BackendType) -> None:
     """The backend type ``group`` dispatches to when a collective's tensors do not pick one by device
     (``ProcessGroup::setDefaultBackend``; ``_new_process_group_helper`` sets it before registering the backends)."""
@@ -237,6 +224,22 @@ def reset_reducer(reducer: Any) -> None:
     counters (ready parameters, pending buckets, next bucket) are reset by ``prepare_for_backward`` at the next
     forward."""
     reducer._reset_state()
+
+
+# ---- DataLoader workers (torch/utils/data/dataloader.py, torch/utils/data/_utils/worker.py) --------------------------
+
+
+def is_dataloader_worker(process: Any) -> bool:
+    """Whether a ``multiprocessing`` process runs a DataLoader worker.
+
+    Upstream: ``DataLoader``'s multiprocessing iterator starts each worker as
+    ``multiprocessing_context.Process(target=torch.utils.data._utils.worker._worker_loop, ...)``, and
+    ``multiprocessing``'s ``BaseProcess`` keeps the target in ``_target`` (current in the child while its after-fork
+    callbacks run, before the target).
+    """
+    from torch.utils.data._utils import worker
+
+    return getattr(process, "_target", None) is worker._worker_loop
 
 
 # ---- the GradScaler (torch/amp/grad_scaler.py) ----------------------------------------------------------------------

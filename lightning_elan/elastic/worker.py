@@ -603,16 +603,12 @@ class ElasticWorker:
     def _recovery_plan_for(self, failed: int, committed_step: int) -> AdjustmentPlan:
         reply = self._require_link().recover(failed, committed_step, self.join_timeout_s,
                                              before_loop=self._evaluating or not self._in_training_loop)
-        if reply.plan is None and self._asked_to_leave():
+        if reply.plan is None and self._leave_queued_here():
             self._leave_cut_by_a_death(failed, reply.reason)
         if reply.plan is None:
             raise RuntimeError(f"worker {self.worker_id} cannot recover from the failure of generation {failed}: "
                                f"{reply.reason}")
         return reply.plan
-
-    def _asked_to_leave(self) -> bool:
-        """This worker's SIGTERM leave was queued at the AM."""
-        return self._termination is not None and self._termination.leave_queued
 
     def _leave_cut_by_a_death(self, failed: int, reason: str | None) -> NoReturn:
         """A leaver whose leave was agreed and then cut short by a member's death (before it learned of the plan, in
@@ -620,9 +616,7 @@ class ElasticWorker:
         (no report: its plan failed)."""
         log.warning("worker %s leaves the job: a member died before its leave was carried out (generation %d "
                     "failed; %s)", self.worker_id, failed, reason or "not in the recovery")
-        self.has_left = True
-        step_aside()
-        self.frontend.leave()
+        self._step_out()
 
     def _confirm_peer_failure(self, error: BaseException, generation: int | None = None) -> None:
         """Return once a member's death in this worker's generation (or ``generation``: a leaver's live reshard is in
@@ -1002,9 +996,7 @@ class ElasticWorker:
                 continue
             self._leave(recovery, 0, time.perf_counter() - started)
             return
-        self.has_left = True  # not in the recovery plan: it leaves without a report (its plan failed)
-        step_aside()
-        self.frontend.leave()
+        self._step_out()  # not in the recovery plan: it leaves without a report (its plan failed)
 
     def _recovery_leaving(self, failed: int, step: int) -> AdjustmentPlan | None:
         """The recovery plan from the failure of ``failed`` if it lists this worker as a leaver (else None)."""
@@ -1030,6 +1022,10 @@ class ElasticWorker:
         log.info("worker %s leaves the job at generation %d", self.worker_id, plan.generation)
         report = AdjustmentReport(self.worker_id, plan.generation, "leaver", pause_s=elapsed, bytes_sent=sent)
         self._require_link().report(report, wait=True)
+        self._step_out()
+
+    def _step_out(self) -> NoReturn:
+        """Out of the job: the front-end ends its training loop as a leaver's (after :func:`step_aside`)."""
         self.has_left = True
         step_aside()
         self.frontend.leave()
