@@ -448,6 +448,9 @@ def redo_interrupted_batches(
         rewind = functools.partial(_rewind_window, trainer, data_fetcher, saved)
         try:
             run_batch(epoch_loop, data_fetcher)
+        except StopIteration:  # the epoch ends: its data ran out, or ``on_train_batch_start`` returned -1
+            logs.window_done(discarded=False, closed=True)
+            raise
         except Exception as error:
             epoch_loop._elan_discarded = recover(error, rewind)
         open_window = not epoch_loop._elan_discarded and accumulating(trainer)

@@ -84,6 +84,9 @@ def epochs(count: int, samples: int) -> dict[int, int]:
 CURRICULUM_SAMPLES = {0: 48, 1: 72, 2: 96, 3: 120}
 """``curriculum_reload``: epoch e trains on the 48 + 24·e easiest samples; its callback stops training after epoch 3."""
 
+SKIPPED_SAMPLES = {0: 72, 1: 96, 2: 36}
+"""``skip_rest_timer_rich``: its ``on_train_batch_start`` ends epoch 0 after 6 batches and epoch 2 after 3."""
+
 CORPUS: dict[str, Script] = {
     "datamodule_callbacks": Script(("{scripts}/datamodule_callbacks.py", "{out}", "--prepare-per-node"), True,
                                    epochs(4, 96), tuple(range(32))),
@@ -141,6 +144,9 @@ CORPUS: dict[str, Script] = {
                                 tuple(range(sum(CURRICULUM_SAMPLES.values()) // 12))),
     "subset_split_samplers": Script(("{scripts}/subset_split_samplers.py", "{out}"), True, epochs(2, 96),
                                     tuple(range(16))),
+    # the batch whose hook returns -1 starts (the observer sees its start: step 17 in epoch 2) but is not trained
+    "skip_rest_timer_rich": Script(("{scripts}/skip_rest_timer_rich.py", "{out}"), True, SKIPPED_SAMPLES,
+                                   tuple(range(sum(SKIPPED_SAMPLES.values()) // 12 + 1))),
 }
 XFAIL_ELASTIC: dict[str, tuple[str, str]] = {}  # script: (the bug, the symptom its elastic run prints)
 
@@ -713,6 +719,24 @@ def check_subset_split_samplers(run: Run, static: Run | None) -> None:
             assert_logged_alike(rows, static_rows, column, exact=True)
 
 
+def check_skip_rest_timer_rich(run: Run, static: Run | None) -> None:
+    """The epochs cut where the hook returned -1 (on every member: no epoch trains a batch past its cut), the
+    ``Timer``'s budget not spent; with the static run: every step's loss and every epoch's largest error equal."""
+    result = json.loads((run.out / "skipped.json").read_text())
+    assert result["steps"] == sum(SKIPPED_SAMPLES.values()) // 12, result
+    assert 0 < result["elapsed"] < 2 * 3600, result
+    _, rows = read_csv(run.out / "logs" / "cut" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(result["steps"]))
+    assert len(logged(rows, "worst_error")) == len(SKIPPED_SAMPLES), logged(rows, "worst_error")
+    if static is None:
+        assert result["trained"] == {str(epoch): list(range(samples // 12)) for epoch, samples in
+                                     SKIPPED_SAMPLES.items()}, result
+    else:
+        _, static_rows = read_csv(static.out / "logs" / "cut" / "version_0" / "metrics.csv")
+        for column in ("train_loss", "worst_error"):
+            assert_logged_alike(rows, static_rows, column, exact=True)
+
+
 OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "datamodule_callbacks": check_datamodule_callbacks,
     "cli_classifier": check_cli_classifier,
@@ -740,6 +764,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "overfit_batch_hooks": check_overfit_batch_hooks,
     "curriculum_reload": check_curriculum_reload,
     "subset_split_samplers": check_subset_split_samplers,
+    "skip_rest_timer_rich": check_skip_rest_timer_rich,
 }
 
 
