@@ -778,7 +778,7 @@ class ElasticAccelerator(Accelerator):
             self._loop_end_watch.close()
         if self._sharding is not None:
             self._sharding.settle()
-        self.engine.training_ended()
+        self.engine.training_ended(self.optimizer_steps)
         self.engine.close()
 
     # ------------------------------------------------------------------ FrontEnd: what the engine asks of Accelerate

@@ -1131,13 +1131,22 @@ class ElasticWorker:
 
     # ------------------------------------------------------------------ plumbing
 
-    def training_ended(self) -> None:
-        """This member's training loop ended having trained the job's last step: once every member has exited, a death
-        from here on is a death after the job's training (the launcher ends the job as finished)."""
+    def training_ended(self, step: int) -> None:
+        """This member's training loop ended having trained the job's last step (``step`` steps): once every member has
+        exited, a death from here on is a death after the job's training (the launcher ends the job as finished)."""
         self.training_fits += 1
         if self.environment.standalone or self.has_left or self.group is None:
             return
+        self._report_an_adjustment_after_the_last_step(step)
         mark_training_ended(self.group.store, self.worker_id)
+
+    def _report_an_adjustment_after_the_last_step(self, step: int) -> None:
+        """An adjustment no batch boundary followed (a recovery from a death at the last epoch's end, after its last
+        step) is reported as the loop ends: the AM then records it, and the new generation is the job's."""
+        if self._pending_report is None or self._link is None:
+            return
+        pause = self._timeline.step_ended()
+        self._send_report(0.0 if pause is None else pause, step)
 
     def start_later_fit(self, epoch: int) -> None:
         """A member starts a training fit after the one it finished (a script that trains in stages): the data

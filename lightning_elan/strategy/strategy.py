@@ -899,7 +899,7 @@ class ElanStrategy(DDPStrategy):
     def teardown(self) -> None:
         if getattr(self, "_training_loop_ended", False):
             self._training_loop_ended = False
-            self.engine.training_ended()
+            self.engine.training_ended(self.lightning_module.trainer.global_step)
         if self.engine.has_left or (self._training_fit and self.engine.is_member):
             self.engine.close()  # training is over: an evaluation or LR range test before it keeps the AM link
         self._training_fit = False

@@ -285,6 +285,24 @@ def test_a_death_in_the_first_lbfgs_step_redoes_it_from_an_untouched_optimizer(r
     check_lbfgs_closure(run, static)
 
 
+@pytest.mark.parametrize("step", [6, 17])
+def test_a_death_as_a_skipped_batch_starts_ends_its_epoch_as_the_static_run(runs: Callable[[str, bool], Run],
+                                                                            tmp_path: Path, step: int) -> None:
+    """``skip_rest_timer_rich.py`` loses its rank 1 as the batch whose ``on_train_batch_start`` returns -1 starts (6:
+    epoch 0's, the next epoch follows; 17: the last epoch's, ``fit`` ends): the survivor meets the death in the
+    epoch's end (the ``sync_dist`` reduction of its largest error), recovers, and ends the epoch and the job as the
+    static run does: every sample once, every step's loss and every epoch's logged value the static run's."""
+    static = runs("skip_rest_timer_rich", False)
+    run = run_job(tmp_path, Job(f"skipped_batch_kill_{step}", CORPUS["skip_rest_timer_rich"].command,
+                                kill=f"{step}:start"))
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 1)]
+    assert_members_agree(run)
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    check_skip_rest_timer_rich(run, static)
+
+
 def test_a_member_killed_before_the_training_loop_changes_nothing(runs: Callable[[str, bool], Run],
                                                                    tmp_path: Path) -> None:
     """The DataModule script loses its rank 1 in the callbacks' ``setup`` (after its ``prepare_data`` wrote the
