@@ -144,6 +144,9 @@ CORPUS: dict[str, Script] = {
                                 tuple(range(sum(CURRICULUM_SAMPLES.values()) // 12))),
     "subset_split_samplers": Script(("{scripts}/subset_split_samplers.py", "{out}"), True, epochs(2, 96),
                                     tuple(range(16))),
+    "uneven_last_batch": Script(("{scripts}/uneven_last_batch.py", "{out}"), True, epochs(3, 101), tuple(range(27))),
+    "uneven_drop_last": Script(("{scripts}/uneven_last_batch.py", "{out}", "--drop-last"), True, epochs(3, 96),
+                               tuple(range(24))),
     # the batch whose hook returns -1 starts (the observer sees its start: step 17 in epoch 2) but is not trained
     "skip_rest_timer_rich": Script(("{scripts}/skip_rest_timer_rich.py", "{out}"), True, SKIPPED_SAMPLES,
                                    tuple(range(sum(SKIPPED_SAMPLES.values()) // 12 + 1))),
@@ -755,6 +758,25 @@ def check_skip_rest_timer_rich(run: Run, static: Run | None) -> None:
             assert_logged_alike(rows, static_rows, column, exact=True)
 
 
+def check_uneven_last_batch(run: Run, static: Run | None) -> None:
+    """Every step's loss logged once; each validation covers the 29 samples, padded to 30 as ``DistributedSampler``
+    pads them at 2 and 3 processes (not at 1); with the static run: every step's loss equal, but for the short last
+    batches (``self.log(sync_dist=True)`` of a step averages the processes' means: 5 samples shared 3 and 2 log
+    another mean than 5 on one process; the training itself weighs each sample once)."""
+    _, rows = read_csv(run.out / "logs" / "uneven" / "version_0" / "metrics.csv")
+    steps = sorted(logged(rows, "train_loss"))
+    assert steps == list(range(len(steps))), steps
+    seen = set(logged(rows, "val_seen").values())
+    assert seen <= {29.0, 30.0} and seen, seen
+    if static is None:
+        assert seen == {30.0}, seen
+    else:
+        _, static_rows = read_csv(static.out / "logs" / "uneven" / "version_0" / "metrics.csv")
+        short = {str(step) for step in (8, 17, 26)} if "--drop-last" not in run.job.command else set()
+        assert_logged_alike([row for row in rows if row.get("step") not in short],
+                            [row for row in static_rows if row.get("step") not in short], "train_loss", exact=True)
+
+
 OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "datamodule_callbacks": check_datamodule_callbacks,
     "cli_classifier": check_cli_classifier,
@@ -783,6 +805,8 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "curriculum_reload": check_curriculum_reload,
     "subset_split_samplers": check_subset_split_samplers,
     "skip_rest_timer_rich": check_skip_rest_timer_rich,
+    "uneven_last_batch": check_uneven_last_batch,
+    "uneven_drop_last": check_uneven_last_batch,
 }
 
 
