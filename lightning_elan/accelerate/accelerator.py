@@ -1051,7 +1051,7 @@ class ElasticAccelerator(Accelerator):
         self._announce_loop_end()
         if self._catching_up:
             return own
-        if self._pre_loop.recording and self.engine.is_member:
+        if self._pre_loop.before_loop and self.engine.is_member:
             return self._pre_loop_collective(collective)
         if self._outside_a_batch() or (self._after_the_loop() and not self._evaluations.evaluating):
             return self._collective_between_batches(collective)
@@ -1235,7 +1235,7 @@ class ElasticAccelerator(Accelerator):
         collective of the step (None: nothing saved; the redo calls ``save_state`` again where it called it)."""
         if self._sharding is None:
             return save()
-        if self._pre_loop.recording and self.engine.is_member:
+        if self._pre_loop.before_loop and self.engine.is_member:
             return self._pre_loop_collective(save)
         if self._outside_a_batch() or self._after_the_loop():
             return self._collective_between_batches(save)

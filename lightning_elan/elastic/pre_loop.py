@@ -1,14 +1,17 @@
-"""Collectives a front-end makes before its training loop (Lightning's barriers around ``prepare_data`` and ``setup``,
-``ModelCheckpoint``'s directory broadcast, the sanity check's reductions): a member's death in one is recovered from
-and the job goes on, as inside the loop.
+"""Collectives a front-end makes outside its training batches — before its training loop (Lightning's barriers around
+``prepare_data`` and ``setup``, ``ModelCheckpoint``'s directory broadcast, the sanity check's reductions) and, in the
+loop, from a batch's standing to the next batch's start (the ``on_train_batch_end`` hooks, the epoch's end: the
+``Timer``'s broadcast of its stop decision after every batch, ``ModelCheckpoint``'s save, ``EarlyStopping``'s
+reduction): a member's death in one is recovered from and the job goes on.
 
 Members can be one collective apart when a death hits: a broadcast's source (or a barrier's root) may complete it
 while a receiver learns of the death inside it, so the source is already in the next collective, or in the training
-loop. Every collective made before the loop is kept in order with the inputs it was given; after each recovery that
-comes before the job's first committed step, every survivor says how far it got (its *position*: the collective it is
-in, or how many it completed) and all go back to the earliest one: those ahead run again, with the same inputs, what
-the others have not completed. So every survivor runs the same sequence of collectives in the new generation, and the
-one that failed runs again. A survivor already in the loop replays before its interrupted batch is redone.
+loop. Every collective made there is kept in order with the inputs it was given; after each recovery while they are
+kept, every survivor says how far it got (its *position*: the collective it is in, or how many it completed) and all
+go back to the earliest one: those ahead run again, with the same inputs, what the others have not completed. So every
+survivor runs the same sequence of collectives in the new generation, and the one that failed runs again. A survivor
+already at the batch boundary, or in the next batch, replays before it goes on (its interrupted batch is redone).
+A training batch's own collectives are not kept: a death in them redoes the batch.
 
 Pure logic: the collectives, the recovery and the agreement on the earliest position are given as callables.
 """
@@ -25,7 +28,8 @@ __all__ = ["PreLoopCollectives"]
 
 
 class PreLoopCollectives:
-    """The collectives made before the training loop, replayed after a recovery that precedes the first committed step.
+    """The collectives made outside the training batches (before the loop; from a batch's standing to the next batch's
+    start), replayed after a recovery while they are kept.
 
     ``recover(error)`` returns once the job re-formed without a dead member (it re-raises ``error`` when no member
     died); ``earliest(position)`` publishes this member's position in the new generation and returns the earliest of
@@ -37,18 +41,19 @@ class PreLoopCollectives:
         self._recover = recover
         self._earliest = earliest
         self._calls: list[Callable[[], Any]] = []
-        self._recording = True  # until the training loop starts
-        self._open = True  # until the job's first committed step: a recovery may find survivors apart
+        self._recording = True  # before the training loop, and from a batch's standing until the next batch starts
+        self._open = True  # until a step is committed (and again once its batch stands): survivors may be apart
         self._joined = False  # the state was replicated into this process: it made no collective of the others'
+        self._in_loop = False
 
     @property
-    def recording(self) -> bool:
+    def before_loop(self) -> bool:
         """Whether the training loop has not started yet."""
-        return self._recording
+        return not self._in_loop
 
     def run(self, collective: Callable[[], Any]) -> Any:
-        """Run ``collective`` (a call that can run again with the same inputs); before the loop, recover from a
-        member's death and run it again in the new generation."""
+        """Run ``collective`` (a call that can run again with the same inputs); while collectives are kept, recover from
+        a member's death and run it again in the new generation."""
         if not self._recording:
             return collective()
         self._calls.append(collective)
@@ -56,7 +61,26 @@ class PreLoopCollectives:
 
     def loop_started(self) -> None:
         """The training loop began: its collectives are the loop's to redo (a failed batch runs again)."""
+        self._in_loop = True
         self._recording = False
+
+    def batch_stood(self) -> None:
+        """A training batch stands (its last step committed): the collectives until the next batch starts are kept
+        afresh, for survivors a death finds apart in them."""
+        self._calls.clear()
+        self._recording = self._open = True
+        self._joined = False
+
+    def batch_started(self) -> None:
+        """A training batch starts: its collectives are its own to redo; those kept since the last batch stood stay
+        until its step is committed (a survivor may still be behind in them)."""
+        if self._in_loop:
+            self._recording = False
+
+    def loop_ended(self) -> None:
+        """The training loop is over: nothing is kept any more."""
+        self._recording = self._open = False
+        self._calls.clear()
 
     def step_committed(self) -> None:
         """Every member committed a step: every survivor of a later death is past the collectives kept here."""
@@ -70,8 +94,8 @@ class PreLoopCollectives:
         self._calls.clear()
 
     def catch_up(self) -> None:
-        """After a recovery in the training loop, while no step was committed: run again, with the survivors behind,
-        the collectives they had not completed."""
+        """After a recovery in the training loop, while collectives are kept (no step committed yet, or since the last
+        batch stood): run again, with the survivors behind, the collectives they had not completed."""
         if not self._open:
             return
         if self._joined:

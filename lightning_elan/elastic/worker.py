@@ -212,6 +212,7 @@ class ElasticWorker:
         self._link: AMLink | None = None
         self._outgoing: OutgoingReplication | None = None
         self._pending_report: AdjustmentReport | None = None
+        self._recovered_at: int | None = None  # the step a recovery since the last batch was taken ended at
         self._deferred = False
         self._keys_to_delete: str | None = None
         self._timeline = StepTimeline()
@@ -476,6 +477,7 @@ class ElasticWorker:
         self._group().abort()
         log.warning("worker %s recovers from the failure of generation %d at step %d", self.worker_id, failed,
                     committed_step)
+        self._recovered_at = committed_step
         launch = self.in_launch_generation
         plan, sent = self._enter_recovery(failed, committed_step)
         while True:
@@ -773,6 +775,7 @@ class ElasticWorker:
         accumulated passes False, so a failure before the step's commit rewinds to the step's first micro-batch.
         """
         self._leave_in_vote = None
+        self._recovered_at = None
         if self._vote is not None and (opens_step or self._uncommitted is None):
             self._uncommitted = self.data.state_dict()
         self._epoch_end = epoch_end
@@ -785,11 +788,14 @@ class ElasticWorker:
 
     # ------------------------------------------------------------------ batch boundaries
 
-    def at_batch_boundary(self, step: int) -> None:
+    def at_batch_boundary(self, step: int, after_recovery: Callable[[], None] = lambda: None) -> None:
         """After the last hook of a trained batch (``step`` optimizer steps done): report, coordinate, adjust.
 
         A member's death noticed here (in a transfer, the agreement or the adjustment) leaves the step committed:
-        the survivors recover from it.
+        the survivors recover from it, and ``after_recovery`` runs (the front-end replays the collectives it made
+        since the batch stood with survivors behind). A boundary whose step a recovery already ended (the death was
+        met in the batch's hooks, by this member or another) does not coordinate: survivors that met it here did not,
+        so none does, and the next boundary coordinates.
         """
         self._boundary_started = time.perf_counter()
         try:
@@ -803,13 +809,16 @@ class ElasticWorker:
             self._prepare_send_at_first_step()
             if self.peer_failed:
                 raise PeerFailure(self.generation or 0)
-            if self._link is not None:
+            if self._recovered_at == step:
+                self._deferred = True
+            elif self._link is not None:
                 self._coordinate_if_due(step)
         except Exception as error:
             if self.has_left or isinstance(error, NotAMember):
                 raise  # the front-end's way out of its loop for a leaver
             self._confirm_peer_failure(error)
             self.recover(step)
+            after_recovery()
 
     def _record_aggregates(self, step: int, before_vote: bool = False) -> None:
         """Every member where its ``step`` stands (entering a generation, at a batch boundary) and before the vote on

@@ -113,7 +113,7 @@ class ElanStrategy(DDPStrategy):
         self._loader_rng = LoaderRNG()  # the random state the data-loader hooks were called with
         self._ddp: ElasticDistributedDataParallel | None = None
         self._group_view: torch.distributed.ProcessGroup | None = None
-        self._pre_loop = PreLoopCollectives(self._recover_before_the_loop, self.engine.earliest_position)
+        self._pre_loop = PreLoopCollectives(self._recover_in_a_kept_collective, self.engine.earliest_position)
         self._sync_environment()
 
     # ------------------------------------------------------------------ registration and environment
@@ -440,8 +440,8 @@ class ElanStrategy(DDPStrategy):
         if loader is not None:
             compat.refresh_epoch_length(trainer)  # the global batch may have changed: the epoch has a new length
         self._reshard_evaluation(trainer)
-        compat.move_progress_bar(trainer, loop_started=not self._pre_loop.recording)
-        compat.move_throughput_monitors(trainer, loop_started=not self._pre_loop.recording)
+        compat.move_progress_bar(trainer, loop_started=not self._pre_loop.before_loop)
+        compat.move_throughput_monitors(trainer, loop_started=not self._pre_loop.before_loop)
         compat.move_profiler(trainer)
 
     @override
@@ -602,6 +602,7 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._pre_loop.batch_started()
         if self._collectives_local:
             # a joiner's start-up is over; its validation loaders were set up without the group: set them up again
             # at the next validation, together with the stayers who reset theirs at the adjustment
@@ -643,7 +644,7 @@ class ElanStrategy(DDPStrategy):
         noticed by the window's next collective, which rewinds the whole window (``compat.redo_interrupted_batches``);
         a boundary there would recover without the loop going back."""
         if not compat.accumulating(trainer):
-            self.engine.at_batch_boundary(trainer.global_step)
+            self.engine.at_batch_boundary(trainer.global_step, after_recovery=self._pre_loop.catch_up)
 
     # ------------------------------------------------------------------ worker failures
 
@@ -677,6 +678,8 @@ class ElanStrategy(DDPStrategy):
             self._before_the_vote(torch_optimizer)
             self.engine.commit_step(self.lightning_module.trainer.global_step, closes_batch=not held_open)
             self._pre_loop.step_committed()
+            if not held_open:
+                self._pre_loop.batch_stood()
 
         def counted_closure() -> Any:
             nonlocal evaluations, unvoted
@@ -704,6 +707,7 @@ class ElanStrategy(DDPStrategy):
             if held_open:
                 self._applied_steps.batch_stands()
                 self.engine.batch_trained(self.lightning_module.trainer.global_step + 1)
+                self._pre_loop.batch_stood()
         return output
 
     def _before_the_vote(self, optimizer: torch.optim.Optimizer) -> None:
@@ -717,6 +721,7 @@ class ElanStrategy(DDPStrategy):
         if not self.lightning_module.automatic_optimization:
             self._applied_steps.batch_stands()
             self.engine.batch_trained(self.lightning_module.trainer.global_step)
+            self._pre_loop.batch_stood()
         return output
 
     def recover_from(self, error: BaseException, rollback: Callable[[], None] | None) -> bool:
@@ -734,11 +739,12 @@ class ElanStrategy(DDPStrategy):
         self._pre_loop.catch_up()
         return discarded
 
-    def _recover_before_the_loop(self, error: BaseException) -> None:
-        """A collective before the training loop raised: recover if a member died (see ``elastic/pre_loop.py``)."""
+    def _recover_in_a_kept_collective(self, error: BaseException) -> None:
+        """A collective before the training loop or between two batches raised: recover if a member died (see
+        ``elastic/pre_loop.py``)."""
         self.engine.confirm_peer_failure(error)
-        log.warning("worker %s: a member died before the training loop; its collective runs again without it",
-                    self.engine.worker_id)
+        where = "before the training loop" if self._pre_loop.before_loop else "between two training batches"
+        log.warning("worker %s: a member died %s; its collective runs again without it", self.engine.worker_id, where)
         self.engine.recover(self.lightning_module.trainer.global_step)
 
     def _recover_evaluation(self, error: BaseException) -> None:
@@ -797,13 +803,17 @@ class ElanStrategy(DDPStrategy):
         return self._collectives_local or self.engine.has_left
 
     def _collective(self, collective: Callable[[], Any], again_after_a_death: bool = False) -> Any:
-        """A collective of the strategy: one before the training loop is recovered inside itself (``_pre_loop``); one
-        of ``trainer.validate/test/predict`` outside ``fit`` is not kept there: a death in its pass runs the whole pass
-        again among the survivors (``compat.redo_evaluations_cut_by_a_death``), and one around the pass that can run
-        again with the same inputs (``again_after_a_death``: Lightning's barriers before the setup hooks, its
-        ``log_dir`` broadcast) runs again in the survivors' generation."""
+        """A collective of the strategy: one before the training loop or between two training batches is recovered
+        inside itself (``_pre_loop``), one of a validation run in the loop by running the validation again
+        (``compat.redo_validation_cut_by_a_death``); one of ``trainer.validate/test/predict`` outside ``fit`` is not
+        kept either: a death in its pass runs the whole pass again among the survivors
+        (``compat.redo_evaluations_cut_by_a_death``), and one around the pass that can run again with the same inputs
+        (``again_after_a_death``: Lightning's barriers before the setup hooks, its ``log_dir`` broadcast) runs again
+        in the survivors' generation."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn not in _EVALUATION_CALLS:
+            if trainer is not None and trainer.validating and not self._pre_loop.before_loop:
+                return collective()
             return self._pre_loop.run(collective)
         if again_after_a_death and self._recovering_evaluation(trainer) and not compat.evaluation_pass_running(trainer):
             return self._again_after_a_death(collective)
@@ -894,6 +904,7 @@ class ElanStrategy(DDPStrategy):
     def training_loop_ended(self) -> None:
         """The fit loop ran to its end (``on_train_end``: not reached when it raised)."""
         self._training_loop_ended = True
+        self._pre_loop.loop_ended()
 
     @override
     def teardown(self) -> None:

@@ -132,3 +132,78 @@ def test_an_error_that_is_not_a_death_reaches_the_user() -> None:
     with pytest.raises(ValueError, match="pickled"):
         member.collectives.run(broken)
     assert member.published == []
+
+
+# ---------------------------------------------------------------------- between two training batches
+
+
+def test_once_a_batch_stands_its_end_hooks_collectives_are_recovered_inside_themselves() -> None:
+    """The ``Timer``'s broadcast in ``on_train_batch_end``: a member's death in it is recovered from there, and the
+    broadcast runs again in the new generation (the hook is not run again)."""
+    member = _Member()
+    member.collectives.loop_started()
+    member.collectives.step_committed()
+    member.collectives.batch_stood()
+
+    assert member.collectives.run(member.collective("timer_broadcast", fails=1, result=False)) is False
+    assert member.ran == ["timer_broadcast", "timer_broadcast"]
+    assert (member.recoveries, member.published) == (1, [0])
+
+
+def test_a_survivor_already_at_the_boundary_replays_the_end_hooks_collectives_with_one_behind() -> None:
+    """A broadcast's receiver completed the ``Timer``'s broadcast and the ``ModelCheckpoint``'s save barrier, and met
+    the death at the batch boundary; the source met it in the broadcast (position 0): the receiver runs both again."""
+    member = _Member(earliest_positions=[0])
+    member.collectives.loop_started()
+    member.collectives.batch_stood()
+    member.collectives.run(member.collective("timer_broadcast"))
+    member.collectives.run(member.collective("checkpoint_barrier"))
+
+    member.collectives.catch_up()
+    assert member.ran == ["timer_broadcast", "checkpoint_barrier", "timer_broadcast", "checkpoint_barrier"]
+    assert member.published == [2]
+
+
+def test_a_survivor_in_the_next_batch_keeps_the_last_batch_end_collectives_until_its_step_commits() -> None:
+    member = _Member(earliest_positions=[0])
+    member.collectives.loop_started()
+    member.collectives.batch_stood()
+    member.collectives.run(member.collective("timer_broadcast"))
+    member.collectives.batch_started()
+
+    with pytest.raises(_Death):  # the batch's own collective (a sync_dist reduction): the batch is redone
+        member.collectives.run(member.collective("training_step_reduce", fails=1))
+    member.collectives.catch_up()
+    assert member.ran == ["timer_broadcast", "training_step_reduce", "timer_broadcast"]
+    assert member.published == [1]
+
+    member.collectives.step_committed()
+    member.collectives.catch_up()
+    assert member.published == [1]
+
+
+def test_a_joiner_of_the_last_boundary_has_no_end_hooks_collectives_until_a_batch_stands() -> None:
+    member = _Member()
+    member.collectives.loop_started()
+    member.collectives.joined()
+
+    member.collectives.catch_up()
+    assert member.published == [None]
+    member.collectives.batch_stood()
+    member.collectives.run(member.collective("timer_broadcast"))
+    member.collectives.catch_up()
+    assert member.published == [None, 1]
+
+
+def test_after_the_training_loop_nothing_is_kept() -> None:
+    member = _Member()
+    member.collectives.loop_started()
+    member.collectives.batch_stood()
+    member.collectives.run(member.collective("epoch_end_reduce"))
+    member.collectives.loop_ended()
+
+    member.collectives.catch_up()
+    assert member.published == []
+    with pytest.raises(_Death):
+        member.collectives.run(member.collective("on_train_end_barrier", fails=1))
+    assert member.collectives.before_loop is False

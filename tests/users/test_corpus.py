@@ -306,6 +306,24 @@ def test_a_death_as_a_skipped_batch_starts_ends_its_epoch_as_the_static_run(runs
     check_skip_rest_timer_rich(run, static)
 
 
+def test_a_death_as_the_batch_end_hooks_begin_is_met_apart_and_recovered(runs: Callable[[str, bool], Run],
+                                                                         tmp_path: Path) -> None:
+    """``skip_rest_timer_rich.py`` grows to 3 workers at step 3, and its rank 1 dies as the ``on_train_batch_end``
+    hooks of step 5 begin: rank 0 meets the death in the broadcast of the ``Timer``'s stop decision (it is the
+    source: its send to the dead rank fails), while rank 2 receives the decision, goes on and meets the death at the
+    batch boundary. The two survivors are one collective apart; the one ahead runs the broadcast again with the one
+    behind, and the job ends where the static run ends (it hung: the one behind ran the broadcast again alone)."""
+    static = runs("skip_rest_timer_rich", False)
+    run = run_job(tmp_path, Job("apart_in_batch_end_hooks", CORPUS["skip_rest_timer_rich"].command,
+                                schedule="3:add=1", kill="5:hooks"))
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("add", 3), ("failure", 2)]
+    assert_members_agree(run)
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    check_skip_rest_timer_rich(run, static)
+
+
 def test_a_member_killed_before_the_training_loop_changes_nothing(runs: Callable[[str, bool], Run],
                                                                    tmp_path: Path) -> None:
     """The DataModule script loses its rank 1 in the callbacks' ``setup`` (after its ``prepare_data`` wrote the

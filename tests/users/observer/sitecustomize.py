@@ -54,6 +54,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 TRAINER_MODULES = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer")
@@ -180,9 +181,9 @@ def _hold_for_joiners(step: int) -> None:
             time.sleep(0.5)
 
 
-def _kill_if_due(step: int, rank: int, phase: str) -> None:
+def _kill_if_due(step: int, rank: int, phase: str, before: Callable[[], None] = lambda: None) -> None:
     """SIGKILL this process if ``$USERS_KILL`` names this batch's step and ``phase``, and it is rank 1 (or the rank
-    ``$USERS_KILL_RANK`` names)."""
+    ``$USERS_KILL_RANK`` names); ``before`` runs first."""
     plan = os.environ.get("USERS_KILL")
     if not plan or rank != int(os.environ.get("USERS_KILL_RANK", "1")) or "ELAN_WORKER_ID" not in os.environ:
         return
@@ -199,6 +200,7 @@ def _kill_if_due(step: int, rank: int, phase: str) -> None:
     with log:
         log.write(json.dumps({"worker": os.environ["ELAN_WORKER_ID"], "pid": os.getpid(), "step": step,
                               "phase": phase}) + "\n")
+    before()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -267,10 +269,7 @@ def _observer_class(callback_base: type) -> type:
                               for g in o.param_groups], "schedulers": schedulers})
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            samples = _sample_ids(batch) if _sample_weight(trainer) > 0 else []
-            _write({"event": "trained", "epoch": _recorded(trainer.current_epoch),
-                    "step": _recorded(trainer.global_step), "batch_idx": batch_idx, "rank": trainer.global_rank,
-                    "world": trainer.world_size, "samples": samples})
+            _write_trained(trainer, batch, batch_idx)
             _kill_if_due(self.batch_step, trainer.global_rank, "end")
 
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
@@ -308,16 +307,42 @@ def _observer_class(callback_base: type) -> type:
     return CorpusObserver
 
 
+def _write_trained(trainer: Any, batch: Any, batch_idx: int) -> None:
+    """The ``trained`` record of a batch whose step stands: its samples (none for a stand-in share)."""
+    samples = _sample_ids(batch) if _sample_weight(trainer) > 0 else []
+    _write({"event": "trained", "epoch": _recorded(trainer.current_epoch), "step": _recorded(trainer.global_step),
+            "batch_idx": batch_idx, "rank": trainer.global_rank, "world": trainer.world_size, "samples": samples})
+
+
+def _first_hook_class(callback_base: type) -> type:
+    class FirstBatchEndHook(callback_base):  # type: ignore[misc, valid-type]
+        """The first of the trainer's callbacks: phase ``hooks`` kills as the batch's ``on_train_batch_end`` hooks
+        begin, before any user callback's (the others meet the death in a collective of those hooks); the victim's
+        ``trained`` record (its step stands) is written first."""
+
+        batch_step = -1
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.batch_step = trainer.global_step
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            _kill_if_due(self.batch_step, trainer.global_rank, "hooks",
+                         before=lambda: _write_trained(trainer, batch, batch_idx))
+
+    return FirstBatchEndHook
+
+
 def _instrument(module: Any) -> None:
     package = module.__name__.split(".trainer.")[0]
     callback_base = importlib.import_module(f"{package}.callbacks").Callback
     trainer_class = module.Trainer
-    observer = _observer_class(callback_base)
+    observer, first_hook = _observer_class(callback_base), _first_hook_class(callback_base)
     original = trainer_class.__init__
 
     @functools.wraps(original)  # LightningCLI reads the Trainer's arguments from this signature
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
+        self.callbacks.insert(0, first_hook())
         self.callbacks.append(observer())
 
     trainer_class.__init__ = __init__
