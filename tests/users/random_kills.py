@@ -435,17 +435,18 @@ def assert_samples(run: Run, static: Run, script: str, victims: set[str]) -> Non
 def unrecorded_shares(run: Run, static: Run, victims: set[str]) -> dict[int, Counter]:
     """The samples of victims killed after their last step stood (every member voted to commit it, so the survivors
     applied the update that holds their gradients) and before they wrote its ``trained`` record: the static run's
-    samples of that batch less those recorded by the processes of the same world at the step after it. A batch redone
-    after the death is recorded by the survivors in their new world: nothing is added for it."""
+    samples of that batch less those recorded at the step after it. A victim that recorded its share, or a batch
+    redone after the death (recorded whole by the survivors in their new world), adds nothing. The survivors' records
+    may name the new world and its ranks: a recovery in the batch's ``on_train_batch_end`` hooks, before the
+    observer's, comes before they record the batch trained in the old one."""
     batches: dict[tuple[int, int], list[dict]] = {}  # each batch once: two victims may have stopped in the same one
     for victim in victims:
         starts = [record for record in run.events("start") if record.get("worker") == victim]
         if not starts:
             continue
         last = max(starts, key=lambda record: record["at"])
-        after = [record for record in run.events("trained")
-                 if record["step"] == last["step"] + 1 and record["world"] == last["world"]]
-        if after and last["rank"] not in {record["rank"] for record in after}:  # else it recorded its share
+        after = [record for record in run.events("trained") if record["step"] == last["step"] + 1]
+        if after:
             batches[(after[0]["epoch"], after[0]["batch_idx"])] = after
     shares: dict[int, Counter] = {}
     for (epoch, batch), after in batches.items():
