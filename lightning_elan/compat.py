@@ -697,6 +697,15 @@ def redo_evaluations_cut_by_a_death(trainer: pl.Trainer, recover: Callable[[Base
             _redo_evaluation_pass(trainer, loop, logs, recover, pass_done)
 
 
+def ends_a_checkpoint_save(*args: Any, **kwargs: Any) -> bool:
+    """Whether a strategy ``barrier(*args, **kwargs)`` is the one ``Trainer.save_checkpoint`` ends with
+    (``self.strategy.barrier("Trainer.save_checkpoint")``, lightning/pytorch/trainer/trainer.py): rank 0 may have died
+    before it wrote the file, so a death there runs the hook that saved again (:func:`redo_end_hooks_cut_by_a_death`)
+    rather than only the barrier."""
+    name = args[0] if args else kwargs.get("name")
+    return name == "Trainer.save_checkpoint"
+
+
 def inside_a_call(trainer: pl.Trainer) -> bool:
     """Whether ``trainer`` runs ``fit``/``validate``/``test``/``predict`` now (``TrainerState.status``: ``RUNNING``
     from the call's start to its end, ``FINISHED`` after it)."""

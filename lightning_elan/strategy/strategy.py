@@ -802,17 +802,18 @@ class ElanStrategy(DDPStrategy):
         """Collectives stay in this process: a joiner starting up, or a worker that left the job."""
         return self._collectives_local or self.engine.has_left
 
-    def _collective(self, collective: Callable[[], Any], again_after_a_death: bool = False) -> Any:
+    def _collective(self, collective: Callable[[], Any], again_after_a_death: bool = False, kept: bool = True) -> Any:
         """A collective of the strategy: one before the training loop or between two training batches is recovered
         inside itself (``_pre_loop``), one of a validation run in the loop by running the validation again
         (``compat.redo_validation_cut_by_a_death``); one of ``trainer.validate/test/predict`` outside ``fit`` is not
         kept either: a death in its pass runs the whole pass again among the survivors
         (``compat.redo_evaluations_cut_by_a_death``), and one around the pass that can run again with the same inputs
         (``again_after_a_death``: Lightning's barriers before the setup hooks, its ``log_dir`` broadcast) runs again
-        in the survivors' generation."""
+        in the survivors' generation. ``kept=False``: in the loop, a death in it runs the hook that made it again
+        (``Trainer.save_checkpoint``'s barrier: the file may not be written)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn not in _EVALUATION_CALLS:
-            if trainer is not None and trainer.validating and not self._pre_loop.before_loop:
+            if not self._pre_loop.before_loop and (not kept or (trainer is not None and trainer.validating)):
                 return collective()
             return self._pre_loop.run(collective)
         if again_after_a_death and self._recovering_evaluation(trainer) and not compat.evaluation_pass_running(trainer):
@@ -832,7 +833,8 @@ class ElanStrategy(DDPStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not self._alone():
             barrier = super().barrier
-            self._collective(lambda: barrier(*args, **kwargs), again_after_a_death=True)
+            kept = not compat.ends_a_checkpoint_save(*args, **kwargs)
+            self._collective(lambda: barrier(*args, **kwargs), again_after_a_death=True, kept=kept)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
