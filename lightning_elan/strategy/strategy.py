@@ -810,7 +810,7 @@ class ElanStrategy(DDPStrategy):
         (``compat.redo_evaluations_cut_by_a_death``), and one around the pass that can run again with the same inputs
         (``again_after_a_death``: Lightning's barriers before the setup hooks, its ``log_dir`` broadcast) runs again
         in the survivors' generation. ``kept=False``: in the loop, a death in it runs the hook that made it again
-        (``Trainer.save_checkpoint``'s barrier: the file may not be written)."""
+        (``Trainer.save_checkpoint``'s barrier: the file may not be written; a reduction of the epoch's aggregates)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn not in _EVALUATION_CALLS:
             if not self._pre_loop.before_loop and (not kept or (trainer is not None and trainer.validating)):
@@ -845,11 +845,13 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Lightning's reduction works in place: a reduction run again (see :meth:`barrier`) starts from the input."""
+        """Lightning's reduction works in place: a reduction run again (see :meth:`barrier`) starts from the input.
+        Between two training batches a death in one runs its hook again instead (not kept): the epoch's ``sync_dist``
+        aggregates are reduced from the values of the moment, which the heir of the dead member's part changes."""
         if self._alone():
             return tensor
         reduce, given = super().reduce, _copied(tensor)
-        return self._collective(lambda: reduce(_copied(given), group, reduce_op))
+        return self._collective(lambda: reduce(_copied(given), group, reduce_op), kept=False)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
