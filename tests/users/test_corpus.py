@@ -309,10 +309,12 @@ def test_a_death_as_a_skipped_batch_starts_ends_its_epoch_as_the_static_run(runs
 def test_a_death_as_the_batch_end_hooks_begin_is_met_apart_and_recovered(runs: Callable[[str, bool], Run],
                                                                          tmp_path: Path) -> None:
     """``skip_rest_timer_rich.py`` grows to 3 workers at step 3, and its rank 1 dies as the ``on_train_batch_end``
-    hooks of step 5 begin: rank 0 meets the death in the broadcast of the ``Timer``'s stop decision (it is the
-    source: its send to the dead rank fails), while rank 2 receives the decision, goes on and meets the death at the
-    batch boundary. The two survivors are one collective apart; the one ahead runs the broadcast again with the one
-    behind, and the job ends where the static run ends (it hung: the one behind ran the broadcast again alone)."""
+    hooks of step 5 begin: the survivors meet the death in the broadcast of the ``Timer``'s stop decision, recover
+    inside it (the broadcast runs again in the new generation, the hook goes on), and the job ends where the static
+    run ends. (A receiver may complete the broadcast while its source fails, and meet the death at the batch boundary:
+    then it runs the broadcast again with the source, ``elastic/pre_loop.py``; before, the source ran the hook again
+    alone while the receiver trained the next batch, and the job hung: random kills, seed 601. That timing is not
+    chosen here; ``tests/unit/test_pre_loop.py`` covers the replay.)"""
     static = runs("skip_rest_timer_rich", False)
     run = run_job(tmp_path, Job("apart_in_batch_end_hooks", CORPUS["skip_rest_timer_rich"].command,
                                 schedule="3:add=1", kill="5:hooks"))
