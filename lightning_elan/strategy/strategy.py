@@ -705,9 +705,7 @@ class ElanStrategy(DDPStrategy):
         if not manual:
             self._reevaluations.seen(torch_optimizer, evaluations)
             if held_open:
-                self._applied_steps.batch_stands()
-                self.engine.batch_trained(self.lightning_module.trainer.global_step + 1)
-                self._pre_loop.batch_stood()
+                self._batch_stands(self.lightning_module.trainer.global_step + 1)
         return output
 
     def _before_the_vote(self, optimizer: torch.optim.Optimizer) -> None:
@@ -719,10 +717,15 @@ class ElanStrategy(DDPStrategy):
         batch stands (a death from here on is recovered from without a redo)."""
         output = super().training_step(*args, **kwargs)
         if not self.lightning_module.automatic_optimization:
-            self._applied_steps.batch_stands()
-            self.engine.batch_trained(self.lightning_module.trainer.global_step)
-            self._pre_loop.batch_stood()
+            self._batch_stands(self.lightning_module.trainer.global_step)
         return output
+
+    def _batch_stands(self, step: int) -> None:
+        """A batch held open over several optimizer steps (manual optimization, an optimizer that evaluates the
+        closure again) is over with ``step`` steps applied: a death from here on is recovered from without a redo."""
+        self._applied_steps.batch_stands()
+        self.engine.batch_trained(step)
+        self._pre_loop.batch_stood()
 
     def recover_from(self, error: BaseException, rollback: Callable[[], None] | None) -> bool:
         """An error escaped a training batch (``rollback`` given) or its validation (None): if a member died, roll
