@@ -485,6 +485,22 @@ def redo_end_hooks_cut_by_a_death(
         _retry_after_recovery(trainer._logger_connector, name, recover, when=lambda: trainer.training)
 
 
+def redo_start_hooks_cut_by_a_death(
+    trainer: pl.Trainer, recover: Callable[[BaseException, Callable[[], None] | None], bool]
+) -> None:
+    """A member's death inside an ``on_train_start`` or ``on_train_epoch_start`` hook, in a collective the strategy
+    does not recover inside itself (a reduction: the statistics of the data, summed over the processes' shares, must
+    be summed again over the survivors' new shares; ``torch.distributed`` called directly): the job recovers and that
+    hook runs again in the new generation (the survivors' ranks and world size), the hooks after it as usual.
+
+    ``_FitLoop.on_run_start`` calls ``call._call_callback_hooks(trainer, "on_train_start")`` and then the
+    LightningModule's hook; ``_FitLoop.on_advance_start`` does the same with ``on_train_epoch_start`` (each looked up
+    with ``getattr`` at call time, so an instance attribute replaces the method for this trainer's objects only)."""
+    for owner in [*trainer.callbacks, trainer.lightning_module]:
+        _retry_after_recovery(owner, "on_train_start", recover)
+        _retry_after_recovery(owner, "on_train_epoch_start", recover)
+
+
 def _retry_after_recovery(owner: Any, name: str, recover: Callable[[BaseException, Callable[[], None] | None], bool],
                           when: Callable[[], bool] = lambda: True) -> None:
     hook = getattr(owner, name)

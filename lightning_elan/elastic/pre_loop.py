@@ -1,9 +1,10 @@
-"""Collectives a front-end makes outside its training batches — before its training loop (Lightning's barriers around
-``prepare_data`` and ``setup``, ``ModelCheckpoint``'s directory broadcast, the sanity check's reductions) and, in the
-loop, from a batch's standing to the next batch's start (the ``on_train_batch_end`` hooks, the epoch's end: the
-``Timer``'s broadcast of its stop decision after every batch, ``ModelCheckpoint``'s broadcasts; a front-end keeps out
-what must run its hook again instead, as Lightning's reductions and its checkpoint save's barrier): a member's death in
-one is recovered from and the job goes on.
+"""Collectives a front-end makes outside its training batches — until its first training batch (Lightning's barriers
+around ``prepare_data`` and ``setup``, ``ModelCheckpoint``'s directory broadcast, the sanity check's reductions, the
+``on_train_start`` and first ``on_train_epoch_start`` hooks) and, in the loop, from a batch's standing to the next
+batch's start (the ``on_train_batch_end`` hooks, the epoch's end and the next one's start: the ``Timer``'s broadcast
+of its stop decision after every batch, ``ModelCheckpoint``'s broadcasts; a front-end keeps out what must run its hook
+again instead, as Lightning's reductions and its checkpoint save's barrier): a member's death in one is recovered from
+and the job goes on.
 
 Members can be one collective apart when a death hits: a broadcast's source (or a barrier's root) may complete it
 while a receiver learns of the death inside it, so the source is already in the next collective, or in the training
@@ -42,7 +43,7 @@ class PreLoopCollectives:
         self._recover = recover
         self._earliest = earliest
         self._calls: list[Callable[[], Any]] = []
-        self._recording = True  # before the training loop, and from a batch's standing until the next batch starts
+        self._recording = True  # until the first batch starts, and from a batch's standing until the next one starts
         self._open = True  # until a step is committed (and again once its batch stands): survivors may be apart
         self._joined = False  # the state was replicated into this process: it made no collective of the others'
         self._in_loop = False
@@ -61,9 +62,9 @@ class PreLoopCollectives:
         return self._run_from(len(self._calls) - 1)
 
     def loop_started(self) -> None:
-        """The training loop began: its collectives are the loop's to redo (a failed batch runs again)."""
+        """The training loop began: the collectives until its first batch starts (the loop's and the first epoch's
+        start hooks) are kept with those before it; from then on a batch's collectives are its own to redo."""
         self._in_loop = True
-        self._recording = False
 
     def batch_stood(self) -> None:
         """A training batch stands (its last step committed): the collectives until the next batch starts are kept

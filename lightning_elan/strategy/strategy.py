@@ -746,7 +746,7 @@ class ElanStrategy(DDPStrategy):
         """A collective before the training loop or between two batches raised: recover if a member died (see
         ``elastic/pre_loop.py``)."""
         self.engine.confirm_peer_failure(error)
-        where = "before the training loop" if self._pre_loop.before_loop else "between two training batches"
+        where = "before the training loop" if self._pre_loop.before_loop else "outside a training batch"
         log.warning("worker %s: a member died %s; its collective runs again without it", self.engine.worker_id, where)
         self.engine.recover(self.lightning_module.trainer.global_step)
 
@@ -940,6 +940,7 @@ class _ElanCoordinator(Callback):
         compat.redo_interrupted_batches(trainer, self._strategy.recover_from)
         engine = self._strategy.engine
         engine.follow_logged_rows(compat.keep_logged_rows(trainer, engine.rows_closed))
+        compat.redo_start_hooks_cut_by_a_death(trainer, self._strategy.recover_from)
         compat.redo_end_hooks_cut_by_a_death(trainer, self._strategy.recover_from)
         compat.redo_validation_cut_by_a_death(trainer, self._strategy.recover_from)
         self._strategy.fit_started()

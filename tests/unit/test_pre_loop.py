@@ -96,6 +96,7 @@ def test_after_the_first_committed_step_nothing_is_kept_or_agreed() -> None:
     member = _Member()
     member.collectives.run(member.collective("pre_setup"))
     member.collectives.loop_started()
+    member.collectives.batch_started()
     member.collectives.step_committed()
 
     member.collectives.catch_up()
@@ -104,9 +105,26 @@ def test_after_the_first_committed_step_nothing_is_kept_or_agreed() -> None:
         member.collectives.run(member.collective("validation_reduce", fails=1))
 
 
-def test_in_the_loop_a_collective_is_not_retried_here() -> None:
+def test_the_loops_start_hooks_are_kept_until_the_first_batch_starts() -> None:
+    """``on_train_start`` and the first epoch's ``on_train_epoch_start`` come after the loop started: a death in their
+    collectives is recovered inside them, and a survivor ahead replays them once its first batch met the death."""
+    member = _Member(earliest_positions=[1, 1])
+    member.collectives.run(member.collective("post_setup"))
+    member.collectives.loop_started()
+    member.collectives.run(member.collective("epoch_seed", fails=1))
+    assert member.ran == ["post_setup", "epoch_seed", "epoch_seed"]
+    assert member.recoveries == 1
+
+    member.collectives.batch_started()
+    member.collectives.catch_up()
+    assert member.ran == ["post_setup", "epoch_seed", "epoch_seed", "epoch_seed"]
+    assert member.published == [1, 2]
+
+
+def test_in_a_batch_a_collective_is_not_retried_here() -> None:
     member = _Member()
     member.collectives.loop_started()
+    member.collectives.batch_started()
 
     with pytest.raises(_Death):
         member.collectives.run(member.collective("sync_dist", fails=1))

@@ -21,6 +21,7 @@ from tests.users.corpus import (
     FIT_OFFSET,
     KILL_STEP,
     SCHEDULE,
+    SCRIPTS,
     TOLERANCE,
     Job,
     KnownBug,
@@ -147,6 +148,8 @@ CORPUS: dict[str, Script] = {
     "uneven_last_batch": Script(("{scripts}/uneven_last_batch.py", "{out}"), True, epochs(3, 101), tuple(range(27))),
     "uneven_drop_last": Script(("{scripts}/uneven_last_batch.py", "{out}", "--drop-last"), True, epochs(3, 96),
                                tuple(range(24))),
+    "epoch_start_collectives": Script(("{scripts}/epoch_start_collectives.py", "{out}"), True, epochs(3, 96),
+                                      tuple(range(24))),
     # the batch whose hook returns -1 starts (the observer sees its start: step 17 in epoch 2) but is not trained
     "skip_rest_timer_rich": Script(("{scripts}/skip_rest_timer_rich.py", "{out}"), True, SKIPPED_SAMPLES,
                                    tuple(range(sum(SKIPPED_SAMPLES.values()) // 12 + 1))),
@@ -324,6 +327,25 @@ def test_a_death_as_the_batch_end_hooks_begin_is_met_apart_and_recovered(runs: C
     assert_same_samples(run, static)
     assert_states_close(run.final_state(), static.final_state())
     check_skip_rest_timer_rich(run, static)
+
+
+@pytest.mark.parametrize("kill", ["0:train_start", "0:epoch_start", "8:epoch_start"])
+def test_a_death_where_the_training_or_an_epoch_begins_is_recovered(runs: Callable[[str, bool], Run], tmp_path: Path,
+                                                                    kill: str) -> None:
+    """``epoch_start_collectives.py`` loses its rank 1 as the LightningModule's ``on_train_start`` begins (the
+    survivor meets the death in the reduction of the data statistics, and the hook runs again over the survivor's
+    share: the whole set), or as the first or second epoch's ``on_train_epoch_start`` hooks begin (the survivor meets
+    it in the broadcast of the epoch's seed): the job goes on alone and ends where the static run ends."""
+    static = runs("epoch_start_collectives", False)
+    run = run_job(tmp_path, Job(f"begin_kill_{kill.replace(':', '_')}", CORPUS["epoch_start_collectives"].command,
+                                kill=kill))
+    assert_ok(run)
+    assert [kill["phase"] for kill in run.kills()] == [kill.partition(":")[2]]
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 1)]
+    assert_members_agree(run)
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    check_epoch_start_collectives(run, static)
 
 
 def test_a_member_killed_before_the_training_loop_changes_nothing(runs: Callable[[str, bool], Run],
@@ -797,7 +819,35 @@ def check_uneven_last_batch(run: Run, static: Run | None) -> None:
                             [row for row in static_rows if row.get("step") not in short], "train_loss", exact=True)
 
 
+def check_epoch_start_collectives(run: Run, static: Run | None) -> None:
+    """Every epoch's seed is rank 0's draw; the statistics are those of the whole training set (the reduction of
+    the processes' shares); with the static run: the same statistics and every step's loss."""
+    result = json.loads((run.out / "seeds.json").read_text())
+    assert result["drawn"] == {str(epoch): random.Random(1000 + epoch).randrange(1 << 30) for epoch in range(3)}
+    _, rows = read_csv(run.out / "logs" / "seeded" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(24))
+    if static is None:
+        y = epoch_start_targets()
+        assert (result["mean"], result["std"]) == pytest.approx((y.mean().item(), y.std(unbiased=False).item()),
+                                                                rel=1e-12), result
+    else:
+        static_result = json.loads((static.out / "seeds.json").read_text())
+        assert (result["mean"], result["std"]) == (static_result["mean"], static_result["std"])
+        _, static_rows = read_csv(static.out / "logs" / "seeded" / "version_0" / "metrics.csv")
+        assert_logged_alike(rows, static_rows, "train_loss", exact=True)
+
+
+def epoch_start_targets() -> torch.Tensor:
+    """The training targets of ``epoch_start_collectives.py``, made as its dataset makes them."""
+    spec = importlib.util.spec_from_file_location("epoch_start_collectives", SCRIPTS / "epoch_start_collectives.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.Grid(96, 2).y
+
+
 OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
+    "epoch_start_collectives": check_epoch_start_collectives,
     "datamodule_callbacks": check_datamodule_callbacks,
     "cli_classifier": check_cli_classifier,
     "gan_manual": check_gan_manual,

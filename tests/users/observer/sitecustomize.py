@@ -35,7 +35,10 @@ gather's backward under ``all_gather(sync_grads=True)``, or the gradient all-red
 than 1 is the victim (0: the job loses its rank 0, which writes the logs and checkpoints).
 ``$USERS_KILL=setup``: the process that is rank 1 SIGKILLs itself in the callbacks' ``setup`` hook, before the
 training loop (the others meet its death in ``ModelCheckpoint``'s directory broadcast or Lightning's ``post_setup``
-barrier); ``$USERS_KILL=sanity``: in the callbacks' ``on_validation_epoch_end`` of the sanity check (the others meet
+barrier); ``train_start``: in the last callback's ``on_train_start`` (the others meet its death in a collective of
+the LightningModule's hook); ``epoch_start``: in the first callback's ``on_train_epoch_start`` of the epoch that starts
+at global step STEP (the others meet it in a collective of the callbacks' or the module's hook of that name);
+``$USERS_KILL=sanity``: in the callbacks' ``on_validation_epoch_end`` of the sanity check (the others meet
 its death in the LightningModule's hook of the same name, a torchmetrics ``compute()`` say).
 
 ``$USERS_DIE_RECOVERING=WORKER``: the worker of that id SIGKILLs itself once it has the plan of a recovery it is a
@@ -255,6 +258,9 @@ def _observer_class(callback_base: type) -> type:
             for optimizer in trainer.optimizers:  # the optimizer phase: once a step of the batch is applied here
                 optimizer.register_step_post_hook(lambda *_: self._at_optimizer_step(trainer))
 
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            _kill_if_due(trainer.global_step, trainer.global_rank, "train_start")
+
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             step, rank = trainer.global_step, trainer.global_rank
             self.batch_step, self.gradients_final = step, 0
@@ -321,6 +327,9 @@ def _first_hook_class(callback_base: type) -> type:
         ``trained`` record (its step stands) is written first."""
 
         batch_step = -1
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            _kill_if_due(trainer.global_step, trainer.global_rank, "epoch_start")
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self.batch_step = trainer.global_step
