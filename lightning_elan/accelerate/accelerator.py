@@ -64,6 +64,7 @@ from lightning_elan.accelerate.tracker_rows import TrackerRows
 from lightning_elan.accelerate.wrappers import ElasticOptimizer, ElasticScheduler
 from lightning_elan.data.loader import ElasticDataLoader
 from lightning_elan.data.positions import LocalShare
+from lightning_elan.elastic.applied_steps import AppliedSteps
 from lightning_elan.elastic.ddp import ElasticDistributedDataParallel, freeze_as, frozen_parameters
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.gather import even_rows
@@ -560,27 +561,76 @@ class ElasticAccelerator(Accelerator):
         if not self._committed and not self._aborted:
             self._absorb_tolerated_failure()
         if not self._committed and not self._aborted:
-            try:
-                self._mirror_gradients(optimizer)
-                self.engine.commit_step(self.optimizer_steps)
-            except Exception as error:  # the vote was aborted: a member died before every member committed
-                self._absorb_failure(error)
-            else:
-                self._committed, self._step_open = True, False
-                self._pre_loop.step_committed()
-                self.elastic_scaling.policy.timer.optimizer_step()
+            self._commit(optimizer)
         if self._aborted:
             return False, None
         if self._cut_after_commit:
             self._skip_step_after_cut()
             return False, None
+        return True, self._lr_scaled(optimizer)
+
+    def step_with_closure(self, optimizer: torch.optim.Optimizer, step: Callable[[], None]) -> None:
+        """A synchronised step whose closure the optimizer evaluates itself, perhaps several times with the parameters
+        updated between (``torch.optim.LBFGS``): each evaluation's backward all-reduces the gradients, so the step
+        runs first and is voted on once it returned; a member's death in any evaluation, or in the vote, puts the
+        parameters and the optimizer state back as the step found them (kept before it began: ``LBFGS.step`` fills
+        its state before its first evaluation), and the batch is redone. A step after the batch's commit (a second
+        optimizer's) goes as one without a closure."""
+        if self._committed or self._aborted:
+            apply, scaled = self.before_optimizer_step(optimizer)
+            if apply:
+                self._run_scaled(step, optimizer, scaled)
+                self.after_optimizer_step()
+            return
+        self._refuse_a_closure_when_sharded()
+        self._step_attempted = True
+        kept = AppliedSteps()
+        kept.before_update(optimizer)
+        self._run_scaled(step, optimizer, self._lr_scaled(optimizer))
+        if not self._aborted:
+            self._commit(optimizer)
+        if self._aborted:
+            kept.undo()
+            return
+        self.after_optimizer_step()
+
+    def _run_scaled(self, step: Callable[[], None], optimizer: torch.optim.Optimizer,
+                    scaled: ScaledParamGroups | None) -> None:
+        try:
+            step()
+        finally:
+            if scaled is not None:
+                scaled.restore(optimizer)
+
+    def _refuse_a_closure_when_sharded(self) -> None:
+        """Sharded, the shard mirror applies each committed step from its reduced gradients once: an optimizer that
+        evaluates its closure in the step has no such gradients."""
+        if self._sharding is not None:
+            raise NotImplementedError("optimizer.step(closure) under FSDP2 with ElasticAccelerator: the shard mirrors "
+                                      "apply a committed step from its gradients, which a closure evaluated inside "
+                                      "the step does not leave; call backward before optimizer.step()")
+
+    def _commit(self, optimizer: torch.optim.Optimizer) -> None:
+        """The batch's commit vote (sharded, the reduced gradients go to the mirror holder first)."""
+        try:
+            self._mirror_gradients(optimizer)
+            self.engine.commit_step(self.optimizer_steps)
+        except Exception as error:  # the vote was aborted: a member died before every member committed
+            self._absorb_failure(error)
+        else:
+            self._committed, self._step_open = True, False
+            self._pre_loop.step_committed()
+            self.elastic_scaling.policy.timer.optimizer_step()
+
+    def _lr_scaled(self, optimizer: torch.optim.Optimizer) -> ScaledParamGroups | None:
+        """The param groups scaled by the LR ramp for this step (None when it does not scale)."""
         scale = self.elastic_scaling.lr_scale_at(self.optimizer_steps)
         if scale == 1.0:
-            return True, None
+            return None
         scaled = ScaledParamGroups(optimizer, scale)
         if self._sharding is not None:  # the mirror took the step's hyperparameters before the vote, unscaled
             self._sharding.hyperparameters_changed(self._torch_optimizers())
-        return True, scaled
+        return scaled
 
     def _absorb_tolerated_failure(self) -> None:
         """Sharded: a collective of the model failed inside the user's calls (its forward, or a backward) and was

@@ -13,6 +13,8 @@ from typing_extensions import override
 from lightning_elan.accelerate import compat
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from lightning_elan.scaling.lr import ScaledParamGroups
@@ -37,6 +39,10 @@ class StepCommit(Protocol):
     def after_optimizer_step(self) -> None:
         """The committed step was applied."""
 
+    def step_with_closure(self, optimizer: torch.optim.Optimizer, step: Callable[[], None]) -> None:
+        """Run ``step`` (the optimizer's step, which evaluates the closure), then commit it; undo it if it is
+        discarded."""
+
 
 class ElasticOptimizer(AcceleratedOptimizer):
     """``AcceleratedOptimizer`` whose synchronised steps go through the elastic accelerator first."""
@@ -50,6 +56,9 @@ class ElasticOptimizer(AcceleratedOptimizer):
     def step(self, closure: Any = None) -> None:
         if not self.gradient_state.sync_gradients:
             return super().step(closure)
+        if closure is not None:  # evaluated inside the step (L-BFGS: several times): voted on after it
+            self.elastic_accelerator.step_with_closure(self.optimizer, lambda: AcceleratedOptimizer.step(self, closure))
+            return None
         apply, scaled = self.elastic_accelerator.before_optimizer_step(self.optimizer)
         if not apply:
             return None  # the step is discarded (a member died): nothing is applied, the batch is redone
@@ -59,7 +68,6 @@ class ElasticOptimizer(AcceleratedOptimizer):
             if scaled is not None:
                 scaled.restore(self.optimizer)
         self.elastic_accelerator.after_optimizer_step()
-
 
     @property
     @override

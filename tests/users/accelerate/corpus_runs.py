@@ -205,14 +205,15 @@ def assert_steps_applied_once(lines: list[dict[str, Any]], steps: range) -> None
 
 
 def assert_members_agree(run: Run) -> list[int]:
-    """At every micro-batch all members held bit-identical parameters, buffers and optimizer states. Returns the
-    optimizer steps seen."""
-    by_step: dict[int, set[str]] = {}
+    """At every backward all members held bit-identical parameters, buffers and optimizer states (the n-th backward
+    of a step at a world size: an optimizer that evaluates its closure several times in a step updates the
+    parameters between its backwards). Returns the optimizer steps seen."""
+    by_backward: dict[tuple[int, int, int], set[str]] = {}
     for line in run.observed():
-        by_step.setdefault(line["step"], set()).add(line["digest"])
-    diverged = sorted(step for step, digests in by_step.items() if len(digests) > 1)
+        by_backward.setdefault((line["step"], line["world"], line["backward"]), set()).add(line["digest"])
+    diverged = sorted({key[0] for key, digests in by_backward.items() if len(digests) > 1})
     assert not diverged, f"members diverged at steps {diverged}"
-    return sorted(by_step)
+    return sorted({key[0] for key in by_backward})
 
 
 def assert_adjustments(run: Run, expected: list[tuple[str, int]]) -> list[dict[str, Any]]:

@@ -9,11 +9,12 @@ all-reduce, ``gather_for_metrics``, ``save_state``, ``save_pretrained``, the joi
 taken first (``py-spy dump``, ``victim.txt``).
 
 A seed *held* when the job exited 0 and: its final model (``final/model.safetensors``) equals the static run's
-within 1e-9; every optimizer step was applied by one world (ranks 0..world-1, a signalled process's line may be
-missing: it can die between applying a step and logging it); no sample was trained twice in an epoch and none is
-missing but the share of such an unlogged line; the members were bit-identical at every micro-batch (the corpus'
-observer). A job that outlives ``TIMEOUT_S`` is hung (every process's stack in ``stacks.txt``). One line per seed,
-then ``held: H of N``; exit 0 only if all held. A script's static run is made once per ``--dir``.
+within 1e-9 (1e-6 for L-BFGS, see ``Script.tolerance``); every optimizer step was applied by one world (ranks
+0..world-1, a signalled process's line may be missing: it can die between applying a step and logging it); no sample
+was trained twice in an epoch and none is missing but the share of such an unlogged line; the members were
+bit-identical at every micro-batch (the corpus' observer). A job that outlives ``TIMEOUT_S`` is hung (every process's
+stack in ``stacks.txt``). One line per seed, then ``held: H of N``; exit 0 only if all held. A script's static run
+is made once per ``--dir``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from safetensors.torch import load_file
 
 from tests import processes
 from tests.integration.elastic_runs import elan_env
-from tests.users.accelerate.corpus_runs import OBSERVER, assert_members_agree, assert_states_close
+from tests.users.accelerate.corpus_runs import OBSERVER, TOLERANCE, assert_members_agree, assert_states_close
 from tests.users.accelerate.corpus_runs import Job as CorpusJob
 from tests.users.accelerate.corpus_runs import Run as CorpusRun
 from tests.users.corpus import end_every_process_of, shm_dir
@@ -55,6 +56,9 @@ class Script:
     args: tuple[str, ...] = ()
     replicated: bool = True
     """Every member holds the whole state (not FSDP2): the members' digests must agree."""
+    tolerance: float = TOLERANCE
+    """How far the final model may be from the static run's: L-BFGS amplifies the last bits that another partition
+    of the batch gives its gradients (a graceful resize ends 3.6e-8 from the static run after 24 steps)."""
 
 
 SCRIPTS = {  # more epochs than the corpus' jobs: most of a run is training, not start-up
@@ -63,6 +67,7 @@ SCRIPTS = {  # more epochs than the corpus' jobs: most of a run is training, not
     "gpt2_fsdp": Script("causal_lm_gpt2.py", ("--num_train_epochs", "6", "--fsdp"), replicated=False),
     "cv": Script("cv_example_resume.py", ("--checkpointing_steps", "5", "--num_epochs", "10")),
     "nosync": Script("split_nosync_trigger.py"),
+    "lbfgs": Script("lbfgs_regression.py", ("--num_epochs", "4"), tolerance=1e-6),
 }
 
 
@@ -166,14 +171,15 @@ def with_tied_entries(actual: dict[str, Any], expected: dict[str, Any]) -> dict[
     return filled
 
 
-def verdict(home: Path, static: Path, victim: int | None, replicated: bool) -> str:
+def verdict(home: Path, static: Path, victim: int | None, script: Script) -> str:
     try:
         expected = load_file(static / "out" / "final" / "model.safetensors")
         actual = load_file(home / "out" / "final" / "model.safetensors")
-        assert_states_close(with_tied_entries(actual, expected), with_tied_entries(expected, actual), where="final")
+        assert_states_close(with_tied_entries(actual, expected), with_tied_entries(expected, actual),
+                            atol=script.tolerance, where="final")
         assert_steps_and_samples(home, static, victim)
         assert_tested_as_static(home, static)
-        if replicated:
+        if script.replicated:
             assert_members_agree(CorpusRun(CorpusJob(home.name, ""), home, 0, ""))
     except (AssertionError, FileNotFoundError) as error:
         return f"DIFF {str(error)[:300]}"
@@ -239,7 +245,7 @@ def run_seed(root: Path, names: list[str], seed: int) -> Trial:
     shutil.rmtree(home, ignore_errors=True)
     returncode, note, wall_s, victim = run(home, name, schedule, rng.uniform(0.5, span_s), sig, rng)
     static = root / f"static-{name}"
-    outcome = verdict(home, static, victim, SCRIPTS[name].replicated) if returncode == 0 else f"EXIT {returncode}"
+    outcome = verdict(home, static, victim, SCRIPTS[name]) if returncode == 0 else f"EXIT {returncode}"
     return Trial(seed, name, schedule, note, wall_s, victim, outcome, home)
 
 

@@ -36,5 +36,5 @@ def test_a_signal_at_an_unpicked_moment_keeps_the_static_result(root: Path, plan
     returncode, note, _, victim = run(home, name, schedule, fraction * span_s, sig, random.Random(plan))
     assert victim is not None, f"no worker to signal: {note}"
     assert returncode == 0, f"{note}: exit {returncode}\n{(home / 'output.log').read_text()[-3000:]}"
-    outcome = verdict(home, root / f"static-{name}", victim, SCRIPTS[name].replicated)
+    outcome = verdict(home, root / f"static-{name}", victim, SCRIPTS[name])
     assert outcome == "held", f"{note}: {outcome}"

@@ -2,11 +2,11 @@
 a worker, and the two things it does to one. Inactive unless ``$USERS_OBSERVE`` names a directory.
 
 When ``lightning_elan.accelerate.accelerator`` is imported, ``ElasticAccelerator.backward`` (which every script calls
-once per micro-batch) is wrapped. Before each backward it appends to ``$USERS_OBSERVE/observe-<pid>.jsonl`` (one
-flushed line: a worker SIGKILLed later keeps what it wrote) the optimizer step being trained, the world size, the rank
-and a bitwise digest of every prepared model's parameters and buffers, every prepared optimizer's state and every
-prepared LR scheduler's state: members must agree bit for bit at every step. Before the backward of a step's last
-micro-batch:
+once per micro-batch) is wrapped. Before each backward it appends to ``$USERS_OBSERVE/observe-<pid>.jsonl`` (one flushed
+line: a worker SIGKILLed later keeps what it wrote) the optimizer step being trained, the world size, the rank, how many
+backwards the process ran before in that step at that world size, and a bitwise digest of every prepared model's
+parameters and buffers, every prepared optimizer's state and every prepared LR scheduler's state: members must agree bit
+for bit at every step. Before the backward of a step's last micro-batch:
 
 * ``$USERS_HOLD=1``: rank 0 holds until every scale request due at the next step has its joiners ready, so a scheduled
   adjustment lands at its step whatever the joiners' start-up time (a replacement for a dead worker is due at once);
@@ -15,6 +15,8 @@ micro-batch:
   other members go on into the step's gradient all-reduce;
 * ``$USERS_AWAIT_DEATH=STEP``: the process that is rank 0 at optimizer step STEP waits before that backward until the
   victim is dead and its own generation failed (the all-reduce then meets a failed generation at its start);
+* ``$USERS_KILL_EVALUATION=N``: the last two at the step's N-th backward instead (from 1: an optimizer that evaluates
+  its closure several times in one step, L-BFGS, has updated the parameters N - 1 times before it);
 * ``$USERS_KILL_MICRO=first``: the last two at the step's first micro-batch of an ``accumulate()`` window (one with
   ``sync_gradients`` off) instead of its last; ``taken``: as the step's first batch is taken, before its forward;
 * ``$USERS_DIE_IN_SAVE=N``: the process that is rank 1 SIGKILLs itself as DCP starts its N-th write of files
@@ -49,6 +51,9 @@ TARGET = "lightning_elan.accelerate.accelerator"
 HOLD_LIMIT_S = 240.0
 VICTIM_WAIT_S = 60.0
 _SEEN: dict[str, Any] = {}  # the accelerator, once a backward ran
+PER_PROCESS_STATE = ("prev_loss",)
+"""Optimizer state that is each process's own by construction, as under DDP: L-BFGS keeps the last loss its closure
+returned, the process's loss over its share of the batch."""
 
 
 def _observe_dir() -> str | None:
@@ -65,7 +70,6 @@ def _digest(accelerator: Any) -> str:
     """Parameters and buffers of every prepared model, then every prepared optimizer's per-parameter state and its
     hyperparameters, then every prepared LR scheduler's state. Under FSDP2 a member's shards (its digests differ from
     the others')."""
-    import torch
 
     digest = hashlib.sha256()
     tensors: list[tuple[str, Any]] = []
@@ -74,12 +78,10 @@ def _digest(accelerator: Any) -> str:
     for number, optimizer in enumerate(accelerator._optimizers):
         state = optimizer.state_dict()["state"]
         tensors += [(f"opt{number}.{slot}.{key}", value) for slot in sorted(state)
-                    for key, value in sorted(state[slot].items())]
+                    for key, value in sorted(state[slot].items()) if key not in PER_PROCESS_STATE]
     for name, value in tensors:
         digest.update(name.encode())
-        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor (FSDP2): this member's shard
-        tensor = torch.as_tensor(local).detach().cpu().contiguous().reshape(-1)
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+        digest.update(_state_bytes(value))
     for optimizer in accelerator._optimizers:  # the hyperparameters too: a scheduler a rank did not step
         for group in optimizer.param_groups:
             digest.update(repr(sorted((key, value) for key, value in group.items() if key != "params")).encode())
@@ -87,6 +89,20 @@ def _digest(accelerator: Any) -> str:
         state = scheduler.state_dict()
         digest.update(repr(sorted((key, value) for key, value in state.items() if not callable(value))).encode())
     return digest.hexdigest()
+
+
+def _state_bytes(value: Any) -> bytes:
+    """A state value's bytes: a tensor's (a DTensor's, under FSDP2: this member's shard), a number's; L-BFGS keeps
+    lists of tensors (its history) and None (before its first step) too."""
+    import torch
+
+    if value is None:
+        return b"none"
+    if isinstance(value, (list, tuple)):
+        return b"".join(_state_bytes(part) for part in value) + b"|"
+    local = value.to_local() if hasattr(value, "to_local") else value
+    tensor = torch.as_tensor(local).detach().cpu().contiguous().reshape(-1)
+    return tensor.view(torch.uint8).numpy().tobytes()
 
 
 def _hold_for_joiners(step: int) -> None:
@@ -134,20 +150,34 @@ def _await_the_victims_death(accelerator: Any) -> None:
     raise TimeoutError("the victim's death was not seen")
 
 
+def _backward_of_the_step(step: int, world: int) -> int:
+    """How many backwards this process ran before this one in the step at this world size (0: the first)."""
+    key = (step, world)
+    count = _SEEN.get("backwards", {}).get(key, 0)
+    _SEEN["backwards"] = {key: count + 1}
+    return count
+
+
 def _before_backward(accelerator: Any) -> None:
     if "ELAN_WORKER_ID" not in os.environ or accelerator.has_left:
         return
     _SEEN["accelerator"] = accelerator
-    step, rank = accelerator.optimizer_steps, accelerator.process_index
+    step, rank, world = accelerator.optimizer_steps, accelerator.process_index, accelerator.num_processes
+    backward = _backward_of_the_step(step, world)
     if accelerator.sync_gradients and rank == 0 and os.environ.get("USERS_HOLD") == "1":
         _hold_for_joiners(step + 1)
-    if accelerator.sync_gradients == (os.environ.get("USERS_KILL_MICRO", "last") == "last"):
+    evaluation = os.environ.get("USERS_KILL_EVALUATION")
+    if evaluation is not None:
+        due = backward == int(evaluation) - 1
+    else:
+        due = accelerator.sync_gradients == (os.environ.get("USERS_KILL_MICRO", "last") == "last")
+    if due:
         if rank == 1 and os.environ.get("USERS_KILL") == str(step):
             _offer_as_victim(step)
         if rank == 0 and os.environ.get("USERS_AWAIT_DEATH") == str(step):
             _await_the_victims_death(accelerator)
-    _write({"step": step, "world": accelerator.num_processes, "rank": rank, "worker": os.environ["ELAN_WORKER_ID"],
-            "digest": _digest(accelerator)})
+    _write({"step": step, "world": world, "rank": rank, "worker": os.environ["ELAN_WORKER_ID"],
+            "backward": backward, "digest": _digest(accelerator)})
 
 
 def _instrument(module: Any) -> None:
