@@ -477,10 +477,13 @@ def redo_end_hooks_cut_by_a_death(
     LightningModule's ``on_train_epoch_end`` (``ModelCheckpoint`` saves there by default, a user's hook may
     ``all_gather``), then ``trainer._logger_connector.on_epoch_end()`` and ``update_train_epoch_metrics()``, which
     sync the epoch's ``sync_dist`` aggregates (``on_epoch_end`` also ends evaluation epochs: only a training epoch's
-    end is redone there)."""
+    end is redone there). And at the training's end, after the job's last step: ``_FitLoop.on_run_end`` calls the
+    callbacks' and the LightningModule's ``on_train_end`` (a rank 0 that writes a summary, a barrier before the
+    others read it)."""
     for owner in [*trainer.callbacks, trainer.lightning_module]:
         _retry_after_recovery(owner, "on_train_batch_end", recover)
         _retry_after_recovery(owner, "on_train_epoch_end", recover)
+        _retry_after_recovery(owner, "on_train_end", recover)
     for name in ("on_epoch_end", "update_train_epoch_metrics"):
         _retry_after_recovery(trainer._logger_connector, name, recover, when=lambda: trainer.training)
 

@@ -1,10 +1,10 @@
 """Collectives a front-end makes outside its training batches — until its first training batch (Lightning's barriers
 around ``prepare_data`` and ``setup``, ``ModelCheckpoint``'s directory broadcast, the sanity check's reductions, the
 ``on_train_start`` and first ``on_train_epoch_start`` hooks) and, in the loop, from a batch's standing to the next
-batch's start (the ``on_train_batch_end`` hooks, the epoch's end and the next one's start: the ``Timer``'s broadcast
-of its stop decision after every batch, ``ModelCheckpoint``'s broadcasts; a front-end keeps out what must run its hook
-again instead, as Lightning's reductions and its checkpoint save's barrier): a member's death in one is recovered from
-and the job goes on.
+batch's start or the loop's end (the ``on_train_batch_end`` hooks, the epoch's end and the next one's start, the
+``on_train_end`` hooks: the ``Timer``'s broadcast of its stop decision after every batch, ``ModelCheckpoint``'s
+broadcasts; a front-end keeps out what must run its hook again instead, as Lightning's reductions and its checkpoint
+save's barrier): a member's death in one is recovered from and the job goes on.
 
 Members can be one collective apart when a death hits: a broadcast's source (or a barrier's root) may complete it
 while a receiver learns of the death inside it, so the source is already in the next collective, or in the training

@@ -908,10 +908,13 @@ class ElanStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ teardown
 
-    def training_loop_ended(self) -> None:
-        """The fit loop ran to its end (``on_train_end``: not reached when it raised)."""
+    @override
+    def on_train_end(self) -> None:
+        """The fit loop ran to its end, its ``on_train_end`` hooks included (the strategy's hook comes after the
+        callbacks' and the LightningModule's, whose collectives are kept until here; not reached when it raised)."""
         self._training_loop_ended = True
         self._pre_loop.loop_ended()
+        super().on_train_end()
 
     @override
     def teardown(self) -> None:
@@ -952,10 +955,6 @@ class _ElanCoordinator(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._strategy.training_loop_started()
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._strategy.training_loop_ended()
 
     def _batch_over(self) -> None:
         self._strategy.on_batch_end(self._strategy.lightning_module.trainer)

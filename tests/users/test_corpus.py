@@ -329,13 +329,14 @@ def test_a_death_as_the_batch_end_hooks_begin_is_met_apart_and_recovered(runs: C
     check_skip_rest_timer_rich(run, static)
 
 
-@pytest.mark.parametrize("kill", ["0:train_start", "0:epoch_start", "8:epoch_start"])
+@pytest.mark.parametrize("kill", ["0:train_start", "0:epoch_start", "8:epoch_start", "24:train_end"])
 def test_a_death_where_the_training_or_an_epoch_begins_is_recovered(runs: Callable[[str, bool], Run], tmp_path: Path,
                                                                     kill: str) -> None:
     """``epoch_start_collectives.py`` loses its rank 1 as the LightningModule's ``on_train_start`` begins (the
     survivor meets the death in the reduction of the data statistics, and the hook runs again over the survivor's
     share: the whole set), or as the first or second epoch's ``on_train_epoch_start`` hooks begin (the survivor meets
-    it in the broadcast of the epoch's seed): the job goes on alone and ends where the static run ends."""
+    it in the broadcast of the epoch's seed), or as the ``on_train_end`` hooks begin (the survivor meets it in the
+    module's barrier after rank 0 wrote its summary): the job goes on alone and ends where the static run ends."""
     static = runs("epoch_start_collectives", False)
     run = run_job(tmp_path, Job(f"begin_kill_{kill.replace(':', '_')}", CORPUS["epoch_start_collectives"].command,
                                 kill=kill))
@@ -824,6 +825,8 @@ def check_epoch_start_collectives(run: Run, static: Run | None) -> None:
     the processes' shares); with the static run: the same statistics and every step's loss."""
     result = json.loads((run.out / "seeds.json").read_text())
     assert result["drawn"] == {str(epoch): random.Random(1000 + epoch).randrange(1 << 30) for epoch in range(3)}
+    summary = json.loads((run.out / "summary.json").read_text())
+    assert summary == {"mean": result["mean"], "std": result["std"], "steps": 24}, summary
     _, rows = read_csv(run.out / "logs" / "seeded" / "version_0" / "metrics.csv")
     assert sorted(logged(rows, "train_loss")) == list(range(24))
     if static is None:

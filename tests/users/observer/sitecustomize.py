@@ -38,6 +38,8 @@ training loop (the others meet its death in ``ModelCheckpoint``'s directory broa
 barrier); ``train_start``: in the last callback's ``on_train_start`` (the others meet its death in a collective of
 the LightningModule's hook); ``epoch_start``: in the first callback's ``on_train_epoch_start`` of the epoch that starts
 at global step STEP (the others meet it in a collective of the callbacks' or the module's hook of that name);
+``train_end``: in the last callback's ``on_train_end`` (STEP: the job's last global step; the others meet its death
+in a collective of the LightningModule's hook);
 ``$USERS_KILL=sanity``: in the callbacks' ``on_validation_epoch_end`` of the sanity check (the others meet
 its death in the LightningModule's hook of the same name, a torchmetrics ``compute()`` say).
 
@@ -260,6 +262,9 @@ def _observer_class(callback_base: type) -> type:
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             _kill_if_due(trainer.global_step, trainer.global_rank, "train_start")
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            _kill_if_due(trainer.global_step, trainer.global_rank, "train_end")
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             step, rank = trainer.global_step, trainer.global_rank

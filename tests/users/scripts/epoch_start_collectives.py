@@ -1,4 +1,4 @@
-"""Collectives where the training begins and where each epoch begins.
+"""Collectives where the training begins, where each epoch begins and where the training ends.
 
     python epoch_start_collectives.py OUT
 
@@ -8,8 +8,9 @@ shares up; the results live in buffers, so a checkpoint holds them. A callback d
 on rank 0 in ``on_train_epoch_start`` and broadcasts it (``trainer.strategy.broadcast``); the module adds noise to
 every sample from that seed and the sample's index, and checks in its own ``on_train_epoch_start`` that every process
 is in the same epoch (``self.all_gather``). The callback keeps its seed in its ``state_dict``, the module in its
-checkpoint. ``OUT/seeds.json``
-(rank 0): the seed of every epoch and the statistics. Float64 targets on a 1/64 grid, so the sums are exact.
+checkpoint. In ``on_train_end`` rank 0 writes ``OUT/summary.json``, and every process reads it after a barrier.
+``OUT/seeds.json`` (rank 0, after ``fit``): the seed of every epoch and the statistics. Float64 targets on a 1/64
+grid, so the sums are exact.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class EpochSeed(pl.Callback):
 
 
 class Standardized(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, out: Path) -> None:
         super().__init__()
+        self.out = out
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.SiLU(), torch.nn.Linear(16, 1)).double()
         self.register_buffer("y_mean", torch.zeros((), dtype=torch.float64))
         self.register_buffer("y_std", torch.ones((), dtype=torch.float64))
@@ -86,6 +88,14 @@ class Standardized(pl.LightningModule):
         epochs = self.all_gather(torch.tensor(self.current_epoch))
         assert bool((epochs == self.current_epoch).all()), f"processes in different epochs: {epochs.tolist()}"
 
+    def on_train_end(self) -> None:
+        if self.trainer.is_global_zero:
+            summary = {"mean": self.y_mean.item(), "std": self.y_std.item(), "steps": self.trainer.global_step}
+            (self.out / "summary.json").write_text(json.dumps(summary))
+        self.trainer.strategy.barrier("summary written")
+        summary = json.loads((self.out / "summary.json").read_text())
+        assert summary["steps"] == self.trainer.global_step, summary
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         index, x, y = batch
         noise = torch.stack([torch.randn(4, generator=torch.Generator().manual_seed(self.noise_seed * 997 + int(i)),
@@ -104,7 +114,7 @@ class Standardized(pl.LightningModule):
 
 def main(out: Path) -> None:
     pl.seed_everything(23)
-    model, seeds = Standardized(), EpochSeed()
+    model, seeds = Standardized(out), EpochSeed()
     trainer = pl.Trainer(strategy="elan", accelerator="cpu", max_epochs=3, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                          logger=CSVLogger(out / "logs", name="seeded"), callbacks=[seeds])
