@@ -569,30 +569,48 @@ class ElasticAccelerator(Accelerator):
             return False, None
         return True, self._lr_scaled(optimizer)
 
-    def step_with_closure(self, optimizer: torch.optim.Optimizer, step: Callable[[], None]) -> None:
-        """A synchronised step whose closure the optimizer evaluates itself, perhaps several times with the parameters
-        updated between (``torch.optim.LBFGS``): each evaluation's backward all-reduces the gradients, so the step
-        runs first and is voted on once it returned; a member's death in any evaluation, or in the vote, puts the
-        parameters and the optimizer state back as the step found them (kept before it began: ``LBFGS.step`` fills
-        its state before its first evaluation), and the batch is redone. A step after the batch's commit (a second
-        optimizer's) goes as one without a closure."""
+    def step_with_closure(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+                          step: Callable[[Callable[[], Any]], None]) -> None:
+        """A synchronised step whose closure the optimizer evaluates itself (``step(closure)``), perhaps several
+        times with the parameters updated between (``torch.optim.LBFGS``): each evaluation's backward all-reduces the
+        gradients, so the step runs first and is voted on once it returned; a member's death in any evaluation, or in
+        the vote, puts the parameters and the optimizer state back as the step found them (kept before it began:
+        ``LBFGS.step`` fills its state before its first evaluation), and the batch is redone. A step after the
+        batch's commit (a second optimizer's) goes as one without a closure."""
         if self._committed or self._aborted:
             apply, scaled = self.before_optimizer_step(optimizer)
             if apply:
-                self._run_scaled(step, optimizer, scaled)
+                self._run_scaled(lambda: step(closure), optimizer, scaled)
                 self.after_optimizer_step()
             return
         self._refuse_a_closure_when_sharded()
         self._step_attempted = True
         kept = AppliedSteps()
         kept.before_update(optimizer)
-        self._run_scaled(step, optimizer, self._lr_scaled(optimizer))
+        evaluate = self._until_discarded(closure, optimizer)
+        self._run_scaled(lambda: step(evaluate), optimizer, self._lr_scaled(optimizer))
         if not self._aborted:
             self._commit(optimizer)
         if self._aborted:
             kept.undo()
             return
         self.after_optimizer_step()
+
+    def _until_discarded(self, closure: Callable[[], Any], optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+        """``closure``, until a member's death (met in an evaluation's backward) discarded the step: from then on an
+        evaluation runs no forward on the failed generation (DDP's reducer, its reduction cut short, would fail the
+        next forward's check: "unmarked_param_indices") and no user code; it leaves no gradients and gives the last
+        loss, so the optimizer sees a zero gradient and ends its step (which is then undone)."""
+        last: list[Any] = [None]
+
+        def evaluate() -> Any:
+            if self._aborted:
+                optimizer.zero_grad(set_to_none=True)
+                return torch.zeros(()) if last[0] is None else last[0]
+            last[0] = closure()
+            return last[0]
+
+        return evaluate
 
     def _run_scaled(self, step: Callable[[], None], optimizer: torch.optim.Optimizer,
                     scaled: ScaledParamGroups | None) -> None:

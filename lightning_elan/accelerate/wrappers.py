@@ -39,9 +39,10 @@ class StepCommit(Protocol):
     def after_optimizer_step(self) -> None:
         """The committed step was applied."""
 
-    def step_with_closure(self, optimizer: torch.optim.Optimizer, step: Callable[[], None]) -> None:
-        """Run ``step`` (the optimizer's step, which evaluates the closure), then commit it; undo it if it is
-        discarded."""
+    def step_with_closure(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+                          step: Callable[[Callable[[], Any]], None]) -> None:
+        """Run ``step`` (the optimizer's step) with ``closure`` (as it may be evaluated), then commit it; undo it if
+        it is discarded."""
 
 
 class ElasticOptimizer(AcceleratedOptimizer):
@@ -57,7 +58,8 @@ class ElasticOptimizer(AcceleratedOptimizer):
         if not self.gradient_state.sync_gradients:
             return super().step(closure)
         if closure is not None:  # evaluated inside the step (L-BFGS: several times): voted on after it
-            self.elastic_accelerator.step_with_closure(self.optimizer, lambda: AcceleratedOptimizer.step(self, closure))
+            self.elastic_accelerator.step_with_closure(self.optimizer, closure,
+                                                       lambda evaluate: AcceleratedOptimizer.step(self, evaluate))
             return None
         apply, scaled = self.elastic_accelerator.before_optimizer_step(self.optimizer)
         if not apply:
