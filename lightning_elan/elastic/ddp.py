@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_elan import torch_compat
+from lightning_elan.elastic.process_group import group_of_this_process
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +52,6 @@ FREQUENT_REBUILDS = 10
 
 GroupSource = Callable[[], "dist.ProcessGroup | None"]
 """Returns the group gradients are all-reduced on now (None: this process trains alone)."""
-
-
-def _private_group() -> dist.ProcessGroup:
-    """A gloo group of this process alone: what the reducer is built over (its collectives return at once)."""
-    store = dist.HashStore()
-    group = dist.ProcessGroup(store, 0, 1)
-    gloo = dist.ProcessGroupGloo(store, 0, 1, timedelta(minutes=5))
-    torch_compat.set_default_backend(group, dist.ProcessGroup.BackendType.GLOO)
-    for device in ("cpu", "cuda"):  # gloo serves CUDA tensors too; nothing ever leaves this process
-        torch_compat.register_backend(group, device, dist.ProcessGroup.BackendType.GLOO, gloo)
-    return group
 
 
 class ElasticDistributedDataParallel(DistributedDataParallel):
@@ -81,7 +70,7 @@ class ElasticDistributedDataParallel(DistributedDataParallel):
         self._broadcast_live_buffers = kwargs.pop("broadcast_buffers", True)
         with warnings.catch_warnings():  # torch 2.13 prefers forward_sync_buffers; broadcast_buffers is portable
             warnings.simplefilter("ignore", FutureWarning)
-            super().__init__(module, process_group=_private_group(), broadcast_buffers=False, **kwargs)
+            super().__init__(module, process_group=group_of_this_process(), broadcast_buffers=False, **kwargs)
         self._current_group = current_group
         self._buffers_generation: object = None  # the generation the buffers were last broadcast in
         self.failure_in_forward: Callable[[BaseException], bool] | None = None

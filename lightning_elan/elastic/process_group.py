@@ -47,7 +47,7 @@ from lightning_elan.elastic.etcd_rendezvous import EtcdRendezvousStore
 log = logging.getLogger(__name__)
 
 __all__ = ["ElasticProcessGroup", "SideGroup", "StaleGroupError", "TolerantGenerationGroup", "UserGroup",
-           "blocked_seconds", "install_default_group", "uninstall_default_group"]
+           "blocked_seconds", "group_of_this_process", "install_default_group", "uninstall_default_group"]
 
 BACKEND_NAME = "elan"
 """The name the group is registered under with ``torch.distributed.Backend``."""
@@ -59,6 +59,8 @@ ARRIVED_KEY = "arrived"
 ARRIVAL_POLL_MIN_S, ARRIVAL_POLL_MAX_S = 0.0005, 0.05
 """A member waiting for the others to arrive looks again after 0.5 ms, doubling up to 50 ms (and whether the
 generation failed meanwhile)."""
+ALONE_PREFIX = "alone/"
+"""The prefix of the world of one a process that left the job is in (see :meth:`ElasticProcessGroup.go_alone`)."""
 CALLBACK_RELEASE_S = 0.05
 """At exit, after such a callback returned: time for the backend's thread to free it (it takes the GIL to do so)."""
 
@@ -503,6 +505,19 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         log.debug("process group %s: rank %d of %d in %.1f ms", prefix, rank, world_size, elapsed * 1e3)
         return elapsed
 
+    def go_alone(self) -> None:
+        """This process left the job: leave its generation for a world of this process alone, so that the collectives
+        it still makes (a leaver's ``teardown`` hooks, its script's ``finally:`` blocks, a ``destroy_process_group``)
+        complete at once, as the strategy's own do on a leaver, instead of failing on a group it no longer has."""
+        self.shutdown()
+        group = group_of_this_process()
+        torch_compat.keep_alive_forever(group)  # never freed: not by interpreter finalization (keep_backends_for_life)
+        torch_compat.set_default_backend(self, ProcessGroup.BackendType.GLOO)
+        _register_backends_of(group, self)
+        self._current, self._generation = group, _Generation(group, ALONE_PREFIX, 0, 1)
+        self.prefix, self._rank, self._size, self.hosts = ALONE_PREFIX, 0, 1, [socket.gethostname()]
+        torch_compat.publish_default_group(self, dist.HashStore(), 1)
+
     def _await_members(self, forming: _Forming, store: dist.Store, rank: int, world_size: int) -> list[str]:
         """Wait until every member of the generation has arrived, or raise the failure :meth:`fail` reports for it;
         returns each member's host name, by rank (an arrival key holds its member's host).
@@ -933,6 +948,18 @@ class TolerantUserGroup(_ToleratingCollectives, UserGroup):
 
 def _backend_type(backend: Any) -> ProcessGroup.BackendType:
     return ProcessGroup.BackendType.NCCL if backend.name() == "nccl" else ProcessGroup.BackendType.GLOO
+
+
+def group_of_this_process() -> ProcessGroup:
+    """A gloo group of this process alone (its collectives return at once); it serves CUDA tensors too: nothing ever
+    leaves the process."""
+    store = dist.HashStore()
+    group = ProcessGroup(store, 0, 1)
+    gloo = dist.ProcessGroupGloo(store, 0, 1, timedelta(minutes=5))
+    torch_compat.set_default_backend(group, ProcessGroup.BackendType.GLOO)
+    for device in ("cpu", "cuda"):
+        torch_compat.register_backend(group, device, ProcessGroup.BackendType.GLOO, gloo)
+    return group
 
 
 def _register_backends_of(group: ProcessGroup, outer: ProcessGroup) -> None:

@@ -1036,6 +1036,7 @@ class ElasticWorker:
     def _step_out(self) -> NoReturn:
         """Out of the job: the front-end ends its training loop as a leaver's (after :func:`step_aside`)."""
         self.has_left = True
+        self._group().go_alone()  # the collectives it still makes involve it alone
         step_aside()
         self.frontend.leave()
 

@@ -41,3 +41,20 @@ def test_a_failure_of_another_generation_does_not(group):
     tensor = torch.ones(1)
     group.allreduce([tensor]).wait()
     assert group.prefix == "gen/8/" and tensor.item() == 1.0
+
+
+def test_a_process_that_left_its_generation_makes_its_collectives_alone(group):
+    """A leaver's group: out of its generation (shut down at the adjustment), its later collectives — a teardown
+    hook's barrier, a gather — would fail on a group it no longer has; once alone they complete in this process."""
+    group.configure("gen/3/", 0, 1)
+    group.shutdown()
+    with pytest.raises(RuntimeError, match="not part of any generation"):
+        group.barrier()
+    group.go_alone()
+    group.barrier().wait()
+    gathered = [torch.zeros(2)]
+    group.allgather([gathered], [torch.tensor([1.0, 2.0])], dist.distributed_c10d.AllgatherOptions()).wait()
+    tensor = torch.full((2,), 3.0)
+    group.allreduce([tensor]).wait()
+    assert (group.rank(), group.size(), group.prefix) == (0, 1, "alone/")
+    assert gathered[0].tolist() == [1.0, 2.0] and tensor.tolist() == [3.0, 3.0]
