@@ -488,6 +488,34 @@ def redo_end_hooks_cut_by_a_death(
         _retry_after_recovery(trainer._logger_connector, name, recover, when=lambda: trainer.training)
 
 
+def follow_start_hooks(trainer: pl.Trainer, hooks: tuple[str, ...], entering: Callable[[str | None], None]) -> None:
+    """Tell ``entering`` which of ``hooks`` runs: ``"on_train_start/2"`` (the hook and its owner's place among the
+    trainer's callbacks, the LightningModule last) as one begins, again as it runs again after a recovery (the retry
+    of :func:`redo_start_hooks_cut_by_a_death` wraps this one), and None as it returns.
+
+    ``_Trainer._run`` calls ``call._call_callback_hooks(trainer, "on_fit_start")`` and then the LightningModule's hook,
+    ``_FitLoop.on_run_start`` the same for ``on_train_start`` (each looked up with ``getattr`` at call time)."""
+    for place, owner in enumerate([*trainer.callbacks, trainer.lightning_module]):
+        for name in hooks:
+            _follow(owner, name, f"{name}/{place}", entering)
+
+
+def _follow(owner: Any, name: str, label: str, entering: Callable[[str | None], None]) -> None:
+    hook = getattr(owner, name)
+    if getattr(hook, "_elan_followed_by", None) == entering:
+        return
+
+    def followed(*args: Any, **kwargs: Any) -> Any:
+        entering(label)
+        try:
+            return hook(*args, **kwargs)
+        finally:
+            entering(None)
+
+    followed._elan_followed_by = entering  # type: ignore[attr-defined]
+    setattr(owner, name, followed)
+
+
 def redo_start_hooks_cut_by_a_death(
     trainer: pl.Trainer, recover: Callable[[BaseException, Callable[[], None] | None], bool]
 ) -> None:

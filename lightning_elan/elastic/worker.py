@@ -735,10 +735,17 @@ class ElasticWorker:
         self._start_results += 1
         return f"{kind}/{self._start_results - 1}"
 
-    def publish_start_result(self, name: str, value: str) -> None:
+    def publish_start_result(self, name: str, value: str | bytes) -> None:
         """Rank 0 of the launch generation: what the script's start computed (see :meth:`start_result`)."""
         if self.group is not None and not self.environment.standalone:
             self.group.store.set(START_RESULT_PREFIX + name, value)
+
+    def published_start_result(self, name: str) -> bytes | None:
+        """A start result rank 0 published, if it did (no wait)."""
+        if self.group is None or self.environment.standalone:
+            return None
+        key = START_RESULT_PREFIX + name
+        return self.group.store.get(key) if self.group.store.check([key]) else None
 
     def start_result(self, name: str) -> str:
         """A joiner: the launch members' result of a step of the script's start that ran before their training loop

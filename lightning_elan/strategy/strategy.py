@@ -43,6 +43,7 @@ from lightning_elan.elastic.host_mutex import HostMutex
 from lightning_elan.elastic.pre_loop import PreLoopCollectives
 from lightning_elan.elastic.pruning import prune_as, pruned_tensors, without_pruned
 from lightning_elan.elastic.rng import LoaderRNG
+from lightning_elan.elastic.start_hooks import START_HOOKS, StartHookResults
 from lightning_elan.elastic.worker import ElasticWorker, NotAMember, engine_of_process
 from lightning_elan.protocol.contract import DEFAULT_JOIN_TIMEOUT_S, WorkerEnvironment
 from lightning_elan.replication.reception import destinations_by_name, tensor_nbytes
@@ -114,6 +115,7 @@ class ElanStrategy(DDPStrategy):
         self._ddp: ElasticDistributedDataParallel | None = None
         self._group_view: torch.distributed.ProcessGroup | None = None
         self._pre_loop = PreLoopCollectives(self._recover_in_a_kept_collective, self.engine.earliest_position)
+        self._start_hooks = StartHookResults(self.engine.publish_start_result, self.engine.published_start_result)
         self._sync_environment()
 
     # ------------------------------------------------------------------ registration and environment
@@ -267,6 +269,7 @@ class ElanStrategy(DDPStrategy):
         compat.around_dataloader_requests(trainer, self._loader_rng.call)
         compat.no_checkpoint_selected_after_leaving(trainer, lambda: self.engine.has_left)
         compat.no_throughput_setup_after_leaving(trainer, lambda: self.engine.has_left)
+        compat.follow_start_hooks(trainer, START_HOOKS, self._start_hooks.entering)
         if self.engine.has_left:
             log.info("worker %s left the job: this fit is skipped here (the job's workers train)",
                      self.engine.worker_id)
@@ -839,12 +842,20 @@ class ElanStrategy(DDPStrategy):
             kept = not compat.ends_a_checkpoint_save(*args, **kwargs)
             self._collective(lambda: barrier(*args, **kwargs), again_after_a_death=True, kept=kept)
 
+    def _result_alone(self, result: Any) -> Any:
+        """A collective in this process alone; a joiner's in a start hook takes the members' result of theirs."""
+        return result if self.engine.has_left else self._start_hooks.alone(result, self.root_device)
+
+    def _completed(self, result: Any) -> Any:
+        """A member's collective completed; rank 0 publishes its result where it was made in a start hook."""
+        return self._start_hooks.completed(result, publisher=self.global_rank == 0)
+
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._alone():
-            return obj
+            return self._result_alone(obj)
         broadcast = super().broadcast
-        return self._collective(lambda: broadcast(obj, src), again_after_a_death=True)
+        return self._completed(self._collective(lambda: broadcast(obj, src), again_after_a_death=True))
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -852,18 +863,18 @@ class ElanStrategy(DDPStrategy):
         Between two training batches a death in one runs its hook again instead (not kept): the epoch's ``sync_dist``
         aggregates are reduced from the values of the moment, which the heir of the dead member's part changes."""
         if self._alone():
-            return tensor
+            return self._result_alone(tensor)
         reduce, given = super().reduce, _copied(tensor)
-        return self._collective(lambda: reduce(_copied(given), group, reduce_op), kept=False)
+        return self._completed(self._collective(lambda: reduce(_copied(given), group, reduce_op), kept=False))
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Lightning's stack of one tensor per process; tensors whose first dimension differs (an uneven share of a
         global batch, a joiner's fewer outputs of its first epoch) are padded to equal first (``elastic/gather.py``)."""
         if self._alone():
-            return tensor.unsqueeze(0)
+            return self._result_alone(tensor.unsqueeze(0))
         all_gather = super().all_gather
-        return self._collective(lambda: all_gather(even_rows(tensor, group), group, sync_grads))
+        return self._completed(self._collective(lambda: all_gather(even_rows(tensor, group), group, sync_grads)))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

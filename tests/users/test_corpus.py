@@ -9,6 +9,7 @@ import json
 import math
 import random
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,8 @@ CORPUS: dict[str, Script] = {
                                tuple(range(24))),
     "epoch_start_collectives": Script(("{scripts}/epoch_start_collectives.py", "{out}"), True, epochs(3, 96),
                                       tuple(range(24))),
+    "fit_bounds_collectives": Script(("{scripts}/fit_bounds_collectives.py", "{out}"), True, epochs(3, 96),
+                                     tuple(range(24))),
     # the batch whose hook returns -1 starts (the observer sees its start: step 17 in epoch 2) but is not trained
     "skip_rest_timer_rich": Script(("{scripts}/skip_rest_timer_rich.py", "{out}"), True, SKIPPED_SAMPLES,
                                    tuple(range(sum(SKIPPED_SAMPLES.values()) // 12 + 1))),
@@ -842,15 +845,51 @@ def check_epoch_start_collectives(run: Run, static: Run | None) -> None:
 
 def epoch_start_targets() -> torch.Tensor:
     """The training targets of ``epoch_start_collectives.py``, made as its dataset makes them."""
-    spec = importlib.util.spec_from_file_location("epoch_start_collectives", SCRIPTS / "epoch_start_collectives.py")
+    return load_script("epoch_start_collectives").Grid(96, 2).y
+
+
+def load_script(name: str) -> types.ModuleType:
+    """The module of ``scripts/<name>.py`` (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    return script.Grid(96, 2).y
+    return script
+
+
+def check_fit_bounds_collectives(run: Run, static: Run | None) -> None:
+    """Every process has the run id rank 0 drew (a joiner took the members' broadcast in its ``on_fit_start``); the
+    statistics are the whole training set's (a joiner took the members' gather and reduction); the summary counts the
+    final workers; every process's ``teardown`` waited for the others and wrote what it saw: a leaver alone (a world of
+    its own), the final workers together; no process printed a traceback. With the static run: the same statistics
+    and every step's loss."""
+    summary = json.loads((run.out / "summary.json").read_text())
+    seen = [json.loads(path.read_text()) for path in sorted((run.out / "teardown").glob("*.json"))]
+    assert {record["run_id"] for record in seen} == {summary["run_id"]}, seen
+    assert summary["steps"] == 24, summary
+    finals = [record for record in seen if record["steps"] == 24]
+    leavers = [record for record in seen if record["steps"] < 24]
+    assert len(finals) == summary["processes"] and {record["world"] for record in finals} == {len(finals)}, seen
+    assert {record["world"] for record in leavers} <= {1}, seen
+    assert "Traceback" not in run.output, run.excerpt()
+    _, rows = read_csv(run.out / "logs" / "scaled" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(24))
+    if static is None:
+        data = load_script("fit_bounds_collectives").Features(96, 2)
+        assert summary["processes"] == 2 and not leavers, seen
+        assert summary["x_scale"] == data.x.abs().amax(dim=0).tolist(), summary
+        assert summary["y"] == pytest.approx([data.y.mean().item(), data.y.std(unbiased=False).item()], rel=1e-12)
+        return
+    assert summary["processes"] == 1 and [record["steps"] for record in leavers] == [6, 9], seen  # remove, migrate
+    static_summary = json.loads((static.out / "summary.json").read_text())
+    assert (summary["x_scale"], summary["y"]) == (static_summary["x_scale"], static_summary["y"]), summary
+    _, static_rows = read_csv(static.out / "logs" / "scaled" / "version_0" / "metrics.csv")
+    assert_logged_alike(rows, static_rows, "train_loss", exact=True)
 
 
 OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "epoch_start_collectives": check_epoch_start_collectives,
+    "fit_bounds_collectives": check_fit_bounds_collectives,
     "datamodule_callbacks": check_datamodule_callbacks,
     "cli_classifier": check_cli_classifier,
     "gan_manual": check_gan_manual,
