@@ -43,6 +43,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_elan import torch_compat
 from lightning_elan.elastic.etcd_rendezvous import EtcdRendezvousStore
+from lightning_elan.elastic.start_hooks import StartHookResults
 
 log = logging.getLogger(__name__)
 
@@ -326,6 +327,21 @@ class _Forming:
             raise self.failure
 
 
+class _Completed(dist.Work):
+    """The work of a collective that completed without the group (a joiner's, whose result the members published)."""
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result([])
+        return future
+
+    def is_completed(self) -> bool:
+        return True
+
+
 class _ForwardingCollectives:
     """Every collective forwarded to :meth:`_target` through :meth:`_guarded` (abortable work)."""
 
@@ -482,6 +498,48 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         """The failure domains of the side groups in use (:meth:`side_group`)."""
         self._failed_prefixes: dict[str, BaseException] = {}
         """Each generation prefix :meth:`fail` was called for, with its failure (a side group made later fails too)."""
+        self._start_hooks: StartHookResults | None = None
+        self._taking_start_results: Callable[[], bool] = lambda: False
+
+    # ------------------------------------------------------------------ the training's start hooks
+
+    def follow_start_hooks(self, results: StartHookResults, taking: Callable[[], bool]) -> None:
+        """Collectives called on this group directly in the training's start hooks: a member's results are published,
+        a joiner's (``taking()``) taken from the members' without reaching the group (``elastic/start_hooks.py``)."""
+        self._start_hooks, self._taking_start_results = results, taking
+
+    def _in_start_hook(self, outputs: list[torch.Tensor], run: Callable[[], dist.Work]) -> dist.Work:
+        results = self._start_hooks
+        if results is None or not results.following_raw:
+            return run()
+        if self._taking_start_results():
+            results.raw_taken(outputs)
+            return _Completed()
+        work = run()
+        work.wait()
+        results.raw_completed(outputs, publisher=self._rank == 0)
+        return work
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+        forward = super().allreduce
+        return self._in_start_hook(list(tensors), lambda: forward(tensors, opts))
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> Any:
+        forward = super().broadcast
+        return self._in_start_hook(list(tensors), lambda: forward(tensors, opts))
+
+    def barrier(self, opts: Any = None) -> Any:
+        forward = super().barrier
+        return self._in_start_hook([], lambda: forward(opts))
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        forward = super().allgather
+        outputs = [tensor for outputs in output_tensors for tensor in outputs]
+        return self._in_start_hook(outputs, lambda: forward(output_tensors, input_tensors, opts))
+
+    def _allgather_base(self, output: Any, input: Any, opts: Any = None) -> Any:
+        forward = super()._allgather_base
+        return self._in_start_hook([output], lambda: forward(output, input, opts))
 
     # ------------------------------------------------------------------ membership
 

@@ -8,13 +8,19 @@ state derived from it and not replicated (a plain attribute) would make it train
 result of every collective it completes in those hooks, named by the hook, its owner's place and the collective's
 place in the hook; the joiner's same collective takes that result. One the members never made (the hook took another
 branch on the joiner) runs alone, with a warning.
+
+A ``torch.distributed`` collective called there directly (not through the strategy) reaches the job's group: on a
+joiner it would meet the members' next collective of their training batch, and both would hang. Those are counted
+apart (``raw``): rank 0 publishes the tensors each one left, and the joiner's same call takes them without reaching
+the group.
 """
 
 from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -39,40 +45,73 @@ class StartHookResults:
         self._publish = publish
         self._published = published
         self._hook: str | None = None
-        self._made = 0
+        self._made = {"": 0, "raw/": 0}
+        self._in_strategy_collective = False
         self._warned: set[str] = set()
 
     def entering(self, hook: str | None) -> None:
         """A start hook begins (``on_train_start/3``: its name and its owner's place), again when it runs again after
         a recovery; None: it returned."""
-        self._hook, self._made = hook, 0
+        self._hook, self._made = hook, {"": 0, "raw/": 0}
+
+    @contextmanager
+    def strategy_collective(self) -> Iterator[None]:
+        """A collective of the strategy runs (counted by :meth:`completed`): the group's calls it makes are not raw."""
+        self._in_strategy_collective = True
+        try:
+            yield
+        finally:
+            self._in_strategy_collective = False
 
     def completed(self, result: Any, publisher: bool) -> Any:
         """A member completed a collective; in a start hook, the publisher (rank 0) publishes its result."""
-        name = self._next_name()
+        name = self._next_name("")
         if name is not None and publisher:
-            self._publish(RESULT_PREFIX + name, _to_bytes(result))
+            self._publish(name, _to_bytes(result))
         return result
 
     def alone(self, result: Any, device: torch.device) -> Any:
         """A joiner's collective, made alone (``result``): in a start hook, the members' result of theirs instead."""
-        name = self._next_name()
+        name = self._next_name("")
         if name is None:
             return result
-        published = self._published(RESULT_PREFIX + name)
-        if published is not None:
-            return torch.load(io.BytesIO(published), map_location=device, weights_only=False)
-        if name not in self._warned:
+        published = self._take(name)
+        return result if published is None else torch.load(io.BytesIO(published), map_location=device,
+                                                               weights_only=False)
+
+    @property
+    def following_raw(self) -> bool:
+        """Whether a ``torch.distributed`` call on the job's group now is one made directly in a start hook."""
+        return self._hook is not None and not self._in_strategy_collective
+
+    def raw_completed(self, outputs: list[torch.Tensor], publisher: bool) -> None:
+        """A member's direct collective in a start hook completed, leaving ``outputs``; the publisher publishes them."""
+        name = self._next_name("raw/")
+        if name is not None and publisher:
+            self._publish(name, _to_bytes([output.detach().cpu() for output in outputs]))
+
+    def raw_taken(self, outputs: list[torch.Tensor]) -> None:
+        """A joiner's direct collective in a start hook: ``outputs`` take what the members' same call left."""
+        name = self._next_name("raw/")
+        published = self._take(name) if name is not None else None
+        if published is None:
+            return
+        for output, value in zip(outputs, torch.load(io.BytesIO(published), weights_only=False), strict=True):
+            output.copy_(value)
+
+    def _take(self, name: str) -> bytes | None:
+        published = self._published(name)
+        if published is None and name not in self._warned:
             self._warned.add(name)
             log.warning("collective %s of this joiner's start hook was not made by the job's members: it runs in this "
                         "process alone", name)
-        return result
+        return published
 
-    def _next_name(self) -> str | None:
+    def _next_name(self, kind: str) -> str | None:
         if self._hook is None:
             return None
-        self._made += 1
-        return f"{self._hook}/{self._made - 1}"
+        self._made[kind] += 1
+        return f"{RESULT_PREFIX}{self._hook}/{kind}{self._made[kind] - 1}"
 
 
 def _to_bytes(result: Any) -> bytes:

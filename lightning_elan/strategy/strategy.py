@@ -270,6 +270,8 @@ class ElanStrategy(DDPStrategy):
         compat.no_checkpoint_selected_after_leaving(trainer, lambda: self.engine.has_left)
         compat.no_throughput_setup_after_leaving(trainer, lambda: self.engine.has_left)
         compat.follow_start_hooks(trainer, START_HOOKS, self._start_hooks.entering)
+        if self.engine.group is not None:  # torch.distributed called directly in those hooks
+            self.engine.group.follow_start_hooks(self._start_hooks, lambda: self._collectives_local)
         if self.engine.has_left:
             log.info("worker %s left the job: this fit is skipped here (the job's workers train)",
                      self.engine.worker_id)
@@ -840,22 +842,27 @@ class ElanStrategy(DDPStrategy):
         if not self._alone():
             barrier = super().barrier
             kept = not compat.ends_a_checkpoint_save(*args, **kwargs)
-            self._collective(lambda: barrier(*args, **kwargs), again_after_a_death=True, kept=kept)
+            self._member_collective(lambda: barrier(*args, **kwargs), again_after_a_death=True, kept=kept,
+                                    published=False)
 
     def _result_alone(self, result: Any) -> Any:
         """A collective in this process alone; a joiner's in a start hook takes the members' result of theirs."""
         return result if self.engine.has_left else self._start_hooks.alone(result, self.root_device)
 
-    def _completed(self, result: Any) -> Any:
-        """A member's collective completed; rank 0 publishes its result where it was made in a start hook."""
-        return self._start_hooks.completed(result, publisher=self.global_rank == 0)
+    def _member_collective(self, collective: Callable[[], Any], again_after_a_death: bool = False, kept: bool = True,
+                           published: bool = True) -> Any:
+        """A member's collective (see :meth:`_collective`); rank 0 publishes its result where it was made in a start
+        hook (``published``: a barrier has none)."""
+        with self._start_hooks.strategy_collective():
+            result = self._collective(collective, again_after_a_death, kept)
+        return self._start_hooks.completed(result, publisher=self.global_rank == 0) if published else result
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._alone():
             return self._result_alone(obj)
         broadcast = super().broadcast
-        return self._completed(self._collective(lambda: broadcast(obj, src), again_after_a_death=True))
+        return self._member_collective(lambda: broadcast(obj, src), again_after_a_death=True)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -865,7 +872,7 @@ class ElanStrategy(DDPStrategy):
         if self._alone():
             return self._result_alone(tensor)
         reduce, given = super().reduce, _copied(tensor)
-        return self._completed(self._collective(lambda: reduce(_copied(given), group, reduce_op), kept=False))
+        return self._member_collective(lambda: reduce(_copied(given), group, reduce_op), kept=False)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
@@ -874,7 +881,7 @@ class ElanStrategy(DDPStrategy):
         if self._alone():
             return self._result_alone(tensor.unsqueeze(0))
         all_gather = super().all_gather
-        return self._completed(self._collective(lambda: all_gather(even_rows(tensor, group), group, sync_grads)))
+        return self._member_collective(lambda: all_gather(even_rows(tensor, group), group, sync_grads))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

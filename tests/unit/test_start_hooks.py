@@ -57,3 +57,31 @@ def test_a_collective_the_members_never_made_runs_alone_with_one_warning(store, 
     with caplog.at_level(logging.WARNING, logger="lightning_elan.elastic.start_hooks"):
         assert joiner.alone("mine", torch.device("cpu")) == "mine"
     assert "on_fit_start/1/0" in caplog.text and "alone" in caplog.text
+
+
+def test_a_direct_call_in_a_start_hook_is_counted_apart_from_the_strategys(store):
+    """A member's ``torch.distributed.all_reduce`` in ``on_train_start`` leaves tensors rank 0 publishes; the group's
+    calls a strategy collective makes are not direct ones; the joiner's direct call takes the tensors."""
+    member, joiner = results(store), results(store)
+    member.entering("on_train_start/1")
+    with member.strategy_collective():
+        assert not member.following_raw
+    member.completed(torch.tensor(5.0), True)
+    assert member.following_raw
+    member.raw_completed([torch.tensor([1.0, 2.0]), torch.tensor(3.0)], publisher=True)
+    joiner.entering("on_train_start/1")
+    outputs = [torch.zeros(2), torch.zeros(())]
+    joiner.raw_taken(outputs)
+    assert outputs[0].tolist() == [1.0, 2.0] and outputs[1].item() == 3.0
+    assert joiner.alone(torch.tensor(0.0), torch.device("cpu")).item() == 5.0
+    joiner.entering(None)
+    assert not joiner.following_raw
+
+
+def test_a_direct_call_the_members_never_made_leaves_the_joiners_tensors(store, caplog):
+    joiner = results(store)
+    joiner.entering("on_fit_start/0")
+    outputs = [torch.full((2,), 7.0)]
+    with caplog.at_level(logging.WARNING, logger="lightning_elan.elastic.start_hooks"):
+        joiner.raw_taken(outputs)
+    assert outputs[0].tolist() == [7.0, 7.0] and "on_fit_start/0/raw/0" in caplog.text

@@ -51,7 +51,13 @@ from tests.users.corpus import (
     read_run,
     run_job,
 )
-from tests.users.test_corpus import CORPUS, OUTPUT_CHECKS, write_wikitext
+from tests.users.test_corpus import (
+    CORPUS,
+    OUTPUT_CHECKS,
+    assert_fit_bounds_alike,
+    fit_bounds_summary,
+    write_wikitext,
+)
 
 GROW_SCHEDULE = "3:add=1"
 GROW_SCHEDULES: dict[str, str | None] = {"boring_demo": None}
@@ -486,7 +492,17 @@ def check_tune_then_fit_any_world(run: Run, static: Run | None) -> None:
     assert abs(after - json.loads((static.out / "after_fit.json").read_text())["validate"][0]["val_loss"]) <= TOLERANCE
 
 
-OUTPUT_CHECKS_HERE: dict[str, Callable[[Run, Run | None], None]] = {"tune_then_fit": check_tune_then_fit_any_world}
+def check_fit_bounds_any_world(run: Run, static: Run | None) -> None:
+    """``test_corpus.check_fit_bounds_collectives`` less the corpus schedule's leavers and final world."""
+    fit_bounds_summary(run)
+    assert static is not None
+    assert_fit_bounds_alike(run, static)
+
+
+OUTPUT_CHECKS_HERE: dict[str, Callable[[Run, Run | None], None]] = {
+    "tune_then_fit": check_tune_then_fit_any_world,
+    "fit_bounds_collectives": check_fit_bounds_any_world,
+}
 
 
 # ---------------------------------------------------------------------- the command line

@@ -13,6 +13,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -350,6 +351,24 @@ def test_a_death_where_the_training_or_an_epoch_begins_is_recovered(runs: Callab
     assert_same_samples(run, static)
     assert_states_close(run.final_state(), static.final_state())
     check_epoch_start_collectives(run, static)
+
+
+def test_a_joiner_takes_the_results_of_a_start_hook_run_again(runs: Callable[[str, bool], Run],
+                                                               tmp_path: Path) -> None:
+    """``fit_bounds_collectives.py`` loses its rank 1 as ``on_train_start`` begins: the survivor's hook runs again
+    alone (its reduction and its direct ``all_reduce`` then cover the whole set), and a worker joins at step 3. The
+    joiner takes the results of the hook's second run, and the job ends where the static run ends."""
+    static = runs("fit_bounds_collectives", False)
+    run = run_job(tmp_path, Job("fit_bounds_start_kill", CORPUS["fit_bounds_collectives"].command, schedule="3:add=1",
+                                kill="0:train_start"))
+    assert_ok(run)
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 1), ("add", 2)]
+    assert_members_agree(run)
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    summary, leavers = fit_bounds_summary(run)
+    assert summary["processes"] == 2 and not leavers, leavers
+    assert_fit_bounds_alike(run, static)
 
 
 def test_a_member_killed_before_the_training_loop_changes_nothing(runs: Callable[[str, bool], Run],
@@ -859,13 +878,28 @@ def load_script(name: str) -> types.ModuleType:
 
 def check_fit_bounds_collectives(run: Run, static: Run | None) -> None:
     """Every process has the run id rank 0 drew (a joiner took the members' broadcast in its ``on_fit_start``); the
-    statistics are the whole training set's (a joiner took the members' gather and reduction); the summary counts the
-    final workers; every process's ``teardown`` waited for the others and wrote what it saw: a leaver alone (a world of
-    its own), the final workers together; no process printed a traceback. With the static run: the same statistics
-    and every step's loss."""
+    statistics are the whole training set's (a joiner took the members' gather and reduction, and the tensor their
+    direct ``torch.distributed.all_reduce`` left: a joiner's own call hung the job); the summary counts the final
+    workers; every process's ``teardown`` waited for the others and wrote what it saw: a leaver alone (a world of its
+    own), the final workers together; no process printed a traceback. With the static run: the same statistics and
+    every step's loss."""
+    summary, leavers = fit_bounds_summary(run)
+    if static is None:
+        data = load_script("fit_bounds_collectives").Features(96, 2)
+        assert summary["processes"] == 2 and not leavers, leavers
+        assert summary["x_scale"] == data.x.abs().amax(dim=0).tolist(), summary
+        assert summary["y"] == pytest.approx([data.y.mean().item(), data.y.std(unbiased=False).item()], rel=1e-12)
+        return
+    assert summary["processes"] == 1 and [record["steps"] for record in leavers] == [6, 9], leavers  # remove, migrate
+    assert_fit_bounds_alike(run, static)
+
+
+def fit_bounds_summary(run: Run) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``fit_bounds_collectives.py``'s summary and its leavers' teardown records, checked for what every run holds."""
     summary = json.loads((run.out / "summary.json").read_text())
     seen = [json.loads(path.read_text()) for path in sorted((run.out / "teardown").glob("*.json"))]
     assert {record["run_id"] for record in seen} == {summary["run_id"]}, seen
+    assert {record["samples"] for record in seen} == {96}, seen  # torch.distributed.all_reduce in on_train_start
     assert summary["steps"] == 24, summary
     finals = [record for record in seen if record["steps"] == 24]
     leavers = [record for record in seen if record["steps"] < 24]
@@ -874,15 +908,13 @@ def check_fit_bounds_collectives(run: Run, static: Run | None) -> None:
     assert "Traceback" not in run.output, run.excerpt()
     _, rows = read_csv(run.out / "logs" / "scaled" / "version_0" / "metrics.csv")
     assert sorted(logged(rows, "train_loss")) == list(range(24))
-    if static is None:
-        data = load_script("fit_bounds_collectives").Features(96, 2)
-        assert summary["processes"] == 2 and not leavers, seen
-        assert summary["x_scale"] == data.x.abs().amax(dim=0).tolist(), summary
-        assert summary["y"] == pytest.approx([data.y.mean().item(), data.y.std(unbiased=False).item()], rel=1e-12)
-        return
-    assert summary["processes"] == 1 and [record["steps"] for record in leavers] == [6, 9], seen  # remove, migrate
-    static_summary = json.loads((static.out / "summary.json").read_text())
+    return summary, leavers
+
+
+def assert_fit_bounds_alike(run: Run, static: Run) -> None:
+    summary, static_summary = (json.loads((r.out / "summary.json").read_text()) for r in (run, static))
     assert (summary["x_scale"], summary["y"]) == (static_summary["x_scale"], static_summary["y"]), summary
+    _, rows = read_csv(run.out / "logs" / "scaled" / "version_0" / "metrics.csv")
     _, static_rows = read_csv(static.out / "logs" / "scaled" / "version_0" / "metrics.csv")
     assert_logged_alike(rows, static_rows, "train_loss", exact=True)
 

@@ -4,9 +4,11 @@
 
 The LightningModule scales its inputs by statistics computed once per fit: in ``on_fit_start`` the largest magnitude
 of each feature, every process taking its strided share (``global_rank::world_size``) and ``self.all_gather``-ing
-the shares' maxima; in ``on_train_start`` the targets' mean and spread, the shares' sums added up by
-``trainer.strategy.reduce(..., "sum")``. They are plain attributes (recomputed by every fit, also a resumed one). A
-callback names the run in its ``on_fit_start``: rank 0 draws a random id and ``trainer.strategy.broadcast``s it.
+the shares' maxima, then ``torch.distributed.barrier()``; in ``on_train_start`` the targets' mean and spread, the
+shares' sums added up by ``trainer.strategy.reduce(..., "sum")``, and the number of samples, counted with
+``torch.distributed.all_reduce`` as a script ported from plain DDP does. They are plain attributes (recomputed by every
+fit, also a resumed one). A callback names the run in its ``on_fit_start``: rank 0 draws a random id and
+``trainer.strategy.broadcast``s it.
 
 In ``on_fit_end`` rank 0 writes ``OUT/summary.json`` (the run id, the steps, the number of processes, counted by a
 reduction) and every process reads it after ``trainer.strategy.barrier()``. In ``teardown`` each process waits for
@@ -64,6 +66,7 @@ class Scaled(pl.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
         self.x_scale = torch.ones(4, dtype=torch.float64)
         self.y_mean, self.y_std = 0.0, 1.0
+        self.samples = 0
 
     def _share(self) -> Features:
         return self.trainer.train_dataloader.dataset
@@ -73,12 +76,16 @@ class Scaled(pl.LightningModule):
         share = data.x[self.global_rank::self.trainer.world_size]
         maxima = self.all_gather(share.abs().amax(dim=0))
         self.x_scale = maxima.reshape(-1, 4).amax(dim=0)
+        dist.barrier()
 
     def on_train_start(self) -> None:
         share = self._share().y[self.global_rank::self.trainer.world_size]
         parts = torch.stack([share.sum(), share.square().sum(), torch.tensor(len(share), dtype=torch.float64)])
         total, squares, count = self.trainer.strategy.reduce(parts, reduce_op="sum").tolist()
         self.y_mean, self.y_std = total / count, (squares / count - (total / count) ** 2) ** 0.5
+        samples = torch.tensor([len(share)], dtype=torch.int64)
+        dist.all_reduce(samples)
+        self.samples = int(samples.item())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         _, x, y = batch
@@ -101,7 +108,8 @@ class Scaled(pl.LightningModule):
         if dist.is_initialized():
             dist.barrier()
         seen = {"stage": stage, "global_rank": self.global_rank, "run_id": self.run_name.run_id,
-                "world": dist.get_world_size() if dist.is_initialized() else 1, "steps": self.trainer.global_step}
+                "world": dist.get_world_size() if dist.is_initialized() else 1, "steps": self.trainer.global_step,
+                "samples": self.samples}
         (self.out / "teardown").mkdir(exist_ok=True)
         (self.out / "teardown" / f"{os.getpid()}.json").write_text(json.dumps(seen))
 
