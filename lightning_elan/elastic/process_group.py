@@ -508,12 +508,13 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         a joiner's (``taking()``) taken from the members' without reaching the group (``elastic/start_hooks.py``)."""
         self._start_hooks, self._taking_start_results = results, taking
 
-    def _in_start_hook(self, outputs: list[torch.Tensor], run: Callable[[], dist.Work]) -> dist.Work:
+    def _in_start_hook(self, outputs: list[torch.Tensor], run: Callable[[], dist.Work],
+                       own: torch.Tensor | None = None) -> dist.Work:
         results = self._start_hooks
         if results is None or not results.following_raw:
             return run()
         if self._taking_start_results():
-            results.raw_taken(outputs)
+            results.raw_taken(outputs, own)
             return _Completed()
         work = run()
         work.wait()
@@ -534,12 +535,17 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
 
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
         forward = super().allgather
-        outputs = [tensor for outputs in output_tensors for tensor in outputs]
-        return self._in_start_hook(outputs, lambda: forward(output_tensors, input_tensors, opts))
+        if len(output_tensors) != 1:  # one input per device: torch.distributed.all_gather passes one
+            return forward(output_tensors, input_tensors, opts)
+        return self._in_start_hook(list(output_tensors[0]), lambda: forward(output_tensors, input_tensors, opts),
+                                   own=input_tensors[0])
 
     def _allgather_base(self, output: Any, input: Any, opts: Any = None) -> Any:
         forward = super()._allgather_base
-        return self._in_start_hook([output], lambda: forward(output, input, opts))
+        if self._start_hooks is None or not self._start_hooks.following_raw:
+            return forward(output, input, opts)
+        slots = list(output.view(-1).split(input.numel()))  # all_gather_into_tensor: one slot per rank
+        return self._in_start_hook(slots, lambda: forward(output, input, opts), own=input.reshape(-1))
 
     # ------------------------------------------------------------------ membership
 

@@ -90,14 +90,23 @@ class StartHookResults:
         if name is not None and publisher:
             self._publish(name, _to_bytes([output.detach().cpu() for output in outputs]))
 
-    def raw_taken(self, outputs: list[torch.Tensor]) -> None:
-        """A joiner's direct collective in a start hook: ``outputs`` take what the members' same call left."""
+    def raw_taken(self, outputs: list[torch.Tensor], own: torch.Tensor | None = None) -> None:
+        """A joiner's direct collective in a start hook: ``outputs`` take what the members' same call left. A gather's
+        slots (``own``: this process's input) are as many as the joiner's world has: a slot the members' call did not
+        have takes ``own``, as this rank's slot would."""
         name = self._next_name("raw/")
         published = self._take(name) if name is not None else None
         if published is None:
             return
-        for output, value in zip(outputs, torch.load(io.BytesIO(published), weights_only=False), strict=True):
-            output.copy_(value)
+        values = torch.load(io.BytesIO(published), weights_only=False)
+        if len(values) != len(outputs):
+            log.warning("collective %s of this joiner's start hook has %d outputs, the members' had %d: the members' "
+                        "fill the first, this process's own input the others", name, len(outputs), len(values))
+        for index, output in enumerate(outputs):
+            if index < len(values) and values[index].shape == output.shape:
+                output.copy_(values[index])
+            elif own is not None and own.shape == output.shape:
+                output.copy_(own)
 
     def _take(self, name: str) -> bytes | None:
         published = self._published(name)

@@ -85,3 +85,17 @@ def test_a_direct_call_the_members_never_made_leaves_the_joiners_tensors(store, 
     with caplog.at_level(logging.WARNING, logger="lightning_elan.elastic.start_hooks"):
         joiner.raw_taken(outputs)
     assert outputs[0].tolist() == [7.0, 7.0] and "on_fit_start/0/raw/0" in caplog.text
+
+
+def test_a_gather_with_more_slots_than_the_members_had_takes_the_joiners_own_input_in_the_others(store, caplog):
+    """The members gathered at 2 workers; the joiner's ``all_gather`` (as ``all_gather_object`` builds it) has a slot
+    per process of its world of 3: the first two take the members' values, its own slot its own input."""
+    member, joiner = results(store), results(store)
+    member.entering("on_fit_start/4")
+    member.raw_completed([torch.tensor([1.0]), torch.tensor([2.0])], publisher=True)
+    joiner.entering("on_fit_start/4")
+    slots = [torch.zeros(1) for _ in range(3)]
+    with caplog.at_level(logging.WARNING, logger="lightning_elan.elastic.start_hooks"):
+        joiner.raw_taken(slots, own=torch.tensor([9.0]))
+    assert [slot.item() for slot in slots] == [1.0, 2.0, 9.0]
+    assert "3 outputs, the members' had 2" in caplog.text
