@@ -570,9 +570,10 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         return elapsed
 
     def go_alone(self) -> None:
-        """This process left the job: leave its generation for a world of this process alone, so that the collectives
-        it still makes (a leaver's ``teardown`` hooks, its script's ``finally:`` blocks, a ``destroy_process_group``)
-        complete at once, as the strategy's own do on a leaver, instead of failing on a group it no longer has."""
+        """This process is out of the job (it left; a joiner not admitted yet): leave its generation for a world of this
+        process alone, so that the collectives it makes (a leaver's ``teardown`` hooks, its script's ``finally:``
+        blocks, a ``destroy_process_group``) complete at once, as the strategy's own do there, instead of failing on a
+        group it does not have."""
         self.shutdown()
         group = group_of_this_process()
         torch_compat.keep_alive_forever(group)  # never freed: not by interpreter finalization (keep_backends_for_life)

@@ -337,6 +337,16 @@ class ElasticWorker:
         if self._link is not None:
             self._send_ahead.joiners_coming_at_start = self._link.register(str(self.device), self._topology())
 
+    def alone_until_admitted(self) -> None:
+        """A joiner warming up: torch's default group is a world of this process alone until it joins, so that the
+        script's own ``torch.distributed`` calls before its training (a ``setup`` or ``prepare_data`` ported from a DDP
+        script: ``get_rank()``, ``barrier()``) complete here, as the strategy's collectives do, instead of raising that
+        no default group exists; :meth:`join` makes it the job's."""
+        if self.is_member or self.has_left or self.environment.standalone or self.group is None:
+            return
+        self.group.go_alone()
+        install_default_group(self.group)
+
     @property
     def in_launch_generation(self) -> bool:
         """This worker is in the generation it formed when the job started, into which no state was replicated: its

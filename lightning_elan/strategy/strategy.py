@@ -221,6 +221,7 @@ class ElanStrategy(DDPStrategy):
         if not self.engine.is_member:
             self.engine.start(backend, self.root_device, timeout)
             self._collectives_local = not self.engine.is_member  # a joiner warming up
+            self.engine.alone_until_admitted()
         self._group_view = self.engine.generation_group if self.engine.is_member else None
         self._sync_environment()
 

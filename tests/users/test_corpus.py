@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import random
+import socket
 import time
 import types
 from collections.abc import Callable
@@ -900,6 +901,7 @@ def fit_bounds_summary(run: Run) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     seen = [json.loads(path.read_text()) for path in sorted((run.out / "teardown").glob("*.json"))]
     assert {record["run_id"] for record in seen} == {summary["run_id"]}, seen
     assert {record["samples"] for record in seen} == {96}, seen  # torch.distributed.all_reduce in on_train_start
+    assert {host for record in seen for host in record["hosts"]} == {socket.gethostname()}, seen  # all_gather_object
     assert summary["steps"] == 24, summary
     finals = [record for record in seen if record["steps"] == 24]
     leavers = [record for record in seen if record["steps"] < 24]

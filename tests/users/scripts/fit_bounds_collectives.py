@@ -10,6 +10,10 @@ shares' sums added up by ``trainer.strategy.reduce(..., "sum")``, and the number
 fit, also a resumed one). A callback names the run in its ``on_fit_start``: rank 0 draws a random id and
 ``trainer.strategy.broadcast``s it.
 
+Code ported from a DDP script: ``setup`` has rank 0 (``torch.distributed.get_rank()``) make the output directory
+while the others wait in ``torch.distributed.barrier()``, and ``on_fit_start`` collects every process's host name with
+``torch.distributed.all_gather_object``.
+
 In ``on_fit_end`` rank 0 writes ``OUT/summary.json`` (the run id, the steps, the number of processes, counted by a
 reduction) and every process reads it after ``trainer.strategy.barrier()``. In ``teardown`` each process waits for
 the others (``torch.distributed.barrier()``) and writes what it saw to ``OUT/teardown/<pid>.json``. The script ends
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import uuid
 from pathlib import Path
@@ -68,6 +73,12 @@ class Scaled(pl.LightningModule):
         self.y_mean, self.y_std = 0.0, 1.0
         self.samples = 0
 
+    def setup(self, stage: str) -> None:
+        if dist.get_rank() == 0:
+            (self.out / "teardown").mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        assert (self.out / "teardown").is_dir()
+
     def _share(self) -> Features:
         return self.trainer.train_dataloader.dataset
 
@@ -77,6 +88,8 @@ class Scaled(pl.LightningModule):
         maxima = self.all_gather(share.abs().amax(dim=0))
         self.x_scale = maxima.reshape(-1, 4).amax(dim=0)
         dist.barrier()
+        self.hosts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(self.hosts, socket.gethostname())
 
     def on_train_start(self) -> None:
         share = self._share().y[self.global_rank::self.trainer.world_size]
@@ -109,7 +122,7 @@ class Scaled(pl.LightningModule):
             dist.barrier()
         seen = {"stage": stage, "global_rank": self.global_rank, "run_id": self.run_name.run_id,
                 "world": dist.get_world_size() if dist.is_initialized() else 1, "steps": self.trainer.global_step,
-                "samples": self.samples}
+                "samples": self.samples, "hosts": self.hosts}
         (self.out / "teardown").mkdir(exist_ok=True)
         (self.out / "teardown" / f"{os.getpid()}.json").write_text(json.dumps(seen))
 
