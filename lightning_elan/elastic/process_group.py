@@ -61,7 +61,7 @@ ARRIVAL_POLL_MIN_S, ARRIVAL_POLL_MAX_S = 0.0005, 0.05
 """A member waiting for the others to arrive looks again after 0.5 ms, doubling up to 50 ms (and whether the
 generation failed meanwhile)."""
 ALONE_PREFIX = "alone/"
-"""The prefix of the world of one a process that left the job is in (see :meth:`ElasticProcessGroup.go_alone`)."""
+"""The prefix of the world of one a process out of the job is in (see :meth:`ElasticProcessGroup.go_alone`)."""
 CALLBACK_RELEASE_S = 0.05
 """At exit, after such a callback returned: time for the backend's thread to free it (it takes the GIL to do so)."""
 
@@ -508,6 +508,10 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
         a joiner's (``taking()``) taken from the members' without reaching the group (``elastic/start_hooks.py``)."""
         self._start_hooks, self._taking_start_results = results, taking
 
+    def _following_raw(self) -> bool:
+        """Whether a call on this group now is one made directly in a start hook."""
+        return self._start_hooks is not None and self._start_hooks.following_raw
+
     def _in_start_hook(self, outputs: list[torch.Tensor], run: Callable[[], dist.Work],
                        own: torch.Tensor | None = None) -> dist.Work:
         results = self._start_hooks
@@ -542,7 +546,7 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
 
     def _allgather_base(self, output: Any, input: Any, opts: Any = None) -> Any:
         forward = super()._allgather_base
-        if self._start_hooks is None or not self._start_hooks.following_raw:
+        if not self._following_raw():
             return forward(output, input, opts)
         slots = list(output.view(-1).split(input.numel()))  # all_gather_into_tensor: one slot per rank
         return self._in_start_hook(slots, lambda: forward(output, input, opts), own=input.reshape(-1))

@@ -45,9 +45,10 @@ class StartHookResults:
         self._publish = publish
         self._published = published
         self._hook: str | None = None
-        self._made = {"": 0, "raw/": 0}
+        self._made: dict[str, int] = {}
         self._in_strategy_collective = False
         self._warned: set[str] = set()
+        self.entering(None)
 
     def entering(self, hook: str | None) -> None:
         """A start hook begins (``on_train_start/3``: its name and its owner's place), again when it runs again after
