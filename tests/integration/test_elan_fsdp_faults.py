@@ -56,6 +56,7 @@ def test_a_member_killed_in_a_step_loses_no_step(tmp_path: Path, static_fsdp: Fs
     assert_recovered_exactly(run, static_fsdp, [("add", 3), ("failure", 2)])
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 def test_a_member_killed_in_the_forward_of_a_block_unit_loses_no_step(tmp_path: Path, static_fsdp: FsdpRun) -> None:
     """Each block a unit (``shard_modules={Block}``); rank 1 SIGKILLs itself in step 5's forward, in the second block:
     the survivors wait in the third block's all-gather with the root's and the first block's gathered parameters
@@ -67,6 +68,7 @@ def test_a_member_killed_in_the_forward_of_a_block_unit_loses_no_step(tmp_path: 
     assert_recovered_exactly(run, static_fsdp, [("add", 3), ("failure", 2)])
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 def test_a_member_killed_in_the_first_step_after_a_resize_loses_no_step(tmp_path: Path, static_fsdp: FsdpRun) -> None:
     """Rank 1 SIGKILLs itself in the forward of step 2, the first of the generation the growth to 3 formed: the mirrors
     were seeded at the end of the resize's reshard, so its shard is restored all the same."""
@@ -77,6 +79,7 @@ def test_a_member_killed_in_the_first_step_after_a_resize_loses_no_step(tmp_path
     assert "grows after step 2" in run.output, run.excerpt()
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 @pytest.mark.parametrize("phase", ["start", "backward"])
 def test_a_member_killed_in_the_launch_generations_first_step_loses_no_step(tmp_path: Path, static_fsdp: FsdpRun,
                                                                              phase: str) -> None:
@@ -96,6 +99,7 @@ def test_rank_0_killed_loses_no_step(tmp_path: Path, static_fsdp: FsdpRun) -> No
     assert_recovered_exactly(run, static_fsdp, [("add", 3), ("failure", 2)])
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 def test_a_member_killed_in_the_reduce_scatter_of_4_releases_every_survivor(tmp_path: Path,
                                                                           static_fsdp: FsdpRun) -> None:
     """2 workers grown to 4; rank 3 SIGKILLs itself in step 5's backward. In gloo's ring a survivor that is not the
@@ -109,6 +113,7 @@ def test_a_member_killed_in_the_reduce_scatter_of_4_releases_every_survivor(tmp_
     assert_recovered_exactly(run, static_fsdp, [("add", 4), ("failure", 3)])
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 def test_a_killed_member_is_replaced(tmp_path: Path, static_fsdp: FsdpRun) -> None:
     """``--replace-failed --min-workers 2``, 2 workers: rank 1 dies in step 5's backward; the recovery waits for the
     replacement, and its reshard gives the replacement only its new shard: its rows from the survivor's own shard and
@@ -139,6 +144,7 @@ def assert_released_and_recovered(run: FsdpRun, static: FsdpRun, adjustments: li
     assert_recovered_exactly(run, static, adjustments, recorded=("failure",))
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 def test_a_member_killed_in_a_scale_out_reshard_releases_every_survivor(tmp_path: Path, static_fsdp: FsdpRun) -> None:
     """2 workers grow to 4 after step 2; rank 1 SIGKILLs itself at its third transfer of the live reshard (some rows
     moved). gloo's point-to-point transfers could not be released: a survivor waited on a live peer until the AM
@@ -151,6 +157,7 @@ def test_a_member_killed_in_a_scale_out_reshard_releases_every_survivor(tmp_path
     assert_released_and_recovered(run, static_fsdp, [("failure", 3)])
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 def test_a_member_killed_in_a_scale_in_reshard_releases_every_survivor(tmp_path: Path, static_fsdp: FsdpRun) -> None:
     """2 workers grown to 4 after step 2, rank 3 removed after step 4; rank 1 SIGKILLs itself in that reshard: the
     leaver leaves, the survivors 0 and 2 recover from the 4-member layout (rank 1's shard from rank 2's mirror, the
@@ -162,6 +169,7 @@ def test_a_member_killed_in_a_scale_in_reshard_releases_every_survivor(tmp_path:
     assert "leaves the job: a member died in the live reshard" in run.output, run.excerpt()
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 def test_a_member_killed_in_a_recovery_reshard_recovers_from_the_same_old_layout(tmp_path: Path,
                                                                                  static_fsdp: FsdpRun) -> None:
     """2 workers grown to 4; rank 3 dies in step 5's backward and rank 1 in the reshard of the recovery from that

@@ -190,6 +190,7 @@ def test_a_job_that_only_validates_the_guides_model(tmp_path_factory: pytest.Tem
     assert 0 < results[0][0]["val_loss"] < 10, results  # an NLL over a vocabulary of about 50 words, untrained
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 def test_fsdp_strategys_arguments_make_each_layer_a_checkpointed_unit(runs: Callable[..., Run]) -> None:
     """``ElanFSDPStrategy(auto_wrap_policy=layers, activation_checkpointing_policy=layers,
     sharding_strategy="SHARD_GRAD_OP")``: the process that finished the elastic fit (through a grow, a migration and a

@@ -81,6 +81,7 @@ def test_fsdp2_trains_the_ddp_runs_model(runs: Callable[[str], Run]) -> None:
                         where="final")
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 def test_a_kill_that_leaves_two_members_of_a_tied_model_recovers_exactly(runs: Callable[[str], Run]) -> None:
     """Rank 1 of 3 SIGKILLed: the survivors restore its shard from its mirror and seed the mirrors of the new
     generation, then the replacement joins. Before, the recovery left the tied head a parameter of its own on the meta
@@ -97,6 +98,7 @@ def test_a_kill_that_leaves_two_members_of_a_tied_model_recovers_exactly(runs: C
     assert_states_close(model, final_model(static), where="final")
 
 
+@pytest.mark.extended  # sharded training beyond its CI-tier checks
 def test_a_member_killed_in_save_state_is_recovered_and_the_checkpoint_is_whole(runs: Callable[[str], Run]) -> None:
     """Rank 1 of 3 SIGKILLed as DCP starts writing the model of the ``save_state`` after step 10 (``step_10``): the
     survivors, waiting in the write's all-reduce, recover at once (its shard from its mirror) and save again among
