@@ -243,6 +243,12 @@ class ApplicationMaster:
         self._started_at = time.time()
         self._finished_seen_at: float | None = None  # when ``over`` first saw the job finished (monotonic)
         self._state, self._replies = self._load(store)
+        # every answer to a mutating request, for this process's lifetime: a copy the client resent before the first
+        # answer reached it must get that answer, not a fresh application. ``_replies`` (persisted) holds only the
+        # answers that changed the state; a first copy that changed nothing (a launcher_poll with no worker to start
+        # yet) or was refused (a scale while an adjustment is in flight) is answered from here, or its resent copy,
+        # applied after the state moved on, would start a worker or queue a request the client never hears of
+        self._answered = ReplyCache()
         self._address: str | None = None
         self._stopping = threading.Event()
         self._ready = threading.Event()
@@ -524,8 +530,7 @@ class ApplicationMaster:
         try:
             return self._handle(request, envelope)
         except (StateError, sizing.SizingError) as error:
-            logger.debug("AM of job %r refused %s %s: %s", self.job, request.type, request.id, error)
-            return error_reply(request.id, str(error))
+            return self._refusal(request, error)
 
     def _authenticated(self, payload: bytes) -> bytes:
         """The request's JSON once its frame authenticates (with a secret), or as it came (without one)."""
@@ -542,12 +547,21 @@ class ApplicationMaster:
                 self._park(request, envelope)
                 return None
             return ok_reply(request.id, reply_body(request.type, reply))
-        cached = self._replies.get(request.id)
+        cached = self._replies.get(request.id) or self._answered.get(request.id)
         if cached is not None:
             return self._replay(request, *cached)
-        reply = self._apply(request)
-        self._wake_parked()
+        try:
+            reply = self._apply(request)
+        except (StateError, sizing.SizingError) as error:
+            reply = self._refusal(request, error)
+        else:
+            self._wake_parked()
+        self._answered.put(request.id, request.type, reply)
         return reply
+
+    def _refusal(self, request: Request, error: Exception) -> dict[str, Any]:
+        logger.debug("AM of job %r refused %s %s: %s", self.job, request.type, request.id, error)
+        return error_reply(request.id, str(error))
 
     def _replay(self, request: Request, cached_type: str, reply: dict[str, Any]) -> dict[str, Any]:
         if cached_type != request.type:

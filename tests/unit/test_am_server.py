@@ -487,6 +487,41 @@ def test_a_replayed_id_is_answered_from_the_cache_whatever_its_body(client: AMCl
     assert [request["request_id"] for request in client.status()["pending"]] == ["r1"]
 
 
+def test_a_resent_poll_gets_the_first_copys_answer_and_the_next_poll_starts_the_worker(
+    client: AMClient, raw: RawDealer
+) -> None:
+    """The launcher resends a ``launcher_poll`` the AM was slow to answer (same id): the first copy found no worker to
+    start, a ``scale`` came between the copies. The second copy gets the first copy's answer (the launcher keeps the
+    first answer and drops the second: a worker handed out there was never started), and the next poll hands the new
+    worker out."""
+    poll = encode_request("poll-1", JOB, "launcher_poll", {})
+    first = raw.ask(poll)
+    new_worker = client.scale("add", count=1)["new_workers"][0]
+    resent = raw.ask(poll)
+    next_poll = raw.ask(encode_request("poll-2", JOB, "launcher_poll", {}))
+
+    assert first["ok"] and first["body"]["spawn"] == []
+    assert resent == first
+    assert [order["worker_id"] for order in next_poll["body"]["spawn"]] == [new_worker]
+
+
+def test_a_refused_request_resent_after_its_cause_is_gone_stays_refused(client: AMClient, raw: RawDealer) -> None:
+    """A ``scale`` refused while an adjustment is in flight, resent with the same id once it completed (its first
+    answer was slow to reach the client, which then asks again with a new id): the resent copy is refused again, so
+    the scale applies once, by the new id."""
+    plan = add_and_decide(client)
+    scale = encode_request("scale-late", JOB, "scale", {"action": "add", "count": 1})
+    refused = raw.ask(scale)
+    for worker in plan.members:
+        client.report(AdjustmentReport(worker, plan.generation, "joiner" if worker in plan.joiners else "stayer"))
+    resent = raw.ask(scale)
+    retried = client.scale("add", count=1)
+
+    assert refused["ok"] is False and "adjustment in flight" in refused["error"]
+    assert resent == refused
+    assert [request["request_id"] for request in client.status()["pending"]] == [retried["request_id"]]
+
+
 def test_a_flood_of_refused_messages_logs_a_bounded_number_of_warnings(
     client: AMClient, raw: RawDealer, caplog: pytest.LogCaptureFixture
 ) -> None:
