@@ -110,6 +110,7 @@ CORPUS: dict[str, Script] = {
     "weighted_onecycle": Script(("{scripts}/weighted_onecycle.py", "{out}"), True, epochs(3, 96),
                                 tuple(range(24))),
     "swa_average": Script(("{scripts}/swa_average.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
+    "ema_weights": Script(("{scripts}/ema_weights.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
     "ported_ddp_sampler": Script(("{scripts}/ported_ddp_sampler.py", "{out}"), True, epochs(3, 96),
                                  tuple(range(24))),
     "accumulate_by_epoch": Script(("{scripts}/accumulate_by_epoch.py", "{out}"), True, epochs(3, 96),
@@ -531,6 +532,27 @@ def check_swa_average(run: Run, static: Run | None) -> None:
         assert abs(validated - expected) <= TOLERANCE
 
 
+def check_ema_weights(run: Run, static: Run | None) -> None:
+    """Every step's loss logged once; with the static run: every logged loss, every checkpoint (each holds the
+    average as its ``state_dict`` and the trained weights as ``current_model_state``) and the averaged model's
+    validation after ``fit`` equal (the final state is the average: checked with it)."""
+    _, rows = read_csv(run.out / "logs" / "ema" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(24)), "every step logged once"
+    assert len(logged(rows, "val_loss")) == 7, "a validation after every 4 batches, and one after fit"
+    if static is None:
+        return
+    _, static_rows = read_csv(static.out / "logs" / "ema" / "version_0" / "metrics.csv")
+    for column in ("train_loss", "val_loss"):
+        assert_logged_alike(rows, static_rows, column, exact=True)
+    saved = assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
+    reference = checkpoints(static.out / "checkpoints")
+    for name, checkpoint in saved.items():
+        assert_states_close(checkpoint["current_model_state"], reference[name]["current_model_state"])
+    validated = json.loads((run.out / "ema.json").read_text())["validate"][0]["val_loss"]
+    expected = json.loads((static.out / "ema.json").read_text())["validate"][0]["val_loss"]
+    assert abs(validated - expected) <= TOLERANCE, (validated, expected)
+
+
 def check_accumulate_by_epoch(run: Run, static: Run | None) -> None:
     """Every optimizer step's loss logged once (8 in the first epoch, 4 in each later one) with the static run's
     values (a joiner in an accumulating epoch accumulates as the members do)."""
@@ -933,6 +955,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "tune_then_fit": check_tune_then_fit,
     "train_in_stages": check_train_in_stages,
     "swa_average": check_swa_average,
+    "ema_weights": check_ema_weights,
     "plateau_early_stop": check_plateau_early_stop,
     "accumulate_by_epoch": check_accumulate_by_epoch,
     "weighted_onecycle": check_weighted_onecycle,
