@@ -682,6 +682,7 @@ def _validation_start(trainer: pl.Trainer, loop: Any = None) -> dict[str, Any]:
     (``trainer.validate_loop``, ``test_loop``, ``predict_loop``, which has no logged results)."""
     val_loop = trainer.fit_loop.epoch_loop.val_loop if loop is None else loop
     connector = trainer._logger_connector
+    _track_weight_swaps(trainer)
     return {
         "callbacks": [(callback, copy.deepcopy(callback.state_dict())) for callback in trainer.callbacks
                       if any(is_overridden(hook, callback, parent=Callback) for hook in _VALIDATION_HOOKS)],
@@ -716,9 +717,57 @@ def _abandon_validation(trainer: pl.Trainer, start: dict[str, Any], loop: Any = 
         setattr(connector, name, metrics)
     for callback, state in start["callbacks"]:
         _give_back_deciding_state(callback, state, trainer)
+    _swap_back_averaged_weights(trainer)
     trainer.should_stop = start["should_stop"]
     if loop is None:
         trainer.training = True
+
+
+def _weight_averaging_callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """Lightning's ``WeightAveraging`` callbacks (``EMAWeightAveraging`` …; Lightning 2.6 and later)."""
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # Lightning before 2.6
+        return []
+    return [callback for callback in trainer.callbacks if isinstance(callback, WeightAveraging)]
+
+
+def _track_weight_swaps(trainer: pl.Trainer) -> None:
+    """Note on each ``WeightAveraging`` callback whether its validation hooks hold the weights swapped.
+
+    ``callbacks/weight_averaging.py``: ``on_validation_epoch_start`` swaps the model's parameters and buffers with its
+    ``AveragedModel``'s (``_swap_models``, values copied in place) and ``on_validation_epoch_end`` swaps them back. A
+    run abandoned between the two (a member's death) must swap back before it runs again, or its second
+    ``on_validation_epoch_start`` swaps the average out again and training goes on from the average
+    (:func:`_swap_back_averaged_weights`). Lightning calls a callback's hooks by ``getattr`` on the instance
+    (``call._call_callback_hooks``), so instance attributes wrap them for this trainer's callbacks only."""
+    for callback in _weight_averaging_callbacks(trainer):
+        if getattr(callback, "_elan_swaps_tracked", False):
+            continue
+        callback._elan_swapped = False
+        callback._elan_swaps_tracked = True
+        start, end = callback.on_validation_epoch_start, callback.on_validation_epoch_end
+
+        def swapped_in(trainer: pl.Trainer, pl_module: pl.LightningModule, _callback: Any = callback,
+                       _start: Callable[..., None] = start) -> None:
+            _start(trainer, pl_module)
+            _callback._elan_swapped = _callback._average_model is not None
+
+        def swapped_out(trainer: pl.Trainer, pl_module: pl.LightningModule, _callback: Any = callback,
+                        _end: Callable[..., None] = end) -> None:
+            _end(trainer, pl_module)
+            _callback._elan_swapped = False
+
+        callback.on_validation_epoch_start, callback.on_validation_epoch_end = swapped_in, swapped_out
+
+
+def _swap_back_averaged_weights(trainer: pl.Trainer) -> None:
+    """An abandoned validation run left a ``WeightAveraging`` callback's average in the model: swap it back
+    (:func:`_track_weight_swaps`)."""
+    for callback in _weight_averaging_callbacks(trainer):
+        if getattr(callback, "_elan_swapped", False):
+            callback._swap_models(trainer.lightning_module)
+            callback._elan_swapped = False
 
 
 def redo_evaluations_cut_by_a_death(trainer: pl.Trainer, recover: Callable[[BaseException], None],

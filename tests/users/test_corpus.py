@@ -373,6 +373,22 @@ def test_a_joiner_takes_the_results_of_a_start_hook_run_again(runs: Callable[[st
     assert_fit_bounds_alike(run, static)
 
 
+def test_a_death_in_a_validation_on_the_averaged_weights_swaps_them_back(runs: Callable[[str, bool], Run],
+                                                                       tmp_path: Path) -> None:
+    """``ema_weights.py`` loses its rank 1 in the validation after step 3, which ``EMAWeightAveraging`` runs on the
+    average (swapped into the model as the run starts, back as it ends): the survivor abandons the run with the
+    average in the model and runs it again. The average is swapped back first (before, the second run swapped it
+    out again and training went on from the average: a final state 5e-2 from the static run's, exit 0)."""
+    static = runs("ema_weights", False)
+    run = run_job(tmp_path, Job("ema_validation_kill", CORPUS["ema_weights"].command, kill="3:validation"))
+    assert_ok(run)
+    assert [kill["phase"] for kill in run.kills()] == ["validation"]
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 1)]
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    check_ema_weights(run, static)
+
+
 def test_a_member_killed_before_the_training_loop_changes_nothing(runs: Callable[[str, bool], Run],
                                                                    tmp_path: Path) -> None:
     """The DataModule script loses its rank 1 in the callbacks' ``setup`` (after its ``prepare_data`` wrote the
