@@ -62,7 +62,8 @@ def main(out: Path) -> None:
     checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=5, save_top_k=-1)
     trainer = pl.Trainer(strategy="elan", accelerator="cpu", max_epochs=3, enable_progress_bar=False,
                          enable_model_summary=False, logger=CSVLogger(out / "logs", name="ema"),
-                         val_check_interval=4, log_every_n_steps=1, callbacks=[EMAWeightAveraging(decay=0.8), checkpoints])
+                         val_check_interval=4, log_every_n_steps=1,
+                         callbacks=[EMAWeightAveraging(decay=0.8), checkpoints])
     model = Regressor()
     trainer.fit(model, DataLoader(Waves(96, 0), batch_size=6, shuffle=True),
                 DataLoader(Waves(24, 1), batch_size=6))
