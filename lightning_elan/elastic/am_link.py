@@ -19,8 +19,10 @@ from lightning_elan.protocol.contract import (
     CoordinateRequest,
     RecoverRequest,
     RegisterRequest,
+    StalledRequest,
     WaitPlanReply,
     WorkerEnvironment,
+    WorkerExitReply,
     WorkerStats,
 )
 
@@ -123,6 +125,18 @@ class AMLink:
             return WaitPlanReply.cancelled(f"the application master refused recovery: {error}")
         reply = WaitPlanReply.from_body(body)
         return reply if reply.status != "wait" else self.wait_plan(deadline_s)
+
+    def report_stalled(self, generation: int, waited_s: float, detail: str) -> list[int]:
+        """Tell the AM that a collective of ``generation`` timed out with no member said to have died; returns the
+        generations the AM failed for it (empty: it refused, e.g. the generation is over, or did not answer)."""
+        request = StalledRequest(self.worker_id, generation, waited_s, detail[:500])
+        try:
+            body = self._client.request(request.TYPE, request.to_body(), timeout_s=REPORT_ATTEMPT_S,
+                                        retries=REPORT_ATTEMPTS - 1)
+        except (AMError, AMUnavailable) as error:
+            log.warning("the application master did not take the stall of generation %d: %s", generation, error)
+            return []
+        return list(WorkerExitReply.from_body(body).failed_generations or [])
 
     def report(self, report: AdjustmentReport, wait: bool = False) -> None:
         """Queue an adjustment report; ``wait`` sends it now (a leaver about to exit)."""

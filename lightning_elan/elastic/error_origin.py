@@ -34,7 +34,7 @@ import torch.nn.parallel.distributed as ddp_module
 
 from lightning_elan.elastic.failures import PeerFailure
 
-__all__ = ["PROGRAMMING_ERRORS", "may_be_a_peers_death", "raised_in_communication"]
+__all__ = ["PROGRAMMING_ERRORS", "is_a_collective_timeout", "may_be_a_peers_death", "raised_in_communication"]
 
 PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, KeyError, IndexError, ZeroDivisionError,
                       NotImplementedError, ImportError, SyntaxError)
@@ -81,6 +81,26 @@ def may_be_a_peers_death(error: BaseException) -> bool:
     if isinstance(error, PROGRAMMING_ERRORS):
         return False
     return any(_names_a_failed_transport(link) or raised_in_communication(link.__traceback__) for link in _chain(error))
+
+
+def is_a_collective_timeout(error: BaseException) -> bool:
+    """Whether ``error`` says a collective or a store wait ran out its timeout: gloo's "Timed out waiting 10000ms for
+    recv operation to complete", NCCL's watchdog, a ``DistStoreError`` "wait timeout". A peer that died resets its
+    connections and fails the collective at once; one whose process is frozen (SIGSTOP, a swapped-out host) or hung
+    outside the collective lets it time out. Not a user's own timeout (an HTTP read in a callback): the error must come
+    from torch.distributed or name gloo or NCCL."""
+    return any(_names_a_timeout(link) and (isinstance(link, dist.DistError) or _names_a_backend(link))
+               for link in _chain(error))
+
+
+def _names_a_timeout(error: BaseException) -> bool:
+    message = str(error).lower()
+    return "timed out" in message or "timeout" in message
+
+
+def _names_a_backend(error: BaseException) -> bool:
+    message = str(error).lower()
+    return "gloo" in message or "nccl" in message
 
 
 def raised_in_communication(trace: TracebackType | None) -> bool:

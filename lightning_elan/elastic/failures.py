@@ -35,7 +35,7 @@ from lightning_elan.protocol.contract import failure_key
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CommitVote", "FailureWatch", "PeerFailure", "UncertainCommit"]
+__all__ = ["CommitVote", "FailureWatch", "PeerFailure", "StalledVote", "UncertainCommit"]
 
 WATCH_INTERVAL_S = 0.05
 """How often the watch thread checks the store for the current generation's failure key."""
@@ -129,6 +129,18 @@ class FailureWatch:
             log.exception("failure callback for generation %d failed", generation)
 
 
+class StalledVote(dist.DistError):
+    """The members' votes on a step did not all come within the generation's collective timeout, and no failure is
+    known: a member stopped answering (frozen, or hung outside the step). The step is aborted (nobody applies it);
+    the error reads as a collective timeout (``error_origin.is_a_collective_timeout``), so the worker asks the AM to
+    fail the generation."""
+
+    def __init__(self, generation: int, waited_s: float) -> None:
+        super().__init__(f"the commit vote of generation {generation} timed out after {waited_s:.0f} s: a member did "
+                         "not vote (it stopped answering)")
+        self.generation = generation
+
+
 class UncertainCommit(PeerFailure):
     """This member voted on a step and lost the store holding the vote before it read the decision: whether the step
     committed is decided by the recovery (it did if another survivor applied it)."""
@@ -143,9 +155,13 @@ class CommitVote:
     """The per-step commit decision of one generation (see the module docstring)."""
 
     def __init__(self, store: dist.Store, generation: int, rank: int, world_size: int,
-                 failed: Callable[[], bool], hosted_by_rank_0: bool = False, name: str = "commit") -> None:
-        """``name``: what is voted on (the keys ``elan/gen<g>/<name><n>``; a live reshard's commit has its own)."""
+                 failed: Callable[[], bool], hosted_by_rank_0: bool = False, name: str = "commit",
+                 timeout: timedelta | None = None) -> None:
+        """``name``: what is voted on (the keys ``elan/gen<g>/<name><n>``; a live reshard's commit has its own);
+        ``timeout``: how long a member waits for the others' votes (the generation's collective timeout), None: no
+        bound."""
         self._store = store
+        self._timeout_s = None if timeout is None else timeout.total_seconds()
         self._hosted_by_rank_0 = hosted_by_rank_0
         self._generation = generation
         self._prefix = f"elan/gen{generation}/{name}"
@@ -168,6 +184,8 @@ class CommitVote:
         self._count += 1
         try:
             decision = self._decide(f"{self._prefix}{self._count}", leaving)
+        except StalledVote:
+            raise
         except (RuntimeError, OSError) as error:  # torch's store errors are RuntimeErrors
             raise UncertainCommit(self._generation, error) from error
         if self._hosted_by_rank_0:
@@ -185,10 +203,17 @@ class CommitVote:
         return self._await_decision(key)
 
     def _await_decision(self, key: str) -> bytes:
-        pause = 0.0
+        """The decision, once the last voter made it; aborted once a failure is known, or once the members' votes
+        did not all come within the timeout (a member stopped answering: :class:`StalledVote`)."""
+        pause, deadline = 0.0, None if self._timeout_s is None else time.monotonic() + self._timeout_s
         while not self._store.check([key]):
             if self._failed():
                 return self._store.compare_set(key, "", _ABORT)
+            if deadline is not None and time.monotonic() > deadline:
+                decision = self._store.compare_set(key, "", _ABORT)  # the last voter may have decided just now
+                if decision != _ABORT:
+                    return decision
+                raise StalledVote(self._generation, self._timeout_s or 0.0)
             time.sleep(pause)
             pause = min(VOTE_POLL_MAX_S, pause * 2 or 5e-5)
         return self._store.get(key)
@@ -203,8 +228,10 @@ class CommitVote:
             if self._rank == 0:
                 raise
             return
-        pause = 0.0
+        pause, deadline = 0.0, None if self._timeout_s is None else time.monotonic() + self._timeout_s
         while self._rank == 0 and read < self._world_size and not self._failed():
+            if deadline is not None and time.monotonic() > deadline:
+                return  # a member stopped answering after the decision: the step stands; its next collective stalls
             time.sleep(pause)
             pause = min(VOTE_POLL_MAX_S, pause * 2 or 5e-5)
             read = self._store.add(f"{key}/read", 0)

@@ -32,7 +32,7 @@ from lightning_elan.data.sampler import DataPosition, EpochOrder
 from lightning_elan.elastic.am_link import AMLink
 from lightning_elan.elastic.compute import ComputeMeter
 from lightning_elan.elastic.epoch_aggregates import AggregateHandover, Inheritance, heir_of
-from lightning_elan.elastic.error_origin import may_be_a_peers_death
+from lightning_elan.elastic.error_origin import is_a_collective_timeout, may_be_a_peers_death
 from lightning_elan.elastic.etcd_rendezvous import open_rendezvous_store
 from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, UncertainCommit
 from lightning_elan.elastic.frontend import FrontEnd, ScalingParticipant
@@ -61,6 +61,7 @@ from lightning_elan.protocol.contract import (
     CoordinateRequest,
     WorkerEnvironment,
     WorkerStats,
+    failure_key,
 )
 from lightning_elan.replication.exchange import OutgoingReplication, ReplicationContext, receive_replica, send_replica
 from lightning_elan.replication.iface import bind_transfer_interface, collective_address
@@ -640,6 +641,11 @@ class ElasticWorker:
             raise own from error  # the generation failed by this process's own decision, not by a death
         if self._watch is None or not (self._peer_failed_in(generation) or may_be_a_peers_death(error)):
             raise error  # the process's own error (a bug, an out-of-memory...), raised outside any communication
+        stalled = not self._peer_failed_in(generation) and is_a_collective_timeout(error)
+        if stalled and self._declare_stall(error, generation):
+            if self.peer_failure_within(FAILURE_NOTICE_S, generation):  # the key is set: the watch sees it
+                return
+            raise error
         if self.peer_failure_within(FAILURE_NOTICE_WARNING_S, generation):
             return
         log.warning("worker %s: a collective failed (%s: %s) and the AM has not said that a member died; waiting up "
@@ -647,6 +653,22 @@ class ElasticWorker:
                     type(error).__name__, str(error)[:200], FAILURE_NOTICE_S)
         if not self.peer_failure_within(FAILURE_NOTICE_S - FAILURE_NOTICE_WARNING_S, generation):
             raise error
+
+    def _declare_stall(self, error: BaseException, generation: int | None) -> bool:
+        """A collective timed out: a member stopped answering (frozen, or hung outside the collective), where a dead
+        one would have failed it at once. Ask the AM to fail the generation and set its failure keys, so every member
+        that answers recovers without the silent one (the AM declares it dead when it does not check in, and its
+        launcher kills it). Returns whether the generation is failed."""
+        failed = self.generation if generation is None else generation
+        if self._link is None or self.group is None or failed is None:
+            return False
+        waited_s = self.timeout.total_seconds()
+        log.warning("worker %s: a collective of generation %d timed out (%s); asking the AM to fail the generation "
+                    "without the member that stopped answering", self.worker_id, failed, str(error)[:200])
+        generations = self._link.report_stalled(failed, waited_s, f"{type(error).__name__}: {error}")
+        for each in generations:
+            self.group.store.set(failure_key(each), f"stalled:{self.worker_id}")
+        return failed in generations
 
     def _peer_failed_in(self, generation: int | None) -> bool:
         if generation is None or generation == self.generation:
@@ -684,7 +706,7 @@ class ElasticWorker:
             self._watch.watch(self.generation)
             store = self._vote_store()
             self._vote = CommitVote(store, self.generation or 0, group.rank(), group.size(), lambda: self.peer_failed,
-                                    hosted_by_rank_0=store is not group.store)
+                                    hosted_by_rank_0=store is not group.store, timeout=self.timeout)
 
     def _vote_store(self) -> dist.Store:
         """Where this generation's commit votes go: the job store when it is a ``TCPStore`` (served by ``elan run``

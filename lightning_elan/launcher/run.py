@@ -132,6 +132,7 @@ class WorkerProcess:
     stranded: bool = False  # a joiner of a plan whose old members all finished: stopped by the launcher
     terminated: bool = False  # the launcher sent it SIGTERM (to stop it, not to make it leave)
     held_since: float | None = None  # when the launcher first saw it hold a SIGTERM (blocked: no handler yet)
+    unresponsive: bool = False  # killed by the launcher: the AM declared it dead (it stopped answering)
 
     @property
     def alive(self) -> bool:
@@ -364,6 +365,8 @@ class JobLauncher:
             self._spawn(order.worker_id, ROLE_JOINER, detail=detail)
         for worker_id in reply.stop:
             self._stop_unreported(worker_id)
+        for worker_id in reply.kill:
+            self._kill_unresponsive(worker_id)
         return reply.finished
 
     def _stop_unreported(self, worker_id: str) -> None:
@@ -373,6 +376,16 @@ class JobLauncher:
             log.warning("stopping %s: it never reported ready, its request failed", worker_id)
             self._send_signal(worker, signal.SIGTERM)
             self._end_held_sigterms([worker])
+
+    def _kill_unresponsive(self, worker_id: str) -> None:
+        """SIGKILL a survivor the AM declared dead: it did not check in after a failure (frozen, or hung where no
+        failure notice reaches it), and a SIGTERM would wait for it too. Its exit is then reported as a death's."""
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.process.poll() is None:
+            log.warning("killing %s (pid %d): it stopped answering and did not check in after the failure",
+                        worker_id, worker.process.pid)
+            worker.unresponsive = True
+            self._send_signal(worker, signal.SIGKILL)
 
     def _spawn(self, worker_id: str, role: str, *, rank: int = -1, world_size: int = 0, detail: str) -> WorkerProcess:
         device_index = self._next_device()
@@ -506,8 +519,10 @@ class JobLauncher:
             worker.returncode = returncode = self._counted_exit(worker, returncode)
             self._exit_seen = True
             verdict = self._report_exit(worker)
+            note = "declared dead as it stopped answering: the job went on without it" if worker.unresponsive else (
+                verdict.note)
             log.info("%s (pid %d) %s", worker.worker_id, worker.process.pid,
-                     describe_exit(returncode, verdict.expected, verdict.note))
+                     describe_exit(returncode, verdict.expected, note))
             if returncode == 0 or verdict.tolerated or worker.stranded or failed is not None:
                 continue
             if self._is_undecided_joiner(worker):

@@ -844,6 +844,24 @@ class WorkerExitRequest:
     script_failed: bool | None = None
 
 
+@_request("stalled", {
+    "worker_id": Field(_STR, required=True),
+    "generation": Field(_INT, required=True),
+    "waited_s": Field(_NUMBER, required=True),
+    "detail": Field(_STR),
+}, "``stalled``: a member's collective of ``generation`` timed out after ``waited_s`` seconds and no member was said "
+   "to have died: one stopped answering (its process frozen, or hung outside the collective). The AM fails the "
+   "generation as for a death (the reply is ``worker_exit``'s: ``recovering`` and the ``failed_generations``, whose "
+   "failure keys the sender sets); the survivors check in, and one that does not within ``waited_s`` is declared dead "
+   "and killed (``launcher_poll``'s ``kill``).")
+@dataclass(frozen=True)
+class StalledRequest:
+    worker_id: str
+    generation: int
+    waited_s: float
+    detail: str | None = None
+
+
 FINISHED_BY_LAUNCHER = "all members finished"
 """The reason the AM finishes a job of ``elan run`` with, once its launcher reported the exit of every member, having
 finished training (``master/transitions/finishing.py`` decides it)."""
@@ -970,20 +988,23 @@ class SpawnOrder:
 @dataclass(frozen=True)
 class LauncherPollReply:
     """The answer to ``launcher_poll``: the workers to start (the AM marks them spawned), those to stop (a joiner that
-    never reported ready, a survivor that never checked in) and whether the job is finished (the launcher ends it)."""
+    never reported ready: SIGTERM), those to kill (a survivor that never checked in after a failure: hung or frozen,
+    SIGKILL) and whether the job is finished (the launcher ends it)."""
 
     spawn: list[SpawnOrder]
     stop: list[str]
     finished: bool
+    kill: list[str] = field(default_factory=list)
 
     def to_body(self) -> dict[str, Any]:
-        return {"spawn": [_wire(order) for order in self.spawn], "stop": list(self.stop), "finished": self.finished}
+        body = {"spawn": [_wire(order) for order in self.spawn], "stop": list(self.stop), "finished": self.finished}
+        return {**body, "kill": list(self.kill)} if self.kill else body  # without ``kill``: the older wire form
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> LauncherPollReply:
         reply = _from_wire(cls, body, "launcher_poll reply")
         spawn = _list_of(body, "spawn", lambda item: _from_wire(SpawnOrder, item, "spawn item"), "launcher_poll reply")
-        return cls(spawn, list(reply.stop), reply.finished)
+        return cls(spawn, list(reply.stop), reply.finished, list(reply.kill or []))
 
 
 @_reply("worker_exit reply")
@@ -1196,6 +1217,7 @@ MESSAGES: dict[str, MessageKind] = {
         MessageKind(WaitPlanRequest, WaitPlanReply, mutating=False),
         MessageKind(AdjustmentReport, EmptyReply, mutating=True),
         MessageKind(RecoverRequest, WaitPlanReply, mutating=True),
+        MessageKind(StalledRequest, WorkerExitReply, mutating=True),
         MessageKind(LeaveRequest, LeaveReply, mutating=True),
         MessageKind(WorkerStats, WorkerStatsReply, mutating=False),  # informational, never cached
         MessageKind(ProfileRequest, ProfileReply, mutating=True),
@@ -1459,6 +1481,7 @@ __all__ = [
     "ScaleReply",
     "ShutdownRequest",
     "SpawnOrder",
+    "StalledRequest",
     "StartJobReply",
     "StartJobRequest",
     "StatusReply",

@@ -260,6 +260,7 @@ REPLIES = [
     (StartJobReply, {"generation": 0, "members": ["w0", "w1"]}),
     (ScaleReply, {"request_id": "r1", "new_workers": ["w2"]}),
     (LauncherPollReply, {"spawn": [{"worker_id": "w2", "request_id": "standby"}], "stop": ["w1"], "finished": False}),
+    (LauncherPollReply, {"spawn": [], "stop": [], "finished": False, "kill": ["w2"]}),
     (WorkerExitReply, {"expected": True}),
     (WorkerExitReply, {"expected": False, "left": True}),
     (WorkerExitReply, {"expected": False, "recovering": True, "failed_generations": [0, 1]}),

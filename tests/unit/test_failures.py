@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure
+from lightning_elan.elastic.error_origin import is_a_collective_timeout
+from lightning_elan.elastic.failures import CommitVote, FailureWatch, PeerFailure, StalledVote
 from lightning_elan.elastic.process_group import ElasticProcessGroup
 from lightning_elan.protocol.contract import failure_key
 
@@ -42,6 +43,19 @@ def test_a_step_aborts_everywhere_when_a_member_never_votes() -> None:
     threading.Timer(0.2, failed.set).start()
 
     assert votes(dist.HashStore(), 3, [0, 1], failed) == {0: False, 1: False}
+
+
+def test_a_vote_a_member_never_casts_and_no_failure_explains_times_out_aborted() -> None:
+    """A member stopped answering before it voted (frozen): the others' wait ends at the collective timeout with the
+    step aborted, in an error that reads as a collective timeout (the worker then asks the AM to fail the generation);
+    the frozen member, should it wake, reads the abort."""
+    store, never = dist.HashStore(), threading.Event()
+    waiting = CommitVote(store, 3, 0, 2, never.is_set, timeout=timedelta(seconds=0.2))
+
+    with pytest.raises(StalledVote, match="timed out after 0 s") as raised:
+        waiting.commit()
+    assert is_a_collective_timeout(raised.value)
+    assert CommitVote(store, 3, 1, 2, never.is_set).commit() is False
 
 
 def test_a_failure_after_every_vote_does_not_undo_the_commit() -> None:

@@ -48,15 +48,17 @@ def start_job(
 
 
 def launcher_poll(state: JobState, now: float | None = None) -> LauncherPollReply:
-    """Hand the launcher the workers it has to start (marked spawned) and those it has to stop (their request
-    failed because a worker of it never reported ready, or a survivor never checked in), and whether the job is
-    finished (``finishing`` looks again: the AM's clock for this job)."""
+    """Hand the launcher the workers it has to start (marked spawned), those it has to stop (their request failed
+    because a worker of it never reported ready) and those it has to kill (a survivor that never checked in after a
+    failure: hung or frozen), and whether the job is finished (``finishing`` looks again: the AM's clock for this
+    job)."""
     now = now_or_clock(now)
     spawn = requests.spawn_requested(state, now)
-    stop = requests.fail_unreported(state, now) + recovering.declare_silent_survivors_dead(state, now)
+    stop = requests.fail_unreported(state, now)
+    kill = recovering.declare_silent_survivors_dead(state, now)
     recovering.form_plan_if_ready(state, now)  # a joiner it waited for may be ready, or its wait over
     finishing.finish_if_done(state)
-    return LauncherPollReply(spawn, stop, state.finished)
+    return LauncherPollReply(spawn, stop, state.finished, kill)
 
 
 def _membership(state: JobState) -> StartJobReply:

@@ -23,9 +23,11 @@ from lightning_elan.master.state import (
 )
 from lightning_elan.master.transitions import adjustments, finishing, requests
 from lightning_elan.protocol.contract import (
+    ACTION_FAILURE,
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_RECOVERY_TIMEOUT_S,
     RecoverRequest,
+    StalledRequest,
     WaitPlanReply,
     WorkerExitReply,
     WorkerExitRequest,
@@ -36,8 +38,8 @@ logger = logging.getLogger(__name__)
 FAILED_REPLACEMENTS_LIMIT = 3
 """``--replace-failed`` replaces no more than this many replacements in a row that died before they trained."""
 
-__all__ = ["declare_silent_survivors_dead", "fail_job", "form_plan_if_ready", "recover", "set_failure_policy",
-           "worker_exit"]
+__all__ = ["collective_stalled", "declare_silent_survivors_dead", "fail_job", "form_plan_if_ready", "recover",
+           "set_failure_policy", "worker_exit"]
 
 
 def worker_exit(state: JobState, request: WorkerExitRequest) -> WorkerExitReply:
@@ -107,6 +109,44 @@ def recover(state: JobState, request: RecoverRequest, now: float | None = None) 
         form_plan_if_ready(state, now_or_clock(now))
     answer = adjustments.wait_plan(state, worker_id)
     return answer or WaitPlanReply.wait()
+
+
+def collective_stalled(state: JobState, request: StalledRequest, now: float | None = None) -> WorkerExitReply:
+    """A member's collective timed out and nobody was said to have died: a member stopped answering. The generation
+    fails as for a death, with every member a survivor; the one that stopped does not check in, and is declared dead
+    ``waited_s`` after this (:func:`declare_silent_survivors_dead`: a member silent for as long as a collective may
+    take is hung). A report of a generation that failed already answers its recovery's generations; an old
+    generation's is refused."""
+    now = now_or_clock(now)
+    state.require_known(request.worker_id)
+    require_non_negative(generation=request.generation)
+    if request.waited_s <= 0:
+        raise StateError(f"waited_s must be > 0, got {request.waited_s}")
+    recovery, in_flight = state.recovery, state.in_flight
+    if recovery is not None and request.generation in recovery.failed_generations:
+        return WorkerExitReply(expected=False, recovering=True, failed_generations=list(recovery.failed_generations))
+    if in_flight is not None and in_flight.plan.action == ACTION_FAILURE and request.generation == state.generation:
+        return WorkerExitReply(expected=False, recovering=True, failed_generations=[state.generation])  # recovered
+    if request.generation != state.generation or recovery is not None or state.finished:
+        raise StateError(f"generation {request.generation} is not the current one (generation {state.generation}"
+                         f"{', recovering' if recovery is not None else ''}): its stall is over")
+    if state.member(request.worker_id) is None:
+        raise StateError(f"worker {request.worker_id} is not a member of generation {state.generation}")
+    logger.warning("worker %s: a collective of generation %s timed out after %.0f s and no member died (%s): a member "
+                   "stopped answering; the members that answer recover without it", request.worker_id,
+                   request.generation, request.waited_s, _first_line(request.detail))
+    recovery = _begin_recovery(state, now)
+    recovery.deadline = min(recovery.deadline, now + request.waited_s)
+    state.record_failure({"kind": "stall", "outcome": "generation failed", "worker_id": request.worker_id,
+                          "reason": f"a collective timed out after {request.waited_s:.0f} s and no member died",
+                          "generation": request.generation, "failure_id": recovery.failure_id,
+                          "waited_s": request.waited_s, "detail": request.detail}, now)
+    return WorkerExitReply(expected=False, recovering=True, failed_generations=list(recovery.failed_generations))
+
+
+def _first_line(detail: str | None, limit: int = 200) -> str:
+    lines = (detail or "").strip().splitlines()
+    return lines[0][:limit] if lines else "no detail"
 
 
 def declare_silent_survivors_dead(state: JobState, now: float) -> list[str]:
