@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_elan.master.state import StateError
-from lightning_elan.master.transitions import launching, recovering
+from lightning_elan.master.transitions import launching, recovering, requests
 from lightning_elan.protocol.contract import (
     ACTION_FAILURE,
     LauncherPollReply,
@@ -15,7 +15,7 @@ from lightning_elan.protocol.contract import (
     StalledRequest,
     WorkerExitReply,
 )
-from tests.unit.am_steps import exited, ready, started
+from tests.unit.am_steps import decide, exited, ready, started
 
 
 def stalled(state, worker: str, generation: int = 0, waited_s: float = 10.0, now: float = 100.0) -> WorkerExitReply:
@@ -90,3 +90,23 @@ def test_a_late_stall_of_a_generation_whose_recovery_formed_answers_that_it_fail
 
     assert stalled(state, "w1", now=102.0) == WorkerExitReply(False, recovering=True, failed_generations=[0])
     assert state.recovery is None and state.in_flight.plan == plan
+
+
+def test_a_stall_as_a_plans_generation_forms_fails_the_plan_and_the_frozen_joiner_is_killed() -> None:
+    """w2 joins (the plan to generation 1 is in flight) and freezes as the generation forms: the members' wait times
+    out there. The plan fails with generation 0; the survivors are its members, w2 among them, and w2, silent, is
+    declared dead and killed."""
+    state = started(2)
+    ready(state, "w0", "w1")
+    joiner = requests.scale(state, "add", count=1).new_workers[0]
+    launching.launcher_poll(state, now=99.0)
+    ready(state, joiner)
+    plan = decide(state)
+    assert plan.generation == 1 and joiner in plan.members
+
+    assert stalled(state, "w0", generation=1) == WorkerExitReply(False, recovering=True, failed_generations=[0, 1])
+    assert state.in_flight is None and state.recovery.survivors == ["w0", "w1", joiner]
+    for worker in ("w0", "w1"):
+        check_in(state, worker, now=101.0)
+    assert launching.launcher_poll(state, now=110.0).kill == [joiner]
+    assert state.in_flight.plan.members == ["w0", "w1"]

@@ -115,8 +115,9 @@ def collective_stalled(state: JobState, request: StalledRequest, now: float | No
     """A member's collective timed out and nobody was said to have died: a member stopped answering. The generation
     fails as for a death, with every member a survivor; the one that stopped does not check in, and is declared dead
     ``waited_s`` after this (:func:`declare_silent_survivors_dead`: a member silent for as long as a collective may
-    take is hung). A report of a generation that failed already answers its recovery's generations; an old
-    generation's is refused."""
+    take is hung). The generation may be the one a plan in flight forms (a joiner frozen as it joins): the plan fails
+    with it. A report of a generation that failed already answers its recovery's generations; an old generation's is
+    refused."""
     now = now_or_clock(now)
     state.require_known(request.worker_id)
     require_non_negative(generation=request.generation)
@@ -127,11 +128,12 @@ def collective_stalled(state: JobState, request: StalledRequest, now: float | No
         return WorkerExitReply(expected=False, recovering=True, failed_generations=list(recovery.failed_generations))
     if in_flight is not None and in_flight.plan.action == ACTION_FAILURE and request.generation == state.generation:
         return WorkerExitReply(expected=False, recovering=True, failed_generations=[state.generation])  # recovered
-    if request.generation != state.generation or recovery is not None or state.finished:
+    forming = [] if in_flight is None else [in_flight.plan.generation]  # a stall as the plan's generation forms
+    if request.generation not in [state.generation, *forming] or recovery is not None or state.finished:
         raise StateError(f"generation {request.generation} is not the current one (generation {state.generation}"
                          f"{', recovering' if recovery is not None else ''}): its stall is over")
-    if state.member(request.worker_id) is None:
-        raise StateError(f"worker {request.worker_id} is not a member of generation {state.generation}")
+    if request.worker_id not in [*state.member_ids, *([] if in_flight is None else in_flight.plan.members)]:
+        raise StateError(f"worker {request.worker_id} is not a member of generation {request.generation}")
     logger.warning("worker %s: a collective of generation %s timed out after %.0f s and no member died (%s): a member "
                    "stopped answering; the members that answer recover without it", request.worker_id,
                    request.generation, request.waited_s, _first_line(request.detail))
