@@ -70,6 +70,9 @@ time, then the longest trial's so far (a loaded machine runs the job longer)."""
 ACCUMULATING = {"accumulate_by_epoch", "validate_mid_accumulation"}
 """Scripts whose micro-batches are recorded before their window's step: a window cut by a death is recorded twice."""
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
+FREEZE = {"STOP": signal.SIGSTOP}
+"""``--signal STOP``: the victim stays stopped (a frozen process: a paused host, a hang outside any collective); for a
+script with a short collective timeout (``short_timeout.py``), as the others wait for the frozen one that long."""
 AFTER_TRAINING = "after the training was complete (another member finished it)"
 """``elan run``'s warning for a worker that died after another member's ``fit`` returned: elan recovers from a death
 during ``fit`` only (README), so what the dead worker's script does after ``fit`` (its share of a ``predict``) is lost,
@@ -203,7 +206,7 @@ class Gun:
         shot.pid, shot.worker, shot.member = pid, workers[pid], workers[pid] in members
         self.hit.add(pid)
         self.hit_workers.add(workers[pid])
-        shot.where = self.shoot(pid, SIGNALS[shot.signal])
+        shot.where = self.shoot(pid, {**SIGNALS, **FREEZE}[shot.signal])
         return shot
 
     def sight(self, launcher: subprocess.Popen) -> tuple[dict[int, str], set[str] | None]:
@@ -257,7 +260,7 @@ class Gun:
         finally:
             for loader_worker in loader_workers:
                 processes.send(loader_worker, sig)
-            for signum in (sig, signal.SIGCONT):
+            for signum in (sig, signal.SIGCONT) if sig != signal.SIGSTOP else ():  # a frozen victim stays stopped
                 if not processes.send(pid, signum):
                     break
         return _where(path, pid)
@@ -513,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--script", required=True, choices=sorted(CORPUS))
     parser.add_argument("--seed", type=int, default=1, help="trial i uses seed S + i")
     parser.add_argument("--seeds", type=int, default=1, help="how many trials")
-    parser.add_argument("--signal", choices=[*SIGNALS, "MIXED"], default="KILL")
+    parser.add_argument("--signal", choices=[*SIGNALS, *FREEZE, "MIXED"], default="KILL",
+                        help="MIXED: KILL or TERM by the seed; STOP freezes the victim (see FREEZE)")
     parser.add_argument("--dir", type=Path, default=None, help="the jobs' files (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the files of trials that held too")
     parser.add_argument("--in-training", action="store_true",

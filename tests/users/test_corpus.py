@@ -111,6 +111,7 @@ CORPUS: dict[str, Script] = {
                                 tuple(range(24))),
     "swa_average": Script(("{scripts}/swa_average.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
     "ema_weights": Script(("{scripts}/ema_weights.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
+    "short_timeout": Script(("{scripts}/short_timeout.py", "{out}"), True, epochs(4, 96), tuple(range(32))),
     "ported_ddp_sampler": Script(("{scripts}/ported_ddp_sampler.py", "{out}"), True, epochs(3, 96),
                                  tuple(range(24))),
     "accumulate_by_epoch": Script(("{scripts}/accumulate_by_epoch.py", "{out}"), True, epochs(3, 96),
@@ -569,6 +570,15 @@ def check_ema_weights(run: Run, static: Run | None) -> None:
     assert abs(validated - expected) <= TOLERANCE, (validated, expected)
 
 
+def check_short_timeout(run: Run, static: Run | None) -> None:
+    """Every step's loss logged once, with the static run's values."""
+    _, rows = read_csv(run.out / "logs" / "ridges" / "version_0" / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(32)), "every step logged once"
+    if static is not None:
+        _, static_rows = read_csv(static.out / "logs" / "ridges" / "version_0" / "metrics.csv")
+        assert_logged_alike(rows, static_rows, "train_loss", exact=True)
+
+
 def check_accumulate_by_epoch(run: Run, static: Run | None) -> None:
     """Every optimizer step's loss logged once (8 in the first epoch, 4 in each later one) with the static run's
     values (a joiner in an accumulating epoch accumulates as the members do)."""
@@ -972,6 +982,7 @@ OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
     "train_in_stages": check_train_in_stages,
     "swa_average": check_swa_average,
     "ema_weights": check_ema_weights,
+    "short_timeout": check_short_timeout,
     "plateau_early_stop": check_plateau_early_stop,
     "accumulate_by_epoch": check_accumulate_by_epoch,
     "weighted_onecycle": check_weighted_onecycle,

@@ -57,7 +57,7 @@ def main(out: Path, timeout_s: float) -> None:
     trainer = pl.Trainer(strategy=ElanStrategy(timeout=timedelta(seconds=timeout_s)), accelerator="cpu",
                          max_epochs=4, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, log_every_n_steps=1, logger=CSVLogger(out / "logs", name="ridges"))
-    trainer.fit(Regressor(), DataLoader(Ridges(96, 0), batch_size=4, shuffle=True))
+    trainer.fit(Regressor(), DataLoader(Ridges(96, 0), batch_size=6, shuffle=True))
 
 
 if __name__ == "__main__":
