@@ -93,6 +93,15 @@ def sigterm_held(pid: int) -> bool:
     return bool((masks.get("ShdPnd", 0) | masks.get("SigPnd", 0)) & masks.get("SigBlk", 0) & bit)
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (``T`` in ``/proc/PID/stat``: SIGSTOP, SIGTSTP; not a
+    debugger's tracing stop ``t``). False when it is gone or the state cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def _signal_masks(pid: int) -> dict[str, int]:
     """The signal masks of ``/proc/PID/status`` (``SigBlk``, ``ShdPnd``, ...) by name; empty when it cannot be read."""
     try:

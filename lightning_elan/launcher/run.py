@@ -39,7 +39,7 @@ from typing import Any
 
 from lightning_elan.launcher.am_process import DEFAULT_MAX_RESTARTS, AMFailed, AMProcess, describe_status
 from lightning_elan.launcher.job_store import JobStore, LauncherStore, StoreLost
-from lightning_elan.launcher.lifeline import die_with_parent, sigterm_held
+from lightning_elan.launcher.lifeline import die_with_parent, is_stopped, sigterm_held
 from lightning_elan.launcher.preload import ForkedWorker, PreloadedInterpreter, PreloadUnavailable, preloadable_command
 from lightning_elan.launcher.schedule import ScaleAction, format_schedule_item
 from lightning_elan.launcher.segments import remove_segments_of
@@ -108,6 +108,7 @@ class LaunchConfig:
     status_interval_s: float = 0.5
     shutdown_grace_s: float = 30.0
     kill_grace_s: float = 10.0
+    stopped_grace_s: float = 30.0  # a worker stopped (SIGSTOP) this long after the training completed is killed
     am_timeout_s: float = 0.5  # one attempt of a launcher request; resent (same id) until the AM answers
     am_patience_s: float = 60.0  # give up on an AM process that is alive but does not answer for this long
     am_max_restarts: int = DEFAULT_MAX_RESTARTS
@@ -133,6 +134,7 @@ class WorkerProcess:
     terminated: bool = False  # the launcher sent it SIGTERM (to stop it, not to make it leave)
     held_since: float | None = None  # when the launcher first saw it hold a SIGTERM (blocked: no handler yet)
     unresponsive: bool = False  # killed by the launcher: the AM declared it dead (it stopped answering)
+    stopped_since: float | None = None  # when the launcher first saw it stopped (SIGSTOP) after the training ended
 
     @property
     def alive(self) -> bool:
@@ -198,6 +200,7 @@ class JobLauncher:
         self._saved_handlers: dict[int, Any] = {}
         self._exit_seen = False
         self._last_held_check = 0.0
+        self._training_seen_complete = False  # a worker exited 0 with its training ended
         self._preload: PreloadedInterpreter | None = None
 
     # ------------------------------------------------------------------ public
@@ -734,6 +737,35 @@ class JobLauncher:
         except ProcessLookupError:
             pass
 
+    # ------------------------------------------------------------------ workers stopped after the training
+
+    def _end_stopped_after_training(self) -> None:
+        """SIGKILL a worker stopped (SIGSTOP: a frozen process, a paused host) for ``stopped_grace_s`` seconds once
+        another member exited with its training ended: nobody waits for it in a collective any more, so no timeout
+        ends the wait, and ``elan run`` would wait on it for ever. Its exit is then one after the training completed.
+        (Frozen during the training, it is declared dead when a collective times out: ``stalled``.)"""
+        if not self._training_completed():
+            return
+        now = time.monotonic()
+        for worker in self._live_workers():
+            if not is_stopped(worker.process.pid):
+                worker.stopped_since = None
+                continue
+            worker.stopped_since = now if worker.stopped_since is None else worker.stopped_since
+            if now - worker.stopped_since >= self.config.stopped_grace_s:
+                log.warning("%s (pid %d) has been stopped (SIGSTOP) for %.0f s after the job's training completed: "
+                            "killing it", worker.worker_id, worker.process.pid, now - worker.stopped_since)
+                worker.unresponsive = True
+                self._send_signal(worker, signal.SIGKILL)
+
+    def _training_completed(self) -> bool:
+        """A worker exited 0 with its training loop ended (``training_ended_key``): the job's training is complete."""
+        if not self._training_seen_complete:
+            self._training_seen_complete = any(
+                worker.returncode == 0 and self._marked(training_ended_key(worker.worker_id))
+                for worker in self._workers.values() if not worker.alive)
+        return self._training_seen_complete
+
     # ------------------------------------------------------------------ SIGTERMs a worker holds
 
     def _check_held_sigterms(self) -> None:
@@ -742,6 +774,7 @@ class JobLauncher:
         if now - self._last_held_check >= self.config.status_interval_s:
             self._last_held_check = now
             self._end_held_sigterms(self._live_workers())
+            self._end_stopped_after_training()
 
     def _end_held_sigterms(self, workers: list[WorkerProcess]) -> None:
         """SIGKILL each of ``workers`` that holds a SIGTERM (it started with SIGTERM blocked, ``launcher/lifeline.py``,

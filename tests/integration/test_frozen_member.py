@@ -82,3 +82,18 @@ def test_a_frozen_member_is_declared_dead_and_the_job_goes_on_without_it(tmp_pat
     assert_same_samples(run, static)
     assert_members_agree(run)
     assert_states_close(run.final_state(), static.final_state())
+
+
+def test_a_member_frozen_after_the_training_is_killed_and_the_job_ends(tmp_path: Path) -> None:
+    """w1 stops itself in ``on_fit_end`` (``$USERS_FREEZE``): nobody waits for it in a collective any more, so no
+    timeout ends the wait. ``elan run`` kills it once it has been stopped for ``stopped_grace_s`` (30 s) after the
+    other member exited with its training ended, and exits 0 (before: it waited on it for ever)."""
+    static = run_job(tmp_path / "static", Job("after_fit_static", COMMAND))
+    assert_ok(static)
+    run = run_job(tmp_path / "frozen", Job("after_fit_frozen", COMMAND), env={"USERS_FREEZE": "fit_end"})
+
+    assert [kill["phase"] for kill in run.kills()] == ["freeze:fit_end"]
+    assert_ok(run)
+    assert "has been stopped (SIGSTOP) for" in run.output and not run.adjustments()
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())

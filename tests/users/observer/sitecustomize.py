@@ -43,6 +43,9 @@ in a collective of the LightningModule's hook);
 ``$USERS_KILL=sanity``: in the callbacks' ``on_validation_epoch_end`` of the sanity check (the others meet
 its death in the LightningModule's hook of the same name, a torchmetrics ``compute()`` say).
 
+``$USERS_FREEZE=fit_end``: the process that is rank 1 (or ``$USERS_KILL_RANK``) stops itself (SIGSTOP) in the
+callbacks' ``on_fit_end``, after the training: a frozen process, which never exits.
+
 ``$USERS_DIE_RECOVERING=WORKER``: the worker of that id SIGKILLs itself once it has the plan of a recovery it is a
 member of (from another death), before it enters the plan's generation: the other survivors meet its death as that
 generation forms, and recover from it in turn (written first to ``$USERS_OBSERVE/recovering.log``).
@@ -209,6 +212,21 @@ def _kill_if_due(step: int, rank: int, phase: str, before: Callable[[], None] = 
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _freeze_if_due(rank: int, phase: str) -> None:
+    """``$USERS_FREEZE=PHASE``: the process that is rank 1 (or ``$USERS_KILL_RANK``) stops itself (SIGSTOP) there, once
+    per job (written first to ``$USERS_OBSERVE/kills.log``): a frozen process, which never exits by itself."""
+    if os.environ.get("USERS_FREEZE") != phase or rank != int(os.environ.get("USERS_KILL_RANK", "1")):
+        return
+    try:
+        log = open(os.path.join(_observe_dir() or ".", "kills.log"), "x")
+    except FileExistsError:
+        return
+    with log:
+        log.write(json.dumps({"worker": os.environ.get("ELAN_WORKER_ID"), "pid": os.getpid(), "step": -1,
+                              "phase": f"freeze:{phase}"}) + "\n")
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def _die_once_recovering() -> None:
     """``$USERS_DIE_RECOVERING``: this worker SIGKILLs itself once it has a recovery plan it is a member of."""
     from lightning_elan.elastic.worker import ElasticWorker
@@ -308,6 +326,7 @@ def _observer_class(callback_base: type) -> type:
         def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
             import torch
 
+            _freeze_if_due(trainer.global_rank, "fit_end")
             if trainer.global_rank != 0:
                 return
             path = os.path.join(_observe_dir() or ".", f"final-{os.getpid()}-{_FITS}.pt")
