@@ -601,7 +601,8 @@ class ElasticProcessGroup(_ForwardingCollectives, ProcessGroup):
             forming.raise_if_failed()
             if time.monotonic() > deadline:  # what gloo's own rendezvous would have waited
                 missing = [key for key in keys if not store.check([key])]
-                raise RuntimeError(f"generation {forming.prefix!r}: {missing} did not arrive within {self.timeout}")
+                raise dist.DistStoreError(f"generation {forming.prefix!r}: timed out after {self.timeout}: {missing} "
+                                          "did not arrive")  # a store wait's timeout: ``is_a_collective_timeout``
             time.sleep(pause)
             pause = min(ARRIVAL_POLL_MAX_S, pause * 2)
         return [store.get(key).decode() for key in keys]

@@ -642,8 +642,9 @@ class ElasticWorker:
         if self._watch is None or not (self._peer_failed_in(generation) or may_be_a_peers_death(error)):
             raise error  # the process's own error (a bug, an out-of-memory...), raised outside any communication
         stalled = not self._peer_failed_in(generation) and is_a_collective_timeout(error)
-        if stalled and self._declare_stall(error, generation):
-            if self.peer_failure_within(FAILURE_NOTICE_S, generation):  # the key is set: the watch sees it
+        failed = self._declare_stall(error, generation) if stalled else []
+        if failed:
+            if self._any_failed_within(FAILURE_NOTICE_S, failed, generation):  # the keys are set: the watch sees one
                 return
             raise error
         if self.peer_failure_within(FAILURE_NOTICE_WARNING_S, generation):
@@ -654,21 +655,31 @@ class ElasticWorker:
         if not self.peer_failure_within(FAILURE_NOTICE_S - FAILURE_NOTICE_WARNING_S, generation):
             raise error
 
-    def _declare_stall(self, error: BaseException, generation: int | None) -> bool:
+    def _declare_stall(self, error: BaseException, generation: int | None) -> list[int]:
         """A collective timed out: a member stopped answering (frozen, or hung outside the collective), where a dead
         one would have failed it at once. Ask the AM to fail the generation and set its failure keys, so every member
         that answers recovers without the silent one (the AM declares it dead when it does not check in, and its
-        launcher kills it). Returns whether the generation is failed."""
+        launcher kills it). Returns the generations the AM failed (empty: it did not)."""
         failed = self.generation if generation is None else generation
         if self._link is None or self.group is None or failed is None:
-            return False
+            return []
         waited_s = self.timeout.total_seconds()
         log.warning("worker %s: a collective of generation %d timed out (%s); asking the AM to fail the generation "
                     "without the member that stopped answering", self.worker_id, failed, str(error)[:200])
         generations = self._link.report_stalled(failed, waited_s, f"{type(error).__name__}: {error}")
         for each in generations:
             self.group.store.set(failure_key(each), f"stalled:{self.worker_id}")
-        return failed in generations
+        return generations
+
+    def _any_failed_within(self, seconds: float, generations: list[int], generation: int | None) -> bool:
+        """Whether the watch sees, within ``seconds``, one of ``generations`` fail (it watches one: the current
+        generation, or the one a plan forms) or this worker's own (``generation``)."""
+        deadline = time.monotonic() + seconds
+        while not (self._peer_failed_in(generation) or any(self._watch.failed(each) for each in generations)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def _peer_failed_in(self, generation: int | None) -> bool:
         if generation is None or generation == self.generation:

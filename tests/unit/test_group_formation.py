@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_elan.elastic.error_origin import is_a_collective_timeout
 from lightning_elan.elastic.process_group import ElasticProcessGroup
 
 
@@ -33,6 +34,16 @@ def test_a_failure_of_the_generation_being_formed_ends_the_wait(group):
     waited = time.monotonic() - started
     assert 0.3 <= waited < 5, waited
     assert group.prefix is None  # not a member of the generation it could not form
+
+
+def test_a_member_that_never_arrives_and_is_not_reported_times_the_wait_out_as_a_stall() -> None:
+    """Nobody reports rank 1 (frozen: it never exits): the wait ends at the collective timeout, in an error that reads
+    as a collective timeout, so the member asks the AM to fail the generation (``stalled``)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    group = ElasticProcessGroup(store, "gloo", timedelta(seconds=0.5), torch.device("cpu"))
+    with pytest.raises(dist.DistStoreError, match=r"timed out after .*'arrived/1'.* did not arrive") as raised:
+        group.configure("gen/9/", 0, 2)
+    assert is_a_collective_timeout(raised.value) and group.prefix is None
 
 
 def test_a_failure_of_another_generation_does_not(group):
