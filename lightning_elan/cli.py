@@ -456,7 +456,8 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     config = WorkerConfig(args.am, args.job, command, device_index=args.device_index, term_grace_s=args.term_grace,
                           enrol_timeout_s=args.enrol_timeout)
     try:
-        return EnrolledWorker(config).run()
+        returncode = EnrolledWorker(config).run()
+        return 128 - returncode if returncode < 0 else returncode  # killed by signal N: 128 + N, as a shell says
     except NotEnrolled as error:
         log.error("%s", error)
         return EXIT_NOT_ENROLLED

@@ -5,6 +5,9 @@ runs the training command with the ``ELAN_*`` environment of a member of generat
 ``elan run`` gives its children. It forwards SIGTERM to the command (the graceful leave a scheduler asks for when it
 deletes a pod or ends a step), tells the AM how the command exited and exits with the same code. A command that died
 is announced to the survivors through the rendezvous store, as ``elan run`` does, so their collectives are released.
+While the command runs it asks the AM about it (``worker_poll``) and SIGKILLs a command the AM declared dead (it
+stopped answering: frozen or hung) or one stopped (SIGSTOP) for ``stopped_grace_s`` after the job's training ended,
+as ``elan run`` does for its children: the scheduler's allocation then ends instead of holding a frozen process.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
 
-from lightning_elan.launcher.lifeline import die_with_parent, sigterm_held
+from lightning_elan.launcher.lifeline import die_with_parent, is_stopped, sigterm_held
 from lightning_elan.launcher.run import generations_phrase
 from lightning_elan.launcher.segments import remove_segments_of
 from lightning_elan.protocol.addresses import am_address_list
@@ -35,6 +38,8 @@ from lightning_elan.protocol.contract import (
     WorkerEnvironment,
     WorkerExitReply,
     WorkerExitRequest,
+    WorkerPollReply,
+    WorkerPollRequest,
     failure_key,
     script_failed_key,
     split_host_port,
@@ -73,6 +78,8 @@ class WorkerConfig:
     term_grace_s: float = DEFAULT_TERM_GRACE_S
     enrol_timeout_s: float = 600.0  # for an AM to answer and, before the start, for the job to start
     poll_s: float = 0.5
+    am_poll_s: float = 2.0  # how often the AM is asked about the running command (``worker_poll``)
+    stopped_grace_s: float = 30.0  # a command stopped (SIGSTOP) this long after the training ended is killed
 
     @property
     def am_host(self) -> str:
@@ -88,6 +95,9 @@ class EnrolledWorker:
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._client = AMClient(config.am, config.job, timeout_s=ENROL_ATTEMPT_S, retries=0)
         self._child: subprocess.Popen[bytes] | None = None
+        self._next_am_poll = 0.0
+        self._am_polls = True  # False once an AM refused ``worker_poll`` (an older AM): not asked again
+        self._stopped_since: float | None = None
 
     def run(self) -> int:
         try:
@@ -139,32 +149,78 @@ class EnrolledWorker:
         log.info("%s (%s) started: pid %d", enrolment.worker_id, where, self._child.pid)
         previous = signal.signal(signal.SIGTERM, self._forward)
         try:
-            returncode = self._wait(self._child)
+            returncode = self._wait(self._child, enrolment.worker_id)
         finally:
             signal.signal(signal.SIGTERM, previous)
         if returncode != 0:  # killed or crashed: its shared-memory segments are still there
             remove_segments_of(self._child.pid, env)
         return returncode
 
-    def _wait(self, child: subprocess.Popen[bytes]) -> int:
-        """The command's exit code. It starts with SIGTERM blocked (``launcher/lifeline.py``) until its SIGTERM watch
-        is installed; one that holds a SIGTERM ``--term-grace`` seconds (it never starts the elan engine) is SIGKILLed,
-        as the watch's crash path would have done."""
+    def _wait(self, child: subprocess.Popen[bytes], worker_id: str) -> int:
+        """The command's exit code. One the AM declared dead, one stopped after the training ended, and one holding a
+        SIGTERM too long are SIGKILLed first."""
         held_since: float | None = None
         while True:
             try:
                 return child.wait(timeout=self.config.poll_s)
             except subprocess.TimeoutExpired:
                 pass
+            if self._unresponsive(child, worker_id):
+                child.kill()
+                return child.wait()
             if not sigterm_held(child.pid):
                 held_since = None
                 continue
             held_since = time.monotonic() if held_since is None else held_since
             if time.monotonic() - held_since >= self.config.term_grace_s:
+                # it starts with SIGTERM blocked (``launcher/lifeline.py``) until its SIGTERM watch is installed; one
+                # that never starts the elan engine would hold it for ever: killed, as the watch's crash path would
                 log.warning("the worker (pid %d) has held a SIGTERM for %.0f s without installing its handler (does "
                             "the command start the elan engine?): killing it", child.pid, self.config.term_grace_s)
                 child.kill()
                 return child.wait()
+
+    def _unresponsive(self, child: subprocess.Popen[bytes], worker_id: str) -> bool:
+        """Every ``am_poll_s``: whether the AM declared the command dead, or it has been stopped for
+        ``stopped_grace_s`` since the job's training ended (nobody waits for it in a collective any more)."""
+        now = time.monotonic()
+        if not self._am_polls or now < self._next_am_poll:
+            return False
+        self._next_am_poll = now + self.config.am_poll_s
+        reply = self._poll_am(worker_id)
+        if reply is None:
+            return False
+        if reply.kill:
+            log.warning("killing %s (pid %d): it stopped answering and did not check in after the failure: the AM "
+                        "declared it dead", worker_id, child.pid)
+            return True
+        return self._stopped_after_training(child, worker_id, reply.training_over, now)
+
+    def _poll_am(self, worker_id: str) -> WorkerPollReply | None:
+        """The AM's answer to ``worker_poll``; None when it does not answer now (it may be failing over)."""
+        request = WorkerPollRequest(worker_id)
+        try:
+            return WorkerPollReply.from_body(self._client.request(request.TYPE, request.to_body(), timeout_s=1.0,
+                                                                  retries=0))
+        except AMUnavailable:
+            return None
+        except AMError as error:
+            log.warning("the AM of job %s does not answer worker_poll (%s): a frozen command is not detected",
+                        self.config.job, error)
+            self._am_polls = False
+            return None
+
+    def _stopped_after_training(self, child: subprocess.Popen[bytes], worker_id: str, training_over: bool,
+                                now: float) -> bool:
+        if not training_over or not is_stopped(child.pid):
+            self._stopped_since = None
+            return False
+        self._stopped_since = now if self._stopped_since is None else self._stopped_since
+        if now - self._stopped_since < self.config.stopped_grace_s:
+            return False
+        log.warning("%s (pid %d) has been stopped (SIGSTOP) for %.0f s after the job's training completed: killing it",
+                    worker_id, child.pid, now - self._stopped_since)
+        return True
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         """SIGTERM from the scheduler: the command leaves the job gracefully (it exits 0 once it has left)."""

@@ -64,6 +64,7 @@ from lightning_elan.protocol.contract import (
     WaitPlanReply,
     WaitPlanRequest,
     WorkerExitRequest,
+    WorkerPollRequest,
     WorkerStats,
 )
 from lightning_elan.protocol.messages import (
@@ -276,6 +277,7 @@ class ApplicationMaster:
             "report": self._on_report,
             "recover": lambda body: recovering.recover(self._state, RecoverRequest.from_body(body)),
             "stalled": lambda body: recovering.collective_stalled(self._state, StalledRequest.from_body(body)),
+            "worker_poll": lambda body: recovering.worker_poll(self._state, WorkerPollRequest.from_body(body)),
             "leave": self._on_leave,
             "enrol": self._on_enrol,
             "worker_stats": lambda body: adjustments.worker_stats(self._state, WorkerStats.from_body(body)),

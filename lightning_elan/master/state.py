@@ -301,6 +301,7 @@ class JobState:
     next_failure: int = 1
     launch_world_size: int = 0  # generation 0's size: a joiner's model is built for it before it joins
     exits: dict[str, WorkerExit] = field(default_factory=dict)  # every worker whose process exited, and how
+    declared_dead: list[str] = field(default_factory=list)  # silent survivors declared dead (their process is killed)
     enrolment: Enrolment | None = None  # workers come from a scheduler (`elan worker`), not from `elan run`
     standby: StandbyPool = field(default_factory=StandbyPool)  # warmed-up joiners no request has taken yet
     sizing: SizingState = field(default_factory=SizingState)  # profile, autoscaler, stragglers (master/sizing.py)
@@ -339,6 +340,7 @@ class JobState:
             "next_failure": self.next_failure,
             "launch_world_size": self.launch_world_size,
             "exits": {worker: how.to_dict() for worker, how in self.exits.items()},
+            "declared_dead": list(self.declared_dead),
             "enrolment": self.enrolment.to_dict() if self.enrolment else None,
             "standby": self.standby.to_dict(),
             "sizing": self.sizing.to_dict(),
@@ -377,6 +379,7 @@ class JobState:
             next_failure=data.get("next_failure", 1),
             launch_world_size=data.get("launch_world_size", 0),
             exits=_exits_from_dict(data),
+            declared_dead=list(data.get("declared_dead", [])),
             enrolment=Enrolment.from_dict(data["enrolment"]) if data.get("enrolment") else None,
             standby=StandbyPool.from_dict(data.get("standby")),
             sizing=SizingState.from_dict(data.get("sizing")),

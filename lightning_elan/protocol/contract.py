@@ -862,6 +862,16 @@ class StalledRequest:
     detail: str | None = None
 
 
+@_request("worker_poll", {
+    "worker_id": Field(_STR, required=True),
+}, "``worker_poll``: ``elan worker``, while its command runs, asks whether the AM declared that worker dead (it did "
+   "not check in after a failure: frozen or hung; the silent survivors of ``elan run`` are killed through "
+   "``launcher_poll``'s ``kill``) and whether the job's training is over (a command stopped after it is killed).")
+@dataclass(frozen=True)
+class WorkerPollRequest:
+    worker_id: str
+
+
 FINISHED_BY_LAUNCHER = "all members finished"
 """The reason the AM finishes a job of ``elan run`` with, once its launcher reported the exit of every member, having
 finished training (``master/transitions/finishing.py`` decides it)."""
@@ -1005,6 +1015,17 @@ class LauncherPollReply:
         reply = _from_wire(cls, body, "launcher_poll reply")
         spawn = _list_of(body, "spawn", lambda item: _from_wire(SpawnOrder, item, "spawn item"), "launcher_poll reply")
         return cls(spawn, list(reply.stop), reply.finished, list(reply.kill or []))
+
+
+@_reply("worker_poll reply")
+@dataclass(frozen=True)
+class WorkerPollReply:
+    """The answer to ``worker_poll``: ``kill``: the AM declared the worker dead (it stopped answering): ``elan worker``
+    SIGKILLs its command, whose exit is then reported as a death's. ``training_over``: a member's ``fit`` returned, the
+    job's training is complete (no collective waits for the others any more)."""
+
+    kill: bool
+    training_over: bool = False
 
 
 @_reply("worker_exit reply")
@@ -1218,6 +1239,7 @@ MESSAGES: dict[str, MessageKind] = {
         MessageKind(AdjustmentReport, EmptyReply, mutating=True),
         MessageKind(RecoverRequest, WaitPlanReply, mutating=True),
         MessageKind(StalledRequest, WorkerExitReply, mutating=True),
+        MessageKind(WorkerPollRequest, WorkerPollReply, mutating=False),
         MessageKind(LeaveRequest, LeaveReply, mutating=True),
         MessageKind(WorkerStats, WorkerStatsReply, mutating=False),  # informational, never cached
         MessageKind(ProfileRequest, ProfileReply, mutating=True),
@@ -1495,6 +1517,8 @@ __all__ = [
     "WorkerEnvironment",
     "WorkerExitReply",
     "WorkerExitRequest",
+    "WorkerPollReply",
+    "WorkerPollRequest",
     "WorkerStatsReply",
     "failure_key",
     "required_fields",

@@ -102,6 +102,7 @@ def valid_body(msg_type: str) -> dict[str, Any]:
         "wait_plan": {"worker_id": "w0", "timeout_s": 0},
         "recover": {"worker_id": "w0", "generation": 0, "has_state": True, "step": 1, "timeout_s": 0},
         "stalled": {"worker_id": "w0", "generation": 0, "waited_s": 10.0, "detail": "gloo: Timed out"},
+        "worker_poll": {"worker_id": "w0"},
         "enrol": {"host": "h", "pid": 1, "worker_id": "w9"},  # only ever sent broken (this job takes no enrolments)
         "leave": {"worker_id": "w0"},  # only ever sent broken (a valid one would remove w0)
         "worker_stats": {"worker_id": "w0", "generation": 0, "step": 1, "steps": 1, "compute_s": 0.01},

@@ -1,12 +1,13 @@
 """A member that stops answering (``recovering.collective_stalled``): another member's collective timed out and no
 member died. The generation fails as for a death; the silent member is declared dead after the reporter's wait and
-killed by its launcher (``launcher_poll``'s ``kill``), and the plan forms without it."""
+killed by its launcher (``launcher_poll``'s ``kill``; an ``elan worker`` learns it from ``worker_poll``), and the plan
+forms without it."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_elan.master.state import StateError
+from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.transitions import launching, recovering, requests
 from lightning_elan.protocol.contract import (
     ACTION_FAILURE,
@@ -14,6 +15,8 @@ from lightning_elan.protocol.contract import (
     RecoverRequest,
     StalledRequest,
     WorkerExitReply,
+    WorkerPollReply,
+    WorkerPollRequest,
 )
 from tests.unit.am_steps import decide, exited, ready, started
 
@@ -110,3 +113,34 @@ def test_a_stall_as_a_plans_generation_forms_fails_the_plan_and_the_frozen_joine
         check_in(state, worker, now=101.0)
     assert launching.launcher_poll(state, now=110.0).kill == [joiner]
     assert state.in_flight.plan.members == ["w0", "w1"]
+
+
+def poll(state, worker: str) -> WorkerPollReply:
+    return recovering.worker_poll(state, WorkerPollRequest(worker))
+
+
+def test_worker_poll_tells_an_elan_worker_its_command_was_declared_dead_also_after_a_restart_of_the_am() -> None:
+    """An ``elan worker`` has no ``launcher_poll``: it asks for its own command. The verdict outlives the recovery
+    (the plan formed, the survivors trained on) and an AM's restart from its stored state."""
+    state = started(3)
+    ready(state, "w0", "w1", "w2")
+    stalled(state, "w0")
+    check_in(state, "w0", now=101.0)
+    check_in(state, "w1", now=101.0)
+    assert poll(state, "w2") == WorkerPollReply(kill=False, training_over=False)
+
+    assert launching.launcher_poll(state, now=110.0).kill == ["w2"]
+    resumed = JobState.from_dict(state.to_dict())
+    assert [poll(resumed, worker).kill for worker in ("w0", "w1", "w2")] == [False, False, True]
+
+
+def test_worker_poll_says_when_the_training_is_over_and_refuses_an_unknown_worker() -> None:
+    state = started(2)
+    ready(state, "w0", "w1")
+    assert poll(state, "w1") == WorkerPollReply(kill=False, training_over=False)
+    exited(state, "w0", 0, training_ended=True)
+
+    assert poll(state, "w1") == WorkerPollReply(kill=False, training_over=True)
+    assert poll(state, "w0").training_over  # an exited worker may still be asked about
+    with pytest.raises(StateError, match="w7 is not a worker of job"):
+        poll(state, "w7")

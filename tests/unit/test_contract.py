@@ -44,6 +44,7 @@ from lightning_elan.protocol.contract import (
     WaitPlanRequest,
     WorkerExitReply,
     WorkerExitRequest,
+    WorkerPollReply,
     WorkerStatsReply,
     required_fields,
 )
@@ -227,7 +228,8 @@ def test_the_contract_imports_no_torch_lightning_or_zmq() -> None:
 def test_one_registry_names_every_message_type_its_body_and_whether_it_is_cached() -> None:
     assert set(MESSAGES) == MESSAGE_TYPES == MUTATING_TYPES | READ_ONLY_TYPES
     assert not MUTATING_TYPES & READ_ONLY_TYPES
-    assert READ_ONLY_TYPES == {"status", "wait_plan", "worker_stats"}  # never cached: repeating them is harmless
+    # never cached: repeating them is harmless
+    assert READ_ONLY_TYPES == {"status", "wait_plan", "worker_poll", "worker_stats"}
     for name, kind in MESSAGES.items():
         assert kind.body.TYPE == name and BODY_SCHEMAS[name] is kind.body.SCHEMA
 
@@ -305,6 +307,7 @@ def test_typed_parts_of_the_status_reply() -> None:
         (LauncherPollReply, {"spawn": [{"worker_id": "w1"}], "stop": [], "finished": False},
          r"spawn item: missing field\(s\) 'request_id'"),
         (WorkerExitReply, {"recovering": True}, r"worker_exit reply: missing field\(s\) 'expected'"),
+        (WorkerPollReply, {"training_over": True}, r"worker_poll reply: missing field\(s\) 'kill'"),
         (ScaleReply, {"request_id": "r1"}, r"scale reply: missing field\(s\) 'new_workers'"),
         (StartJobReply, [], "start_job reply must be an object, got list"),
         (StragglersReply, {"stragglers": {"mode": "off"}},

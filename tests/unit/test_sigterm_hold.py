@@ -151,7 +151,7 @@ def test_elan_worker_kills_a_command_that_holds_sigterm_past_the_grace_period() 
     try:
         child.send_signal(signal.SIGTERM)
         started = time.monotonic()
-        assert enrolled._wait(child) == -signal.SIGKILL
+        assert enrolled._wait(child, "w0") == -signal.SIGKILL
         assert 1.0 <= time.monotonic() - started < 10.0
     finally:
         child.kill()

@@ -31,6 +31,8 @@ from lightning_elan.protocol.contract import (
     WaitPlanReply,
     WorkerExitReply,
     WorkerExitRequest,
+    WorkerPollReply,
+    WorkerPollRequest,
 )
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ FAILED_REPLACEMENTS_LIMIT = 3
 """``--replace-failed`` replaces no more than this many replacements in a row that died before they trained."""
 
 __all__ = ["collective_stalled", "declare_silent_survivors_dead", "fail_job", "form_plan_if_ready", "recover",
-           "set_failure_policy", "worker_exit"]
+           "set_failure_policy", "worker_exit", "worker_poll"]
 
 
 def worker_exit(state: JobState, request: WorkerExitRequest) -> WorkerExitReply:
@@ -165,11 +167,20 @@ def declare_silent_survivors_dead(state: JobState, now: float) -> list[str]:
         logger.warning("worker %s did not check in after the failure %s: declared dead", worker,
                        recovery.failure_id)
         recovery.mark_dead(worker)
+    state.declared_dead.extend(silent)
     if silent and not recovery.survivors:
         fail_job(state, f"no survivor checked in after {recovery.failure_id}", now)
     elif silent:
         form_plan_if_ready(state, now)
     return silent
+
+
+def worker_poll(state: JobState, request: WorkerPollRequest) -> WorkerPollReply:
+    """``elan worker`` asks about its command: declared dead (kill it), and whether the job's training is over."""
+    worker = request.worker_id
+    if not state.is_known(worker) and worker not in state.exits:
+        raise StateError(f"worker {worker} is not a worker of job {state.job}")
+    return WorkerPollReply(kill=worker in state.declared_dead, training_over=state.training_over())
 
 
 def _has_started(state: JobState, worker_id: str) -> bool:

@@ -1,0 +1,164 @@
+"""A frozen member of a job whose workers a scheduler started (`elan am` and one `elan worker` per worker).
+
+`elan run` kills a member the AM declared dead (it stopped answering: SIGSTOP, a hung process); an `elan worker` has
+no `launcher_poll`, so before, its frozen command stayed stopped for ever: the job went on without it, but that
+`elan worker` never exited and the scheduler's allocation (a Slurm step, a pod) was held until someone noticed. Now
+the `elan worker` asks the AM about its command (`worker_poll`) and SIGKILLs it once declared dead; its exit is
+reported as a death's. The other workers' run is the static run's: the interrupted step redone, every sample once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.elastic_runs import free_port
+from tests.users.corpus import (
+    Job,
+    Run,
+    assert_members_agree,
+    assert_ok,
+    assert_same_samples,
+    assert_states_close,
+    end_every_process_of,
+    job_env,
+    read_run,
+    run_job,
+    shm_dir,
+)
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT_S = 10
+COMMAND = ("{scripts}/short_timeout.py", "{out}", str(TIMEOUT_S))
+FREEZE_AFTER_STEP = 4
+WORKERS = 3
+JOB_TIMEOUT_S = 360.0
+
+
+class EnrolledJob:
+    """An AM taking enrolments and ``WORKERS`` ``elan worker``s of the corpus script, all logging to
+    ``home/output.log`` and observed as the corpus harness observes its jobs (``read_run``). The job starts with all
+    of them (they enrol within the start grace) and may go on with one less (``--min-workers``)."""
+
+    def __init__(self, home: Path, job: Job, env: dict[str, str] | None = None) -> None:
+        (home / "observe").mkdir(parents=True)
+        self.home, self.job, self.shm = home, job, shm_dir(home)
+        self.env = job_env(home, job, {**(env or {}), "ELAN_SHM_DIR": str(self.shm)})
+        self.address = f"127.0.0.1:{free_port()}"
+        self.log = (home / "output.log").open("a")
+        self.am = self._start(["am", "--job", job.name, "--bind", f"tcp://{self.address}", "--state-dir",
+                               str(home / "state"), "--min-workers", str(WORKERS - 1), "--max-workers",
+                               str(WORKERS), "--start-grace", "30", "--coordinate-every", "1"])
+        command = [sys.executable, *job.argv(home / "out")]
+        self.workers = [self._start(["worker", "--am", self.address, "--job", job.name, "--", *command])
+                        for _ in range(WORKERS)]
+
+    def _start(self, args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "lightning_elan.cli", *args], cwd=self.home, env=self.env,
+                                stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def command_pid(self, worker: str) -> int | None:
+        """The pid of ``worker``'s training command, once its ``elan worker`` logged it."""
+        found = re.search(rf"{worker} \(rank \d+ of \d+\) started: pid (\d+)", self.output())
+        return int(found.group(1)) if found else None
+
+    def trained_steps(self) -> int:
+        run = read_run(self.home, self.job, 0)
+        return max((record["step"] for record in run.events("start")), default=-1)
+
+    def wait(self) -> None:
+        """Every process exited by itself, or the job is reported hung (its processes are killed)."""
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        for proc in [*self.workers, self.am]:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{proc.args[3:5]} still running {JOB_TIMEOUT_S:.0f} s after the start\n"
+                            f"{self.output()[-6000:]}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return (self.home / "output.log").read_text()
+
+    def run(self) -> Run:
+        return read_run(self.home, self.job, self.am.returncode)
+
+    def stop(self) -> None:
+        for proc in [*self.workers, self.am]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        end_every_process_of(self.home)
+        shutil.rmtree(self.shm, ignore_errors=True)
+        self.log.close()
+
+
+def freeze_when_trained(job: EnrolledJob, worker: str) -> int:
+    """SIGSTOP ``worker``'s command once the job trained past ``FREEZE_AFTER_STEP``; its pid."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        pid = job.command_pid(worker)
+        if pid is not None and job.trained_steps() >= FREEZE_AFTER_STEP:
+            os.kill(pid, signal.SIGSTOP)
+            return pid
+        assert job.am.poll() is None, job.output()[-6000:]
+        time.sleep(0.05)
+    pytest.fail(f"{worker} never trained past step {FREEZE_AFTER_STEP}\n{job.output()[-6000:]}")
+
+
+@pytest.fixture(scope="module")
+def static(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run = run_job(tmp_path_factory.mktemp("static"), Job("enrolled_frozen_static", COMMAND, nproc=WORKERS))
+    assert_ok(run)
+    return run
+
+
+def test_an_elan_worker_kills_its_frozen_command_once_the_am_declared_it_dead(static: Run, tmp_path: Path) -> None:
+    job = EnrolledJob(tmp_path / "enrolled", Job("enrolled_frozen", COMMAND, nproc=WORKERS))
+    try:
+        frozen = freeze_when_trained(job, "w1")
+        job.wait()
+    finally:
+        job.stop()
+    run = job.run()
+
+    assert job.am.returncode == 0, run.excerpt()
+    assert sorted(proc.returncode for proc in job.workers) == [0, 0, 128 + signal.SIGKILL], run.excerpt()
+    assert f"killing w1 (pid {frozen})" in run.output and "the AM declared it dead" in run.output, run.excerpt()
+    adjustments = run.adjustments()
+    assert [(a["action"], a["failure"]["dead"], len(a["members"])) for a in adjustments] == [
+        ("failure", ["w1"], WORKERS - 1)], adjustments
+    assert "Traceback" not in run.output, run.excerpt()
+    assert_same_samples(run, static)
+    assert_members_agree(run)
+    assert_states_close(run.final_state(), static.final_state())
+
+
+def test_an_elan_worker_kills_its_command_stopped_after_the_training(static: Run, tmp_path: Path) -> None:
+    """The process of rank 1 stops itself in ``on_fit_end`` (``$USERS_FREEZE``): no collective waits for it, so no
+    timeout ends it and the AM never declares it dead. Its ``elan worker`` kills it once it has been stopped for 30 s
+    after the job's training ended (``worker_poll``'s ``training_over``), and the job ends whole (before: that
+    ``elan worker`` and the AM, waiting for its exit, ran for ever)."""
+    job = EnrolledJob(tmp_path / "enrolled", Job("enrolled_stopped", COMMAND, nproc=WORKERS),
+                      env={"USERS_FREEZE": "fit_end"})
+    try:
+        job.wait()
+    finally:
+        job.stop()
+    run = job.run()
+
+    assert [kill["phase"] for kill in run.kills()] == ["freeze:fit_end"]
+    assert job.am.returncode == 0, run.excerpt()
+    assert sorted(proc.returncode for proc in job.workers) == [0, 0, 128 + signal.SIGKILL], run.excerpt()
+    assert "has been stopped (SIGSTOP) for" in run.output and not run.adjustments(), run.excerpt()
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
