@@ -644,7 +644,7 @@ class ElasticWorker:
         stalled = not self._peer_failed_in(generation) and is_a_collective_timeout(error)
         failed = self._declare_stall(error, generation) if stalled else []
         if failed:
-            if self._any_failed_within(FAILURE_NOTICE_S, failed, generation):  # the keys are set: the watch sees one
+            if self.peer_failure_within(FAILURE_NOTICE_S, generation, also=failed):  # the keys are set: seen soon
                 return
             raise error
         if self.peer_failure_within(FAILURE_NOTICE_WARNING_S, generation):
@@ -671,16 +671,6 @@ class ElasticWorker:
             self.group.store.set(failure_key(each), f"stalled:{self.worker_id}")
         return generations
 
-    def _any_failed_within(self, seconds: float, generations: list[int], generation: int | None) -> bool:
-        """Whether the watch sees, within ``seconds``, one of ``generations`` fail (it watches one: the current
-        generation, or the one a plan forms) or this worker's own (``generation``)."""
-        deadline = time.monotonic() + seconds
-        while not (self._peer_failed_in(generation) or any(self._watch.failed(each) for each in generations)):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return True
-
     def _peer_failed_in(self, generation: int | None) -> bool:
         if generation is None or generation == self.generation:
             return self.peer_failed
@@ -693,11 +683,12 @@ class ElasticWorker:
         failure = None if self.group is None else self.group.failure
         return None if failure is None or isinstance(failure, PeerFailure) else failure
 
-    def peer_failure_within(self, seconds: float, generation: int | None = None) -> bool:
+    def peer_failure_within(self, seconds: float, generation: int | None = None, also: Sequence[int] = ()) -> bool:
         """Whether the AM says, within ``seconds``, that a member of this worker's generation (or ``generation``)
-        died."""
+        died, or that one of the generations ``also`` failed (those a stall this worker reported failed; the watch
+        watches one: the current generation, or the one a plan forms)."""
         deadline = time.monotonic() + seconds
-        while not self._peer_failed_in(generation):
+        while not (self._peer_failed_in(generation) or any(self._watch.failed(each) for each in also)):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.02)
