@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -461,6 +462,9 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except NotEnrolled as error:
         log.error("%s", error)
         return EXIT_NOT_ENROLLED
+    except KeyboardInterrupt:  # Ctrl-C while enrolling (once the command runs, SIGINT makes it leave the job)
+        log.error("interrupted before the command started: this worker did not join job %s", args.job)
+        return 128 + signal.SIGINT
 
 
 # ---------------------------------------------------------------------- elan scale / status

@@ -147,11 +147,12 @@ class EnrolledWorker:
                                        preexec_fn=die_with_parent(signal.SIGTERM, hold_sigterm=True))
         where = f"rank {enrolment.rank} of {enrolment.world_size}" if enrolment.role == ROLE_MEMBER else "joiner"
         log.info("%s (%s) started: pid %d", enrolment.worker_id, where, self._child.pid)
-        previous = signal.signal(signal.SIGTERM, self._forward)
+        previous = {signum: signal.signal(signum, self._forward) for signum in (signal.SIGTERM, signal.SIGINT)}
         try:
             returncode = self._wait(self._child, enrolment.worker_id)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         if returncode != 0:  # killed or crashed: its shared-memory segments are still there
             remove_segments_of(self._child.pid, env)
         return returncode
@@ -223,11 +224,12 @@ class EnrolledWorker:
         return True
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
-        """SIGTERM from the scheduler: the command leaves the job gracefully (it exits 0 once it has left)."""
+        """SIGTERM from the scheduler, or Ctrl-C (SIGINT): the command leaves the job gracefully (SIGTERM: it exits 0
+        once it has left)."""
         if self._child is not None and self._child.poll() is None:
-            log.info("received %s: passing it on to the worker (pid %d)", signal.Signals(signum).name,
+            log.info("received %s: the worker (pid %d) leaves the job (SIGTERM)", signal.Signals(signum).name,
                      self._child.pid)
-            self._child.send_signal(signum)
+            self._child.send_signal(signal.SIGTERM)
 
     def _command_env(self, enrolment: EnrolReply) -> dict[str, str]:
         description = WorkerEnvironment.launched(
@@ -280,7 +282,8 @@ class EnrolledWorker:
             store = open_rendezvous_store(self.store_address(enrolment), timedelta(seconds=MARKS_TIMEOUT_S))
             return bool(store.check([training_ended_key(worker)])), bool(store.check([script_failed_key(worker)]))
         except Exception as error:  # the exit is still reported, without the marks
-            log.warning("could not read the marks of %s in the rendezvous store: %s", worker, error)
+            log.warning("could not read the marks of %s in the rendezvous store: %s", worker,
+                        str(error).splitlines()[0] if str(error) else type(error).__name__)
             return None, None
 
     def _announce_failure(self, enrolment: EnrolReply, generations: list[int]) -> None:

@@ -86,7 +86,8 @@ HOUSEKEEPING_INTERVAL_S = 0.25  # the AM's own clock for a job of enrolled worke
 SIZING_INTERVAL_S = 0.25  # how often the AM looks at the job for its profile, autoscaler and stragglers
 MAX_MESSAGES_PER_TICK = 256
 FINISH_LINGER_S = 30.0
-"""How long an AM of ``elan worker``s serves on after the job finished for the joiners it cancelled to learn it."""
+"""How long an AM of ``elan worker``s serves on after the job finished for the joiners it cancelled to learn it, and
+for the workers that left to report their exits."""
 MAX_WAIT_S = 3600.0
 HARD_MESSAGE_LIMIT = 64 * MAX_MESSAGE_BYTES  # larger frames make ZeroMQ drop the connection (no reply)
 ADJUSTMENTS_FILE = "adjustments.jsonl"
@@ -310,14 +311,16 @@ class ApplicationMaster:
 
     @property
     def over(self) -> bool:
-        """Finished, and every joiner the finish cancelled has exited, or ``FINISH_LINGER_S`` passed since: an AM of
-        ``elan worker``s that stopped at once left such a joiner asking an AM that was gone (etcd storm seed 9003)."""
+        """Finished, and every joiner the finish cancelled and every worker that left has exited, or
+        ``FINISH_LINGER_S`` passed since: an AM of ``elan worker``s that stopped at once left such a joiner asking an
+        AM that was gone (etcd storm seed 9003), and a leaver still exiting when the job finished (its ``elan worker``
+        spent a minute on the store and the AM that were gone before it could report its exit)."""
         if not self._state.finished:
             return False
         if self._finished_seen_at is None:
             self._finished_seen_at = time.monotonic()
         lingered = time.monotonic() - self._finished_seen_at >= FINISH_LINGER_S
-        return lingered or not self._state.cancelled_workers()
+        return lingered or not (self._state.cancelled_workers() or self._state.unreported_leavers())
 
     @property
     def finish_reason(self) -> str | None:

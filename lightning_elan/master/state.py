@@ -435,6 +435,13 @@ class JobState:
         from its next ``wait_plan``, so an AM of ``elan worker``s serves on a while for them."""
         return [worker for worker, pending in self.pending_workers.items() if pending.status == CANCELLED]
 
+    def unreported_leavers(self) -> list[str]:
+        """In a job of ``elan worker``s, the workers that left it (or died) whose ``elan worker`` has not reported their
+        exit yet: it reads the store the AM serves and reports to the AM, so the AM serves on for them a while."""
+        if self.enrolment is None:
+            return []
+        return [worker for worker in self.left_workers if worker not in self.exits]
+
     def training_over(self) -> bool:
         """A member of the current generation exited 0 outside any adjustment: ``fit`` returned on it, and every
         member trains the same steps (the last one needed them all), so the job's training is complete."""

@@ -10,7 +10,7 @@ import pytest
 from lightning_elan.master import server
 from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.server import ApplicationMaster
-from lightning_elan.master.state import SPAWNED, JobState, StateError
+from lightning_elan.master.state import SPAWNED, JobState, StateError, WorkerExit
 from lightning_elan.master.store import FileStore
 from lightning_elan.master.transitions import enrolling
 from lightning_elan.protocol import AMClient
@@ -143,3 +143,14 @@ def test_the_am_of_a_finished_job_stops_after_the_linger_without_its_joiners_exi
     assert not enrolled_am.over
     monkeypatch.setattr(server, "FINISH_LINGER_S", 0.0)
     assert enrolled_am.over
+
+
+def test_the_am_of_a_finished_job_serves_on_for_the_exit_of_a_worker_that_left() -> None:
+    """A leaver still exiting when the job finished: its `elan worker` reads the marks in the store the AM serves and
+    reports the exit, so the AM is not over before it did (or the linger passed). `elan run` reports every exit."""
+    state = JobState(job="job", enrolment=Enrolment(1, 3), left_workers=["w1", "w2"])
+    state.exits["w2"] = WorkerExit(0, left=True)
+    assert state.unreported_leavers() == ["w1"]
+    state.exits["w1"] = WorkerExit(0, left=True)
+    assert state.unreported_leavers() == []
+    assert JobState(job="job", left_workers=["w1"]).unreported_leavers() == []

@@ -1,10 +1,13 @@
-"""A frozen member of a job whose workers a scheduler started (`elan am` and one `elan worker` per worker).
+"""Faults of a job whose workers a scheduler started (`elan am` and one `elan worker` per worker), from the side of
+the user who runs them: a frozen command, and the signals a scheduler or a terminal sends to an `elan worker`.
 
 `elan run` kills a member the AM declared dead (it stopped answering: SIGSTOP, a hung process); an `elan worker` has
 no `launcher_poll`, so before, its frozen command stayed stopped for ever: the job went on without it, but that
 `elan worker` never exited and the scheduler's allocation (a Slurm step, a pod) was held until someone noticed. Now
 the `elan worker` asks the AM about its command (`worker_poll`) and SIGKILLs it once declared dead; its exit is
-reported as a death's. The other workers' run is the static run's: the interrupted step redone, every sample once.
+reported as a death's. Ctrl-C (SIGINT) to an `elan worker` printed a KeyboardInterrupt traceback and left the AM
+without its exit; a SIGTERM near the job's end left it a minute on a store and an AM that were gone. In every case
+the other workers' run is the static run's: every sample once, the final state within 1e-9.
 """
 
 from __future__ import annotations
@@ -102,24 +105,35 @@ class EnrolledJob:
         self.log.close()
 
 
-def freeze_when_trained(job: EnrolledJob, worker: str) -> int:
-    """SIGSTOP ``worker``'s command once the job trained past ``FREEZE_AFTER_STEP``; its pid."""
+def trained_pid(job: EnrolledJob, worker: str) -> int:
+    """The pid of ``worker``'s command, once the job trained past ``FREEZE_AFTER_STEP``."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while time.monotonic() < deadline:
         pid = job.command_pid(worker)
         if pid is not None and job.trained_steps() >= FREEZE_AFTER_STEP:
-            os.kill(pid, signal.SIGSTOP)
             return pid
         assert job.am.poll() is None, job.output()[-6000:]
         time.sleep(0.05)
     pytest.fail(f"{worker} never trained past step {FREEZE_AFTER_STEP}\n{job.output()[-6000:]}")
 
 
+def freeze_when_trained(job: EnrolledJob, worker: str) -> int:
+    """SIGSTOP ``worker``'s command once the job trained past ``FREEZE_AFTER_STEP``; its pid."""
+    pid = trained_pid(job, worker)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
 @pytest.fixture(scope="module")
 def static(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    run = run_job(tmp_path_factory.mktemp("static"), Job("enrolled_frozen_static", COMMAND, nproc=WORKERS))
+    run = run_job(tmp_path_factory.mktemp("static"), Job("enrolled_static", COMMAND, nproc=WORKERS))
     assert_ok(run)
     return run
+
+
+def parent_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
 
 
 def test_an_elan_worker_kills_its_frozen_command_once_the_am_declared_it_dead(static: Run, tmp_path: Path) -> None:
@@ -160,5 +174,30 @@ def test_an_elan_worker_kills_its_command_stopped_after_the_training(static: Run
     assert job.am.returncode == 0, run.excerpt()
     assert sorted(proc.returncode for proc in job.workers) == [0, 0, 128 + signal.SIGKILL], run.excerpt()
     assert "has been stopped (SIGSTOP) for" in run.output and not run.adjustments(), run.excerpt()
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_to_an_elan_worker_makes_its_command_leave_and_the_exit_is_reported(static: Run, tmp_path: Path,
+                                                                                      signum: signal.Signals) -> None:
+    """The scheduler's SIGTERM, or Ctrl-C in the terminal of one `elan worker` (SIGINT to it alone), after step 4: its
+    command leaves at a batch boundary and exits 0, and so does the `elan worker`, having reported the exit to the AM
+    (which serves on for a leaver still exiting when the job finished). Before: SIGINT raised a KeyboardInterrupt
+    traceback out of `elan worker`; a leaver still exiting as the job finished found the store and the AM gone."""
+    job = EnrolledJob(tmp_path / "enrolled", Job(f"enrolled_{signum.name.lower()}", COMMAND, nproc=WORKERS))
+    try:
+        pid = trained_pid(job, "w1")
+        supervisor = next(proc for proc in job.workers if proc.pid == parent_of(pid))
+        supervisor.send_signal(signum)
+        job.wait()
+    finally:
+        job.stop()
+    run = job.run()
+
+    assert job.am.returncode == 0 and [proc.returncode for proc in job.workers] == [0, 0, 0], run.excerpt()
+    assert [(a["action"], a["members"]) for a in run.adjustments()] == [("leave", ["w0", "w2"])], run.excerpt()
+    assert f"received {signum.name}: the worker (pid {pid}) leaves the job" in run.output, run.excerpt()
+    assert "Traceback" not in run.output and "could not" not in run.output, run.excerpt()
     assert_same_samples(run, static)
     assert_states_close(run.final_state(), static.final_state())
