@@ -78,7 +78,7 @@ class WorkerConfig:
     term_grace_s: float = DEFAULT_TERM_GRACE_S
     enrol_timeout_s: float = 600.0  # for an AM to answer and, before the start, for the job to start
     poll_s: float = 0.5
-    am_poll_s: float = 2.0  # how often the AM is asked about the running command (``worker_poll``)
+    am_poll_s: float = 5.0  # how often the AM is asked about the running command (``worker_poll``): 200 workers, 40/s
     stopped_grace_s: float = 30.0  # a command stopped (SIGSTOP) this long after the training ended is killed
 
     @property
