@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
 import json
 import random
 import shutil
@@ -51,6 +50,7 @@ from tests.users.corpus import (
     last_attempts,
     read_run,
     run_job,
+    unrecorded_shares,
 )
 from tests.users.test_corpus import (
     CORPUS,
@@ -440,40 +440,6 @@ def assert_samples(run: Run, static: Run, script: str, victims: set[str]) -> Non
         extra = sorted(set(counts) - set(expected[epoch]), key=str)
         assert not (duplicated or missing or extra), (
             f"epoch {epoch}: duplicated {duplicated}, missing {missing}, not in the static run {extra}")
-
-
-def unrecorded_shares(run: Run, static: Run, victims: set[str]) -> dict[int, Counter]:
-    """The samples of victims killed after their last step stood (every member voted to commit it, so the survivors
-    applied the update that holds their gradients) and before they wrote its ``trained`` record: the static run's
-    samples of that batch less those recorded at the step after it. A victim that recorded its share, or a batch
-    redone after the death (recorded whole by the survivors in their new world), adds nothing. The survivors' records
-    may name the new world and its ranks: a recovery in the batch's ``on_train_batch_end`` hooks, before the
-    observer's, comes before they record the batch trained in the old one."""
-    batches: dict[tuple[int, int], list[dict]] = {}  # each batch once: two victims may have stopped in the same one
-    stride = steps_per_batch(static)
-    for victim in victims:
-        starts = [record for record in run.events("start") if record.get("worker") == victim]
-        if not starts:
-            continue
-        last = max(starts, key=lambda record: record["at"])
-        after = [record for record in run.events("trained") if record["step"] == last["step"] + stride]
-        if after:
-            batches[(after[0]["epoch"], after[0]["batch_idx"])] = after
-    shares: dict[int, Counter] = {}
-    for (epoch, batch), after in batches.items():
-        whole = Counter(sample for record in static.events("trained") if (record["epoch"], record["batch_idx"]) == (
-            epoch, batch) for sample in record["samples"])
-        recorded = Counter(sample for record in after if record["batch_idx"] == batch for sample in record["samples"])
-        shares.setdefault(epoch, Counter()).update(whole - recorded)
-    return shares
-
-
-def steps_per_batch(static: Run) -> int:
-    """How far ``global_step`` moves per trained batch: 1, or one per optimizer under manual optimization (the GAN's
-    two), where the record of the batch after a victim's last start is not at its step + 1 (seed 702 of
-    ``gan_manual``: a victim's unrecorded share was taken for missing samples)."""
-    steps = sorted({record["step"] for record in static.events("start")})
-    return min((later - earlier for earlier, later in itertools.pairwise(steps)), default=1)
 
 
 def assert_steps(run: Run, static: Run) -> None:
