@@ -3,8 +3,11 @@
 The worker asks the job's AM (``elan am --min-workers N``) for a place, waits while the job has not started, then
 runs the training command with the ``ELAN_*`` environment of a member of generation 0 or of a joiner — exactly what
 ``elan run`` gives its children. It forwards SIGTERM to the command (the graceful leave a scheduler asks for when it
-deletes a pod or ends a step), tells the AM how the command exited and exits with the same code. A command that died
-is announced to the survivors through the rendezvous store, as ``elan run`` does, so their collectives are released.
+deletes a pod or ends a step), and so takes Ctrl-C (SIGINT): the command starts with SIGINT ignored, since a
+terminal sends Ctrl-C to the whole process group and the command's own KeyboardInterrupt would end its ``fit`` (a
+death, its step redone) instead of the leave. It tells the AM how the command exited and exits with the same code.
+A command that died is announced to the survivors through the rendezvous store, as ``elan run`` does, so their
+collectives are released.
 While the command runs it asks the AM about it (``worker_poll``) and SIGKILLs a command the AM declared dead (it
 stopped answering: frozen or hung) or one stopped (SIGSTOP) for ``stopped_grace_s`` after the job's training ended,
 as ``elan run`` does for its children: the scheduler's allocation then ends instead of holding a frozen process.
@@ -18,7 +21,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
@@ -56,6 +59,19 @@ MARKS_TIMEOUT_S = 10.0
 """How long reading the command's marks in the rendezvous store may take when its exit is reported."""
 EXIT_NOT_ENROLLED = 3
 """``elan worker``'s exit code when the AM refused it (job finished, full, not taking workers) or never answered."""
+
+
+def command_preexec() -> Callable[[], None]:
+    """The command's ``preexec_fn``: it dies with this process, starts with SIGTERM held (``lifeline``) and with SIGINT
+    ignored (Ctrl-C is this process's to forward as the leave; Python keeps an ignored SIGINT ignored)."""
+    lifeline = die_with_parent(signal.SIGTERM, hold_sigterm=True)
+
+    def preexec() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if lifeline is not None:
+            lifeline()
+
+    return preexec
 
 
 class NotEnrolled(RuntimeError):
@@ -143,8 +159,7 @@ class EnrolledWorker:
 
     def _run_command(self, enrolment: EnrolReply) -> int:
         env = self._command_env(enrolment)
-        self._child = subprocess.Popen(self.config.command, env=env,
-                                       preexec_fn=die_with_parent(signal.SIGTERM, hold_sigterm=True))
+        self._child = subprocess.Popen(self.config.command, env=env, preexec_fn=command_preexec())
         where = f"rank {enrolment.rank} of {enrolment.world_size}" if enrolment.role == ROLE_MEMBER else "joiner"
         log.info("%s (%s) started: pid %d", enrolment.worker_id, where, self._child.pid)
         previous = {signum: signal.signal(signum, self._forward) for signum in (signal.SIGTERM, signal.SIGINT)}

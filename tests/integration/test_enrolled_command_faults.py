@@ -178,18 +178,26 @@ def test_an_elan_worker_kills_its_command_stopped_after_the_training(static: Run
     assert_states_close(run.final_state(), static.final_state())
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+@pytest.mark.parametrize(("signum", "terminal"), [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                                   (signal.SIGINT, True)], ids=["sigterm", "sigint", "ctrl_c"])
 def test_a_signal_to_an_elan_worker_makes_its_command_leave_and_the_exit_is_reported(static: Run, tmp_path: Path,
-                                                                                      signum: signal.Signals) -> None:
-    """The scheduler's SIGTERM, or Ctrl-C in the terminal of one `elan worker` (SIGINT to it alone), after step 1: its
-    command leaves at a batch boundary and exits 0, and so does the `elan worker`, having reported the exit to the AM
-    (which serves on for a leaver still exiting when the job finished). Before: SIGINT raised a KeyboardInterrupt
-    traceback out of `elan worker`; a leaver still exiting as the job finished found the store and the AM gone."""
-    job = EnrolledJob(tmp_path / "enrolled", Job(f"enrolled_{signum.name.lower()}", COMMAND, nproc=WORKERS))
+                                                                                      signum: signal.Signals,
+                                                                                      terminal: bool) -> None:
+    """The scheduler's SIGTERM, or Ctrl-C to one `elan worker` (SIGINT to it alone, or, as a terminal sends it, to its
+    whole process group: its command too), after step 1: its command leaves at a batch boundary and exits 0, and so
+    does the `elan worker`, having reported the exit to the AM (which serves on for a leaver still exiting when the job
+    finished). Before: SIGINT raised a KeyboardInterrupt traceback out of `elan worker`; a leaver still exiting as the
+    job finished found the store and the AM gone; the terminal's SIGINT to the command interrupted its `fit`
+    (Lightning's "Detected KeyboardInterrupt", exit 1): recovered as a death, its step redone."""
+    name = f"enrolled_{signum.name.lower()}" + ("_terminal" if terminal else "")
+    job = EnrolledJob(tmp_path / "enrolled", Job(name, COMMAND, nproc=WORKERS))
     try:
         pid = trained_pid(job, "w1", step=1)  # early: the leave lands well before the job's last (24th) step
         supervisor = next(proc for proc in job.workers if proc.pid == parent_of(pid))
-        supervisor.send_signal(signum)
+        if terminal:
+            os.killpg(supervisor.pid, signum)  # each `elan worker` leads its own session, as in its own terminal
+        else:
+            supervisor.send_signal(signum)
         job.wait()
     finally:
         job.stop()
