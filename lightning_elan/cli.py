@@ -198,6 +198,10 @@ def _add_enrolment_options(am: argparse.ArgumentParser) -> None:
     group.add_argument("--join-timeout", type=positive_float, default=None, metavar="SECONDS",
                        help=f"how long the job waits for joiners below --min-workers before it fails (default "
                             f"{DEFAULT_JOIN_TIMEOUT_S:g})")
+    group.add_argument("--heartbeat-timeout", type=positive_float, default=None, metavar="SECONDS",
+                       help="once the job runs, a worker whose `elan worker` has not been heard from this long (its "
+                            "host lost, paused or cut off) is taken for dead and the others recover at once (default "
+                            "30, at least 10)")
     group.add_argument("--rdzv-port", type=port, default=0, metavar="P",
                        help="port of the job's rendezvous store (a TCPStore this AM serves; default: a free one)")
 
@@ -416,9 +420,9 @@ def cmd_am(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _enrolment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """The enrolment rule of ``--min-workers``/``--max-workers``, or None (the job's workers come from elan run)."""
-    from lightning_elan.master.enrolment import DEFAULT_START_GRACE_S, Enrolment
+    from lightning_elan.master.enrolment import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_START_GRACE_S, Enrolment
 
-    enrolment_only = ("max_workers", "start_grace", "coordinate_every", "join_timeout")
+    enrolment_only = ("max_workers", "start_grace", "coordinate_every", "join_timeout", "heartbeat_timeout")
     if args.min_workers is None:
         given = [f"--{name.replace('_', '-')}" for name in enrolment_only if getattr(args, name) is not None]
         if given:
@@ -427,7 +431,8 @@ def _enrolment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any
     maximum = args.max_workers or args.min_workers
     try:
         return Enrolment(args.min_workers, maximum, DEFAULT_START_GRACE_S if args.start_grace is None
-                         else args.start_grace)
+                         else args.start_grace, heartbeat_timeout_s=args.heartbeat_timeout
+                         or DEFAULT_HEARTBEAT_TIMEOUT_S)
     except ValueError as error:
         parser.error(str(error))
 

@@ -44,6 +44,8 @@ __all__ = [
 
 SCHEME = "etcd://"
 KEY_ROOT = "/lightning_elan"
+RENDEZVOUS_KEY = "rdzv"
+"""Under a job's prefix, the keys of its rendezvous store (``elastic/etcd_rendezvous.py``)."""
 DEFAULT_PORT = 2379
 DEFAULT_REQUEST_TIMEOUT_S = 2.0
 DEFAULT_RETRY_S = 10.0
@@ -74,6 +76,10 @@ class EtcdLocator:
     def key(self, job: str, name: str) -> str:
         """The key ``name`` of ``job``, e.g. ``/lightning_elan/PREFIX/JOB/state``."""
         return self.job_prefix(job) + name
+
+    def rendezvous_root(self, job: str) -> str:
+        """Where ``job``'s rendezvous store keeps its keys: ``/lightning_elan/PREFIX/JOB/rdzv/``."""
+        return self.key(job, RENDEZVOUS_KEY) + "/"
 
     def url(self) -> str:
         hosts = ",".join(f"{host}:{port}" for host, port in self.endpoints)
@@ -221,6 +227,9 @@ class EtcdConnection:
         """Refresh a lease; its TTL, or -1 when it has expired."""
         result = self.call("lease/keepalive", {"ID": lease_id}, retry_s)
         return int(result.get("result", {}).get("TTL", -1))
+
+    def put(self, key: str, value: bytes, retry_s: float | None = None) -> None:
+        self.call("kv/put", {"key": _b64(key), "value": base64.b64encode(value).decode()}, retry_s)
 
     def revoke(self, lease_id: int, retry_s: float | None = None) -> None:
         self.call("kv/lease/revoke", {"ID": lease_id}, retry_s)

@@ -44,7 +44,6 @@ from lightning_elan.etcd import (
 
 __all__ = ["EtcdRendezvousStore", "open_rendezvous_store", "parse_rendezvous_url", "rendezvous_url"]
 
-RDZV_KEY = "rdzv"
 POLL_INITIAL_S = 0.002
 POLL_MAX_S = 0.05
 POLL_GROWTH = 1.5
@@ -70,7 +69,7 @@ class EtcdRendezvousStore(dist.Store):
         super().__init__()
         self.locator = locator
         self.job = job
-        self.root = locator.key(job, RDZV_KEY) + "/"
+        self.root = locator.rendezvous_root(job)
         self.set_timeout(timeout)
         self._local = threading.local()
         self._closed = threading.Event()

@@ -28,6 +28,7 @@ import zmq
 from lightning_elan.etcd import EtcdLocator
 from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.etcd_store import EtcdStore
+from lightning_elan.master.failure_notice import etcd_notice
 from lightning_elan.master.leadership import DEFAULT_LEASE_TTL_S, Leadership
 from lightning_elan.master.server import FINISH_LINGER_S, ApplicationMaster
 from lightning_elan.master.state import CANCELLED
@@ -138,7 +139,9 @@ class ElectedAM:
         store = EtcdStore(self.locator, self.job, fence=fence, retry_s=max(2.0, float(self.leadership.ttl_s)))
         try:
             am = ApplicationMaster(self.job, store, bind=self.bind, state_dir=self.state_dir,
-                                   register=self.register, secret=self.secret, rendezvous=self.rendezvous)
+                                   register=self.register, secret=self.secret, rendezvous=self.rendezvous,
+                                   announce_failure=None if self.rendezvous is None
+                                   else etcd_notice(self.locator, self.job))
             if self.enrolment is not None:  # kept from the state when it has one (a standby taking over)
                 am.accept_enrolments(copy.deepcopy(self.enrolment), **self.enrolment_options)
         except (StoreUnavailable, StoreConflict) as error:

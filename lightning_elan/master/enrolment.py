@@ -15,6 +15,10 @@ DEFAULT_START_GRACE_S = 5.0
 """After ``min_workers`` have enrolled, the job waits this long for more (up to ``max_workers``), then starts."""
 DEFAULT_SILENCE_S = 15.0
 """A waiting worker that has not polled this long is dropped before the job starts."""
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+"""Once the job runs, a worker whose ``elan worker`` has not polled this long is lost (``master/heartbeats.py``)."""
+MIN_HEARTBEAT_TIMEOUT_S = 10.0
+"""``elan worker`` polls every 5 s: a shorter timeout would take one late poll for a lost host."""
 
 
 @dataclass
@@ -36,6 +40,7 @@ class Enrolment:
     max_workers: int
     start_grace_s: float = DEFAULT_START_GRACE_S
     silence_s: float = DEFAULT_SILENCE_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     waiting: list[Enrollee] = field(default_factory=list)  # in enrolment order: generation 0's rank order
     quorum_at: float | None = None  # when min_workers were first waiting
 
@@ -46,6 +51,9 @@ class Enrolment:
             raise ValueError(f"--max-workers {self.max_workers} is less than --min-workers {self.min_workers}")
         if self.start_grace_s < 0 or self.silence_s <= 0:
             raise ValueError("start_grace_s must be ≥ 0 and silence_s > 0")
+        if self.heartbeat_timeout_s < MIN_HEARTBEAT_TIMEOUT_S:
+            raise ValueError(f"--heartbeat-timeout must be ≥ {MIN_HEARTBEAT_TIMEOUT_S:g} s (`elan worker` polls every "
+                             f"5 s), got {self.heartbeat_timeout_s:g}")
 
     def enrol(self, worker_id: str, host: str, pid: int, now: float) -> None:
         self.waiting.append(Enrollee(worker_id, host, pid, now, now))

@@ -62,6 +62,7 @@ def serve(options: AMOptions) -> int:
 
 def _serve_with_file_store(options: AMOptions, signals: StopSignals) -> int:
     from lightning_elan.master import ApplicationMaster, FileStore
+    from lightning_elan.master.failure_notice import tcp_store_notice
     from lightning_elan.protocol.auth import AuthError, secret_from_env
 
     make_state_dir(options.state_dir)
@@ -72,7 +73,8 @@ def _serve_with_file_store(options: AMOptions, signals: StopSignals) -> int:
         am = ApplicationMaster(options.job, store, state_dir=options.state_dir, bind=options.bind,
                                secret=secret_from_env(),
                                rendezvous=None if rendezvous is None else (_advertised_host(options.bind),
-                                                                           rendezvous.port))
+                                                                           rendezvous.port),
+                               announce_failure=None if rendezvous is None else tcp_store_notice(rendezvous))
     except AuthError as error:
         raise AMStartError(str(error)) from None
     except (OSError, ValueError) as error:

@@ -20,6 +20,8 @@ import zmq
 
 from lightning_elan.master import journal, registry, sizing
 from lightning_elan.master.enrolment import Enrolment
+from lightning_elan.master.failure_notice import FailureNotice
+from lightning_elan.master.heartbeats import Heartbeats, watched_workers
 from lightning_elan.master.narration import completed_line, decided_line, plural, workers_phrase
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore, StoreConflict, StoreUnavailable
@@ -63,7 +65,9 @@ from lightning_elan.protocol.contract import (
     StragglersRequest,
     WaitPlanReply,
     WaitPlanRequest,
+    WorkerExitReply,
     WorkerExitRequest,
+    WorkerPollReply,
     WorkerPollRequest,
     WorkerStats,
 )
@@ -234,6 +238,7 @@ class ApplicationMaster:
         register: bool = True,
         secret: bytes | None = None,
         rendezvous: tuple[str | None, int] | str | None = None,
+        announce_failure: FailureNotice | None = None,
     ) -> None:
         self.job = registry.check_job_name(job)
         self.store = store
@@ -263,14 +268,16 @@ class ApplicationMaster:
         self._parked: dict[str, _ParkedWait] = {}
         self._records_to_write: list[dict[str, Any]] = []
         self._rendezvous = rendezvous  # told to enrolled workers: (host or None, port) of a TCPStore, or a store URL
+        self._announce = announce_failure  # sets a lost worker's failure keys in that store
         self._next_housekeeping = 0.0
+        self._heartbeats: Heartbeats | None = None  # a job of `elan worker`s: when each was last heard from
         # each handler returns the reply dataclass contract.MESSAGES names for its type (sent as its ``to_body()``)
         self._handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
             "start_job": self._on_start_job,
             "scale": self._on_scale,
             "status": lambda body: self._status(),
             "launcher_poll": lambda body: launching.launcher_poll(self._state),
-            "worker_exit": lambda body: recovering.worker_exit(self._state, WorkerExitRequest.from_body(body)),
+            "worker_exit": self._on_worker_exit,
             "shutdown": lambda body: requests.shutdown(self._state, ShutdownRequest.from_body(body).reason),
             "register": lambda body: requests.register(self._state, RegisterRequest.from_body(body)),
             "coordinate": self._on_coordinate,
@@ -278,7 +285,7 @@ class ApplicationMaster:
             "report": self._on_report,
             "recover": lambda body: recovering.recover(self._state, RecoverRequest.from_body(body)),
             "stalled": lambda body: recovering.collective_stalled(self._state, StalledRequest.from_body(body)),
-            "worker_poll": lambda body: recovering.worker_poll(self._state, WorkerPollRequest.from_body(body)),
+            "worker_poll": self._on_worker_poll,
             "leave": self._on_leave,
             "enrol": self._on_enrol,
             "worker_stats": lambda body: adjustments.worker_stats(self._state, WorkerStats.from_body(body)),
@@ -435,12 +442,51 @@ class ApplicationMaster:
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
         try:
             self._transaction(lambda: enrolling.housekeeping(self._state))
+            self._declare_lost()
         except StoreUnavailable as error:
             self._warnings.warn("AM of job %r: the store is unavailable, housekeeping deferred: %s", self.job, error)
         except StoreConflict as error:
             self._fence(str(error))
             return
         self._wake_parked()
+
+    def _declare_lost(self) -> None:
+        """Workers whose `elan worker` went silent (``master/heartbeats.py``) are dead to the job; the failure is
+        announced in the rendezvous store, as their `elan worker` would have."""
+        heartbeats = self._job_heartbeats()
+        if heartbeats is None:
+            return
+        for worker, silent_s in heartbeats.silent(watched_workers(self._state), time.monotonic()).items():
+            reply = self._transaction(lambda lost=worker, silent=silent_s: recovering.worker_lost(self._state, lost,
+                                                                                                  silent))
+            heartbeats.forget(worker)
+            if reply.recovering:
+                self._announce_failure(worker, list(reply.failed_generations or []))
+
+    def _job_heartbeats(self) -> Heartbeats | None:
+        enrolment = self._state.enrolment
+        if enrolment is None:
+            return None
+        if self._heartbeats is None:
+            self._heartbeats = Heartbeats(enrolment.heartbeat_timeout_s)
+        return self._heartbeats
+
+    def _heard_from(self, worker_id: str | None) -> None:
+        heartbeats = self._job_heartbeats()
+        if heartbeats is not None and worker_id is not None:
+            heartbeats.heard(worker_id, time.monotonic())
+
+    def _announce_failure(self, worker_id: str, generations: list[int]) -> None:
+        """Set the failure keys of ``generations`` in the job's rendezvous store (``master/failure_notice.py``)."""
+        if self._announce is None:
+            return
+        try:
+            self._announce(worker_id, generations)
+        except Exception as error:  # the survivors then see the loss at their collective's timeout
+            logger.warning("job %r: could not announce the loss of %s in the rendezvous store: %s", self.job,
+                           worker_id, str(error).splitlines()[0] if str(error) else type(error).__name__)
+            return
+        logger.warning("job %r: %s is lost: the survivors recover without it", self.job, worker_id)
 
     def _size_job(self) -> None:
         """The job's profile, autoscaler and stragglers (``master/sizing.py``), as a transaction; growth of a job of
@@ -627,8 +673,20 @@ class ApplicationMaster:
                      reply.new_workers)
         return reply
 
+    def _on_worker_poll(self, body: dict[str, Any]) -> WorkerPollReply:
+        request = WorkerPollRequest.from_body(body)
+        self._heard_from(request.worker_id)
+        return recovering.worker_poll(self._state, request)
+
+    def _on_worker_exit(self, body: dict[str, Any]) -> WorkerExitReply:
+        request = WorkerExitRequest.from_body(body)
+        self._heard_from(request.worker_id)
+        return recovering.worker_exit(self._state, request)
+
     def _on_enrol(self, body: dict[str, Any]) -> EnrolReply:
-        reply = enrolling.enrol(self._state, EnrolRequest.from_body(body))
+        request = EnrolRequest.from_body(body)
+        self._heard_from(request.worker_id)
+        reply = enrolling.enrol(self._state, request)
         if isinstance(self._rendezvous, str):
             return dataclasses.replace(reply, store_url=self._rendezvous)
         if self._rendezvous is not None:

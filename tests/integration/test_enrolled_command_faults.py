@@ -52,7 +52,7 @@ class EnrolledJob:
     ``home/output.log`` and observed as the corpus harness observes its jobs (``read_run``). The job starts with all
     of them (they enrol within the start grace) and may go on with one less (``--min-workers``)."""
 
-    def __init__(self, home: Path, job: Job, env: dict[str, str] | None = None) -> None:
+    def __init__(self, home: Path, job: Job, env: dict[str, str] | None = None, am_args: tuple[str, ...] = ()) -> None:
         (home / "observe").mkdir(parents=True)
         self.home, self.job, self.shm = home, job, shm_dir(home)
         self.env = job_env(home, job, {**(env or {}), "ELAN_SHM_DIR": str(self.shm)})
@@ -60,7 +60,7 @@ class EnrolledJob:
         self.log = (home / "output.log").open("a")
         self.am = self._start(["am", "--job", job.name, "--bind", f"tcp://{self.address}", "--state-dir",
                                str(home / "state"), "--min-workers", str(WORKERS - 1), "--max-workers",
-                               str(WORKERS), "--start-grace", "30", "--coordinate-every", "1"])
+                               str(WORKERS), "--start-grace", "30", "--coordinate-every", "1", *am_args])
         command = [sys.executable, *job.argv(home / "out")]
         self.workers = [self._start(["worker", "--am", self.address, "--job", job.name, "--", *command])
                         for _ in range(WORKERS)]
@@ -209,3 +209,47 @@ def test_a_signal_to_an_elan_worker_makes_its_command_leave_and_the_exit_is_repo
     assert "Traceback" not in run.output and "could not" not in run.output, run.excerpt()
     assert_same_samples(run, static)
     assert_states_close(run.final_state(), static.final_state())
+
+
+def test_a_host_paused_without_a_word_is_lost_and_the_others_recover_before_their_collective_times_out(
+        static: Run, tmp_path: Path) -> None:
+    """A whole host stops (a paused VM, a machine cut off the network: SIGSTOP to its `elan worker` and its command,
+    its process group) after step 4 of a job whose collective timeout is 600 s: nothing exits, no connection resets.
+    The AM, no longer polled by that `elan worker`, takes the worker for lost after `--heartbeat-timeout` (10 s),
+    announces the failure, and the others recover without it at once, redo the interrupted step and finish. When the
+    host comes back (SIGCONT) its `elan worker` learns its command was declared dead, kills it and exits 137. Before,
+    the others waited in their collective for the 600 s timeout (the job outlived the test's 360 s)."""
+    command = ("{scripts}/short_timeout.py", "{out}", "600")
+    job = EnrolledJob(tmp_path / "enrolled", Job("enrolled_lost_host", command, nproc=WORKERS),
+                      am_args=("--heartbeat-timeout", "10"))
+    try:
+        pid = trained_pid(job, "w1")
+        host = parent_of(pid)
+        os.killpg(host, signal.SIGSTOP)
+        lost = time.monotonic()
+        recovered_before = _wait_for_output(job, "generation 1 trains with 2 workers", JOB_TIMEOUT_S)
+        os.killpg(host, signal.SIGCONT)
+        job.wait()
+    finally:
+        job.stop()
+    run = job.run()
+
+    assert recovered_before - lost < 60, run.excerpt()  # the 10 s heartbeat timeout, not the 600 s collective's
+    codes = {proc.pid: proc.returncode for proc in job.workers}
+    assert job.am.returncode == 0 and codes.pop(host) == 128 + signal.SIGKILL, run.excerpt()
+    assert list(codes.values()) == [0, 0], run.excerpt()
+    assert "no word from the `elan worker` of w1 for 1" in run.output, run.excerpt()
+    assert [(a["action"], a["members"]) for a in run.adjustments()] == [("failure", ["w0", "w2"])], run.excerpt()
+    assert_members_agree(run)
+    assert_same_samples(run, static, victims=frozenset({"w1"}))
+    assert_states_close(run.final_state(), static.final_state())
+
+
+def _wait_for_output(job: EnrolledJob, text: str, timeout_s: float) -> float:
+    """When ``text`` appeared in the job's output (monotonic), waiting at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while text not in job.output():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{text!r} not in the output after {timeout_s:.0f} s\n{job.output()[-6000:]}")
+        time.sleep(0.1)
+    return time.monotonic()

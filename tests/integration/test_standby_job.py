@@ -82,11 +82,11 @@ class StandbyCluster:
     def out(self) -> Path:
         return self.tmp / "out"
 
-    def am(self, index: int, start_grace: float = 0.5) -> subprocess.Popen:
+    def am(self, index: int, start_grace: float = 0.5, *extra: str) -> subprocess.Popen:
         return self._start(f"am{index}", [
             "am", "--job", JOB, "--bind", f"tcp://{self.addresses[index]}", "--state-dir", str(self.state_dir),
             "--store", self.store, "--lease-ttl", str(TTL_S), "--min-workers", "2", "--max-workers", "3",
-            "--start-grace", str(start_grace), "--coordinate-every", "1",
+            "--start-grace", str(start_grace), "--coordinate-every", "1", *extra,
         ])
 
     def worker(self, name: str, *extra: str) -> subprocess.Popen:
@@ -339,3 +339,48 @@ def logged_at_step(out: Path, step: int) -> set[int]:
             if entry["epoch"] == 0 and entry["step"] == step:
                 indices.update(entry["indices"])
     return indices
+
+
+def test_a_paused_host_is_lost_its_failure_announced_in_etcd_and_the_others_recover(static_run, cluster):
+    """w2's whole host stops after step 3 (SIGSTOP to its `elan worker` and its command: a paused VM; nothing exits,
+    no connection resets; the collective timeout is the default 300 s). The leading AM, no longer polled by that
+    `elan worker`, takes w2 for lost after `--heartbeat-timeout 10` and sets the failure key in the job's
+    rendezvous store in etcd; w0 and w1 recover without it and end exact. When the host resumes, its `elan worker`
+    is told its command was declared dead, kills it and exits 137. Before: the survivors waited out the 300 s."""
+    cluster.am(0, 10.0, "--heartbeat-timeout", "10")  # all three form generation 0: w-c (enrolled last) is w2
+    cluster.wait_until(lambda: "serving on" in (cluster.tmp / "am0.log").read_text(), "the AM leading", 60)
+    workers = {}
+    for name in ("w-a", "w-b", "w-c"):
+        workers[name] = cluster.worker(name, "--global-batch", "12")
+        time.sleep(0.5)  # enrolment order: w-c is w2
+    cluster.wait_until(lambda: len(cluster.progress()) == 3 and min(cluster.progress().values()) >= 3,
+                       "three workers past step 3")
+    host = [workers["w-c"].pid, *children_of(workers["w-c"].pid)]
+    for pid in host:
+        os.kill(pid, signal.SIGSTOP)
+    paused = time.monotonic()
+    cluster.wait_until(cluster.adjustments, "the recovery", 120)
+    recovered_s = time.monotonic() - paused
+    for pid in host:
+        os.kill(pid, signal.SIGCONT)
+    codes = {name: proc.wait(240) for name, proc in workers.items()}
+
+    assert codes == {"w-a": 0, "w-b": 0, "w-c": 128 + signal.SIGKILL}, (codes, cluster.logs())
+    assert cluster.procs["am0"].wait(60) == 0, cluster.logs()
+    assert recovered_s < 60, cluster.logs()  # the 10 s heartbeat timeout, not the 300 s collective timeout
+    (failure,) = cluster.adjustments()
+    assert (failure["action"], failure["failure"]["dead"]) == ("failure", ["w2"]), failure
+    assert "no word from the `elan worker` of w2" in (cluster.tmp / "am0.log").read_text(), cluster.logs()
+    run = RunResult(cluster.out, cluster.state_dir, 0, cluster.logs())
+    assert_completed_once(cluster.out)
+    assert assert_ranks_agree(run.records()) == EPOCHS * STEPS_PER_EPOCH
+    assert_states_close(run.final_state(), static_run.final_state(), TOLERANCE)
+    log.warning("a paused host: the others recovered %.1f s after the pause", recovered_s)
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes ``pid`` started (its command, and their DataLoader processes, if any), depth first."""
+    found = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        found += [int(child), *children_of(int(child))]
+    return found

@@ -46,7 +46,7 @@ PURE = (
     "replication.sources",
     "replication.topology", "protocol.contract", "protocol.messages", "master.state", "master.sizing",
     "master.sizing_state", "master.measure", "master.enrolment", "master.standby", "master.recovery",
-    "master.narration", "master.transitions", "fsdp_options",
+    "master.narration", "master.transitions", "master.heartbeats", "fsdp_options",
 )
 NOT_IN_PURE = (*FRAMEWORKS, "torch.distributed")
 

@@ -40,8 +40,12 @@ logger = logging.getLogger(__name__)
 FAILED_REPLACEMENTS_LIMIT = 3
 """``--replace-failed`` replaces no more than this many replacements in a row that died before they trained."""
 
+LOST_RETURNCODE = -9
+"""The exit recorded for a lost worker (``worker_lost``): dead to the job as if SIGKILLed; its ``elan worker``, if
+it comes back, kills its command and reports the real exit."""
+
 __all__ = ["collective_stalled", "declare_silent_survivors_dead", "fail_job", "form_plan_if_ready", "recover",
-           "set_failure_policy", "worker_exit", "worker_poll"]
+           "set_failure_policy", "worker_exit", "worker_lost", "worker_poll"]
 
 
 def worker_exit(state: JobState, request: WorkerExitRequest) -> WorkerExitReply:
@@ -52,10 +56,24 @@ def worker_exit(state: JobState, request: WorkerExitRequest) -> WorkerExitReply:
     return reply
 
 
+def worker_lost(state: JobState, worker_id: str, silent_s: float) -> WorkerExitReply:
+    """The AM has not heard from ``worker_id``'s ``elan worker`` for ``silent_s`` (``master/heartbeats.py``): its host
+    is lost, paused or cut off. It is dead to the job (recorded as exited ``LOST_RETURNCODE``, declared dead: killed if
+    it comes back); the reply says which generations fail, for the AM to announce."""
+    logger.warning("job %s: no word from the `elan worker` of %s for %.0f s (its host lost, paused or cut off): "
+                   "declared dead", state.job, worker_id, silent_s)
+    if worker_id not in state.declared_dead:
+        state.declared_dead.append(worker_id)
+    return worker_exit(state, WorkerExitRequest(worker_id, LOST_RETURNCODE))
+
+
 def _judge_exit(state: JobState, request: WorkerExitRequest) -> WorkerExitReply:
     """``expected``: a leaver, a cancelled joiner or (after shutdown) a member, exiting 0; the exit is recorded with
-    what the launcher saw of it."""
+    what the launcher saw of it. A worker already judged (lost, then its exit reported) is only recorded again."""
     worker_id, returncode = request.worker_id, request.returncode
+    if worker_id in state.exits and worker_id in state.declared_dead:
+        _record_exit(state, request, left=False)
+        return WorkerExitReply(expected=False)
     state.require_known(worker_id)
     clean = returncode == 0
     in_flight = state.in_flight

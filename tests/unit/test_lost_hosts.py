@@ -1,0 +1,109 @@
+"""A host lost without a word (powered off, paused, cut off the network): the AM of a job of `elan worker`s takes a
+worker whose `elan worker` stopped polling for the heartbeat timeout for dead (``master/heartbeats.py``,
+``recovering.worker_lost``). Before, nothing but the survivors' collective timeout (300 s by default) noticed it."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_elan.master.enrolment import Enrolment
+from lightning_elan.master.heartbeats import AM_STALL_S, Heartbeats, watched_workers
+from lightning_elan.master.state import REQUESTED, JobState
+from lightning_elan.master.transitions import enrolling, recovering, requests
+from lightning_elan.protocol.contract import EnrolRequest, WorkerPollRequest
+from tests.unit.am_steps import exited
+
+
+def running_job(workers: int = 3) -> JobState:
+    state = JobState(job="job")
+    enrolling.accept_enrolments(state, Enrolment(workers, workers, start_grace_s=0.0), coordinate_every=1)
+    for host in "abcdefgh"[:workers]:
+        enrolling.enrol(state, EnrolRequest(host, 1), now=0.0)
+    assert state.started and state.member_ids == [f"w{i}" for i in range(workers)]
+    return state
+
+
+def test_a_worker_is_silent_once_not_heard_from_for_the_timeout() -> None:
+    beats = Heartbeats(timeout_s=30.0)
+    for worker in ("w0", "w1"):
+        beats.heard(worker, 100.0)
+    for now in range(101, 130):  # the AM looks every second (every 0.25 s in fact); w1 went quiet at 100
+        if now % 5 == 0:  # w0 polls every 5 s
+            beats.heard("w0", float(now))
+        assert beats.silent(["w0", "w1"], float(now)) == {}
+    assert beats.silent(["w0", "w1"], 130.0) == {"w1": 30.0}
+
+
+def test_a_worker_never_heard_from_counts_from_the_moment_it_is_watched() -> None:
+    beats = Heartbeats(timeout_s=30.0)  # an AM that just took over: nobody polled it yet
+    assert beats.silent(["w0"], 50.0) == {}
+    for now in range(51, 80):
+        assert beats.silent(["w0"], float(now)) == {}
+    assert beats.silent(["w0"], 80.0) == {"w0": 30.0}
+
+
+def test_the_ams_own_stall_is_not_taken_for_its_workers_silence() -> None:
+    beats = Heartbeats(timeout_s=30.0)
+    beats.heard("w0", 0.0)
+    assert beats.silent(["w0"], 1.0) == {}
+    assert beats.silent(["w0"], 61.0) == {}  # the AM itself stopped for a minute: nobody could reach it
+    assert beats.silent(["w0"], 61.0 + AM_STALL_S - 1) == {}
+    for now in range(65, 90):
+        assert beats.silent(["w0"], float(now)) == {}
+    assert beats.silent(["w0"], 90.0) == {"w0": 30.0}  # silent 1 s before the AM's stall, 29 s after it
+
+
+def test_the_watched_workers_are_the_running_members_and_joiners() -> None:
+    state = JobState(job="job")
+    enrolling.accept_enrolments(state, Enrolment(2, 3, start_grace_s=0.0), coordinate_every=1)
+    for host in "ab":
+        enrolling.enrol(state, EnrolRequest(host, 1), now=0.0)
+    enrolling.housekeeping(state, now=1.0)
+    joiner = enrolling.enrol(state, EnrolRequest("c", 1), now=2.0).worker_id  # warming up
+    asked = requests.queue_add(state, 3.0).new_workers[0]  # `elan scale add`: the scheduler's worker is to come
+
+    assert state.pending_workers[asked].status == REQUESTED
+    assert watched_workers(state) == ["w0", "w1", joiner]
+    recovering.worker_lost(state, joiner, 31.0)
+    assert watched_workers(state) == ["w0", "w1"] and joiner not in state.pending_workers
+    assert state.recovery is None  # a joiner not yet in a plan: its request fails, the members train on
+
+
+def test_a_lost_member_fails_its_generation_and_is_declared_dead() -> None:
+    state = running_job(3)
+
+    reply = recovering.worker_lost(state, "w1", 31.0)
+
+    assert reply.recovering and reply.failed_generations == [0]
+    assert "w1" in state.declared_dead and state.recovery is not None and "w1" in state.recovery.dead
+    assert watched_workers(state) == ["w0", "w2"]
+    assert recovering.worker_poll(state, WorkerPollRequest("w1")).kill  # its `elan worker`, if it comes back
+    assert not recovering.worker_poll(state, WorkerPollRequest("w0")).kill
+
+
+def test_the_exit_a_lost_worker_reports_later_is_recorded_and_fails_nothing_more() -> None:
+    state = running_job(3)
+    recovering.worker_lost(state, "w1", 31.0)
+    failures = list(state.failures)
+
+    reply = exited(state, "w1", -9)  # its host came back: its `elan worker` killed the command and reports it
+
+    assert not reply.recovering and state.exits["w1"].returncode == -9 and state.failures == failures
+
+
+def test_no_worker_is_watched_before_the_start_nor_once_the_training_is_over() -> None:
+    state = JobState(job="job")
+    enrolling.accept_enrolments(state, Enrolment(2, 2, start_grace_s=0.0), coordinate_every=1)
+    enrolling.enrol(state, EnrolRequest("a", 1), now=0.0)
+    assert watched_workers(state) == []  # waiting workers: the enrolment's own silence rule
+    enrolling.enrol(state, EnrolRequest("b", 1), now=0.0)
+    assert watched_workers(state) == ["w0", "w1"]
+    exited(state, "w0", 0, training_ended=True)
+    assert watched_workers(state) == []  # a member trained out: nobody waits for the others in a collective
+    assert JobState(job="job").enrolment is None and watched_workers(JobState(job="job")) == []
+
+
+def test_the_heartbeat_timeout_is_at_least_two_polls() -> None:
+    with pytest.raises(ValueError, match="--heartbeat-timeout must be ≥ 10 s"):
+        Enrolment(1, 2, heartbeat_timeout_s=5.0)
+    assert Enrolment.from_dict({"min_workers": 1, "max_workers": 2}).heartbeat_timeout_s == 30.0  # an older state
