@@ -118,6 +118,10 @@ def engine_of_process() -> ElasticWorker | None:
     return _PROCESS_ENGINE
 
 
+DECLARED_DEAD_EXIT = 1
+"""The exit of a worker that learns, once it can reach the AM again, that the AM declared it dead."""
+
+
 class NotAMember(RuntimeError):
     """Raised by :meth:`ElasticWorker.join` when the AM cancelled this joiner (its request failed or the job ended)."""
 
@@ -616,12 +620,21 @@ class ElasticWorker:
     def _recovery_plan_for(self, failed: int, committed_step: int) -> AdjustmentPlan:
         reply = self._require_link().recover(failed, committed_step, self.join_timeout_s,
                                              before_loop=self._evaluating or not self._in_training_loop)
+        if reply.declared_dead:
+            self._end_declared_dead(reply.reason)
         if reply.plan is None and self._leave_queued_here():
             self._leave_cut_by_a_death(failed, reply.reason)
         if reply.plan is None:
             raise RuntimeError(f"worker {self.worker_id} cannot recover from the failure of generation {failed}: "
                                f"{reply.reason}")
         return reply.plan
+
+    def _end_declared_dead(self, reason: str | None) -> NoReturn:
+        """The AM declared this worker dead while it could not answer (its host paused or cut off): the job went on
+        without it and its state is behind. The process ends (exit 1) with that line, not a traceback; ``SystemExit``
+        lets the framework tear down on its way out (Lightning runs its ``on_exception`` hooks)."""
+        log.error("%s: this process ends", reason or f"worker {self.worker_id} was declared dead by the job's AM")
+        raise SystemExit(DECLARED_DEAD_EXIT)
 
     def _leave_cut_by_a_death(self, failed: int, reason: str | None) -> NoReturn:
         """A leaver whose leave was agreed and then cut short by a member's death (before it learned of the plan, in

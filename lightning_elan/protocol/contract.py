@@ -696,6 +696,7 @@ class WaitPlanReply:
     status: str
     plan: AdjustmentPlan | None = None
     reason: str | None = None
+    declared_dead: bool = False  # cancelled because the AM declared this worker dead: its process must end
 
     def __post_init__(self) -> None:
         if self.status not in (STATUS_WAIT, STATUS_PLAN, STATUS_CANCELLED, STATUS_STANDBY):
@@ -720,18 +721,27 @@ class WaitPlanReply:
     def standby(cls) -> WaitPlanReply:
         return cls(STATUS_STANDBY)
 
+    @classmethod
+    def dead(cls, reason: str) -> WaitPlanReply:
+        """The AM declared the asking worker dead (silent after a failure, or its host lost): the job went on
+        without it."""
+        return cls(STATUS_CANCELLED, reason=reason, declared_dead=True)
+
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"status": self.status}
         if self.plan is not None:
             body["plan"] = self.plan.to_dict()
         if self.reason is not None:
             body["reason"] = self.reason
+        if self.declared_dead:
+            body["declared_dead"] = True
         return body
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> WaitPlanReply:
         plan = body.get("plan")
-        return cls(body.get("status"), None if plan is None else AdjustmentPlan.from_dict(plan), body.get("reason"))
+        return cls(body.get("status"), None if plan is None else AdjustmentPlan.from_dict(plan), body.get("reason"),
+                   bool(body.get("declared_dead", False)))
 
 
 LEAVE_QUEUED = "queued"  # a member (or a joiner of the plan in flight): an adjustment will remove it

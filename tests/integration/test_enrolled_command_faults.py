@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_elan.elastic.worker import DECLARED_DEAD_EXIT
 from tests.integration.elastic_runs import free_port
 from tests.users.corpus import (
     Job,
@@ -45,6 +46,9 @@ COMMAND = ("{scripts}/short_timeout.py", "{out}", str(TIMEOUT_S))
 FREEZE_AFTER_STEP = 4
 WORKERS = 3
 JOB_TIMEOUT_S = 360.0
+BACK_FROM_THE_DEAD = (DECLARED_DEAD_EXIT, 128 + signal.SIGKILL)
+"""How a worker declared dead ends when its host comes back: it learns it from the AM when it asks to recover, or its
+`elan worker` learns it first (``worker_poll``) and kills it."""
 
 
 class EnrolledJob:
@@ -217,8 +221,9 @@ def test_a_host_paused_without_a_word_is_lost_and_the_others_recover_before_thei
     its process group) after step 4 of a job whose collective timeout is 600 s: nothing exits, no connection resets.
     The AM, no longer polled by that `elan worker`, takes the worker for lost after `--heartbeat-timeout` (10 s),
     announces the failure, and the others recover without it at once, redo the interrupted step and finish. When the
-    host comes back (SIGCONT) its `elan worker` learns its command was declared dead, kills it and exits 137. Before,
-    the others waited in their collective for the 600 s timeout (the job outlived the test's 360 s)."""
+    host comes back (SIGCONT) its command learns it was declared dead and ends (one line, exit 1), or its `elan
+    worker` learns it first and kills it (137). Before, the others waited in their collective for the 600 s timeout
+    (the job outlived the test's 360 s)."""
     command = ("{scripts}/short_timeout.py", "{out}", "600")
     job = EnrolledJob(tmp_path / "enrolled", Job("enrolled_lost_host", command, nproc=WORKERS),
                       am_args=("--heartbeat-timeout", "10"))
@@ -236,8 +241,8 @@ def test_a_host_paused_without_a_word_is_lost_and_the_others_recover_before_thei
 
     assert recovered_before - lost < 60, run.excerpt()  # the 10 s heartbeat timeout, not the 600 s collective's
     codes = {proc.pid: proc.returncode for proc in job.workers}
-    assert job.am.returncode == 0 and codes.pop(host) == 128 + signal.SIGKILL, run.excerpt()
-    assert list(codes.values()) == [0, 0], run.excerpt()
+    assert job.am.returncode == 0 and codes.pop(host) in BACK_FROM_THE_DEAD, run.excerpt()
+    assert list(codes.values()) == [0, 0] and "Traceback" not in run.output, run.excerpt()
     assert "no word from the `elan worker` of w1 for 1" in run.output, run.excerpt()
     assert [(a["action"], a["members"]) for a in run.adjustments()] == [("failure", ["w0", "w2"])], run.excerpt()
     assert_members_agree(run)

@@ -20,13 +20,20 @@ from pathlib import Path
 
 import pytest
 
+from lightning_elan.elastic.worker import DECLARED_DEAD_EXIT
 from tests.integration.conftest import static_run  # noqa: F401  (the session's static reference run)
 from tests.integration.elastic_runs import (
+    EPOCHS,
     PROBE,
     PROBE_ARGS,
+    STEPS_PER_EPOCH,
+    TOLERANCE,
     RunResult,
     assert_exact,
+    assert_ranks_agree,
+    assert_states_close,
 )
+from tests.integration.worker_faults import assert_completed_once
 from tests.multihost.conftest import REPO_ROOT, worker_env
 from tests.multihost.hosts import FakeHost, FakeHosts
 
@@ -92,3 +99,63 @@ def test_job_across_hosts_grows_over_the_network_and_loses_a_host_by_sigterm(
     shrunk = adjustments(state_dir)[1]
     assert len(shrunk["members"]) == 2 and len(shrunk["leavers"]) == 1
     assert sorted(r["worker"] for r in records if r["left"]) == shrunk["leavers"]
+
+
+def test_a_host_cut_off_the_network_is_lost_and_the_others_recover_without_waiting_out_their_timeout(
+    fake_hosts_available: None, static_run: RunResult, tmp_path: Path  # noqa: F811
+) -> None:
+    """Three hosts train, each with one `elan worker`; host 3's link to the bridge goes down after step 3 (a cable
+    pulled, a switch port lost: its packets vanish, nothing resets a connection, its processes run on). The AM no
+    longer hears host 3's `elan worker`; after `--heartbeat-timeout 10` it takes w2 for lost and announces the failure
+    in the rendezvous store; the two others recover at once and end exact (the collective timeout is the default
+    300 s: before, they waited that long). The link comes back: host 3's command learns it was declared dead and
+    ends with one line (exit 1; before, a RuntimeError traceback), or its `elan worker` learns it first and kills it
+    (137)."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32).hex().encode())
+    secret.chmod(0o600)
+    env = worker_env(ELAN_SECRET_FILE=str(secret), ELAN_HOME=str(tmp_path / "home"), PYTHONWARNINGS="ignore")
+    state_dir, out = tmp_path / "state", tmp_path / "out"
+    with FakeHosts(4) as hosts:
+        am_host = hosts[0]
+        am = elan(am_host, ["am", "--job", JOB, "--bind", f"tcp://{am_host.address}:{AM_PORT}", "--state-dir",
+                            str(state_dir), "--min-workers", "2", "--max-workers", "3", "--start-grace", "60",
+                            "--coordinate-every", "1", "--rdzv-port", str(RDZV_PORT), "--heartbeat-timeout", "10"],
+                  env, tmp_path / "am.log")
+        worker = ["worker", "--am", f"{am_host.address}:{AM_PORT}", "--job", JOB, "--", sys.executable, str(PROBE),
+                  "--out", str(out), *PROBE_ARGS, *SLOW, "--global-batch", "12", "--progress"]
+        workers = []
+        for host in hosts[1:]:  # one after the other: host 3's worker is w2
+            log = tmp_path / f"worker-{host.hostname}.log"
+            workers.append(elan(host, worker, env, log))
+            wait_for(lambda log=log: "enrolled in job" in log.read_text(), "the enrolment", tmp_path)
+        wait_for(lambda: len(progress(out)) == 3 and min(progress(out).values()) >= 3, "training", tmp_path)
+        subprocess.run(["ip", "link", "set", hosts[3].veth, "down"], check=True)
+        cut = time.monotonic()
+        (failure,) = wait_for(lambda: adjustments(state_dir), "the recovery", tmp_path)
+        recovered_s = time.monotonic() - cut
+        subprocess.run(["ip", "link", "set", hosts[3].veth, "up"], check=True)
+        codes = [process.wait(180) for process in workers]
+        logs = [p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log"))]
+        assert codes[:2] == [0, 0] and codes[2] in (DECLARED_DEAD_EXIT, 128 + signal.SIGKILL), logs
+        assert "Traceback" not in (tmp_path / f"worker-{hosts[3].hostname}.log").read_text(), logs
+        assert am.wait(60) == 0, (tmp_path / "am.log").read_text()[-3000:]
+
+    assert recovered_s < 60, (tmp_path / "am.log").read_text()[-3000:]  # the 10 s heartbeat, not the 300 s timeout
+    assert (failure["action"], failure["failure"]["dead"]) == ("failure", ["w2"]), failure
+    assert "no word from the `elan worker` of w2" in (tmp_path / "am.log").read_text()
+    assert_completed_once(out)
+    run = RunResult(out, state_dir, 0, "")
+    assert assert_ranks_agree(run.records()) == EPOCHS * STEPS_PER_EPOCH
+    assert_states_close(run.final_state(), static_run.final_state(), TOLERANCE)
+
+
+def progress(out: Path) -> dict[str, int]:
+    """Each worker's last completed step (the probe's ``--progress`` files)."""
+    steps = {}
+    for path in out.glob("progress-*.json"):
+        try:
+            steps[path.stem] = json.loads(path.read_text())["step"]
+        except (ValueError, KeyError):  # replaced while read
+            continue
+    return steps

@@ -10,13 +10,13 @@ from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.heartbeats import AM_STALL_S, Heartbeats, watched_workers
 from lightning_elan.master.state import REQUESTED, JobState
 from lightning_elan.master.transitions import enrolling, recovering, requests
-from lightning_elan.protocol.contract import EnrolRequest, WorkerPollRequest
+from lightning_elan.protocol.contract import EnrolRequest, RecoverRequest, WaitPlanReply, WorkerPollRequest
 from tests.unit.am_steps import exited
 
 
 def running_job(workers: int = 3) -> JobState:
     state = JobState(job="job")
-    enrolling.accept_enrolments(state, Enrolment(workers, workers, start_grace_s=0.0), coordinate_every=1)
+    enrolling.accept_enrolments(state, Enrolment(workers - 1, workers, start_grace_s=10.0), coordinate_every=1)
     for host in "abcdefgh"[:workers]:
         enrolling.enrol(state, EnrolRequest(host, 1), now=0.0)
     assert state.started and state.member_ids == [f"w{i}" for i in range(workers)]
@@ -107,3 +107,21 @@ def test_the_heartbeat_timeout_is_at_least_two_polls() -> None:
     with pytest.raises(ValueError, match="--heartbeat-timeout must be ≥ 10 s"):
         Enrolment(1, 2, heartbeat_timeout_s=5.0)
     assert Enrolment.from_dict({"min_workers": 1, "max_workers": 2}).heartbeat_timeout_s == 30.0  # an older state
+
+
+def test_a_lost_worker_that_speaks_again_is_told_it_was_declared_dead() -> None:
+    """Its host came back: the command's failure watch saw the failure, and it asks to recover. Before, the AM
+    answered "worker w1 has left the job" (once the recovery was over) or "unknown worker" (a lost joiner), and the
+    worker raised a RuntimeError out of `fit`; now the reply says it was declared dead, and its process ends."""
+    state = running_job(3)
+    recovering.worker_lost(state, "w1", 31.0)
+    during = recovering.recover(state, RecoverRequest("w1", 0, has_state=True, step=4))
+    for survivor in ("w0", "w2"):
+        recovering.recover(state, RecoverRequest(survivor, 0, has_state=True, step=4))
+    assert state.recovery is None  # the plan formed: w1 is a worker that left
+
+    after = recovering.recover(state, RecoverRequest("w1", 0, has_state=True, step=4))
+
+    for reply in (during, after, WaitPlanReply.from_body(after.to_body())):
+        assert reply.status == "cancelled" and reply.declared_dead and "declared dead" in (reply.reason or "")
+    assert not WaitPlanReply.cancelled("job finished").declared_dead

@@ -120,10 +120,11 @@ def report_completing(state: JobState, report: AdjustmentReport, now: float | No
 
 def wait_plan(state: JobState, worker_id: str) -> WaitPlanReply | None:
     """The answer to a joiner's ``wait_plan``: a plan, a cancellation, or None to keep waiting."""
+    dead = declared_dead_answer(state, worker_id)
+    if dead is not None:
+        return dead
     state.require_known(worker_id)
     recovery = state.recovery
-    if recovery is not None and worker_id in recovery.dead:
-        return WaitPlanReply.cancelled(f"worker {worker_id} was declared dead ({recovery.failure_id})")
     if recovery is not None and (worker_id in recovery.survivors or worker_id in recovery.leavers):
         return None  # the recovery plan is not formed yet (a leaver of an abandoned live reshard is in it too)
     if state.in_flight is not None and state.in_flight.plan.involves(worker_id):
@@ -138,6 +139,16 @@ def wait_plan(state: JobState, worker_id: str) -> WaitPlanReply | None:
         return WaitPlanReply.cancelled(pending.reason or f"worker {worker_id} was cancelled")
     if state.finished:
         return WaitPlanReply.cancelled(f"job finished: {state.finish_reason}")
+    return None
+
+
+def declared_dead_answer(state: JobState, worker_id: str) -> WaitPlanReply | None:
+    """The answer to a worker the AM declared dead (it stopped answering, or its host was lost) that speaks again:
+    the job went on without it, so its process must end."""
+    recovery = state.recovery
+    if worker_id in state.declared_dead or (recovery is not None and worker_id in recovery.dead):
+        return WaitPlanReply.dead(f"worker {worker_id} was declared dead by the job's AM (it stopped answering: its "
+                                  "host lost, paused or cut off, or its process frozen); the job went on without it")
     return None
 
 

@@ -110,6 +110,9 @@ def _record_exit(state: JobState, request: WorkerExitRequest, left: bool) -> Non
 def recover(state: JobState, request: RecoverRequest, now: float | None = None) -> WaitPlanReply:
     """A survivor of a failed generation checks in; the reply is ``wait_plan``'s (it then long-polls that)."""
     worker_id = request.worker_id
+    dead = adjustments.declared_dead_answer(state, worker_id)
+    if dead is not None:
+        return dead
     state.require_known(worker_id)
     require_non_negative(generation=request.generation, step=request.step)
     recovery = state.recovery
