@@ -12,6 +12,7 @@ the other workers' run is the static run's: every sample once, the final state w
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -240,6 +241,8 @@ def test_a_host_paused_without_a_word_is_lost_and_the_others_recover_before_thei
     run = job.run()
 
     assert recovered_before - lost < 60, run.excerpt()  # the 10 s heartbeat timeout, not the 600 s collective's
+    logging.getLogger(__name__).warning("a paused host: the others trained on %.1f s after the pause",
+                                        recovered_before - lost)
     codes = {proc.pid: proc.returncode for proc in job.workers}
     assert job.am.returncode == 0 and codes.pop(host) in BACK_FROM_THE_DEAD, run.excerpt()
     assert list(codes.values()) == [0, 0] and "Traceback" not in run.output, run.excerpt()
