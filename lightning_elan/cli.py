@@ -201,7 +201,7 @@ def _add_enrolment_options(am: argparse.ArgumentParser) -> None:
     group.add_argument("--heartbeat-timeout", type=positive_float, default=None, metavar="SECONDS",
                        help="once the job runs, a worker whose `elan worker` has not been heard from this long (its "
                             "host lost, paused or cut off) is taken for dead and the others recover at once (default "
-                            "30, at least 10)")
+                            "30, at least 15)")
     group.add_argument("--rdzv-port", type=port, default=0, metavar="P",
                        help="port of the job's rendezvous store (a TCPStore this AM serves; default: a free one)")
 

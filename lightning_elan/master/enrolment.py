@@ -17,8 +17,9 @@ DEFAULT_SILENCE_S = 15.0
 """A waiting worker that has not polled this long is dropped before the job starts."""
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 """Once the job runs, a worker whose ``elan worker`` has not polled this long is lost (``master/heartbeats.py``)."""
-MIN_HEARTBEAT_TIMEOUT_S = 10.0
-"""``elan worker`` polls every 5 s: a shorter timeout would take one late poll for a lost host."""
+MIN_HEARTBEAT_TIMEOUT_S = 15.0
+"""``elan worker`` polls every 5 s; the AM finds itself cut off after 7 s without any poll
+(``heartbeats.DEAF_S``): a shorter timeout would take a late poll, or the AM's own network, for a lost host."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ import zmq
 from lightning_elan.master import journal, registry, sizing
 from lightning_elan.master.enrolment import Enrolment
 from lightning_elan.master.failure_notice import FailureNotice
-from lightning_elan.master.heartbeats import Heartbeats, watched_workers
+from lightning_elan.master.heartbeats import DEAF_S, Heartbeats, watched_workers
 from lightning_elan.master.narration import completed_line, decided_line, plural, workers_phrase
 from lightning_elan.master.state import JobState, StateError
 from lightning_elan.master.store import StateStore, StoreConflict, StoreUnavailable
@@ -456,7 +456,15 @@ class ApplicationMaster:
         heartbeats = self._job_heartbeats()
         if heartbeats is None:
             return
-        for worker, silent_s in heartbeats.silent(watched_workers(self._state), time.monotonic()).items():
+        was_deaf = heartbeats.deaf
+        lost = heartbeats.silent(watched_workers(self._state), time.monotonic())
+        if heartbeats.deaf and not was_deaf:
+            logger.warning("AM of job %r: no word from any `elan worker` for %g s (is this AM's host cut off?): nobody "
+                           "is declared lost meanwhile", self.job, DEAF_S)
+        elif was_deaf and not heartbeats.deaf:
+            logger.warning("AM of job %r: the `elan worker`s are heard again: each has its whole heartbeat timeout "
+                           "from now", self.job)
+        for worker, silent_s in lost.items():
             reply = self._transaction(lambda lost=worker, silent=silent_s: recovering.worker_lost(self._state, lost,
                                                                                                   silent))
             heartbeats.forget(worker)

@@ -220,14 +220,14 @@ def test_a_host_paused_without_a_word_is_lost_and_the_others_recover_before_thei
         static: Run, tmp_path: Path) -> None:
     """A whole host stops (a paused VM, a machine cut off the network: SIGSTOP to its `elan worker` and its command,
     its process group) after step 4 of a job whose collective timeout is 600 s: nothing exits, no connection resets.
-    The AM, no longer polled by that `elan worker`, takes the worker for lost after `--heartbeat-timeout` (10 s),
+    The AM, no longer polled by that `elan worker`, takes the worker for lost after `--heartbeat-timeout` (15 s),
     announces the failure, and the others recover without it at once, redo the interrupted step and finish. When the
     host comes back (SIGCONT) its command learns it was declared dead and ends (one line, exit 1), or its `elan
     worker` learns it first and kills it (137). Before, the others waited in their collective for the 600 s timeout
     (the job outlived the test's 360 s)."""
     command = ("{scripts}/short_timeout.py", "{out}", "600")
     job = EnrolledJob(tmp_path / "enrolled", Job("enrolled_lost_host", command, nproc=WORKERS),
-                      am_args=("--heartbeat-timeout", "10"))
+                      am_args=("--heartbeat-timeout", "15"))
     try:
         pid = trained_pid(job, "w1")
         host = parent_of(pid)
@@ -240,7 +240,7 @@ def test_a_host_paused_without_a_word_is_lost_and_the_others_recover_before_thei
         job.stop()
     run = job.run()
 
-    assert recovered_before - lost < 60, run.excerpt()  # the 10 s heartbeat timeout, not the 600 s collective's
+    assert recovered_before - lost < 60, run.excerpt()  # the 15 s heartbeat timeout, not the 600 s collective's
     logging.getLogger(__name__).warning("a paused host: the others trained on %.1f s after the pause",
                                         recovered_before - lost)
     codes = {proc.pid: proc.returncode for proc in job.workers}

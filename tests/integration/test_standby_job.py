@@ -344,11 +344,11 @@ def logged_at_step(out: Path, step: int) -> set[int]:
 def test_a_paused_host_is_lost_its_failure_announced_in_etcd_and_the_others_recover(static_run, cluster):
     """w2's whole host stops after step 3 (SIGSTOP to its `elan worker` and its command: a paused VM; nothing exits,
     no connection resets; the collective timeout is the default 300 s). The leading AM, no longer polled by that
-    `elan worker`, takes w2 for lost after `--heartbeat-timeout 10` and sets the failure key in the job's
+    `elan worker`, takes w2 for lost after `--heartbeat-timeout 15` and sets the failure key in the job's
     rendezvous store in etcd; w0 and w1 recover without it and end exact. When the host resumes, its command learns
     it was declared dead and ends (exit 1, one line), or its `elan worker` learns it first and kills it (137).
     Before: the survivors waited out the 300 s."""
-    cluster.am(0, 10.0, "--heartbeat-timeout", "10")  # all three form generation 0: w-c (enrolled last) is w2
+    cluster.am(0, 10.0, "--heartbeat-timeout", "15")  # all three form generation 0: w-c (enrolled last) is w2
     cluster.wait_until(lambda: "serving on" in (cluster.tmp / "am0.log").read_text(), "the AM leading", 60)
     workers = {}
     for name in ("w-a", "w-b", "w-c"):
@@ -370,7 +370,7 @@ def test_a_paused_host_is_lost_its_failure_announced_in_etcd_and_the_others_reco
         codes, cluster.logs())
     assert "Traceback" not in (cluster.tmp / "w-c.log").read_text(), cluster.logs()
     assert cluster.procs["am0"].wait(60) == 0, cluster.logs()
-    assert recovered_s < 60, cluster.logs()  # the 10 s heartbeat timeout, not the 300 s collective timeout
+    assert recovered_s < 60, cluster.logs()  # the 15 s heartbeat timeout, not the 300 s collective timeout
     (failure,) = cluster.adjustments()
     assert (failure["action"], failure["failure"]["dead"]) == ("failure", ["w2"]), failure
     assert "no word from the `elan worker` of w2" in (cluster.tmp / "am0.log").read_text(), cluster.logs()

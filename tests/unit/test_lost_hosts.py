@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_elan.master.enrolment import Enrolment
-from lightning_elan.master.heartbeats import AM_STALL_S, Heartbeats, watched_workers
+from lightning_elan.master.enrolment import MIN_HEARTBEAT_TIMEOUT_S, Enrolment
+from lightning_elan.master.heartbeats import DEAF_S, Heartbeats, watched_workers
 from lightning_elan.master.state import REQUESTED, JobState
 from lightning_elan.master.transitions import enrolling, recovering, requests
 from lightning_elan.protocol.contract import EnrolRequest, RecoverRequest, WaitPlanReply, WorkerPollRequest
@@ -36,21 +36,29 @@ def test_a_worker_is_silent_once_not_heard_from_for_the_timeout() -> None:
 
 def test_a_worker_never_heard_from_counts_from_the_moment_it_is_watched() -> None:
     beats = Heartbeats(timeout_s=30.0)  # an AM that just took over: nobody polled it yet
-    assert beats.silent(["w0"], 50.0) == {}
+    assert beats.silent(["w0", "w1"], 50.0) == {}
     for now in range(51, 80):
-        assert beats.silent(["w0"], float(now)) == {}
-    assert beats.silent(["w0"], 80.0) == {"w0": 30.0}
+        beats.heard("w1", float(now))
+        assert beats.silent(["w0", "w1"], float(now)) == {}
+    beats.heard("w1", 80.0)
+    assert beats.silent(["w0", "w1"], 80.0) == {"w0": 30.0}
 
 
 def test_the_ams_own_stall_is_not_taken_for_its_workers_silence() -> None:
     beats = Heartbeats(timeout_s=30.0)
     beats.heard("w0", 0.0)
-    assert beats.silent(["w0"], 1.0) == {}
-    assert beats.silent(["w0"], 61.0) == {}  # the AM itself stopped for a minute: nobody could reach it
-    assert beats.silent(["w0"], 61.0 + AM_STALL_S - 1) == {}
-    for now in range(65, 90):
-        assert beats.silent(["w0"], float(now)) == {}
-    assert beats.silent(["w0"], 90.0) == {"w0": 30.0}  # silent 1 s before the AM's stall, 29 s after it
+    assert beats.silent(["w0", "w1"], 1.0) == {}
+    beats.heard("w1", 61.0)  # the AM itself stopped for a minute: nobody could reach it; w1's poll waited for it
+    assert beats.silent(["w0", "w1"], 61.0) == {}
+    for now in range(62, 90):
+        beats.heard("w1", float(now))
+        assert beats.silent(["w0", "w1"], float(now)) == {}
+    beats.heard("w1", 90.0)
+    assert beats.silent(["w0", "w1"], 90.0) == {"w0": 30.0}  # silent 1 s before the AM's stall, 29 s after it
+    for now in range(91, 120):  # w1 fell silent after its poll at 90 (the one during the stall counts from 61 on)
+        beats.heard("w0", float(now))
+        beats.silent(["w0", "w1"], float(now))
+    assert beats.silent(["w0", "w1"], 120.0) == {"w1": 30.0}
 
 
 def test_the_watched_workers_are_the_running_members_and_joiners() -> None:
@@ -104,8 +112,8 @@ def test_no_worker_is_watched_before_the_start_nor_once_the_training_is_over() -
 
 
 def test_the_heartbeat_timeout_is_at_least_two_polls() -> None:
-    with pytest.raises(ValueError, match="--heartbeat-timeout must be ≥ 10 s"):
-        Enrolment(1, 2, heartbeat_timeout_s=5.0)
+    with pytest.raises(ValueError, match="--heartbeat-timeout must be ≥ 15 s"):
+        Enrolment(1, 2, heartbeat_timeout_s=10.0)
     assert Enrolment.from_dict({"min_workers": 1, "max_workers": 2}).heartbeat_timeout_s == 30.0  # an older state
 
 
@@ -125,3 +133,42 @@ def test_a_lost_worker_that_speaks_again_is_told_it_was_declared_dead() -> None:
     for reply in (during, after, WaitPlanReply.from_body(after.to_body())):
         assert reply.status == "cancelled" and reply.declared_dead and "declared dead" in (reply.reason or "")
     assert not WaitPlanReply.cancelled("job finished").declared_dead
+
+
+def test_nobody_is_lost_while_the_am_hears_nobody_and_each_clock_restarts_when_it_hears_again() -> None:
+    """The AM's own host cut off for a minute: every `elan worker` falls silent at once. Declaring them all dead would
+    end the job; the members only wait for the AM at their next coordination point. When the link is back their
+    polls come one by one: the first must not make the others look lost."""
+    beats = Heartbeats(timeout_s=30.0)
+    for now in range(0, 61):
+        assert beats.silent(["w0", "w1", "w2"], float(now)) == {}
+    assert beats.deaf
+    beats.heard("w0", 61.0)  # the AM hears one host again
+    assert beats.silent(["w0", "w1", "w2"], 61.0) == {} and not beats.deaf
+    for now in range(62, 91):
+        beats.heard("w0", float(now))
+        assert beats.silent(["w0", "w1", "w2"], float(now)) == {}
+    assert beats.silent(["w0", "w1", "w2"], 91.0) == {"w1": 30.0, "w2": 30.0}  # really gone: lost a timeout later
+
+
+def test_a_worker_that_polled_long_before_the_ams_network_went_out_is_not_lost() -> None:
+    """The cut at 100 s: w1 had polled last at 93.5 s, the others just before the cut. The AM finds itself deaf
+    (nobody for DEAF_S) before w1's silence reaches the shortest timeout."""
+    beats = Heartbeats(timeout_s=MIN_HEARTBEAT_TIMEOUT_S)
+    beats.heard("w1", 93.5)
+    for worker in ("w0", "w2"):
+        beats.heard(worker, 100.0)
+    for now in range(94, 130):
+        assert beats.silent(["w0", "w1", "w2"], float(now)) == {}
+    assert beats.deaf and DEAF_S < MIN_HEARTBEAT_TIMEOUT_S - 6.5
+
+
+def test_a_poll_answered_right_after_the_ams_stall_counts_from_its_arrival() -> None:
+    beats = Heartbeats(timeout_s=30.0)
+    beats.silent(["w0", "w1"], 0.0)
+    beats.heard("w1", 60.0)  # the AM stopped from 0 to 60; w1's queued poll is read before its next look
+    beats.heard("w0", 60.0)
+    for now in range(60, 90):
+        beats.heard("w0", float(now))
+        assert beats.silent(["w0", "w1"], float(now)) == {}
+    assert beats.silent(["w0", "w1"], 90.0) == {"w1": 30.0}  # not moved on by the stall: 30 s after its poll
