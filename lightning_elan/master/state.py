@@ -77,6 +77,7 @@ class WorkerExit:
     training_ended: bool = False  # its training loop had ended (the store's ``training_ended_key``)
     script_failed: bool = False  # an uncaught exception ended its script (the store's ``script_failed_key``)
     left: bool = False  # it exited 0 as a leaver the AM waited for
+    lost: bool = False  # recorded by the AM for a lost worker (``recovering.worker_lost``): its real exit is to come
 
     @property
     def trained_out(self) -> bool:
@@ -437,10 +438,13 @@ class JobState:
 
     def unreported_leavers(self) -> list[str]:
         """In a job of ``elan worker``s, the workers that left it (or died) whose ``elan worker`` has not reported their
-        exit yet: it reads the store the AM serves and reports to the AM, so the AM serves on for them a while."""
+        exit yet: it reads the store the AM serves and reports to the AM, so the AM serves on for them a while. A lost
+        worker too: if its host comes back meanwhile, its ``elan worker`` learns from the AM to kill its command
+        (with the AM gone, that command would wait on the store that went with it)."""
         if self.enrolment is None:
             return []
-        return [worker for worker in self.left_workers if worker not in self.exits]
+        lost = [worker for worker, how in self.exits.items() if how.lost]
+        return [worker for worker in self.left_workers if worker not in self.exits] + lost
 
     def training_over(self) -> bool:
         """A member of the current generation exited 0 outside any adjustment: ``fit`` returned on it, and every

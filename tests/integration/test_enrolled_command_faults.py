@@ -216,15 +216,18 @@ def test_a_signal_to_an_elan_worker_makes_its_command_leave_and_the_exit_is_repo
     assert_states_close(run.final_state(), static.final_state())
 
 
+@pytest.mark.parametrize("resumed", ["after_the_recovery", "after_the_others_finished"])
 def test_a_host_paused_without_a_word_is_lost_and_the_others_recover_before_their_collective_times_out(
-        static: Run, tmp_path: Path) -> None:
+        static: Run, tmp_path: Path, resumed: str) -> None:
     """A whole host stops (a paused VM, a machine cut off the network: SIGSTOP to its `elan worker` and its command,
     its process group) after step 4 of a job whose collective timeout is 600 s: nothing exits, no connection resets.
     The AM, no longer polled by that `elan worker`, takes the worker for lost after `--heartbeat-timeout` (15 s),
     announces the failure, and the others recover without it at once, redo the interrupted step and finish. When the
     host comes back (SIGCONT) its command learns it was declared dead and ends (one line, exit 1), or its `elan
     worker` learns it first and kills it (137). Before, the others waited in their collective for the 600 s timeout
-    (the job outlived the test's 360 s)."""
+    (the job outlived the test's 360 s). Resumed once the others have finished: the AM of the finished job serves on
+    a while for the lost worker's `elan worker` (at most 30 s), which learns it and kills its command; before, the AM
+    was gone, and the command waited on the store that went with it (its collective timeout: 600 s)."""
     command = ("{scripts}/short_timeout.py", "{out}", "600")
     job = EnrolledJob(tmp_path / "enrolled", Job("enrolled_lost_host", command, nproc=WORKERS),
                       am_args=("--heartbeat-timeout", "15"))
@@ -234,6 +237,10 @@ def test_a_host_paused_without_a_word_is_lost_and_the_others_recover_before_thei
         os.killpg(host, signal.SIGSTOP)
         lost = time.monotonic()
         recovered_before = _wait_for_output(job, "generation 1 trains with 2 workers", JOB_TIMEOUT_S)
+        if resumed == "after_the_others_finished":
+            for proc in job.workers:
+                if proc.pid != host:
+                    proc.wait(timeout=JOB_TIMEOUT_S)
         os.killpg(host, signal.SIGCONT)
         job.wait()
     finally:

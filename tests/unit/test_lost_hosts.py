@@ -94,9 +94,12 @@ def test_the_exit_a_lost_worker_reports_later_is_recorded_and_fails_nothing_more
     recovering.worker_lost(state, "w1", 31.0)
     failures = list(state.failures)
 
+    assert state.unreported_leavers() == ["w1"]  # the AM of a finished job serves on a while for its `elan worker`
+
     reply = exited(state, "w1", -9)  # its host came back: its `elan worker` killed the command and reports it
 
     assert not reply.recovering and state.exits["w1"].returncode == -9 and state.failures == failures
+    assert state.unreported_leavers() == [] and not state.exits["w1"].lost
 
 
 def test_no_worker_is_watched_before_the_start_nor_once_the_training_is_over() -> None:

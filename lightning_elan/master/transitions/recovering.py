@@ -5,6 +5,7 @@ Semantics: docs/architecture.md, *Worker failures*."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -64,7 +65,9 @@ def worker_lost(state: JobState, worker_id: str, silent_s: float) -> WorkerExitR
                    "declared dead", state.job, worker_id, silent_s)
     if worker_id not in state.declared_dead:
         state.declared_dead.append(worker_id)
-    return worker_exit(state, WorkerExitRequest(worker_id, LOST_RETURNCODE))
+    reply = worker_exit(state, WorkerExitRequest(worker_id, LOST_RETURNCODE))
+    state.exits[worker_id] = dataclasses.replace(state.exits[worker_id], lost=True)
+    return reply
 
 
 def _judge_exit(state: JobState, request: WorkerExitRequest) -> WorkerExitReply:
