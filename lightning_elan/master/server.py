@@ -458,18 +458,24 @@ class ApplicationMaster:
             return
         was_deaf = heartbeats.deaf
         lost = heartbeats.silent(watched_workers(self._state), time.monotonic())
-        if heartbeats.deaf and not was_deaf:
-            logger.warning("AM of job %r: no word from any `elan worker` for %g s (is this AM's host cut off?): nobody "
-                           "is declared lost meanwhile", self.job, DEAF_S)
-        elif was_deaf and not heartbeats.deaf:
-            logger.warning("AM of job %r: the `elan worker`s are heard again: each has its whole heartbeat timeout "
-                           "from now", self.job)
+        self._log_deafness(was_deaf, heartbeats.deaf)
         for worker, silent_s in lost.items():
-            reply = self._transaction(lambda lost=worker, silent=silent_s: recovering.worker_lost(self._state, lost,
-                                                                                                  silent))
             heartbeats.forget(worker)
+            try:
+                reply = self._transaction(lambda w=worker, s=silent_s: recovering.worker_lost(self._state, w, s))
+            except StateError as error:  # a bug: keep serving, the collective timeout stays the backstop
+                logger.error("job %r: the loss of %s not recorded: %s", self.job, worker, error)
+                continue
             if reply.recovering:
                 self._announce_failure(worker, list(reply.failed_generations or []))
+
+    def _log_deafness(self, was_deaf: bool, deaf: bool) -> None:
+        if deaf and not was_deaf:
+            logger.warning("AM of job %r: no word from any `elan worker` for %g s (is this AM's host cut off?): nobody "
+                           "is declared lost meanwhile", self.job, DEAF_S)
+        elif was_deaf and not deaf:
+            logger.warning("AM of job %r: the `elan worker`s are heard again: each has its whole heartbeat timeout "
+                           "from now", self.job)
 
     def _job_heartbeats(self) -> Heartbeats | None:
         enrolment = self._state.enrolment
