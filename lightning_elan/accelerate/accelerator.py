@@ -164,6 +164,7 @@ class ElasticAccelerator(Accelerator):
         self.local_sgd_steps_state = LocalSGDSteps()  # a LocalSGD's count of local steps: joiners continue it
         compat.guard_process_decorators()
         compat.watch_local_sgd()
+        compat.route_state_barriers(self.wait_for_everyone)
         with compat.single_process_initialisation():
             super().__init__(*args, **kwargs)
         if self._sharding is not None:
@@ -1097,11 +1098,11 @@ class ElasticAccelerator(Accelerator):
 
     @override
     def wait_for_everyone(self) -> None:
-        """Accelerate's barrier; when a member just died in the loop, it returns (the survivors recover at the next
-        batch); before the loop, the survivors recover and meet in it again."""
+        """Accelerate's barrier (``main_process_first`` and ``PartialState().wait_for_everyone()`` come here too:
+        ``compat.route_state_barriers``); when a member just died in the loop, it returns (the survivors recover at the
+        next batch); before the loop, the survivors recover and meet in it again."""
         self.engine.wait_for_training_loop()  # a joiner before its admission (see the engine)
-        barrier = super().wait_for_everyone
-        self._collective(barrier, None)
+        self._collective(compat.state_barrier, None)
 
     def _collective(self, collective: Callable[[], Any], own: Any) -> Any:
         """Run one of the job's collectives, or return ``own`` (this worker's values) where there is no one to meet:

@@ -29,6 +29,10 @@ What the elastic accelerator depends on, upstream:
   when called and applies it to the units its auto-wrap policy picks, the embedding and tail units, then the root
   (``mesh=None`` without a ``parallelism_config``: torch's default mesh); the optimizers' parameters are then switched
   to the sharded ones by name.
+* ``PartialState.wait_for_everyone`` is Accelerate's one barrier: ``Accelerator.wait_for_everyone`` reaches it through
+  ``utils.wait_for_everyone``, and so do ``main_process_first``/``local_main_process_first`` (``_goes_first``: the
+  others wait before the block, the main process after it), ``AcceleratorState.wait_for_everyone``, the in-order
+  ``get_logger(...).info(..., in_order=True)`` and the user's ``PartialState().wait_for_everyone()``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import contextlib
 import functools
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from importlib.metadata import version as _installed_version
 from typing import TYPE_CHECKING, Any
@@ -125,6 +130,39 @@ def guard_process_decorators() -> None:
         method = getattr(PartialState, name)
         if not getattr(method, "_elan_guard", False):
             setattr(PartialState, name, _outside_the_job(method))
+
+
+_elastic_barrier: list[weakref.WeakMethod] = []
+"""The live elastic accelerator's ``wait_for_everyone`` (a weak reference; not in ``PartialState``'s shared dict,
+whose emptiness tells Accelerate the state is not initialised yet)."""
+
+
+def route_state_barriers(barrier: Callable[[], None]) -> None:
+    """Every barrier of Accelerate's state singletons (``main_process_first``, ``utils.wait_for_everyone``, the
+    user's ``PartialState().wait_for_everyone()``) runs ``barrier``, the elastic accelerator's: a joiner warming up
+    waits there until the members are in their training loop (so what the main process prepared in its
+    ``main_process_first`` block exists), a member's death is recovered from. ``barrier`` calls :func:`state_barrier`
+    for Accelerate's own."""
+    _elastic_barrier[:] = [weakref.WeakMethod(barrier)]  # type: ignore[arg-type]
+    upstream = PartialState.wait_for_everyone
+    if getattr(upstream, "_elan_upstream", None) is not None:
+        return
+
+    def routed(self: PartialState) -> None:
+        elastic = _elastic_barrier[0]() if _elastic_barrier else None
+        if elastic is None:
+            return upstream(self)
+        return elastic()
+
+    routed._elan_upstream = upstream  # type: ignore[attr-defined]
+    PartialState.wait_for_everyone = functools.wraps(upstream)(routed)  # type: ignore[method-assign]
+
+
+def state_barrier() -> None:
+    """Accelerate's own barrier, as upstream wrote it (``torch.distributed.barrier`` of a distributed state, else
+    nothing)."""
+    method = PartialState.wait_for_everyone
+    getattr(method, "_elan_upstream", method)(PartialState())
 
 
 def watch_local_sgd() -> None:

@@ -47,6 +47,8 @@ class Job:
     kill_step: int | None = None
     env: tuple[tuple[str, str], ...] = ()
     """More of the observer's settings (``observer/sitecustomize.py``)."""
+    replace_failed: bool = False
+    """``--replace-failed`` without a kill of the observer's (the test kills at a moment of its own)."""
 
 
 @dataclass
@@ -114,7 +116,7 @@ def elan_command(home: Path, job: Job) -> list[str]:
                "--coordinate-every", "1", "--state-dir", str(home / "state")]
     if job.schedule:
         command += ["--schedule", job.schedule]
-    if job.kill_step is not None:
+    if job.kill_step is not None or job.replace_failed:
         command += ["--replace-failed"]
     return [*command, "--", sys.executable, str(HERE / job.script), "--output_dir", str(home / "out"), *job.args]
 
