@@ -399,8 +399,9 @@ def undo_an_interrupted_forward_redirection(module: torch.nn.Module) -> None:
     """Lightning's ``_ForwardRedirection.__call__`` (``Strategy.training_step`` & co. when ``strategy.model`` is not
     the LightningModule) sets ``module.forward`` to its ``wrapped_forward`` closure and calls the wrapper; the closure
     puts the original ``forward`` back (its cell ``original_forward``) only once the wrapper's call reaches it. An
-    error raised before that (a member's death in FSDP2's pre-forward all-gather) leaves the closure in place, and the
-    redone step's ``self(x)`` would call ``training_step(x)``. Puts the original ``forward`` back if so."""
+    error raised before that (a member's death in FSDP2's pre-forward all-gather, or in DDP's broadcast of the buffers
+    before its forward) leaves the closure in place, and the redone step's ``self(x)`` would call
+    ``training_step(x)``. Puts the original ``forward`` back if so."""
     patched = module.__dict__.get("forward")
     if patched is None or not getattr(patched, "__qualname__", "").endswith(
             "_ForwardRedirection.__call__.<locals>.wrapped_forward"):

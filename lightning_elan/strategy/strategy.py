@@ -721,10 +721,42 @@ class ElanStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Manual optimization: the batch's optimizer steps are all inside ``training_step``; once it returns the
         batch stands (a death from here on is recovered from without a redo)."""
-        output = super().training_step(*args, **kwargs)
+        try:
+            output = super().training_step(*args, **kwargs)
+        finally:
+            self._undo_an_interrupted_redirection()
         if not self.lightning_module.automatic_optimization:
             self._batch_stands(self.lightning_module.trainer.global_step)
         return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().validation_step(*args, **kwargs)
+        finally:
+            self._undo_an_interrupted_redirection()
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().test_step(*args, **kwargs)
+        finally:
+            self._undo_an_interrupted_redirection()
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().predict_step(*args, **kwargs)
+        finally:
+            self._undo_an_interrupted_redirection()
+
+    def _undo_an_interrupted_redirection(self) -> None:
+        """A member's death in DDP's forward before it reached the LightningModule (the buffers' broadcast of a model
+        with buffers: BatchNorm's statistics, a transformers model's ``position_ids``) leaves Lightning's forward
+        redirection in place: the redone step's ``self(x)`` would call ``training_step(x)``."""
+        module = self.lightning_module
+        if module is not None:
+            compat.undo_an_interrupted_forward_redirection(module)
 
     def _batch_stands(self, step: int) -> None:
         """A batch held open over several optimizer steps (manual optimization, an optimizer that evaluates the

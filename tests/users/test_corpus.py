@@ -160,6 +160,8 @@ CORPUS: dict[str, Script] = {
     # the batch whose hook returns -1 starts (the observer sees its start: step 17 in epoch 2) but is not trained
     "skip_rest_timer_rich": Script(("{scripts}/skip_rest_timer_rich.py", "{out}"), True, SKIPPED_SAMPLES,
                                    tuple(range(sum(SKIPPED_SAMPLES.values()) // 12 + 1))),
+    # probe round 11
+    "glue_transformer": Script(("{scripts}/glue_transformer.py", "{out}"), True, epochs(3, 96), tuple(range(24))),
 }
 XFAIL_ELASTIC: dict[str, tuple[str, str]] = {}  # script: (the bug, the symptom its elastic run prints)
 
@@ -854,6 +856,24 @@ def check_subset_split_samplers(run: Run, static: Run | None) -> None:
             assert_logged_alike(rows, static_rows, column, exact=True)
 
 
+def check_glue_transformer(run: Run, static: Run | None) -> None:
+    """Every step's loss and LR logged once; each validation of both splits saw each of its samples once (18 and 12);
+    with the static run: every step's loss, both splits' losses and accuracies, the last epoch's checkpoint."""
+    logs = run.out / "logs" / "glue" / "version_0"
+    _, rows = read_csv(logs / "metrics.csv")
+    assert sorted(logged(rows, "train_loss")) == list(range(24))
+    for split, size in (("matched", 18), ("mismatched", 12)):
+        assert list(logged(rows, f"val_seen_{split}").values()) == [float(size)] * 3, logged(rows, f"val_seen_{split}")
+    assert [path.name for path in (logs / "checkpoints").glob("*.ckpt")] == ["epoch=2-step=24.ckpt"]
+    if static is None:
+        return
+    static_logs = static.out / "logs" / "glue" / "version_0"
+    _, static_rows = read_csv(static_logs / "metrics.csv")
+    for column in ("train_loss", "val_loss_matched", "val_acc_matched", "val_loss_mismatched", "val_acc_mismatched"):
+        assert_logged_alike(rows, static_rows, column, exact=True)
+    assert_checkpoints_alike(logs / "checkpoints", static_logs / "checkpoints", exact=True)
+
+
 def check_skip_rest_timer_rich(run: Run, static: Run | None) -> None:
     """The epochs cut where the hook returned -1 (on every member: no epoch trains a batch past its cut), the
     ``Timer``'s budget not spent; with the static run: every step's loss and every epoch's largest error equal."""
@@ -970,6 +990,7 @@ def assert_fit_bounds_alike(run: Run, static: Run) -> None:
 
 
 OUTPUT_CHECKS: dict[str, Callable[[Run, Run | None], None]] = {
+    "glue_transformer": check_glue_transformer,
     "epoch_start_collectives": check_epoch_start_collectives,
     "fit_bounds_collectives": check_fit_bounds_collectives,
     "datamodule_callbacks": check_datamodule_callbacks,

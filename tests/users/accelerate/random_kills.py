@@ -70,6 +70,7 @@ SCRIPTS = {  # more epochs than the corpus' jobs: most of a run is training, not
     "cv": Script("cv_example_resume.py", ("--checkpointing_steps", "5", "--num_epochs", "10")),
     "nosync": Script("split_nosync_trigger.py"),
     "lbfgs": Script("lbfgs_regression.py", ("--num_epochs", "4"), tolerance=5e-5),
+    "first": Script("prepare_main_first.py", ("--num_epochs", "6", "--prepare_seconds", "3")),
 }
 
 
