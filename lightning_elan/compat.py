@@ -1409,7 +1409,7 @@ def adjustment_blocker(trainer: pl.Trainer) -> str | None:
 
 def logger_versions(trainer: pl.Trainer) -> list[Any]:
     """The version of each logger (``TensorBoardLogger``/``CSVLogger`` cache it in ``_version``)."""
-    return [getattr(logger, "_version", None) if hasattr(logger, "_version") else None for logger in trainer.loggers]
+    return [_cached_version(logger) for logger in trainer.loggers]
 
 
 def resolved_logger_versions(trainer: pl.Trainer) -> list[Any]:
@@ -1417,16 +1417,22 @@ def resolved_logger_versions(trainer: pl.Trainer) -> list[Any]:
     the next free ``version_N`` of their directory at first use, which is rank 0's (it creates the directory when it
     first logs). Lightning resolves it on every rank for the first logger only (``Trainer.log_dir``,
     ``ModelCheckpoint``'s directory); other loggers keep ``_version`` None on the other ranks. Other loggers: their
-    cached version, if any."""
+    cached version, if it is a name or a number (``fast_dev_run``'s ``DummyLogger`` answers every attribute with a
+    local function, which a broadcast cannot pickle)."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-    return [logger.version if isinstance(logger, CSVLogger | TensorBoardLogger) else getattr(logger, "_version", None)
+    return [logger.version if isinstance(logger, CSVLogger | TensorBoardLogger) else _cached_version(logger)
             for logger in trainer.loggers]
+
+
+def _cached_version(logger: Any) -> str | int | None:
+    version = vars(logger).get("_version")
+    return version if isinstance(version, str | int) else None
 
 
 def set_logger_versions(trainer: pl.Trainer, versions: list[Any]) -> None:
     for logger, version in zip(trainer.loggers, versions, strict=False):
-        if version is not None and hasattr(logger, "_version"):
+        if version is not None and (hasattr(type(logger), "_version") or "_version" in vars(logger)):
             logger._version = version
 
 

@@ -225,6 +225,23 @@ def test_prepare_data_runs_once_on_one_host(runs: Callable[[str, bool], Run], na
     assert len(calls) == 1, f"prepare_data ran in {len(calls)} processes"
 
 
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "joiner_and_kill"])
+def test_fast_dev_run(tmp_path: Path, elastic: bool) -> None:
+    """``--trainer.fast_dev_run=5`` (Lightning swaps the loggers for a ``DummyLogger``, whose every attribute is a
+    local function: before, the start's broadcast of the logger versions could not pickle it and every worker died):
+    5 batches trained once each, nothing logged or checkpointed; elastic: a joiner at step 2, a member killed at 3."""
+    command = (*CORPUS["cli_classifier"].command, "--trainer.fast_dev_run=5")
+    job = Job("fast_dev_run", command, schedule="2:add=1" if elastic else None, kill="3:start" if elastic else None)
+    run = run_job(tmp_path, job)
+    assert_ok(run)
+    assert "Traceback" not in run.output, run.excerpt()
+    samples = run.samples_per_epoch()
+    assert list(samples) == [0] and sum(samples[0].values()) == 5 * 12 and set(samples[0].values()) == {1}, samples
+    assert not list(run.out.rglob("*.ckpt")) and not list(run.out.rglob("metrics.csv"))
+    if elastic:
+        assert [a["action"] for a in run.adjustments()] == ["add", "failure"], run.adjustments()
+
+
 def test_a_redone_step_is_logged_once(runs: Callable[[str, bool], Run]) -> None:
     """``LearningRateMonitor`` logs in ``on_train_batch_start``, which the killed step's first attempt ran too: the
     discarded attempt's row is not written (``logged`` fails on a step logged twice)."""
