@@ -26,6 +26,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from packaging.version import Version
 from torchmetrics import Metric
 
+from lightning_elan.kept_containers import KeptContainers
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -442,7 +444,8 @@ def redo_interrupted_batches(
         if not window or epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
             window.update(_progress_state(epoch_loop, data_fetcher),
                           metrics=_metric_states(trainer, epoch_loop._results),
-                          buffers=_buffer_states(trainer.lightning_module))
+                          buffers=_buffer_states(trainer.lightning_module),
+                          containers=kept_user_containers(trainer))
         saved = dict(window)
         epoch_loop._elan_discarded = False
         logs.holding = True
@@ -621,8 +624,8 @@ def redo_validation_cut_by_a_death(
                     _redo_open_window(trainer)
                 trainer.validating = True  # as ``on_advance_end`` set it before the run
                 log.warning("a member died during validation: it runs again from its first batch in the new "
-                            "generation (its hooks run again; state a validation_step keeps outside self.log and "
-                            "torchmetrics, such as a list of outputs, is best cleared in on_validation_epoch_start)")
+                            "generation (its hooks run again; the lists and dicts of your LightningModule and "
+                            "callbacks are as they were when it began)")
                 continue
             logs.window_done(discarded=False, closed=True)
             return outputs
@@ -687,6 +690,7 @@ def _validation_start(trainer: pl.Trainer, loop: Any = None) -> dict[str, Any]:
     return {
         "callbacks": [(callback, copy.deepcopy(callback.state_dict())) for callback in trainer.callbacks
                       if any(is_overridden(hook, callback, parent=Callback) for hook in _VALIDATION_HOOKS)],
+        "containers": kept_user_containers(trainer),
         "should_stop": trainer.should_stop,
         "progress": val_loop.batch_progress.state_dict(),
         "metrics": _metric_states(trainer, getattr(val_loop, "_results", None) or {}),
@@ -718,6 +722,7 @@ def _abandon_validation(trainer: pl.Trainer, start: dict[str, Any], loop: Any = 
         setattr(connector, name, metrics)
     for callback, state in start["callbacks"]:
         _give_back_deciding_state(callback, state, trainer)
+    start["containers"].restore()
     _swap_back_averaged_weights(trainer)
     trainer.should_stop = start["should_stop"]
     if loop is None:
@@ -877,6 +882,7 @@ def _rewind_window(trainer: pl.Trainer, data_fetcher: Any, saved: dict[str, Any]
     _restore_progress(trainer.fit_loop.epoch_loop, data_fetcher, saved)
     _restore_metric_states(trainer.fit_loop.epoch_loop._results, saved["metrics"])
     _restore_buffers(saved["buffers"])
+    saved["containers"].restore()
 
 
 _Row = tuple[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
@@ -958,6 +964,41 @@ def keep_logged_rows(trainer: pl.Trainer, closed: Callable[[int], None]) -> Call
     logs: _WindowLogs = trainer.fit_loop.epoch_loop._elan_window_logs
     logs.closed = closed
     return logs.resend
+
+
+_FRAMEWORK_PACKAGES = ("lightning.", "pytorch_lightning.", "lightning_elan.")
+_LAZY_FRAMEWORK_ATTRIBUTES = frozenset({"_hparams", "_hparams_initial", "_hparams_name"})
+"""What ``LightningModule.save_hyperparameters`` adds after ``__init__`` (``core/mixins/hparams_mixin.py``)."""
+
+
+def kept_user_containers(trainer: pl.Trainer) -> KeptContainers:
+    """The lists, dicts, sets and deques the user's LightningModule and own callbacks keep as attributes
+    (``kept_containers.py``), as they are now: put back when the work that begins is redone after a death.
+    An attribute is the user's when a bare instance of the framework class it derives from lacks it: Lightning
+    (``core/module.py``, ``callbacks/callback.py``) and ``nn.Module`` create their own in ``__init__``, and
+    ``save_hyperparameters`` its ``_hparams``. A callback is the user's when no class of its own but ``Callback`` is
+    Lightning's (a subclass of ``ModelCheckpoint`` keeps Lightning's state, given back through its ``state_dict``)."""
+    owners = [trainer.lightning_module, *(callback for callback in trainer.callbacks if _a_users_callback(callback))]
+    return KeptContainers(owners, _a_users_attribute)
+
+
+def _a_users_callback(callback: Callback) -> bool:
+    return all(not cls.__module__.startswith(_FRAMEWORK_PACKAGES) or cls.__name__ == "Callback"
+               for cls in type(callback).__mro__[:-1])
+
+
+def _a_users_attribute(owner: object, name: str) -> bool:
+    return (not name.startswith(("_elan", "__")) and name not in _LAZY_FRAMEWORK_ATTRIBUTES
+            and name not in _framework_attributes(type(owner)))
+
+
+@functools.cache
+def _framework_attributes(cls: type) -> frozenset[str]:
+    """The attributes a bare instance of ``cls``'s framework base (its LightningModule or Callback class) has."""
+    for base in cls.__mro__:
+        if base.__module__.startswith(_FRAMEWORK_PACKAGES) and base.__name__ in ("LightningModule", "Callback"):
+            return frozenset(vars(base()))
+    return frozenset()
 
 
 def _buffer_states(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]:

@@ -22,7 +22,11 @@ from tests.users.corpus import (
     read_csv,
     run_job,
 )
-from tests.users.test_corpus import check_metrics_loggers_profiler, check_split_barriers_resume
+from tests.users.test_corpus import (
+    check_glue_transformer,
+    check_metrics_loggers_profiler,
+    check_split_barriers_resume,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -126,3 +130,22 @@ def test_rank0_killed_in_an_epochs_first_batch_keeps_the_epochs_learning_rate_ro
     assert_same_samples(run, static)
     assert_states_close(run.final_state(), static.final_state())
     check_split_barriers_resume(run, static)
+
+
+def test_a_member_killed_in_a_validation_leaves_nothing_in_the_modules_list_of_outputs(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``glue_transformer.py`` appends each validation batch's sums to ``self.outputs[dataloader_idx]`` and reduces
+    them in ``on_validation_epoch_end``, Lightning's idiom: a member dies at the end of the validation after epoch 0
+    (found by ``random_kills.py --in-training``, seed 5312), the survivor meets its death in that hook's reduce and
+    runs the validation again, with its list as it was when the validation began. Each split saw each sample once (the
+    survivor's list kept its first attempt: the matched split counted 27 of 18) and the run is the static run's."""
+    command = ("{scripts}/glue_transformer.py", "{out}")
+    static = run_job(tmp_path_factory.mktemp("glue-static"), Job("static", command))
+    assert_ok(static)
+    run = run_job(tmp_path_factory.mktemp("glue-killed"), Job("killed", command, kill="7:validation_end"))
+    assert_ok(run)
+    assert [(kill["step"], kill["phase"]) for kill in run.kills()] == [(7, "validation_end")]
+    assert [a["action"] for a in run.adjustments()] == ["failure"]
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    check_glue_transformer(run, static)

@@ -42,6 +42,9 @@ at global step STEP (the others meet it in a collective of the callbacks' or the
 in a collective of the LightningModule's hook);
 ``$USERS_KILL=sanity``: in the callbacks' ``on_validation_epoch_end`` of the sanity check (the others meet
 its death in the LightningModule's hook of the same name, a torchmetrics ``compute()`` say).
+``STEP:validation``: as the first batch of the training loop's validation after the batch that started at STEP starts;
+``STEP:validation_end``: in the callbacks' ``on_validation_epoch_end`` of that validation, so the others have run all
+of theirs and meet its death in the LightningModule's hook (a reduce of the outputs it kept, say).
 
 ``$USERS_FREEZE=fit_end``: the process that is rank 1 (or ``$USERS_KILL_RANK``) stops itself (SIGSTOP) in the
 callbacks' ``on_fit_end``, after the training: a frozen process, which never exits.
@@ -314,6 +317,8 @@ def _observer_class(callback_base: type) -> type:
         def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
             if trainer.sanity_checking:  # before the LightningModule's hook, which may sync its metrics
                 _kill_if_due(-1, trainer.global_rank, "sanity")
+            elif trainer.state.fn == "fit":
+                _kill_if_due(self.batch_step, trainer.global_rank, "validation_end")
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             self.gradients_final += 1  # a closure evaluated again inside the step (L-BFGS): the first was committed
