@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
+from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -543,7 +544,7 @@ def _retry_after_recovery(owner: Any, name: str, recover: Callable[[BaseExceptio
         return
 
     def run_again_after_recovery(*args: Any, **kwargs: Any) -> Any:
-        before = _deciding_state(owner)
+        before, containers = _deciding_state(owner), _users_containers(owner)
         while True:
             try:
                 return hook(*args, **kwargs)
@@ -553,6 +554,7 @@ def _retry_after_recovery(owner: Any, name: str, recover: Callable[[BaseExceptio
                 recover(error, None)
                 if before is not None:
                     _give_back_deciding_state(owner, before, args[0])
+                containers.restore()
                 log.warning("a member died during %s.%s: it runs again in the new generation",
                             type(owner).__name__, name)
 
@@ -561,22 +563,35 @@ def _retry_after_recovery(owner: Any, name: str, recover: Callable[[BaseExceptio
 
 
 def _deciding_state(owner: Any) -> dict[str, Any] | None:
-    """What Lightning's deciding callbacks keep (their ``state_dict``), taken before a hook that may be cut by a death:
-    ``ModelCheckpoint`` drops the k-th best file from its top k and records the new one before its save's barrier, and
-    removes the dropped file only after it, so a hook run again on that state dropped another file and left the first
-    on disk (three files kept for ``save_top_k=2``); ``EarlyStopping`` counts a check once. None for other owners."""
-    return copy.deepcopy(owner.state_dict()) if isinstance(owner, ModelCheckpoint | EarlyStopping) else None
+    """What Lightning's deciding callbacks keep, taken before a hook that may be cut by a death: ``ModelCheckpoint``
+    drops the k-th best file from its top k and records the new one before its save's barrier, and removes the dropped
+    file only after it, so a hook run again on that state dropped another file and left the first on disk (three files
+    kept for ``save_top_k=2``); ``EarlyStopping`` counts a check once. None for other owners."""
+    return callback_state(owner) if isinstance(owner, ModelCheckpoint | EarlyStopping) else None
+
+
+def callback_state(callback: Any) -> dict[str, Any]:
+    """A callback's ``state_dict`` (a copy) and, for a ``ModelCheckpoint``, its record of its saves
+    (:data:`_CHECKPOINT_SAVE_RECORD`): a hook that saved the top-k checkpoint and met the death in the save of
+    ``last.ckpt`` had set ``_last_global_step_saved``, and run again on that record it skipped both saves (the step's
+    top-k checkpoint, rolled back with the ``state_dict``, was never written again: random kills,
+    ``datamodule_callbacks.py`` seed 5400)."""
+    saves = {name: getattr(callback, name) for name in _CHECKPOINT_SAVE_RECORD if hasattr(callback, name)}
+    return {"state_dict": copy.deepcopy(callback.state_dict()),
+            "saves": saves if isinstance(callback, ModelCheckpoint) else {}}
 
 
 def _give_back_deciding_state(callback: Any, before: dict[str, Any], trainer: pl.Trainer) -> None:
-    """Put back what a deciding callback kept before a hook a death cut short (:func:`_deciding_state`). A checkpoint
-    that ``ModelCheckpoint`` recorded in the interrupted run (a file rank 0 wrote before the others met the death in
-    the save's barrier) is removed first (``Strategy.remove_checkpoint``: rank 0, a missing file is no error): run
-    again, the hook writes it anew under the same name, where an existing file would make it take a ``-v1`` name."""
+    """Put back what a callback kept before a hook a death cut short (:func:`callback_state`). A checkpoint that
+    ``ModelCheckpoint`` recorded in the interrupted run (a file rank 0 wrote before the others met the death in the
+    save's barrier) is removed first (``Strategy.remove_checkpoint``: rank 0, a missing file is no error): run again,
+    the hook writes it anew under the same name, where an existing file would make it take a ``-v1`` name."""
     if isinstance(callback, ModelCheckpoint):
-        for path in _checkpoint_paths(callback.state_dict()) - _checkpoint_paths(before):
+        for path in _checkpoint_paths(callback.state_dict()) - _checkpoint_paths(before["state_dict"]):
             trainer.strategy.remove_checkpoint(path)
-    callback.load_state_dict(copy.deepcopy(before))
+    callback.load_state_dict(copy.deepcopy(before["state_dict"]))
+    for name, value in before["saves"].items():
+        setattr(callback, name, value)
 
 
 def _checkpoint_paths(state: dict[str, Any]) -> set[str]:
@@ -688,7 +703,7 @@ def _validation_start(trainer: pl.Trainer, loop: Any = None) -> dict[str, Any]:
     connector = trainer._logger_connector
     _track_weight_swaps(trainer)
     return {
-        "callbacks": [(callback, copy.deepcopy(callback.state_dict())) for callback in trainer.callbacks
+        "callbacks": [(callback, callback_state(callback)) for callback in trainer.callbacks
                       if any(is_overridden(hook, callback, parent=Callback) for hook in _VALIDATION_HOOKS)],
         "containers": kept_user_containers(trainer),
         "should_stop": trainer.should_stop,
@@ -980,6 +995,13 @@ def kept_user_containers(trainer: pl.Trainer) -> KeptContainers:
     Lightning's (a subclass of ``ModelCheckpoint`` keeps Lightning's state, given back through its ``state_dict``)."""
     owners = [trainer.lightning_module, *(callback for callback in trainer.callbacks if _a_users_callback(callback))]
     return KeptContainers(owners, _a_users_attribute)
+
+
+def _users_containers(owner: Any) -> KeptContainers:
+    """The containers of a hook's owner that are the user's (:func:`kept_user_containers`), as the hook begins: one
+    that cleared the list of a step's outputs before the collective that met the death finds it full again."""
+    users = isinstance(owner, LightningModule) or (isinstance(owner, Callback) and _a_users_callback(owner))
+    return KeptContainers([owner] if users else [], _a_users_attribute)
 
 
 def _a_users_callback(callback: Callback) -> bool:

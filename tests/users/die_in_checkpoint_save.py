@@ -3,6 +3,8 @@ just before it writes the file, for ``test_kill_in_checkpoint_save.py``:
 
     python die_in_checkpoint_save.py N SCRIPT OUT [script arguments]
 
+``N:last``: in the save of ``last.ckpt`` that follows its N-th save (the N-th written, the hook not done).
+
 The others are then in ``Trainer.save_checkpoint``'s barrier, at the end of a validation run or of a training batch.
 The script (``scripts/SCRIPT``) is unchanged; this harness wraps ``Trainer.save_checkpoint``. ``OUT/died-in-save``
 names the checkpoint the victim did not write."""
@@ -27,17 +29,18 @@ saves = 0
 def dying_save_checkpoint(trainer: pl.Trainer, filepath: Any, *args: Any, **kwargs: Any) -> None:
     global saves
     path = Path(filepath)
-    if trainer.global_rank == VICTIM_RANK and path.parent.name == "checkpoints" and path.name != "last.ckpt":
-        saves += 1
+    if trainer.global_rank == VICTIM_RANK and path.parent.name == "checkpoints":
+        saves += path.name != "last.ckpt"
         marker = Path(sys.argv[1]) / "died-in-save"
-        if saves == VICTIM_SAVE and not marker.exists():
+        if saves == VICTIM_SAVE and (path.name == "last.ckpt") == IN_LAST and not marker.exists():
             marker.write_text(str(filepath))
             os.kill(os.getpid(), signal.SIGKILL)
     save_checkpoint(trainer, filepath, *args, **kwargs)
 
 
 if __name__ == "__main__":
-    VICTIM_SAVE = int(sys.argv.pop(1))
+    victim_save, _, last = sys.argv.pop(1).partition(":")
+    VICTIM_SAVE, IN_LAST = int(victim_save), last == "last"
     script = Path(__file__).parent / "scripts" / sys.argv.pop(1)
     pl.Trainer.save_checkpoint = dying_save_checkpoint
     sys.argv[0] = str(script)

@@ -375,6 +375,25 @@ def test_a_death_where_the_training_or_an_epoch_begins_is_recovered(runs: Callab
     check_epoch_start_collectives(run, static)
 
 
+def test_a_death_in_an_epoch_end_hook_that_cleared_its_outputs_first_is_recovered(runs: Callable[[str, bool], Run],
+                                                                                   tmp_path: Path) -> None:
+    """``gather_outputs.py`` loses its rank 1 as epoch 0's ``on_train_epoch_end`` hooks begin: the survivor meets the
+    death in the LightningModule's ``torch.distributed.all_reduce``, after the hook cleared its list of the epoch's
+    losses, and the hook runs again with the list as it began (it raised ``stack expects a non-empty TensorList``:
+    the job failed). Epoch 0's row holds the survivor's 12 losses; the run is the static run's."""
+    static = runs("gather_outputs", False)
+    run = run_job(tmp_path, Job("epoch_end_kill", CORPUS["gather_outputs"].command, kill="11:epoch_end"))
+    assert_ok(run)
+    assert [(kill["step"], kill["phase"]) for kill in run.kills()] == [(11, "epoch_end")]
+    assert [(a["action"], len(a["members"])) for a in run.adjustments()] == [("failure", 1)]
+    assert "a member died during Model.on_train_epoch_end" in run.output
+    assert_same_samples(run, static)
+    assert_states_close(run.final_state(), static.final_state())
+    check_gather_outputs(run, static)
+    gathered = [json.loads(line) for line in (run.out / "gathered.jsonl").read_text().splitlines()]
+    assert [(entry["shape"], entry["steps"]) for entry in gathered] == [([1, 12], 12), ([1, 12], 12)], gathered
+
+
 def test_a_joiner_takes_the_results_of_a_start_hook_run_again(runs: Callable[[str, bool], Run],
                                                                tmp_path: Path) -> None:
     """``fit_bounds_collectives.py`` loses its rank 1 as ``on_train_start`` begins: the survivor's hook runs again
@@ -685,9 +704,9 @@ def check_gather_outputs(run: Run, static: Run | None) -> None:
     gathered = [json.loads(line) for line in lines]
     assert [entry["epoch"] for entry in gathered] == [0, 1], gathered
     for entry in gathered:
-        assert math.isfinite(entry["mean"]) and entry["shape"][1] >= 12, entry
+        assert math.isfinite(entry["mean"]) and entry["shape"][1] >= 12 and entry["steps"] >= 12, entry
     if static is None:
-        assert [entry["shape"] for entry in gathered] == [[2, 12], [2, 12]]
+        assert [(entry["shape"], entry["steps"]) for entry in gathered] == [([2, 12], 24), ([2, 12], 24)]
 
 
 def check_contrastive_gather(run: Run, static: Run | None) -> None:
@@ -840,7 +859,7 @@ def check_overfit_batch_hooks(run: Run, static: Run | None) -> None:
     # 2 (6 in all)"), so those validations differ; the others are the static run's
     worlds = {record["step"]: record["world"] for record in run.events("start")}
     divided = {str(step) for step, world in worlds.items() if 4 % world == 0}
-    assert len(divided) < len(worlds), "validations at 3 workers"
+    assert len(divided) < len(worlds) or run.job.schedule is None, "validations at 3 workers"
     assert_logged_alike([row for row in rows if row.get("step") in divided],
                         [row for row in static_rows if row.get("step") in divided], "val_loss", exact=True)
 

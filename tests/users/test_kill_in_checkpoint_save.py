@@ -5,7 +5,8 @@ interrupted run left them: at a validation's end ``EarlyStopping`` counted the v
 too high: the job stopped after epoch 1 of 6, with exit 0); at a training batch's end ``ModelCheckpoint`` had dropped
 the k-th best file from its top k before the barrier (it removes the file after the save), so the redo dropped
 another and left that one on disk (three files for ``save_top_k=2``). The interrupted run now gives back the state of
-those callbacks (``compat._validation_start``, ``compat._deciding_state``).
+those callbacks (``compat._validation_start``, ``compat._deciding_state``), and ``ModelCheckpoint`` its record of its
+saves (``compat.callback_state``).
 
 The victim is rank 0, SIGKILLed before it writes a checkpoint (``die_in_checkpoint_save.py``); each run is compared
 with a static run of the script at 3 workers. The observer records a batch's samples in ``on_train_batch_end`` after
@@ -68,6 +69,22 @@ def test_a_member_killed_in_a_batch_ends_checkpoint_save_leaves_the_top_k(tmp_pa
     assert_ok(static)
     run = run_job(tmp_path / "killed", Job("dmkilled", (HARNESS, "3", *args), nproc=3))
     assert_killed_in_save(run)
+    assert "a member died during ModelCheckpoint.on_train_batch_end" in run.output
+    assert_states_close(run.final_state(), static.final_state())
+    assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)
+
+
+def test_a_member_killed_in_the_last_checkpoints_save_after_a_top_k_save_keeps_that_checkpoint(tmp_path: Path) -> None:
+    """``datamodule_callbacks.py`` at 2 workers, rank 0 killed in the save of ``last.ckpt`` that follows its second
+    top-k save, in the same ``on_train_batch_end`` (found by ``random_kills.py``, seed 5400): the hook run again
+    writes the step's top-k checkpoint again (``ModelCheckpoint`` had recorded that it saved at this step, and the
+    hook run again on that record skipped both saves: ``epoch=0-step=8.ckpt``, the best, was missing)."""
+    args = ("datamodule_callbacks.py", "{out}")
+    static = run_job(tmp_path / "static", Job("dmstatic", (f"{{scripts}}/{args[0]}", *args[1:])))
+    assert_ok(static)
+    run = run_job(tmp_path / "killed", Job("dmkilled", (HARNESS, "2:last", *args)))
+    assert_killed_in_save(run)
+    assert (run.out / "died-in-save").read_text().endswith("last.ckpt")
     assert "a member died during ModelCheckpoint.on_train_batch_end" in run.output
     assert_states_close(run.final_state(), static.final_state())
     assert_checkpoints_alike(run.out / "checkpoints", static.out / "checkpoints", exact=True)

@@ -38,6 +38,8 @@ training loop (the others meet its death in ``ModelCheckpoint``'s directory broa
 barrier); ``train_start``: in the last callback's ``on_train_start`` (the others meet its death in a collective of
 the LightningModule's hook); ``epoch_start``: in the first callback's ``on_train_epoch_start`` of the epoch that starts
 at global step STEP (the others meet it in a collective of the callbacks' or the module's hook of that name);
+``epoch_end``: in the first callback's ``on_train_epoch_end`` of the epoch whose last batch started at STEP (the others
+meet its death in a collective of the callbacks' or the module's hook of that name);
 ``train_end``: in the last callback's ``on_train_end`` (STEP: the job's last global step; the others meet its death
 in a collective of the LightningModule's hook);
 ``$USERS_KILL=sanity``: in the callbacks' ``on_validation_epoch_end`` of the sanity check (the others meet
@@ -366,6 +368,9 @@ def _first_hook_class(callback_base: type) -> type:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             _kill_if_due(self.batch_step, trainer.global_rank, "hooks",
                          before=lambda: _write_trained(trainer, batch, batch_idx))
+
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            _kill_if_due(self.batch_step, trainer.global_rank, "epoch_end")
 
     return FirstBatchEndHook
 

@@ -3,8 +3,9 @@
     python gather_outputs.py OUT
 
 ``training_step`` gathers the global batch's targets (``self.all_gather``; for a statistic over the whole batch) and
-keeps its loss in a list; ``on_train_epoch_end`` stacks the list and gathers it (the Lightning 2.0 migration guide's
-replacement of ``training_epoch_end``). Rank 0 appends each epoch's gathered shape and mean to ``OUT/gathered.jsonl``.
+keeps its loss in a list; ``on_train_epoch_end`` stacks the list, clears it and gathers the stack (the Lightning 2.0
+migration guide's replacement of ``training_epoch_end``), the steps trained summed by ``torch.distributed.all_reduce``
+first. Rank 0 appends each epoch's gathered shape and mean to ``OUT/gathered.jsonl``.
 With 4 samples per process and 2 processes the global batch is 8: 3 processes take 3, 3 and 2 of it.
 """
 
@@ -51,13 +52,16 @@ class Model(pl.LightningModule):
         return loss
 
     def on_train_epoch_end(self) -> None:
-        gathered = self.all_gather(torch.stack(self.training_step_outputs))
-        self.training_step_outputs.clear()
+        losses = torch.stack(self.training_step_outputs)
+        self.training_step_outputs.clear()  # free the memory, as the docs do
+        steps = torch.tensor(float(len(losses)), dtype=torch.float64)
+        torch.distributed.all_reduce(steps)  # the steps every process trained this epoch, summed (ported DDP code)
+        gathered = self.all_gather(losses)
         if self.global_rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             with (self.out / "gathered.jsonl").open("a") as file:
                 file.write(json.dumps({"epoch": self.current_epoch, "shape": list(gathered.shape),
-                                       "mean": gathered.mean().item()}) + "\n")
+                                       "mean": gathered.mean().item(), "steps": steps.item()}) + "\n")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=0.02)
