@@ -858,8 +858,8 @@ def check_overfit_batch_hooks(run: Run, static: Run | None) -> None:
     # steps 3-5 (elan warns: "limit_val_batches=2 per process at 2 workers is 4 batches; at 3 workers each evaluates
     # 2 (6 in all)"), so those validations differ; the others are the static run's
     worlds = {record["step"]: record["world"] for record in run.events("start")}
-    divided = {str(step) for step, world in worlds.items() if 4 % world == 0}
-    assert len(divided) < len(worlds) or run.job.schedule is None, "validations at 3 workers"
+    divided = {str(step) for step, world in worlds.items() if 4 % world == 0}  # a run's 3-worker steps are
+    # assert_elastic's to require (a random-kill run may kill the joiner before it ever trains)
     assert_logged_alike([row for row in rows if row.get("step") in divided],
                         [row for row in static_rows if row.get("step") in divided], "val_loss", exact=True)
 
