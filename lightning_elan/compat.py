@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from packaging.version import Version
 from torchmetrics import Metric
 
-from lightning_elan.kept_containers import KeptContainers
+from lightning_elan.kept_attributes import KeptAttributes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -430,8 +430,8 @@ def redo_interrupted_batches(
     window: ``_AutomaticOptimization`` opens a window (zeroes the gradients) at a ``batch_idx`` divisible by it, and the
     upcoming batch's ``batch_idx`` is ``batch_progress.current.ready`` (``advance`` computes ``self.batch_idx + 1``).
     The window's micro-batches that completed before the death are trained again, so their hooks (a callback's
-    ``on_train_batch_end``) run again: their logged values, torchmetrics and logger rows are rewound, state a hook
-    keeps by itself is not (docs/architecture.md, *Worker failures*).
+    ``on_train_batch_end``) run again: their logged values, torchmetrics and logger rows are rewound, and so are the
+    user's attributes (:func:`kept_user_attributes`; docs/architecture.md, *Worker failures*).
     """
     epoch_loop = trainer.fit_loop.epoch_loop
     if getattr(epoch_loop, "_elan_recover", None) is recover:
@@ -446,7 +446,7 @@ def redo_interrupted_batches(
             window.update(_progress_state(epoch_loop, data_fetcher),
                           metrics=_metric_states(trainer, epoch_loop._results),
                           buffers=_buffer_states(trainer.lightning_module),
-                          containers=kept_user_containers(trainer))
+                          attributes=kept_user_attributes(trainer))
         saved = dict(window)
         epoch_loop._elan_discarded = False
         logs.holding = True
@@ -544,7 +544,7 @@ def _retry_after_recovery(owner: Any, name: str, recover: Callable[[BaseExceptio
         return
 
     def run_again_after_recovery(*args: Any, **kwargs: Any) -> Any:
-        before, containers = _deciding_state(owner), _users_containers(owner)
+        before, attributes = _deciding_state(owner), _users_attributes(owner)
         while True:
             try:
                 return hook(*args, **kwargs)
@@ -554,7 +554,7 @@ def _retry_after_recovery(owner: Any, name: str, recover: Callable[[BaseExceptio
                 recover(error, None)
                 if before is not None:
                     _give_back_deciding_state(owner, before, args[0])
-                containers.restore()
+                attributes.restore()
                 log.warning("a member died during %s.%s: it runs again in the new generation",
                             type(owner).__name__, name)
 
@@ -705,7 +705,7 @@ def _validation_start(trainer: pl.Trainer, loop: Any = None) -> dict[str, Any]:
     return {
         "callbacks": [(callback, callback_state(callback)) for callback in trainer.callbacks
                       if any(is_overridden(hook, callback, parent=Callback) for hook in _VALIDATION_HOOKS)],
-        "containers": kept_user_containers(trainer),
+        "attributes": kept_user_attributes(trainer),
         "should_stop": trainer.should_stop,
         "progress": val_loop.batch_progress.state_dict(),
         "metrics": _metric_states(trainer, getattr(val_loop, "_results", None) or {}),
@@ -737,7 +737,7 @@ def _abandon_validation(trainer: pl.Trainer, start: dict[str, Any], loop: Any = 
         setattr(connector, name, metrics)
     for callback, state in start["callbacks"]:
         _give_back_deciding_state(callback, state, trainer)
-    start["containers"].restore()
+    start["attributes"].restore()
     _swap_back_averaged_weights(trainer)
     trainer.should_stop = start["should_stop"]
     if loop is None:
@@ -897,7 +897,7 @@ def _rewind_window(trainer: pl.Trainer, data_fetcher: Any, saved: dict[str, Any]
     _restore_progress(trainer.fit_loop.epoch_loop, data_fetcher, saved)
     _restore_metric_states(trainer.fit_loop.epoch_loop._results, saved["metrics"])
     _restore_buffers(saved["buffers"])
-    saved["containers"].restore()
+    saved["attributes"].restore()
 
 
 _Row = tuple[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
@@ -986,22 +986,22 @@ _LAZY_FRAMEWORK_ATTRIBUTES = frozenset({"_hparams", "_hparams_initial", "_hparam
 """What ``LightningModule.save_hyperparameters`` adds after ``__init__`` (``core/mixins/hparams_mixin.py``)."""
 
 
-def kept_user_containers(trainer: pl.Trainer) -> KeptContainers:
-    """The lists, dicts, sets and deques the user's LightningModule and own callbacks keep as attributes
-    (``kept_containers.py``), as they are now: put back when the work that begins is redone after a death.
-    An attribute is the user's when a bare instance of the framework class it derives from lacks it: Lightning
+def kept_user_attributes(trainer: pl.Trainer) -> KeptAttributes:
+    """The lists, dicts, sets, deques, numbers, strings and small tensors the user's LightningModule and own callbacks
+    keep as attributes (``kept_attributes.py``), as they are now: put back when the work that begins is redone after a
+    death. An attribute is the user's when a bare instance of the framework class it derives from lacks it: Lightning
     (``core/module.py``, ``callbacks/callback.py``) and ``nn.Module`` create their own in ``__init__``, and
     ``save_hyperparameters`` its ``_hparams``. A callback is the user's when no class of its own but ``Callback`` is
     Lightning's (a subclass of ``ModelCheckpoint`` keeps Lightning's state, given back through its ``state_dict``)."""
     owners = [trainer.lightning_module, *(callback for callback in trainer.callbacks if _a_users_callback(callback))]
-    return KeptContainers(owners, _a_users_attribute)
+    return KeptAttributes(owners, _a_users_attribute)
 
 
-def _users_containers(owner: Any) -> KeptContainers:
-    """The containers of a hook's owner that are the user's (:func:`kept_user_containers`), as the hook begins: one
+def _users_attributes(owner: Any) -> KeptAttributes:
+    """The attributes of a hook's owner that are the user's (:func:`kept_user_attributes`), as the hook begins: one
     that cleared the list of a step's outputs before the collective that met the death finds it full again."""
     users = isinstance(owner, LightningModule) or (isinstance(owner, Callback) and _a_users_callback(owner))
-    return KeptContainers([owner] if users else [], _a_users_attribute)
+    return KeptAttributes([owner] if users else [], _a_users_attribute)
 
 
 def _a_users_callback(callback: Callback) -> bool:

@@ -22,7 +22,7 @@ MIRROR = f"{PACKAGE}.pytorch_lightning."  # the classic tree: the package's own 
 # Bottom first. A unit (a sub-package or a top-level module) imports its own modules and those of lower layers, never
 # a unit of its own layer: the AM and the engine, say, share what lies below them and know nothing of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kept_containers",),  # a user's lists and dicts put back where redone work began (pure; compat's helper)
+    ("kept_attributes",),  # a user's lists, counters and small tensors put back where redone work began (pure)
     # lazy exports, the classic tree's hook, Lightning's privates, torch's privates, etcd, counts and lists in words,
     # a sharded checkpoint directory (torch only), Lightning FSDPStrategy's options read (pure)
     ("_lazy", "_classic", "compat", "torch_compat", "etcd", "words", "sharded_checkpoint", "fsdp_options"),
@@ -47,7 +47,7 @@ PURE = (
     "replication.sources",
     "replication.topology", "protocol.contract", "protocol.messages", "master.state", "master.sizing",
     "master.sizing_state", "master.measure", "master.enrolment", "master.standby", "master.recovery",
-    "master.narration", "master.transitions", "master.heartbeats", "fsdp_options", "kept_containers",
+    "master.narration", "master.transitions", "master.heartbeats", "fsdp_options", "kept_attributes",
 )
 NOT_IN_PURE = (*FRAMEWORKS, "torch.distributed")
 
