@@ -10,14 +10,22 @@ benchmark tools' checks, throughput measurements, sharded training beyond its CI
 
 A stray is a running process that is a descendant of this pytest process, or whose environment or command line names
 this session's temporary directory (a job's ``ELAN_HOME``, a state directory, a script under ``tmp_path``: that finds
-an orphan whose parent died, which is no descendant any more). Other pytest sessions on this machine have their own
-temporary directories and are not descendants, so they are never matched. Strays are given a moment to exit, then
-named, killed, and the session fails.
+an orphan whose parent died, which is no descendant any more) or whose ``TMPDIR`` is this session's (below). Other
+pytest sessions on this machine have their own temporary directories and are not descendants, so they are never
+matched. Strays are given a moment to exit, then named, killed, and the session fails.
+
+Files: the processes a test starts get ``TMPDIR`` set to a directory of this session's own, removed when it ends. torch
+leaves a ``pymp-*`` directory in the temporary directory for every DataLoader worker it terminates rather than ends
+(``persistent_workers`` at exit, a worker killed with its training process: about 130 a CI run); this process keeps
+its own temporary directory (pytest's ``tmp_path`` lies there), and torch.compile's cache stays where it is shared.
 """
 
 from __future__ import annotations
 
+import getpass
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +39,23 @@ STRAY_GRACE_S = 3.0
 
 HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch._inductor.compile_worker")
 """Helpers that live as long as the pytest process that started them, by design."""
+
+
+SCRATCH = pytest.StashKey[str]()
+"""The children's ``TMPDIR``."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    shared = tempfile.gettempdir()  # read (and kept by tempfile) before TMPDIR changes: this process's stays
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(shared, f"torchinductor_{getpass.getuser()}"))
+    config.stash[SCRATCH] = tempfile.mkdtemp(prefix="elan-tests-tmp-")
+    os.environ["TMPDIR"] = config.stash[SCRATCH]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    scratch = config.stash.get(SCRATCH, None)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -80,6 +105,7 @@ def _strays(config: pytest.Config) -> set[int]:
     basetemp = _basetemp(config)
     if basetemp is not None:
         found |= processes.mentioning(f"{basetemp}{os.sep}")
+    found |= processes.mentioning(f"TMPDIR={config.stash[SCRATCH]}\0")  # the whole value: an xdist worker's is longer
     found.discard(me)
     return {pid for pid in found if not any(helper in processes.command_line(pid) for helper in HELPERS)}
 

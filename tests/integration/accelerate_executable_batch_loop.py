@@ -5,6 +5,9 @@ of more than 4 samples on a worker fails its forward with the out-of-memory erro
 retries at a smaller size. A custom tracker (``main_process_only``, as Accelerate's own) appends the rows it is given to
 ``OUT/tracker.jsonl`` with the worker that wrote them.
 
+The main process holds each step until the joiners of a request due then are ready, so an ``add`` lands at its step
+(on a loaded machine a joiner's start-up could outlast the 36 steps, and it would never join).
+
 Each worker writes ``OUT/record-<worker>.json``: the batch sizes tried, the samples it trained per epoch, the optimizer
 steps and the final parameters.
 """
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 from accelerate.tracking import GeneralTracker, on_main_process
 from accelerate.utils import find_executable_batch_size, set_seed
+from accelerate_probe import wait_for_joiners_due_at  # a sibling module (this script's folder is first on sys.path)
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_elan.accelerate import ElasticAccelerator
@@ -85,6 +89,8 @@ def main(out: Path, start: int) -> None:
         model, optimizer, train = accelerator.prepare(model, optimizer, train)
         for epoch in accelerator.epochs(EPOCHS):
             for index, x, y in train:
+                if accelerator.is_main_process:
+                    wait_for_joiners_due_at(accelerator.optimizer_steps + 1, lambda: accelerator.engine.peer_failed)
                 prediction = model(x)
                 if x.shape[0] > FITS:
                     raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated on the CPU)")
