@@ -106,6 +106,7 @@ class ElanStrategy(DDPStrategy):
         compat.end_the_script_after_a_leavers_fit()
         self._collectives_local = False
         self._training_fit = False  # from setup to teardown of a fit that trains (not Tuner.lr_find's)
+        self._fits_before = 0  # the training fits this process ended as a member before the current call began
         self._evaluation_limits: dict[str, int | float] = {}  # the user's limit_*_batches
         self._evaluation_limits_warned: set[str] = set()
         self._current_share: LocalShare | None = None
@@ -182,6 +183,7 @@ class ElanStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        self._fits_before = self.engine.training_fits
         if trainer is not None:
             compat.disable_distributed_sampler(trainer)
             _install_coordinator(trainer, self)
@@ -452,20 +454,30 @@ class ElanStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """An error ended ``trainer.validate/test/predict`` (outside ``fit``): when a member died meanwhile, say so in
-        one error line. A death during the call's pass is recovered from (the pass runs again among the survivors:
-        ``compat.redo_evaluations_cut_by_a_death``), and so is one in Lightning's barriers and broadcast around it (they
-        run again); one met in another collective around the pass (a user's ``all_gather`` in a ``setup`` hook) is
-        not, and the survivors' error is gloo's ("Connection reset by peer"), which does not name the death."""
+        """An error ended ``trainer.validate/test/predict`` (outside ``fit``) or a training fit after the first: when a
+        member died meanwhile, say so in one error line. A death during an evaluation's pass is recovered from (the
+        pass runs again among the survivors: ``compat.redo_evaluations_cut_by_a_death``), and so is one in Lightning's
+        barriers and broadcast around it (they run again); one met in another collective around the pass (a user's
+        ``all_gather`` in a ``setup`` hook) is not, and the survivors' error is gloo's ("Connection reset by peer"),
+        which does not name the death. Only a process's first training fit is elastic: a death in a later one fails
+        the job wherever the survivors meet it (a barrier of its loaders' setup, a hook's reduction)."""
         super().on_exception(exception)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.fn == TrainerFn.FITTING or not self.engine.is_member:
+        if trainer is None or not self.engine.is_member or not self._a_members_death(exception):
             return
-        maybe_a_death = self.world_size > 1 and may_be_a_peers_death(exception)
-        if maybe_a_death and self.engine.peer_failure_within(_DEATH_NOTICE_S):
+        if trainer.state.fn != TrainerFn.FITTING:
             log.error("worker %s: a member of the job died during trainer.%s, in a collective outside its pass over "
                       "the data that elan does not run again; this %s stops here with the error below",
                       self.engine.worker_id, trainer.state.fn.value, trainer.state.fn.value)
+        elif self._fits_before and not compat.tuning(trainer):  # from its setup hooks on (start_later_fit)
+            log.error("worker %s is past the job's elastic fit: a member of the job died during a training fit after "
+                      "the script's first, which cannot recover from a member's death (only a process's first "
+                      "training fit is elastic); this fit stops here with the error below", self.engine.worker_id)
+
+    def _a_members_death(self, exception: BaseException) -> bool:
+        """Whether ``exception`` may be a collective's error for a member's death, and the AM told of one."""
+        maybe_a_death = self.world_size > 1 and may_be_a_peers_death(exception)
+        return maybe_a_death and self.engine.peer_failure_within(_DEATH_NOTICE_S)
 
     def leave(self) -> NoReturn:
         raise compat.LeaveFit

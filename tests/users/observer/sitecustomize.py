@@ -42,6 +42,7 @@ at global step STEP (the others meet it in a collective of the callbacks' or the
 meet its death in a collective of the callbacks' or the module's hook of that name);
 ``train_end``: in the last callback's ``on_train_end`` (STEP: the job's last global step; the others meet its death
 in a collective of the LightningModule's hook);
+``$USERS_KILL_FIT=N``: only in the process's fit N (from 0; a script that fits again, ``fit_again_hparams.py``).
 ``$USERS_KILL=sanity``: in the callbacks' ``on_validation_epoch_end`` of the sanity check (the others meet
 its death in the LightningModule's hook of the same name, a torchmetrics ``compute()`` say).
 ``STEP:validation``: as the first batch of the training loop's validation after the batch that started at STEP starts;
@@ -199,6 +200,9 @@ def _kill_if_due(step: int, rank: int, phase: str, before: Callable[[], None] = 
     ``$USERS_KILL_RANK`` names); ``before`` runs first."""
     plan = os.environ.get("USERS_KILL")
     if not plan or rank != int(os.environ.get("USERS_KILL_RANK", "1")) or "ELAN_WORKER_ID" not in os.environ:
+        return
+    fit = _FITS if phase == "setup" else _FITS - 1  # setup runs before on_fit_start counts the fit
+    if os.environ.get("USERS_KILL_FIT") not in (None, str(fit)):
         return
     kill_step, _, kill_phase = plan.partition(":")
     before_loop = ("setup", "sanity")
