@@ -463,16 +463,23 @@ class ElanStrategy(DDPStrategy):
         the job wherever the survivors meet it (a barrier of its loaders' setup, a hook's reduction)."""
         super().on_exception(exception)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not self.engine.is_member or not self._a_members_death(exception):
+        if trainer is None or not self.engine.is_member:
             return
-        if trainer.state.fn != TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if (fitting and not self._in_a_later_fit(trainer)) or not self._a_members_death(exception):
+            return  # the first fit recovers from deaths itself: no wait here for the AM's notice
+        if not fitting:
             log.error("worker %s: a member of the job died during trainer.%s, in a collective outside its pass over "
                       "the data that elan does not run again; this %s stops here with the error below",
                       self.engine.worker_id, trainer.state.fn.value, trainer.state.fn.value)
-        elif self._fits_before and not compat.tuning(trainer):  # from its setup hooks on (start_later_fit)
+        else:
             log.error("worker %s is past the job's elastic fit: a member of the job died during a training fit after "
                       "the script's first, which cannot recover from a member's death (only a process's first "
                       "training fit is elastic); this fit stops here with the error below", self.engine.worker_id)
+
+    def _in_a_later_fit(self, trainer: pl.Trainer) -> bool:
+        """A training fit after one this process ended as a member, from its setup hooks on (``start_later_fit``)."""
+        return bool(self._fits_before) and not compat.tuning(trainer)
 
     def _a_members_death(self, exception: BaseException) -> bool:
         """Whether ``exception`` may be a collective's error for a member's death, and the AM told of one."""
